@@ -1,0 +1,20 @@
+"""tplayers: Megatron-style tensor-parallel layers for PyTorch, on explicit groups."""
+from . import comm, functional, testing
+from .functional import column_parallel_linear, row_parallel_linear
+from .groups import TPGroup, resolve_group
+from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelModule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TensorParallelModule",
+    "TPGroup",
+    "resolve_group",
+    "column_parallel_linear",
+    "row_parallel_linear",
+    "comm",
+    "functional",
+    "testing",
+]

@@ -1,0 +1,233 @@
+"""The fused tensor-parallel linear ops: the one place that orders communication against compute.
+
+``column_parallel_linear``: ``x`` replicated (or sequence-sharded), ``weight`` holds this rank's
+rows (output features). Backward computes the input gradient first, launches its all-reduce
+(reduce-scatter under sequence parallelism) asynchronously, computes the weight and bias
+gradients while it is in flight, and only then waits::
+
+    grad_x = grad_out @ W            # (..., in)
+    pending = all_reduce(grad_x)     # async
+    grad_W = grad_out^T @ x          # overlaps the all-reduce
+    grad_b = grad_out.sum(0)
+    grad_x = pending.wait()
+
+Under sequence parallelism the forward all-gathers the input shard along the sequence dim and
+saves only the shard; backward re-gathers it asynchronously under the input-gradient matmul,
+then reduce-scatters the input gradient under the weight-gradient matmul.
+
+``row_parallel_linear``: ``x`` sharded along its last dim, ``weight`` holds this rank's columns;
+the partial products are all-reduced (reduce-scattered along the sequence dim under sequence
+parallelism) and the full bias is added once, after the reduction.
+
+``overlap_comm=False`` runs the same ops with blocking collectives, in the same order, so the
+results are bit-identical; it exists to measure what the overlap buys.
+
+CUDA launch order: an async NCCL collective runs on its own stream. When the GPU has several
+hardware work queues (``CUDA_DEVICE_MAX_CONNECTIONS`` > 1, the default) a weight-gradient GEMM
+launched after the collective can be scheduled ahead of it and take every SM, so the two run
+one after the other instead of overlapping. Results are correct either way; for full overlap
+set ``CUDA_DEVICE_MAX_CONNECTIONS=1`` before CUDA is initialized (one queue: kernels start in
+launch order). tplayers never sets it behind your back; it warns once when it is not set.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .comm import _all_gather, _all_reduce, _reduce_scatter, scatter_to_tp
+from .groups import GroupLike, TPGroup, resolve_group
+
+__all__ = ["column_parallel_linear", "row_parallel_linear", "SEQ_DIM"]
+
+SEQ_DIM = -2  # batch-first activations: the sequence dim is the one before hidden
+
+_warned_cuda_connections = False
+
+
+def _warn_cuda_connections_once(x: torch.Tensor, g: TPGroup, overlap: bool) -> None:
+    global _warned_cuda_connections
+    if _warned_cuda_connections or not overlap or g.size == 1 or not x.is_cuda:
+        return
+    _warned_cuda_connections = True
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        warnings.warn(
+            "tplayers: CUDA_DEVICE_MAX_CONNECTIONS is not 1, so the GPU may schedule the "
+            "weight-gradient GEMM ahead of the async input-gradient collective and serialize "
+            "them. Results are unaffected; for full overlap export CUDA_DEVICE_MAX_CONNECTIONS=1 "
+            "before CUDA initializes.",
+            stacklevel=3,
+        )
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    expected_in: int,
+    op: str,
+    sequence_parallel: bool,
+    g: TPGroup,
+) -> None:
+    if x.dim() < 1 or x.shape[-1] != expected_in:
+        raise ValueError(
+            f"{op}: input's last dim is {tuple(x.shape)[-1:] or '()'} (shape {tuple(x.shape)}), "
+            f"expected {expected_in}"
+        )
+    if x.device != weight.device:
+        raise ValueError(f"{op}: input is on {x.device} but the weight is on {weight.device}")
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(
+            f"{op}: input dtype {x.dtype} does not match the weight dtype {weight.dtype} "
+            "(cast the input or the module, or run under torch.autocast)"
+        )
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"{op}: bias dtype {bias.dtype} does not match the weight dtype {weight.dtype}")
+    if sequence_parallel:
+        if x.dim() < 2:
+            raise ValueError(f"{op}: sequence parallelism needs a [..., seq, hidden] input, got {tuple(x.shape)}")
+
+
+def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """Apply autocast's cast before entering the custom Function (which autocast does not see)."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = lambda t: None if t is None else (t if t.dtype == dtype else t.to(dtype))  # noqa: E731
+    return cast(x), cast(weight), cast(bias)
+
+
+class _ColumnParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, overlap: bool):
+        x_full = _all_gather(x, SEQ_DIM, g).wait() if sequence_parallel else x
+        ctx.save_for_backward(x, weight)  # under sequence parallelism: only this rank's shard
+        ctx.g, ctx.sequence_parallel, ctx.overlap = g, sequence_parallel, overlap
+        ctx.has_bias = bias is not None
+        return F.linear(x_full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        g, sp, overlap = ctx.g, ctx.sequence_parallel, ctx.overlap
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
+
+        gathering = _all_gather(x, SEQ_DIM, g, async_op=overlap) if (sp and need_w) else None
+        grad_x = reducing = None
+        if need_x:
+            grad_x = grad_out @ weight  # (..., in): a fresh buffer we own, safe to reduce in place
+        x_full = gathering.wait() if gathering is not None else x
+        if need_x:
+            if sp:
+                reducing = _reduce_scatter(grad_x, SEQ_DIM, g, async_op=overlap)
+            else:
+                reducing = _all_reduce(grad_x, g, async_op=overlap)
+
+        grad_w = grad_b = None
+        if need_w or need_b:
+            grad_flat = _flat(grad_out)  # (tokens, out_shard)
+            if need_w:
+                grad_w = grad_flat.t() @ _flat(x_full)  # (out_shard, in), under the collective
+            if need_b:
+                grad_b = grad_flat.sum(0)
+        if reducing is not None:
+            grad_x = reducing.wait()
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class _RowParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool):
+        partial = F.linear(x, weight)  # (..., out): this rank's share of the sum, owned
+        if sequence_parallel:
+            out = _reduce_scatter(partial, SEQ_DIM, g).wait()
+        else:
+            out = _all_reduce(partial, g).wait()
+        if bias is not None:
+            out = out.add_(bias)  # the full bias, added once (out is a buffer we own)
+        ctx.save_for_backward(x, weight)
+        ctx.g, ctx.sequence_parallel, ctx.has_bias = g, sequence_parallel, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # Under sequence parallelism each rank holds the gradient of its sequence chunk; the
+        # matmuls need all of it. Gathered, it also gives every rank the full bias gradient.
+        grad_full = _all_gather(grad_out, SEQ_DIM, ctx.g).wait() if ctx.sequence_parallel else grad_out
+        grad_x = grad_full @ weight if need_x else None
+        grad_w = grad_b = None
+        if need_w or (need_b and ctx.has_bias):
+            grad_flat = _flat(grad_full)
+            if need_w:
+                grad_w = grad_flat.t() @ _flat(x)
+            if need_b and ctx.has_bias:
+                grad_b = grad_flat.sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def column_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    group: GroupLike,
+    sequence_parallel: bool = False,
+    overlap_comm: bool = True,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for this rank's output features; output is sharded on the last dim.
+
+    x: ``(..., in)`` replicated, or ``(..., seq/p, in)`` with ``sequence_parallel``.
+    weight: ``(out/p, in)``; bias: ``(out/p,)`` or None. Returns ``(..., [seq,] out/p)``.
+    """
+    g = resolve_group(group)
+    _check_inputs(x, weight, bias, weight.shape[1], "column_parallel_linear", sequence_parallel, g)
+    _warn_cuda_connections_once(x, g, overlap_comm)
+    x, weight, bias = _autocast(x, weight, bias)
+    if g.size == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm)
+
+
+def row_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    group: GroupLike,
+    input_is_parallel: bool = True,
+    sequence_parallel: bool = False,
+    overlap_comm: bool = True,
+) -> torch.Tensor:
+    """Sum over ranks of ``x_shard @ weight_shard.T``, plus the full ``bias`` once.
+
+    x: ``(..., in/p)`` (``input_is_parallel``) or ``(..., in)`` replicated, which is split here.
+    weight: ``(out, in/p)``; bias: ``(out,)`` or None. Returns ``(..., out)`` replicated, or
+    ``(..., seq/p, out)`` with ``sequence_parallel``. ``overlap_comm`` is accepted for symmetry:
+    the row backward has no collective that compute could hide.
+    """
+    del overlap_comm
+    g = resolve_group(group)
+    expected_in = weight.shape[1] * (1 if input_is_parallel else g.size)
+    _check_inputs(x, weight, bias, expected_in, "row_parallel_linear", sequence_parallel, g)
+    if sequence_parallel and g.size > 1 and x.shape[SEQ_DIM] % g.size != 0:
+        raise ValueError(
+            f"row_parallel_linear: sequence length {x.shape[SEQ_DIM]} is not divisible by the TP "
+            f"degree {g.size} (sequence parallelism splits it across ranks)"
+        )
+    x, weight, bias = _autocast(x, weight, bias)
+    if g.size == 1:
+        return F.linear(x, weight, bias)
+    if not input_is_parallel:
+        x = scatter_to_tp(x, group=g)
+    return _RowParallelLinearFn.apply(x, weight, bias, g, sequence_parallel)

@@ -1,0 +1,115 @@
+"""Which ranks share a layer: a ProcessGroup or DeviceMesh resolved to (group, rank, size).
+
+A `TPGroup` is the only group object the rest of the library handles. It is built once per
+module from what the user passed (`group=`), so every layer knows its rank and TP degree
+without consulting global state.
+
+``group=None`` is an explicit "no tensor parallelism": a world of one that needs no process
+group at all (useful for TP=1 runs and single-process tests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TPGroup", "GroupLike", "resolve_group"]
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """A resolved tensor-parallel group: the process group (None for a world of one),
+    this process's rank in it and its size."""
+
+    process_group: Optional[Any]
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not (0 <= self.rank < self.size):
+            raise ValueError(f"invalid TP group: rank {self.rank} of size {self.size}")
+        if self.size > 1 and self.process_group is None:
+            raise ValueError("a TP group larger than one needs a process group")
+
+    # Modules holding a TPGroup are deep-copied (EMA copies, torch.compile, FSDP); the process
+    # group inside must stay the same object, never a copy.
+    def __deepcopy__(self, memo: dict) -> "TPGroup":
+        return self
+
+    def __copy__(self) -> "TPGroup":
+        return self
+
+    def __repr__(self) -> str:
+        return f"TPGroup(rank={self.rank}, size={self.size})"
+
+    def shard(self, full: torch.Tensor, dim: int, *, what: str = "tensor") -> torch.Tensor:
+        """This rank's chunk of ``full`` along ``dim`` (``torch.chunk`` order; a view)."""
+        if full.shape[dim] % self.size != 0:
+            raise ValueError(
+                f"{what}: size {full.shape[dim]} along dim {dim} is not divisible by the TP degree {self.size}"
+            )
+        return full.chunk(self.size, dim=dim)[self.rank]
+
+
+GroupLike = Union[None, "TPGroup", "dist.ProcessGroup", "torch.distributed.device_mesh.DeviceMesh"]
+
+_SINGLE = TPGroup(None, 0, 1)
+
+
+def _is_device_mesh(obj: Any) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(obj, DeviceMesh)
+
+
+def _from_mesh(mesh: Any) -> TPGroup:
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 1:
+        pg = mesh.get_group()
+    elif names is not None and "tp" in names:
+        pg = mesh.get_group("tp")
+    else:
+        raise ValueError(
+            f"a {mesh.ndim}-D DeviceMesh with dims {names} was passed as the TP group: pass a 1-D "
+            "mesh, a mesh with a dimension named 'tp', or mesh['tp']"
+        )
+    return _from_process_group(pg)
+
+
+def _from_process_group(pg: Any) -> TPGroup:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "a ProcessGroup was passed but torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group(...) first, or pass group=None for a world of one"
+        )
+    rank = dist.get_rank(pg)
+    if rank < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the TP group it was "
+            "given; every rank must pass the group it belongs to"
+        )
+    return TPGroup(pg, rank, dist.get_world_size(pg))
+
+
+def resolve_group(group: GroupLike) -> TPGroup:
+    """Turn what a user passes as ``group`` into a :class:`TPGroup`.
+
+    Accepts ``None`` (a world of one, no process group needed), a ``ProcessGroup``, a 1-D
+    ``DeviceMesh`` or a ``DeviceMesh`` with a dimension named ``"tp"``, or a ``TPGroup``.
+    """
+    if group is None:
+        return _SINGLE
+    if isinstance(group, TPGroup):
+        return group
+    if _is_device_mesh(group):
+        return _from_mesh(group)
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return _from_process_group(group)
+    raise TypeError(
+        f"group must be a torch.distributed ProcessGroup, a DeviceMesh, a TPGroup or None, "
+        f"got {type(group).__name__}"
+    )
