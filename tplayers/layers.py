@@ -8,7 +8,8 @@ sliced; use ``device="meta"`` plus ``from_dense`` or a checkpoint to skip that).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -17,7 +18,7 @@ from .comm import all_gather_tensor, gather_from_tp
 from .functional import column_parallel_linear, row_parallel_linear
 from .groups import GroupLike, TPGroup, resolve_group
 
-__all__ = ["TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "require_divisible"]
+__all__ = ["TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "ShardLayout", "require_divisible"]
 
 
 def require_divisible(size: int, tp: TPGroup, layer: str, what: str) -> int:
@@ -25,6 +26,57 @@ def require_divisible(size: int, tp: TPGroup, layer: str, what: str) -> int:
     if size % tp.size != 0:
         raise ValueError(f"{layer}: {what}={size} is not divisible by the TP degree {tp.size}")
     return size // tp.size
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one parameter's full (dense) tensor maps to each rank's local tensor.
+
+    ``dim=None``: replicated, every rank holds the full tensor. Otherwise the full tensor is the
+    concatenation along ``dim`` of ``parts``, each ``(full_size, num_shards)``: a fused weight
+    (q, k, v or gate, up) has one part per component, so a shard is never a slice across
+    components. Part i is cut into ``num_shards`` torch.chunk pieces and rank r holds piece
+    ``r // (tp_size // num_shards)`` of every part, concatenated; ``num_shards < tp_size`` means
+    consecutive ranks hold replicas of the same piece (GQA with fewer KV heads than ranks).
+    """
+
+    dim: Optional[int]
+    parts: Tuple[Tuple[int, int], ...] = ()
+
+    @staticmethod
+    def replicated() -> "ShardLayout":
+        return ShardLayout(None)
+
+    @staticmethod
+    def split(dim: int, full_size: int, tp_size: int) -> "ShardLayout":
+        return ShardLayout(dim, ((full_size, tp_size),))
+
+    def shard(self, full: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:
+        """This rank's local tensor cut from the full one (pure; no communication)."""
+        if self.dim is None:
+            return full
+        sizes = [size for size, _ in self.parts]
+        if full.shape[self.dim] != sum(sizes):
+            raise ValueError(f"expected size {sum(sizes)} along dim {self.dim}, got {tuple(full.shape)}")
+        pieces = []
+        for part, (size, n) in zip(full.split(sizes, dim=self.dim), self.parts):
+            if tp_size % n or size % n:
+                raise ValueError(f"part of size {size} in {n} shards does not fit TP degree {tp_size}")
+            pieces.append(part.chunk(n, dim=self.dim)[rank // (tp_size // n)])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+
+    def unshard(self, locals_: List[torch.Tensor]) -> torch.Tensor:
+        """The full tensor rebuilt from every rank's local tensor, in rank order (pure)."""
+        tp_size = len(locals_)
+        if self.dim is None:
+            return locals_[0]
+        local_sizes = [size // n for size, n in self.parts]
+        split_locals = [t.split(local_sizes, dim=self.dim) for t in locals_]
+        parts = []
+        for i, (_, n) in enumerate(self.parts):
+            stride = tp_size // n
+            parts.append(torch.cat([split_locals[j * stride][i] for j in range(n)], dim=self.dim))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
 class TensorParallelModule(nn.Module):
@@ -41,6 +93,10 @@ class TensorParallelModule(nn.Module):
         raise NotImplementedError
 
     def to_dense(self) -> nn.Module:
+        raise NotImplementedError
+
+    def param_layouts(self) -> Dict[str, ShardLayout]:
+        """Each direct parameter's :class:`ShardLayout` (checkpoints and resharding use it)."""
         raise NotImplementedError
 
     @property
@@ -145,6 +201,12 @@ class ColumnParallelLinear(TensorParallelModule):
             dense.bias = _param(all_gather_tensor(self.bias, 0, group=self.tp), self.bias)
         return dense
 
+    def param_layouts(self) -> Dict[str, ShardLayout]:
+        layouts = {"weight": ShardLayout.split(0, self.out_features, self.tp.size)}
+        if self.bias is not None:
+            layouts["bias"] = ShardLayout.split(0, self.out_features, self.tp.size)
+        return layouts
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, tp_size={self.tp.size}, tp_rank={self.tp.rank}, "
@@ -217,6 +279,12 @@ class RowParallelLinear(TensorParallelModule):
         if self.bias is not None:
             dense.bias = _param(self.bias, self.bias)
         return dense
+
+    def param_layouts(self) -> Dict[str, ShardLayout]:
+        layouts = {"weight": ShardLayout.split(1, self.in_features, self.tp.size)}
+        if self.bias is not None:
+            layouts["bias"] = ShardLayout.replicated()
+        return layouts
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
