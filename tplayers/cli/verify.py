@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -244,6 +244,11 @@ def run_checks(group: Any, names: Sequence[str], cfg: VerifyConfig) -> List[Chec
     return results
 
 
+def _worst(values: Iterable[float]) -> float:
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
 def merge_rank_results(per_rank: Sequence[Sequence[CheckResult]]) -> List[CheckResult]:
     """One result per check from every rank's: worst error, failed if any rank failed."""
     merged = []
@@ -252,8 +257,8 @@ def merge_rank_results(per_rank: Sequence[Sequence[CheckResult]]) -> List[CheckR
         bad = [r for r in rows if not r.passed]
         message = next((r.message for r in bad if r.message and r.message != "failed on another rank"),
                        bad[0].message if bad else "")
-        merged.append(CheckResult(first.name, first.tp, max(r.forward_error for r in rows),
-                                  max(r.grad_error for r in rows), not bad, message))
+        merged.append(CheckResult(first.name, first.tp, _worst(r.forward_error for r in rows),
+                                  _worst(r.grad_error for r in rows), not bad, message))
     return merged
 
 
