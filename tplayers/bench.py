@@ -3,8 +3,8 @@
 Timing runs on every rank of a TP group (inside `tplayers.testing.World.run` or under
 torchrun). Each timed iteration starts after a barrier; its time is the SLOWEST rank's (a TP
 step is as slow as its slowest rank), and we report the min and median over iterations.
-Modes are interleaved iteration by iteration, so background load on a shared machine hits
-them alike and their ratios stay meaningful.
+Modes are interleaved iteration by iteration (in a rotating order), so background load on a
+shared machine hits them alike and their ratios stay meaningful.
 
 `run_overlap_bench` is the comm-overlap microbenchmark behind ``tplayers bench``: for one
 module (Column -> GELU -> Row MLP, or a lone ColumnParallelLinear) it times forward+backward
@@ -197,7 +197,9 @@ def time_steps(
     local = torch.zeros(len(names), iters, dtype=torch.float64)
     bar = _Progress(iters, label, progress and g.rank == 0)
     for i in range(iters):
-        for j, name in enumerate(names):
+        for k in range(len(names)):
+            j = (i + k) % len(names)  # rotate the order: no mode always follows the same one
+            name = names[j]
             barrier(g)
             t0 = time.perf_counter()
             steps[name]()
