@@ -174,3 +174,9 @@ def test_bench_bad_shape_is_a_usage_error(capsys):
     assert main(["bench", "--tp", "2", "--ffn", "15", "--iters", "1"]) == 2
     assert "ffn=15 is not divisible by the TP degree 2" in capsys.readouterr().err
     assert main(["bench", "--modes", "tp,warp", "--iters", "1"]) == 2
+
+
+def test_verify_tolerances_scale_only_in_low_precision():
+    assert V.tolerance(V.VerifyConfig(dtype="float64", tol_scale=16)) == (1e-9, 1e-9)
+    assert V.tolerance(V.VerifyConfig(dtype="bfloat16", tol_scale=4)) == pytest.approx((8e-2, 8e-2))
+    assert V.tolerance(V.VerifyConfig(dtype="bfloat16", tol_scale=4, rtol=1e-3)) == pytest.approx((1e-3, 8e-2))

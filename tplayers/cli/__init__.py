@@ -125,7 +125,10 @@ def _verify(args: argparse.Namespace) -> int:
                               "results": [vars(r) for r in results],
                               "passed": V.exit_code(results) == 0}, indent=2))
         else:
-            print(f"tplayers verify: {len(names)} checks, dtype={args.dtype}, device={args.device}")
+            tol = ("--rtol/--atol" if args.rtol is not None or args.atol is not None else
+                   "default_tolerance(dtype)" + (" x per-check scale" if args.dtype in ("bfloat16", "float16") else ""))
+            print(f"tplayers verify: {len(names)} checks, dtype={args.dtype}, device={args.device}, "
+                  f"tolerance {tol}; reference: dense torch.nn, same weights")
             print(V.format_table(results))
     return V.exit_code(results)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -21,9 +21,9 @@ import torch.nn as nn
 from ..comm import all_gather_tensor
 from ..groups import TPGroup, resolve_group
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..testing import MatchReport, assert_matches_dense
+from ..testing import MatchReport, assert_matches_dense, default_tolerance
 
-__all__ = ["VerifyConfig", "Check", "CheckResult", "CHECKS", "register", "select_checks", "run_checks",
+__all__ = ["VerifyConfig", "Check", "CheckResult", "CHECKS", "register", "select_checks", "run_checks", "tolerance",
            "merge_rank_results", "format_table", "exit_code"]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,8 +35,9 @@ class VerifyConfig:
     device: str = "cpu"
     seed: int = 0
     batch: int = 2
-    rtol: Optional[float] = None  # None: tplayers.testing.default_tolerance(dtype)
+    rtol: Optional[float] = None  # None: tplayers.testing.default_tolerance(dtype), see LOW_PRECISION
     atol: Optional[float] = None
+    tol_scale: float = 1.0  # set per check by run_checks (Check.tol_scale)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -51,6 +52,7 @@ class Check:
     module: str  # what is checked, e.g. "ColumnParallelLinear"
     options: str  # how it is configured, e.g. "gather_output=True"
     fn: Callable[[TPGroup, VerifyConfig], MatchReport]
+    tol_scale: float = 1.0  # low precision: how many default tolerances this (deeper) module gets
 
     @property
     def name(self) -> str:
@@ -70,10 +72,13 @@ class CheckResult:
 CHECKS: List[Check] = []
 
 
-def register(module: str, options: str = "") -> Callable:
-    """Decorator adding a check ``fn(group, cfg) -> MatchReport`` to the registry."""
+def register(module: str, options: str = "", *, tol_scale: float = 1.0) -> Callable:
+    """Decorator adding a check ``fn(group, cfg) -> MatchReport`` to the registry.
+
+    ``tol_scale``: in bfloat16/float16 the check compares with ``tol_scale`` times the dtype's
+    default tolerance (chained matmuls and reductions round more); fp32/fp64 are never scaled."""
     def deco(fn: Callable[[TPGroup, VerifyConfig], MatchReport]) -> Callable:
-        CHECKS.append(Check(module, options, fn))
+        CHECKS.append(Check(module, options, fn, tol_scale))
         return fn
     return deco
 
@@ -103,8 +108,20 @@ def _dense(module: nn.Module, cfg: VerifyConfig) -> nn.Module:
     return module.to(cfg.torch_device(), cfg.torch_dtype)
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def tolerance(cfg: VerifyConfig) -> Tuple[float, float]:
+    """(rtol, atol) a check compares with: the override, else the dtype's default (scaled in low precision)."""
+    rtol, atol = default_tolerance(cfg.torch_dtype)
+    if cfg.torch_dtype in LOW_PRECISION:
+        rtol, atol = rtol * cfg.tol_scale, atol * cfg.tol_scale
+    return (rtol if cfg.rtol is None else cfg.rtol), (atol if cfg.atol is None else cfg.atol)
+
+
 def _match(tp: nn.Module, dense: nn.Module, x: Any, g: TPGroup, cfg: VerifyConfig, **kw: Any) -> MatchReport:
-    return assert_matches_dense(tp, dense, x, group=g, rtol=cfg.rtol, atol=cfg.atol, seed=cfg.seed, **kw)
+    rtol, atol = tolerance(cfg)
+    return assert_matches_dense(tp, dense, x, group=g, rtol=rtol, atol=atol, seed=cfg.seed, **kw)
 
 
 # ---------------------------------------------------------------------------- the checks: linears
@@ -181,22 +198,22 @@ def _mlp_pair(g: TPGroup, cfg: VerifyConfig, act: bool, **options: Any) -> Match
                   input_shard_dims=[-2] if sp else None, output_shard_dim=-2 if sp else None)
 
 
-@register("Column->Row", "sequence_parallel=True")
+@register("Column->Row", "sequence_parallel=True", tol_scale=2)
 def check_pair_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
     return _mlp_pair(g, cfg, act=False, sequence_parallel=True)
 
 
-@register("Column->GELU->Row MLP")
+@register("Column->GELU->Row MLP", tol_scale=2)
 def check_mlp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
     return _mlp_pair(g, cfg, act=True)
 
 
-@register("Column->GELU->Row MLP", "overlap_comm=False")
+@register("Column->GELU->Row MLP", "overlap_comm=False", tol_scale=2)
 def check_mlp_blocking(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
     return _mlp_pair(g, cfg, act=True, overlap_comm=False)
 
 
-@register("Column->GELU->Row MLP", "sequence_parallel=True")
+@register("Column->GELU->Row MLP", "sequence_parallel=True", tol_scale=2)
 def check_mlp_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
     return _mlp_pair(g, cfg, act=True, sequence_parallel=True)
 
@@ -231,6 +248,7 @@ def run_checks(group: Any, names: Sequence[str], cfg: VerifyConfig) -> List[Chec
     results = []
     for name in names:
         check = by_name[name]
+        cfg = replace(cfg, tol_scale=check.tol_scale)
         fwd, grad, message = _attempt(check, g, cfg)
         failed = 1.0 if message else 0.0
         fwd, grad, any_failed = _agree(g, [fwd, grad, failed], device)
