@@ -3,6 +3,8 @@ from . import comm, functional, testing
 from .functional import column_parallel_linear, row_parallel_linear
 from .groups import TPGroup, resolve_group
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelModule
+from .embedding import ParallelLMHead, VocabParallelEmbedding
+from .loss import vocab_parallel_cross_entropy
 
 __version__ = "0.1.0"
 
@@ -17,4 +19,7 @@ __all__ = [
     "comm",
     "functional",
     "testing",
+    "VocabParallelEmbedding",
+    "ParallelLMHead",
+    "vocab_parallel_cross_entropy",
 ]

@@ -71,12 +71,16 @@ def _check_divisible(size: int, g: TPGroup, what: str) -> None:
         raise ValueError(f"{what} of size {size} is not divisible by the TP degree {g.size}")
 
 
-def _all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False) -> Pending:
-    """Sum ``buf`` over the group, in place. ``buf`` must be a contiguous tensor the caller owns."""
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str = "sum") -> Pending:
+    """Sum (or ``op="max"``) ``buf`` over the group, in place. ``buf`` must be a contiguous
+    tensor the caller owns."""
     if g.size == 1:
         return _done(buf)
     assert buf.is_contiguous(), "all-reduce needs an owned contiguous buffer"
-    work = dist.all_reduce(buf, group=g.process_group, async_op=async_op)
+    work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op)
     return Pending(work, lambda: buf)
 
 
@@ -291,11 +295,14 @@ def all_gather_tensor(x: torch.Tensor, dim: int, *, group: GroupLike) -> torch.T
         return _all_gather(x.detach(), dim, resolve_group(group)).wait()
 
 
-def all_reduce_tensor(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
-    """Sum of ``x`` over the group as a new tensor (no autograd); ``x`` is left untouched."""
+def all_reduce_tensor(x: torch.Tensor, *, group: GroupLike, op: str = "sum") -> torch.Tensor:
+    """Sum (``op="sum"``) or maximum (``op="max"``) of ``x`` over the group as a new tensor
+    (no autograd); ``x`` is left untouched."""
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce_tensor: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
     with torch.no_grad():
         g = resolve_group(group)
-        return x.detach() if g.size == 1 else _all_reduce(_owned_copy(x.detach()), g).wait()
+        return x.detach() if g.size == 1 else _all_reduce(_owned_copy(x.detach()), g, op=op).wait()
 
 
 def broadcast_tensor(x: torch.Tensor, src_rank: int, *, group: GroupLike) -> torch.Tensor:
