@@ -5,6 +5,13 @@ from .groups import TPGroup, resolve_group
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelModule
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
+from .random import RNGTracker
+from .norm import ParallelNorm
+from .fused import FusedColumnParallelLinear
+from .blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
+from .gpt import ParallelGPT
+from .dense import BlockConfig, GPTConfig
+from . import dense
 
 __version__ = "0.1.0"
 
@@ -22,4 +29,14 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelLMHead",
     "vocab_parallel_cross_entropy",
+    "RNGTracker",
+    "ParallelNorm",
+    "FusedColumnParallelLinear",
+    "ParallelMLP",
+    "ParallelAttention",
+    "ParallelTransformerBlock",
+    "ParallelGPT",
+    "BlockConfig",
+    "GPTConfig",
+    "dense",
 ]

@@ -30,6 +30,7 @@ __all__ = [
     "scatter_to_sequence",
     "gather_from_sequence",
     "reduce_scatter_to_sequence",
+    "sum_over_replicas",
     "all_gather_tensor",
     "all_reduce_tensor",
     "broadcast_tensor",
@@ -238,6 +239,28 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.g).wait(), None, None
 
 
+class _SumOverReplicas(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the ranks holding the same replica.
+
+    Ranks are grouped in ``num_shards`` consecutive runs of ``p // num_shards`` (the layout of
+    KV heads replicated over more ranks than there are heads). One all-reduce of a
+    ``(num_shards, *grad.shape)`` buffer with this rank's gradient in its run's slot.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, g: TPGroup, num_shards: int) -> torch.Tensor:
+        ctx.g, ctx.num_shards = g, num_shards
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g, n = ctx.g, ctx.num_shards
+        slot = g.rank // (g.size // n)
+        buf = grad.new_zeros((n,) + tuple(grad.shape))
+        buf[slot].copy_(grad)
+        return _all_reduce(buf, g).wait()[slot], None, None
+
+
 # ---------------------------------------------------------------- public wrappers
 
 
@@ -284,6 +307,15 @@ def reduce_scatter_to_sequence(x: torch.Tensor, *, group: GroupLike, seq_dim: in
     """Sum over the group and keep this rank's sequence chunk; all-gather backward."""
     g = resolve_group(group)
     return x if g.size == 1 else _ReduceScatterToSequence.apply(x, g, seq_dim)
+
+
+def sum_over_replicas(x: torch.Tensor, *, group: GroupLike, num_shards: int) -> torch.Tensor:
+    """Identity forward. Backward: the gradient summed over the ``p // num_shards`` consecutive
+    ranks that hold the same replica of ``x`` (e.g. a KV head shared by several ranks)."""
+    g = resolve_group(group)
+    if num_shards < 1 or g.size % num_shards:
+        raise ValueError(f"sum_over_replicas: num_shards={num_shards} does not divide the TP degree {g.size}")
+    return x if num_shards == g.size else _SumOverReplicas.apply(x, g, num_shards)
 
 
 # ---------------------------------------------------------------- non-differentiable helpers
