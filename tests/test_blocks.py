@@ -317,3 +317,48 @@ def test_bad_inputs_raise_clear_errors():
         ParallelAttention(6, 2, rotary=True, group=None)
     with pytest.raises(TypeError, match="DenseMLP"):
         ParallelMLP.from_dense(nn.Linear(2, 2), group=None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rng_tracker_on_cuda_generator():
+    tracker = RNGTracker(3, group=None)
+    before = torch.cuda.get_rng_state()
+    with tracker.fork("parallel", "cuda"):
+        a = torch.rand(8, device="cuda")
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+    with RNGTracker(3, group=None).fork("parallel", "cuda"):
+        assert torch.equal(torch.rand(8, device="cuda"), a)
+
+
+# ------------------------------------------------------------------ activation memory
+
+
+def _saved_activation_bytes(group, config, sequence_parallel, dense):
+    """Unique non-parameter storages autograd saves in one block forward (see benchmarks/block_memory.py)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, config.hidden)
+    if dense:
+        block = DenseTransformerBlock(config)
+    else:
+        block = ParallelTransformerBlock(config, group=group, sequence_parallel=sequence_parallel)
+        x = scatter_to_sequence(x, group=group) if sequence_parallel else x
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x.detach().requires_grad_()).sum().backward()
+    return sum(storages.values())
+
+
+def test_sequence_parallel_saves_a_tp_share_of_activations():
+    config = BlockConfig(hidden=32, n_heads=4, ffn_hidden=64, activation="swiglu", norm="rmsnorm", rotary=True)
+    dense = get_world(1).run(_saved_activation_bytes, config, False, True)[0]
+    for tp in (2, 4):
+        per_rank = max(get_world(tp).run(_saved_activation_bytes, config, True, False))
+        assert per_rank <= dense * 1.1 / tp, (tp, per_rank, dense)
