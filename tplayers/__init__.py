@@ -3,6 +3,15 @@ from . import comm, functional, testing
 from .functional import column_parallel_linear, row_parallel_linear
 from .groups import TPGroup, resolve_group
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelModule
+from .embedding import ParallelLMHead, VocabParallelEmbedding
+from .loss import vocab_parallel_cross_entropy
+from .random import RNGTracker
+from .norm import ParallelNorm
+from .fused import FusedColumnParallelLinear
+from .blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
+from .gpt import ParallelGPT
+from .dense import BlockConfig, GPTConfig
+from . import dense
 
 __version__ = "0.1.0"
 
@@ -17,4 +26,17 @@ __all__ = [
     "comm",
     "functional",
     "testing",
+    "VocabParallelEmbedding",
+    "ParallelLMHead",
+    "vocab_parallel_cross_entropy",
+    "RNGTracker",
+    "ParallelNorm",
+    "FusedColumnParallelLinear",
+    "ParallelMLP",
+    "ParallelAttention",
+    "ParallelTransformerBlock",
+    "ParallelGPT",
+    "BlockConfig",
+    "GPTConfig",
+    "dense",
 ]
