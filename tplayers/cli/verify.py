@@ -6,7 +6,8 @@ weights and calls :func:`tplayers.testing.assert_matches_dense` (outputs, input 
 gathered parameter gradients). Every rank runs every selected check; the ranks agree on each
 result, so the table and the exit status are the same everywhere.
 
-Shapes scale with the TP degree p (hidden 16p, ffn 32p, seq 4p) so every check divides evenly.
+Shapes scale with the TP degree p (hidden 16p, ffn 32p, seq 4p, 2p heads of 8, vocab 8p or
+8p+3 for the padded embedding) so every check fits every p.
 """
 from __future__ import annotations
 
@@ -17,10 +18,15 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from ..blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from ..comm import all_gather_tensor
+from ..dense import BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock
+from ..embedding import VocabParallelEmbedding
 from ..groups import TPGroup, resolve_group
 from ..layers import ColumnParallelLinear, RowParallelLinear
+from ..loss import vocab_parallel_cross_entropy
 from ..testing import MatchReport, assert_matches_dense, default_tolerance
 
 __all__ = ["VerifyConfig", "Check", "CheckResult", "CHECKS", "register", "select_checks", "run_checks", "tolerance",
@@ -216,6 +222,160 @@ def check_mlp_blocking(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
 @register("Column->GELU->Row MLP", "sequence_parallel=True", tol_scale=2)
 def check_mlp_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
     return _mlp_pair(g, cfg, act=True, sequence_parallel=True)
+
+
+# ---------------------------------------------------------------------------- the checks: vocab, blocks
+
+
+class _CrossEntropy(nn.Module):
+    """Dense reference: F.cross_entropy over full logits ``(b, s, V)`` for fixed targets ``(b, s)``."""
+
+    def __init__(self, target: torch.Tensor, **options: Any) -> None:
+        super().__init__()
+        self.target, self.options = target, options
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.flatten(0, -2), self.target.flatten(), **self.options)
+        return loss.view(self.target.shape) if self.options.get("reduction") == "none" else loss
+
+
+class _VocabParallelCrossEntropy(nn.Module):
+    """vocab_parallel_cross_entropy on this rank's logits shard ``(b, s, V/p)``."""
+
+    def __init__(self, target: torch.Tensor, g: TPGroup, **options: Any) -> None:
+        super().__init__()
+        self.target, self.g, self.options = target, g, options
+
+    def forward(self, logits_shard: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits_shard, self.target, group=self.g, **self.options)
+
+
+def _cross_entropy(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
+    d = _dims(g)
+    vocab = 8 * g.size
+    logits = _input(cfg, cfg.batch, d["seq"], vocab) * 3  # (b, s, V)
+    target = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
+    if "ignore_index" in options:
+        target[0, 0] = options["ignore_index"]
+    return _match(_VocabParallelCrossEntropy(target, g, **options), _CrossEntropy(target, **options), logits, g, cfg,
+                  input_shard_dims=[-1])
+
+
+@register("vocab_parallel_cross_entropy", "reduction='none'")
+def check_cross_entropy(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _cross_entropy(g, cfg, reduction="none")
+
+
+@register("vocab_parallel_cross_entropy", "mean, label_smoothing=0.1, ignore_index")
+def check_cross_entropy_smoothing(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _cross_entropy(g, cfg, reduction="mean", label_smoothing=0.1, ignore_index=-100)
+
+
+def _embedding(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
+    d = _dims(g)
+    vocab = 8 * g.size + 3  # not divisible by p > 1: exercises the padded last shard
+    dense = _dense(nn.Embedding(vocab, d["hidden"]), cfg)
+    tp = VocabParallelEmbedding.from_dense(dense, group=g, **options)
+    ids = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
+    sp = options.get("sequence_parallel", False)
+    return _match(tp, dense, ids, g, cfg, output_shard_dim=-2 if sp else None)
+
+
+@register("VocabParallelEmbedding", "vocab=8p+3")
+def check_embedding(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _embedding(g, cfg)
+
+
+@register("VocabParallelEmbedding", "vocab=8p+3, sequence_parallel=True")
+def check_embedding_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _embedding(g, cfg, sequence_parallel=True)
+
+
+def _parallel_mlp(g: TPGroup, cfg: VerifyConfig, activation: str, sp: bool) -> MatchReport:
+    d = _dims(g)
+    dense = _dense(DenseMLP(d["hidden"], d["ffn"], activation), cfg)
+    tp = ParallelMLP.from_dense(dense, group=g, sequence_parallel=sp)
+    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                  input_shard_dims=[-2] if sp else None, output_shard_dim=-2 if sp else None)
+
+
+@register("ParallelMLP", "gelu", tol_scale=2)
+def check_parallel_mlp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _parallel_mlp(g, cfg, "gelu", sp=False)
+
+
+@register("ParallelMLP", "swiglu", tol_scale=2)
+def check_parallel_mlp_swiglu(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _parallel_mlp(g, cfg, "swiglu", sp=False)
+
+
+@register("ParallelMLP", "swiglu, sequence_parallel=True", tol_scale=2)
+def check_parallel_mlp_swiglu_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _parallel_mlp(g, cfg, "swiglu", sp=True)
+
+
+def _heads(g: TPGroup) -> Dict[str, int]:
+    # 2 query heads per rank, head_dim 8; GQA: half as many KV heads as ranks (replicated KV heads)
+    return dict(n_heads=2 * g.size, n_kv_heads=max(1, g.size // 2))
+
+
+def _attention(g: TPGroup, cfg: VerifyConfig, gqa: bool, sp: bool, rotary: bool) -> MatchReport:
+    d, h = _dims(g), _heads(g)
+    dense = _dense(DenseAttention(d["hidden"], h["n_heads"], h["n_kv_heads"] if gqa else None,
+                                  causal=True, rotary=rotary), cfg)
+    tp = ParallelAttention.from_dense(dense, group=g, sequence_parallel=sp)
+    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                  input_shard_dims=[-2] if sp else None, output_shard_dim=-2 if sp else None)
+
+
+@register("ParallelAttention", "MHA, causal", tol_scale=8)
+def check_attention(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _attention(g, cfg, gqa=False, sp=False, rotary=False)
+
+
+@register("ParallelAttention", "GQA (kv heads = p/2), causal, rotary", tol_scale=8)
+def check_attention_gqa(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _attention(g, cfg, gqa=True, sp=False, rotary=True)
+
+
+@register("ParallelAttention", "GQA, rotary, sequence_parallel=True", tol_scale=8)
+def check_attention_gqa_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _attention(g, cfg, gqa=True, sp=True, rotary=True)
+
+
+def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool) -> MatchReport:
+    d, h = _dims(g), _heads(g)
+    config = BlockConfig(hidden=d["hidden"], n_heads=h["n_heads"], ffn_hidden=d["ffn"],
+                         n_kv_heads=h["n_kv_heads"] if llama else None, activation="swiglu" if llama else "gelu",
+                         norm="rmsnorm" if llama else "layernorm", bias=not llama, rotary=llama)
+    dense = _dense(DenseTransformerBlock(config), cfg)
+    with torch.no_grad():  # non-trivial norm weights, so their gradients are checked for real
+        for name, p in dense.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    tp = ParallelTransformerBlock.from_dense(dense, group=g, sequence_parallel=sp)
+    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                  input_shard_dims=[-2] if sp else None, output_shard_dim=-2 if sp else None)
+
+
+@register("ParallelTransformerBlock", "GPT: gelu, layernorm, MHA", tol_scale=16)
+def check_block_gpt(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _block(g, cfg, sp=False, llama=False)
+
+
+@register("ParallelTransformerBlock", "GPT, sequence_parallel=True", tol_scale=16)
+def check_block_gpt_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _block(g, cfg, sp=True, llama=False)
+
+
+@register("ParallelTransformerBlock", "Llama: swiglu, rmsnorm, GQA, rotary", tol_scale=16)
+def check_block_llama(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _block(g, cfg, sp=False, llama=True)
+
+
+@register("ParallelTransformerBlock", "Llama, sequence_parallel=True", tol_scale=16)
+def check_block_llama_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _block(g, cfg, sp=True, llama=True)
 
 
 # ---------------------------------------------------------------------------- running and reporting
