@@ -85,7 +85,6 @@ def build_megatron(dense: nn.Sequential, g: Any) -> Tuple[nn.Module, Callable]:
         from megatron.core import ModelParallelConfig, parallel_state
         from megatron.core.tensor_parallel import ColumnParallelLinear as MCol
         from megatron.core.tensor_parallel import RowParallelLinear as MRow
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: F401
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=g.size)

@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -233,7 +233,7 @@ def _fwd_bwd(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[
     return step
 
 
-def _dense_mlp(cfg: BenchConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _dense_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
     if cfg.module == "mlp":
         return nn.Sequential(nn.Linear(cfg.hidden, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.hidden)).to(device, dtype)
     return nn.Linear(cfg.hidden, cfg.ffn).to(device, dtype)
@@ -331,7 +331,7 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
     dtype = _DTYPES[cfg.dtype]
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    dense = _dense_mlp(cfg, dtype, device)
+    dense = _dense_model(cfg, dtype, device)
     x_full = torch.randn(cfg.batch, cfg.seq, cfg.hidden, dtype=dtype, device=device)  # (b, s, h)
     out_dim = cfg.hidden if cfg.module == "mlp" else cfg.ffn
     grad_full = torch.randn(cfg.batch, cfg.seq, out_dim, dtype=dtype, device=device)  # (b, s, h|ffn)
