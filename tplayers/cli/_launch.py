@@ -54,6 +54,8 @@ def run_on_ranks(
     means 2 when spawning and the whole world under torchrun.
     """
     backend = backend or default_backend(device)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("tplayers: --device cuda, but torch.cuda.is_available() is False on this machine")
     if under_torchrun():
         if threads:
             torch.set_num_threads(threads)
