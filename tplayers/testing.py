@@ -76,6 +76,17 @@ class WorldTimeout(WorldError):
     """Some ranks did not answer in time (hung collective, dead peer)."""
 
 
+def _process_exists(pid: int) -> bool:
+    # Not os.getppid(): ranks are forked by the forkserver, which is their parent, not the caller.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _worker_main(rank: int, size: int, backend: str, init_file: str, conn: Any,
                  collective_timeout_s: float, threads: int, parent_pid: int) -> None:
     torch.set_num_threads(threads)
@@ -91,7 +102,7 @@ def _worker_main(rank: int, size: int, backend: str, init_file: str, conn: Any,
     group = dist.group.WORLD
     while True:
         if not conn.poll(1.0):
-            if os.getppid() != parent_pid:  # orphaned: the parent died without closing us
+            if not _process_exists(parent_pid):  # orphaned (a dead parent also closes the pipe: EOF below)
                 break
             continue
         try:
