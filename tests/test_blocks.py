@@ -362,3 +362,22 @@ def test_sequence_parallel_saves_a_tp_share_of_activations():
     for tp in (2, 4):
         per_rank = max(get_world(tp).run(_saved_activation_bytes, config, True, False))
         assert per_rank <= dense * 1.1 / tp, (tp, per_rank, dense)
+
+
+def _column_sp_saved(group):
+    from tplayers import ColumnParallelLinear
+    g = resolve_group(group)
+    layer = ColumnParallelLinear(8, 8, group=group, sequence_parallel=True)
+    x = torch.randn(2, 4 // g.size, 8, requires_grad=True)  # this rank's sequence shard
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = layer(x)
+    assert out.shape == (2, 4, 8 // g.size), "the column linear all-gathers the sequence"
+    acts = [t for t in saved if t.untyped_storage().data_ptr() != layer.weight.untyped_storage().data_ptr()]
+    return [tuple(t.shape) for t in acts], all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+                                               for t in acts)
+
+
+def test_column_linear_under_sequence_parallelism_saves_only_the_input_shard():
+    for shapes, is_input in get_world(2).run(_column_sp_saved):
+        assert shapes == [(2, 2, 8)] and is_input  # not the gathered (2, 4, 8): re-gathered in backward
