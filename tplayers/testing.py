@@ -76,8 +76,9 @@ class WorldTimeout(WorldError):
     """Some ranks did not answer in time (hung collective, dead peer)."""
 
 
-def _process_exists(pid: int) -> bool:
-    # Not os.getppid(): ranks are forked by the forkserver, which is their parent, not the caller.
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists. (Not ``os.getppid() == pid``: a rank forked from the
+    forkserver has the server, not the process that owns the world, as its parent.)"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -102,7 +103,7 @@ def _worker_main(rank: int, size: int, backend: str, init_file: str, conn: Any,
     group = dist.group.WORLD
     while True:
         if not conn.poll(1.0):
-            if not _process_exists(parent_pid):  # orphaned (a dead parent also closes the pipe: EOF below)
+            if not _alive(parent_pid):  # orphaned: the parent died without closing us
                 break
             continue
         try:
