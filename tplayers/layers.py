@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .comm import all_gather_tensor, gather_from_tp
 from .functional import column_parallel_linear, row_parallel_linear
@@ -177,6 +178,8 @@ class ColumnParallelLinear(TensorParallelModule):
                 self.bias.copy_(self.tp.shard(b, 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # a world of one is nn.Linear exactly (autocast, errors and all)
+            return F.linear(x, self.weight, self.bias)
         out = column_parallel_linear(x, self.weight, self.bias, group=self.tp,
                                      sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
         return gather_from_tp(out, group=self.tp) if self.gather_output else out  # (..., out) | (..., out/p)
@@ -256,6 +259,8 @@ class RowParallelLinear(TensorParallelModule):
                 self.bias.copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # a world of one is nn.Linear exactly (autocast, errors and all)
+            return F.linear(x, self.weight, self.bias)
         return row_parallel_linear(x, self.weight, self.bias, group=self.tp,  # (..., out)
                                    input_is_parallel=self.input_is_parallel,
                                    sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
