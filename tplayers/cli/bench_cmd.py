@@ -52,7 +52,9 @@ def format_report(report: Dict[str, Any]) -> str:
     for other, label in (("dense", "dense torch.nn"), ("naive", "naive model parallel")):
         key = f"speedup_vs_{other}"
         if key in s:
-            lines.append(f"TP (overlap on) vs {label}: {s[key]:.2f}x {'faster' if s[key] >= 1 else 'slower'}")
+            ratio = s[key]  # median time of `other` / median time of TP
+            verdict = f"{ratio:.3f}x faster" if ratio >= 1 else f"{1 / ratio:.3f}x slower"
+            lines.append(f"TP (overlap on) vs {label}: {verdict} (median)")
     if "trace" in report:
         lines.append(f"profiler trace (rank 0): {report['trace']}  (open in chrome://tracing or ui.perfetto.dev)")
     return "\n".join(lines)
