@@ -1,0 +1,455 @@
+"""Drop-in TP for existing models: swap named nn.Linear / Conv1D / nn.Embedding modules in place.
+
+    tplayers.parallelize(model, "llama", group=tp_group)   # a Hugging Face Llama-family model
+    tplayers.parallelize(model, {"*.fc1": "column", "*.fc2": "row"}, group=tp_group)
+
+A plan maps module-name patterns (``fnmatch``: ``*`` also matches dots) to styles:
+
+    "column"           ColumnParallelLinear, output stays sharded (feeds a "row" or heads)
+    "column_gather"    ColumnParallelLinear(gather_output=True): full output (e.g. an LM head)
+    "fused_qkv"        column split per component of an equal-thirds fused [q; k; v] projection
+    Column(parts=..)   column split per component of any fused projection (gate/up, GQA qkv)
+    "row"              RowParallelLinear, input sharded on the last dim, full output
+    "vocab_embedding"  VocabParallelEmbedding (rows of the table split across ranks)
+    "replicate"        left as it is (documents intent; matching it stops later patterns)
+
+GPT-2's ``Conv1D`` (weight stored ``(in, out)``) is accepted wherever ``nn.Linear`` is; its TP
+layer converts back to a ``Conv1D`` in ``to_dense()``. Modules whose forward depends on the
+local head count (``num_heads``, ``split_size``, ...) get those attributes divided by the TP
+degree via the plan's ``divide_attrs``; ``require_divisible`` checks sizes the model reads from
+its (shared) config. Every check runs before anything is swapped, and every error names the module.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from . import layers as _layers
+from .comm import all_gather_tensor
+from .groups import GroupLike, TPGroup, resolve_group
+from .layers import ColumnParallelLinear, RowParallelLinear, ShardLayout, TensorParallelModule, require_divisible
+from .sharding import conv1d_to_linear_weight, fused_layout, linear_to_conv1d_weight
+
+__all__ = [
+    "parallelize",
+    "Plan",
+    "Column",
+    "Row",
+    "VocabEmbedding",
+    "Replicate",
+    "PLANS",
+    "get_plan",
+    "FusedColumnParallelLinear",
+    "ColumnParallelConv1D",
+    "RowParallelConv1D",
+    "FusedColumnParallelConv1D",
+    "is_conv1d",
+]
+
+
+# ---------------------------------------------------------------------------- extra TP layers
+
+
+class FusedColumnParallelLinear(ColumnParallelLinear):
+    """ColumnParallelLinear over a fused projection ``[p_0; p_1; ...]`` (q/k/v, gate/up).
+
+    Each part of ``part_sizes`` (output features) is split across ranks on its own, so rank r
+    holds ``[p_0 chunk r; p_1 chunk r; ...]``: the local output splits into local parts exactly
+    as the dense output splits into parts (``split_size`` / ``chunk`` code keeps working).
+    """
+
+    def __init__(self, in_features: int, part_sizes: Sequence[int], bias: bool = True, *, group: GroupLike,
+                 **options: Any) -> None:
+        tp = resolve_group(group)
+        for i, size in enumerate(part_sizes):
+            require_divisible(size, tp, "FusedColumnParallelLinear", f"part {i} size")
+        if options.get("gather_output"):
+            raise ValueError("FusedColumnParallelLinear: gather_output=True would interleave the parts' shards "
+                             "([q_0 k_0 v_0 q_1 ...]); keep the output sharded")
+        object.__setattr__(self, "part_sizes", tuple(int(s) for s in part_sizes))
+        super().__init__(in_features, sum(self.part_sizes), bias, group=tp, **options)
+
+    def _layout(self) -> ShardLayout:
+        return fused_layout(self.part_sizes, self.tp.size)
+
+    def reset_parameters(self) -> None:
+        w, b = _layers._dense_linear_init(self.in_features, self.out_features, self.bias is not None,
+                                  self.weight.device, self.weight.dtype)
+        with torch.no_grad():
+            self.weight.copy_(self._layout().shard(w, self.tp.rank, self.tp.size))
+            if self.bias is not None:
+                self.bias.copy_(self._layout().shard(b, self.tp.rank, self.tp.size))
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, parts: Union[int, Sequence[int]] = 3,
+                   **options: Any) -> "FusedColumnParallelLinear":
+        """This rank's per-part shard of an ``nn.Linear`` whose output concatenates ``parts``
+        (an int: that many equal parts; or the part sizes)."""
+        _layers._check_dense_linear(dense, cls)
+        tp = resolve_group(group)
+        sizes = _part_sizes(parts, dense.out_features, cls.__name__)
+        layer = cls(dense.in_features, sizes, dense.bias is not None, group=tp, device="meta",
+                    dtype=dense.weight.dtype, **options)
+        layout = layer._layout()
+        layer.weight = _layers._param(layout.shard(dense.weight, tp.rank, tp.size), dense.weight)
+        if dense.bias is not None:
+            layer.bias = _layers._param(layout.shard(dense.bias, tp.rank, tp.size), dense.bias)
+        return layer
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        locals_ = list(all_gather_tensor(t, 0, group=self.tp).chunk(self.tp.size, dim=0))
+        return self._layout().unshard(locals_)
+
+    def to_dense(self) -> nn.Linear:
+        dense = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta")
+        dense.weight = _layers._param(self._gather(self.weight), self.weight)
+        if self.bias is not None:
+            dense.bias = _layers._param(self._gather(self.bias), self.bias)
+        return dense
+
+    def param_layouts(self) -> Dict[str, ShardLayout]:
+        layouts = {"weight": self._layout()}
+        if self.bias is not None:
+            layouts["bias"] = self._layout()
+        return layouts
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", part_sizes={self.part_sizes}"
+
+
+def _part_sizes(parts: Union[int, Sequence[int]], out_features: int, where: str) -> Tuple[int, ...]:
+    if isinstance(parts, int):
+        if parts < 1 or out_features % parts:
+            raise ValueError(f"{where}: out_features={out_features} does not split into {parts} equal parts")
+        return (out_features // parts,) * parts
+    sizes = tuple(int(s) for s in parts)
+    if sum(sizes) != out_features:
+        raise ValueError(f"{where}: part sizes {sizes} sum to {sum(sizes)}, out_features={out_features}")
+    return sizes
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """A GPT-2 style ``Conv1D``: ``weight`` of shape ``(nx, nf)``, i.e. ``nn.Linear``'s transposed."""
+    return (type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+            and tuple(module.weight.shape) == (module.nx, module.nf))
+
+
+def _conv1d_as_linear(conv: nn.Module) -> nn.Linear:
+    """An ``nn.Linear`` with the same function as a ``Conv1D`` (weight transposed into a copy)."""
+    lin = nn.Linear(conv.nx, conv.nf, bias=conv.bias is not None, device="meta")
+    lin.weight = nn.Parameter(conv1d_to_linear_weight(conv.weight.detach()), requires_grad=conv.weight.requires_grad)
+    if conv.bias is not None:
+        lin.bias = nn.Parameter(conv.bias.detach(), requires_grad=conv.bias.requires_grad)
+    return lin
+
+
+class _Conv1DDense:
+    """Mixin: this TP layer was built from a ``Conv1D``; ``to_dense()`` gives one back.
+
+    Parameters keep ``nn.Linear`` orientation locally (``dense_transposed`` tells checkpoint
+    export to transpose the weight back to the ``(in, out)`` the original model stores).
+    """
+
+    dense_transposed = True
+    conv1d_cls: type
+
+    def to_dense(self) -> nn.Module:
+        lin = super().to_dense()  # type: ignore[misc]
+        with torch.device("meta"):
+            conv = self.conv1d_cls(lin.out_features, lin.in_features)
+        conv.weight = nn.Parameter(linear_to_conv1d_weight(lin.weight.detach()), requires_grad=lin.weight.requires_grad)
+        conv.bias = nn.Parameter(lin.bias.detach(), requires_grad=lin.bias.requires_grad)
+        return conv
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, *, group: GroupLike, **options: Any) -> Any:
+        layer = cls.from_dense(_conv1d_as_linear(conv), group=group, **options)  # type: ignore[attr-defined]
+        layer.conv1d_cls = type(conv)
+        return layer
+
+
+class ColumnParallelConv1D(_Conv1DDense, ColumnParallelLinear):
+    """ColumnParallelLinear built from (and converting back to) a GPT-2 ``Conv1D``."""
+
+
+class RowParallelConv1D(_Conv1DDense, RowParallelLinear):
+    """RowParallelLinear built from (and converting back to) a GPT-2 ``Conv1D``."""
+
+
+class FusedColumnParallelConv1D(_Conv1DDense, FusedColumnParallelLinear):
+    """FusedColumnParallelLinear built from (and converting back to) a GPT-2 ``Conv1D`` (``c_attn``)."""
+
+
+# ---------------------------------------------------------------------------- styles
+
+
+def _check_linear_like(module: nn.Module, name: str, style: str) -> None:
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+        raise TypeError(f"parallelize: module '{name}' is a {type(module).__name__}; style '{style}' "
+                        "needs an nn.Linear or a GPT-2 Conv1D")
+
+
+@dataclass(frozen=True)
+class Column:
+    """Split output features. ``parts``: fused projection (int = equal parts, or part sizes)."""
+
+    gather_output: bool = False
+    parts: Union[None, int, Tuple[int, ...]] = None
+    sequence_parallel: bool = False
+
+    def build(self, module: nn.Module, name: str, tp: TPGroup) -> nn.Module:
+        _check_linear_like(module, name, "column")
+        opts: Dict[str, Any] = dict(gather_output=self.gather_output, sequence_parallel=self.sequence_parallel)
+        if self.parts is not None:
+            opts["parts"] = self.parts
+            cls = FusedColumnParallelConv1D if is_conv1d(module) else FusedColumnParallelLinear
+        else:
+            cls = ColumnParallelConv1D if is_conv1d(module) else ColumnParallelLinear
+        return cls.from_conv1d(module, group=tp, **opts) if is_conv1d(module) else cls.from_dense(module, group=tp, **opts)
+
+
+@dataclass(frozen=True)
+class Row:
+    """Split input features; the input arrives sharded (``input_is_parallel``) or full."""
+
+    input_is_parallel: bool = True
+    sequence_parallel: bool = False
+
+    def build(self, module: nn.Module, name: str, tp: TPGroup) -> nn.Module:
+        _check_linear_like(module, name, "row")
+        opts = dict(input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel)
+        if is_conv1d(module):
+            return RowParallelConv1D.from_conv1d(module, group=tp, **opts)
+        return RowParallelLinear.from_dense(module, group=tp, **opts)
+
+
+@dataclass(frozen=True)
+class VocabEmbedding:
+    """Split an ``nn.Embedding``'s rows (the vocabulary) across ranks; full output on every rank."""
+
+    def build(self, module: nn.Module, name: str, tp: TPGroup) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"parallelize: module '{name}' is a {type(module).__name__}; style "
+                            "'vocab_embedding' needs an nn.Embedding")
+        cls = getattr(_layers, "VocabParallelEmbedding", None)
+        if cls is None:
+            raise NotImplementedError("parallelize: style 'vocab_embedding' needs tplayers.VocabParallelEmbedding, "
+                                      "which this build of tplayers does not have")
+        return cls.from_dense(module, group=tp)
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Keep the module as it is on every rank."""
+
+    def build(self, module: nn.Module, name: str, tp: TPGroup) -> nn.Module:
+        return module
+
+
+Style = Union[Column, Row, VocabEmbedding, Replicate]
+
+_STYLE_NAMES: Dict[str, Style] = {
+    "column": Column(),
+    "column_gather": Column(gather_output=True),
+    "fused_qkv": Column(parts=3),
+    "row": Row(),
+    "vocab_embedding": VocabEmbedding(),
+    "replicate": Replicate(),
+}
+
+
+def _style(value: Union[str, Style], pattern: str) -> Style:
+    if isinstance(value, str):
+        if value not in _STYLE_NAMES:
+            raise ValueError(f"parallelize: unknown style '{value}' for pattern '{pattern}'; "
+                             f"known: {sorted(_STYLE_NAMES)} or a Column/Row/VocabEmbedding/Replicate object")
+        return _STYLE_NAMES[value]
+    if not hasattr(value, "build"):
+        raise TypeError(f"parallelize: style for pattern '{pattern}' must be a name or a style object, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------- plans
+
+
+@dataclass
+class Plan:
+    """Module-name patterns -> styles, plus the attributes that must follow the local head count.
+
+    ``divide_attrs``: pattern -> attribute names on the matched modules to divide by the TP
+    degree (``num_heads``, ``split_size``); a trailing ``?`` makes an attribute optional (absent
+    in some library versions). ``require_divisible``: pattern -> dotted attribute paths (e.g.
+    ``config.num_key_value_heads``) that must divide by the TP degree but are left unchanged.
+    """
+
+    layers: Dict[str, Union[str, Style]]
+    divide_attrs: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+    require_divisible: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+    name: str = "custom"
+
+
+LLAMA_PLAN = Plan(
+    name="llama",
+    layers={
+        "*embed_tokens": "vocab_embedding",
+        "*layers.*.self_attn.q_proj": "column",
+        "*layers.*.self_attn.k_proj": "column",
+        "*layers.*.self_attn.v_proj": "column",
+        "*layers.*.self_attn.o_proj": "row",
+        "*layers.*.mlp.gate_proj": "column",
+        "*layers.*.mlp.up_proj": "column",
+        "*layers.*.mlp.down_proj": "row",
+        "lm_head": "column_gather",
+    },
+    # transformers >= 4.48 reshapes with view(..., -1, head_dim); older versions read these.
+    divide_attrs={"*layers.*.self_attn": ("num_heads?", "num_key_value_heads?", "hidden_size?")},
+    require_divisible={"*layers.*.self_attn": ("config.num_attention_heads", "config.num_key_value_heads")},
+)
+
+GPT2_PLAN = Plan(
+    name="gpt2",
+    layers={
+        "*wte": "vocab_embedding",
+        "*h.*.attn.c_attn": "fused_qkv",
+        "*h.*.attn.c_proj": "row",
+        "*h.*.mlp.c_fc": "column",
+        "*h.*.mlp.c_proj": "row",
+        "lm_head": "column_gather",
+    },
+    divide_attrs={"*h.*.attn": ("num_heads", "split_size", "embed_dim")},
+)
+
+PLANS: Dict[str, Plan] = {"llama": LLAMA_PLAN, "gpt2": GPT2_PLAN}
+
+
+def get_plan(plan: Union[str, Plan, Mapping[str, Union[str, Style]]]) -> Plan:
+    """A :class:`Plan` from a shipped plan's name, a Plan, or a ``{pattern: style}`` dict."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, str):
+        if plan not in PLANS:
+            raise ValueError(f"parallelize: unknown plan '{plan}'; shipped plans: {sorted(PLANS)}")
+        return PLANS[plan]
+    if isinstance(plan, Mapping):
+        return Plan(layers=dict(plan))
+    raise TypeError(f"parallelize: plan must be a plan name, a Plan or a dict, got {type(plan).__name__}")
+
+
+def _getattr_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _match(name: str, patterns: Sequence[str]) -> Optional[str]:
+    for p in patterns:
+        if fnmatch.fnmatchcase(name, p):
+            return p
+    return None
+
+
+def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
+                group: GroupLike) -> nn.Module:
+    """Swap, in place, the modules ``plan`` names for TP layers holding this rank's shard.
+
+    Every rank of ``group`` calls it on an identical dense model (same weights). Returns
+    ``model``. All checks (module types, divisibility, head counts, tied weights) run before any
+    module is swapped; errors name the module. Tied parameters (GPT-2's ``lm_head.weight`` and
+    ``wte.weight``) stay tied when both modules are swapped with the same layout.
+    """
+    tp = resolve_group(group)
+    p = get_plan(plan)
+    styles = {pat: _style(v, pat) for pat, v in p.layers.items()}
+    modules = dict(model.named_modules())
+
+    # 1. build every TP module (nothing swapped yet, so an error leaves the model untouched)
+    built: Dict[str, nn.Module] = {}
+    for name, module in modules.items():
+        pat = _match(name, list(styles))
+        if pat is None or isinstance(styles[pat], Replicate):
+            continue
+        if name == "":
+            raise ValueError(f"parallelize: pattern '{pat}' matches the root module; name a submodule")
+        if any(name.startswith(other + ".") for other in built):
+            continue  # inside a module already swapped
+        try:
+            built[name] = styles[pat].build(module, name, tp)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise type(e)(msg if msg.startswith("parallelize:") else f"parallelize: module '{name}' ({pat!r}): {msg}") from None
+    if not built:
+        raise ValueError(f"parallelize: plan '{p.name}' matched no module of {type(model).__name__} "
+                         f"(patterns {list(styles)}); module names look like {list(modules)[1:6]}")
+
+    # 2. attributes that follow the local head count: check all, then change
+    changes: List[Tuple[nn.Module, str, int]] = []
+    for name, module in modules.items():
+        for pat, paths in p.require_divisible.items():
+            if fnmatch.fnmatchcase(name, pat):
+                for path in paths:
+                    value = _getattr_path(module, path)
+                    if value % tp.size:
+                        raise ValueError(f"parallelize: module '{name}': {path}={value} is not divisible by the "
+                                         f"TP degree {tp.size}")
+        for pat, attrs in p.divide_attrs.items():
+            if not fnmatch.fnmatchcase(name, pat):
+                continue
+            for attr in attrs:
+                optional = attr.endswith("?")
+                attr = attr.rstrip("?")
+                if not hasattr(module, attr):
+                    if optional:
+                        continue
+                    raise AttributeError(f"parallelize: module '{name}' ({type(module).__name__}) has no attribute "
+                                         f"'{attr}' that plan '{p.name}' divides by the TP degree")
+                value = getattr(module, attr)
+                if not isinstance(value, int) or value % tp.size:
+                    raise ValueError(f"parallelize: module '{name}': {attr}={value} is not divisible by the "
+                                     f"TP degree {tp.size}")
+                changes.append((module, attr, value // tp.size))
+
+    # 3. tied parameters: both sides swapped with the same layout, or an error
+    ties = _tied_groups(model)
+    retie: List[Tuple[nn.Module, str, nn.Module, str]] = []
+    for group_names in ties:
+        owners = [(n.rpartition(".")[0], n.rpartition(".")[2]) for n in group_names]
+        swapped = [o for o in owners if o[0] in built]
+        if not swapped:
+            continue
+        if len(swapped) != len(owners):
+            raise ValueError(f"parallelize: parameters {group_names} are tied (one tensor) but the plan swaps only "
+                             f"{[m + '.' + a for m, a in swapped]}: swap all of them or none")
+        (m0, a0), rest = owners[0], owners[1:]
+        l0 = _layout_of(built[m0], a0)
+        for m, a in rest:
+            if _layout_of(built[m], a) != l0 or getattr(built[m], a).shape != getattr(built[m0], a0).shape:
+                raise ValueError(f"parallelize: tied parameters '{m0}.{a0}' and '{m}.{a}' get different TP layouts "
+                                 f"({l0} vs {_layout_of(built[m], a)}); they cannot stay tied")
+            retie.append((built[m], a, built[m0], a0))
+
+    # 4. swap
+    for name, new in built.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(modules[parent_name] if parent_name else model, child, new)
+    for module, attr, value in changes:
+        setattr(module, attr, value)
+    for dst, a, src, a0 in retie:
+        setattr(dst, a, getattr(src, a0))
+    return model
+
+
+def _layout_of(module: nn.Module, pname: str) -> Optional[ShardLayout]:
+    if isinstance(module, TensorParallelModule):
+        return module.param_layouts().get(pname)
+    return None
+
+
+def _tied_groups(model: nn.Module) -> List[List[str]]:
+    by_id: Dict[int, List[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
