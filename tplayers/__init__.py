@@ -4,6 +4,10 @@ from .functional import column_parallel_linear, row_parallel_linear
 from .groups import TPGroup, resolve_group
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelModule
 
+from . import sharding
+from .plan import Plan, parallelize
+from .checkpoint import load_checkpoint, load_dense, save_checkpoint, save_dense
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -17,4 +21,12 @@ __all__ = [
     "comm",
     "functional",
     "testing",
+    # drop-in, checkpoints, 2-D parallelism
+    "parallelize",
+    "Plan",
+    "save_checkpoint",
+    "load_checkpoint",
+    "save_dense",
+    "load_dense",
+    "sharding",
 ]
