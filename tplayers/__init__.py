@@ -7,6 +7,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelModul
 from . import sharding
 from .plan import Plan, parallelize
 from .checkpoint import load_checkpoint, load_dense, save_checkpoint, save_dense
+from .parallel2d import Mesh2D, make_2d_mesh
 
 __version__ = "0.1.0"
 
@@ -29,4 +30,6 @@ __all__ = [
     "save_dense",
     "load_dense",
     "sharding",
+    "make_2d_mesh",
+    "Mesh2D",
 ]

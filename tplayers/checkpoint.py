@@ -153,6 +153,9 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
             continue
         assert e.tp is not None
         p, r, d = e.tp.size, e.tp.rank, e.layout.dim
+        if type(e.layout) is not ShardLayout:  # a layout subclass (padded vocabulary): see _custom_state
+            _custom_state(e, t, for_save, state, post, meshes)
+            continue
         for key, _, size, local_off, n in _parts(e):
             local = t.narrow(d, local_off, size // n)
             shape = list(t.shape)
@@ -176,6 +179,54 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
                 state[key] = full
                 post.append((full.chunk(n, dim=d)[r // (p // n)], local))
     return state, post
+
+
+def _custom_state(e: _Entry, t: torch.Tensor, for_save: bool, state: Dict[str, Any],
+                  post: List[Tuple[torch.Tensor, torch.Tensor]], meshes: Dict[int, Any]) -> None:
+    """A layout other than plain :class:`ShardLayout` (e.g. a vocabulary padded to the TP degree).
+
+    Where the rank's real rows are a prefix of its local tensor and are exactly DTensor's
+    ``Shard(dim)`` chunk of the full tensor (true for padded vocabularies), that prefix is a
+    DTensor as usual; otherwise the full tensor is gathered to save and read whole to load.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    assert e.tp is not None and e.layout is not None and e.layout.dim is not None
+    p, r, d = e.tp.size, e.tp.rank, e.layout.dim
+    full_shape = e.full_shape()
+    n_full = full_shape[d]
+    probe_shape = [1] * t.dim()
+    probe_shape[d] = n_full
+    probe = torch.arange(1, n_full + 1).reshape(probe_shape)  # 0 marks padding after shard()
+    local_idx = e.layout.shard(probe, r, p).reshape(-1)
+    real = int((local_idx > 0).sum())
+    per = -(-n_full // p)
+    start = min(r * per, n_full)
+    expected = torch.arange(start + 1, start + 1 + min(per, n_full - start))
+    dtensor_ok = p > 1 and real == expected.numel() and torch.equal(local_idx[:real], expected)
+    if dtensor_ok:
+        piece = t.narrow(d, 0, real)
+        if for_save:
+            piece = piece.contiguous().clone()
+        state[e.name] = DTensor.from_local(piece, _mesh(e.tp, t.device, meshes), [Shard(d)], run_check=False,
+                                           shape=full_shape, stride=_contiguous_stride(full_shape))
+    elif for_save:
+        locals_ = list(all_gather_tensor(t.contiguous(), d, group=e.tp).chunk(p, dim=d))
+        state[e.name] = e.layout.unshard(locals_)
+    else:
+        full = torch.empty(full_shape, dtype=t.dtype, device=t.device)
+        state[e.name] = full
+        post.append((_LazyShard(full, e.layout, r, p), t))  # type: ignore[arg-type]
+
+
+class _LazyShard:
+    """``layout.shard(full)`` evaluated after DCP filled ``full`` (used by load's post copies)."""
+
+    def __init__(self, full: torch.Tensor, layout: ShardLayout, rank: int, size: int) -> None:
+        self.full, self.layout, self.rank, self.size = full, layout, rank, size
+
+    def get(self) -> torch.Tensor:
+        return self.layout.shard(self.full, self.rank, self.size)
 
 
 def _manifest(model: nn.Module) -> Dict[str, Any]:
@@ -371,7 +422,7 @@ def load_checkpoint(model: nn.Module, path: str, *, process_group: Any = None) -
         with _quiet():
             dcp.load(state, storage_reader=reader, process_group=pg, no_dist=pg is None)
         for src, dst in post:
-            dst.copy_(src)
+            dst.copy_(src.get() if isinstance(src, _LazyShard) else src)
 
 
 # ---------------------------------------------------------------------------- dense (safetensors)
@@ -470,6 +521,9 @@ def _read_local(f: Any, key: str, e: _Entry) -> torch.Tensor:
         return t.t() if e.transposed else t
     assert e.tp is not None
     d = e.layout.dim
+    if type(e.layout) is not ShardLayout:  # a layout subclass (padded vocabulary): read whole, then cut
+        full_t = f.get_tensor(key)
+        return e.layout.shard(full_t.t() if e.transposed else full_t, e.tp.rank, e.tp.size)
     file_dim = (1 - d) if e.transposed else d
     pieces = []
     for _, full_off, size, _, n in _parts(e):

@@ -11,6 +11,7 @@ A plan maps module-name patterns (``fnmatch``: ``*`` also matches dots) to style
     Column(parts=..)   column split per component of any fused projection (gate/up, GQA qkv)
     "row"              RowParallelLinear, input sharded on the last dim, full output
     "vocab_embedding"  VocabParallelEmbedding (rows of the table split across ranks)
+    "vocab_head"       ParallelLMHead(gather_output=True): an LM head split like the embedding
     "replicate"        left as it is (documents intent; matching it stops later patterns)
 
 GPT-2's ``Conv1D`` (weight stored ``(in, out)``) is accepted wherever ``nn.Linear`` is; its TP
@@ -40,6 +41,7 @@ __all__ = [
     "Column",
     "Row",
     "VocabEmbedding",
+    "VocabHead",
     "Replicate",
     "PLANS",
     "get_plan",
@@ -227,19 +229,44 @@ class Row:
         return RowParallelLinear.from_dense(module, group=tp, **opts)
 
 
+def _embedding_module() -> Any:
+    try:
+        from . import embedding
+    except ImportError as e:  # pragma: no cover - only before the vocabulary layers exist
+        raise NotImplementedError(f"parallelize: vocabulary styles need tplayers.embedding ({e})") from None
+    return embedding
+
+
 @dataclass(frozen=True)
 class VocabEmbedding:
-    """Split an ``nn.Embedding``'s rows (the vocabulary) across ranks; full output on every rank."""
+    """Split an ``nn.Embedding``'s rows (the vocabulary, padded to the TP degree) across ranks."""
+
+    sequence_parallel: bool = False
 
     def build(self, module: nn.Module, name: str, tp: TPGroup) -> nn.Module:
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"parallelize: module '{name}' is a {type(module).__name__}; style "
                             "'vocab_embedding' needs an nn.Embedding")
-        cls = getattr(_layers, "VocabParallelEmbedding", None)
-        if cls is None:
-            raise NotImplementedError("parallelize: style 'vocab_embedding' needs tplayers.VocabParallelEmbedding, "
-                                      "which this build of tplayers does not have")
-        return cls.from_dense(module, group=tp)
+        return _embedding_module().VocabParallelEmbedding.from_dense(module, group=tp,
+                                                                    sequence_parallel=self.sequence_parallel)
+
+
+@dataclass(frozen=True)
+class VocabHead:
+    """An LM head ``nn.Linear(dim, vocab, bias=False)`` split along the (padded) vocabulary.
+
+    ``gather_output=True`` (default) returns full logits, so a model computing its own loss keeps
+    working; False keeps this rank's shard for ``vocab_parallel_cross_entropy``. Same layout as
+    :class:`VocabEmbedding`, so a head tied to the embedding stays tied.
+    """
+
+    gather_output: bool = True
+
+    def build(self, module: nn.Module, name: str, tp: TPGroup) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"parallelize: module '{name}' is a {type(module).__name__}; style "
+                            "'vocab_head' needs an nn.Linear")
+        return _embedding_module().ParallelLMHead.from_dense(module, group=tp, gather_output=self.gather_output)
 
 
 @dataclass(frozen=True)
@@ -250,7 +277,7 @@ class Replicate:
         return module
 
 
-Style = Union[Column, Row, VocabEmbedding, Replicate]
+Style = Union[Column, Row, VocabEmbedding, VocabHead, Replicate]
 
 _STYLE_NAMES: Dict[str, Style] = {
     "column": Column(),
@@ -258,6 +285,7 @@ _STYLE_NAMES: Dict[str, Style] = {
     "fused_qkv": Column(parts=3),
     "row": Row(),
     "vocab_embedding": VocabEmbedding(),
+    "vocab_head": VocabHead(),
     "replicate": Replicate(),
 }
 
@@ -266,7 +294,7 @@ def _style(value: Union[str, Style], pattern: str) -> Style:
     if isinstance(value, str):
         if value not in _STYLE_NAMES:
             raise ValueError(f"parallelize: unknown style '{value}' for pattern '{pattern}'; "
-                             f"known: {sorted(_STYLE_NAMES)} or a Column/Row/VocabEmbedding/Replicate object")
+                             f"known: {sorted(_STYLE_NAMES)} or a Column/Row/VocabEmbedding/VocabHead/Replicate object")
         return _STYLE_NAMES[value]
     if not hasattr(value, "build"):
         raise TypeError(f"parallelize: style for pattern '{pattern}' must be a name or a style object, got {value!r}")
@@ -303,7 +331,7 @@ LLAMA_PLAN = Plan(
         "*layers.*.mlp.gate_proj": "column",
         "*layers.*.mlp.up_proj": "column",
         "*layers.*.mlp.down_proj": "row",
-        "lm_head": "column_gather",
+        "lm_head": "vocab_head",
     },
     # transformers >= 4.48 reshapes with view(..., -1, head_dim); older versions read these.
     divide_attrs={"*layers.*.self_attn": ("num_heads?", "num_key_value_heads?", "hidden_size?")},
@@ -318,7 +346,7 @@ GPT2_PLAN = Plan(
         "*h.*.attn.c_proj": "row",
         "*h.*.mlp.c_fc": "column",
         "*h.*.mlp.c_proj": "row",
-        "lm_head": "column_gather",
+        "lm_head": "vocab_head",
     },
     divide_attrs={"*h.*.attn": ("num_heads", "split_size", "embed_dim")},
 )
