@@ -67,11 +67,11 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, part_sizes: Sequence[int], bias: bool = True, *, group: GroupLike,
                  **options: Any) -> None:
         tp = resolve_group(group)
-        for i, size in enumerate(part_sizes):
-            require_divisible(size, tp, "FusedColumnParallelLinear", f"part {i} size")
         if options.get("gather_output"):
             raise ValueError("FusedColumnParallelLinear: gather_output=True would interleave the parts' shards "
                              "([q_0 k_0 v_0 q_1 ...]); keep the output sharded")
+        for i, size in enumerate(part_sizes):
+            require_divisible(size, tp, "FusedColumnParallelLinear", f"part {i} size")
         object.__setattr__(self, "part_sizes", tuple(int(s) for s in part_sizes))
         super().__init__(in_features, sum(self.part_sizes), bias, group=tp, **options)
 
