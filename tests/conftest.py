@@ -8,7 +8,12 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tplayers import testing
 from tplayers.testing import shutdown_worlds
+
+# Ranks are forked from a server that has these imported already: a world rebuilt after a
+# failing hypothesis example is back in a fraction of a second.
+testing.FORKSERVER_PRELOAD.extend(["pytest", "hypothesis", "einops"])
 
 # Cross-process calls take milliseconds to seconds: no per-example deadline. Example counts are
 # set per test. CI is derandomized so a red run reproduces; locally every run explores anew.

@@ -43,6 +43,7 @@ from .layers import TensorParallelModule
 
 __all__ = [
     "World",
+    "FORKSERVER_PRELOAD",
     "WorldError",
     "RankFailed",
     "WorldTimeout",
@@ -115,6 +116,25 @@ def _worker_main(rank: int, size: int, backend: str, init_file: str, conn: Any,
         pass
 
 
+#: Modules the rank-forking server imports once, so a (re)started rank has them for free.
+#: Extend it before the first world starts with whatever your rank functions import (a test
+#: suite adds its test modules' heavy imports, e.g. "hypothesis", "pytest").
+FORKSERVER_PRELOAD: List[str] = [
+    "torch", "torch.distributed", "tplayers",
+    "torch.distributed.tensor",  # torch.testing.assert_close imports it lazily: 2-3 s per fresh rank
+]
+
+
+def _context() -> Any:
+    """Fork ranks from a server that has already imported torch (a rank starts in well under a
+    second, so rebuilding a world after a failure is cheap); spawn where forkserver is missing."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        return ctx
+    return mp.get_context("spawn")
+
+
 class World:
     """N spawned ranks in one process group, reused across calls.
 
@@ -143,7 +163,7 @@ class World:
         if self.alive:
             return self
         self.close()
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._tmpdir = tempfile.TemporaryDirectory(prefix="tplayers-world-")
         init_file = os.path.join(self._tmpdir.name, "rendezvous")
         for rank in range(self.size):
@@ -159,14 +179,15 @@ class World:
         self._collect(self.start_timeout, what="start")
         return self
 
-    def close(self) -> None:
-        """Stop every rank (politely, then by force)."""
-        for c in self._conns:
-            try:
-                c.send_bytes(b"")
-            except Exception:
-                pass
-        deadline = time.monotonic() + 5
+    def close(self, *, force: bool = False) -> None:
+        """Stop every rank: politely (they leave the process group), or at once with ``force``."""
+        if not force:
+            for c in self._conns:
+                try:
+                    c.send_bytes(b"")
+                except Exception:
+                    pass
+        deadline = time.monotonic() + (0 if force else 5)
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
@@ -232,7 +253,7 @@ class World:
                     if grace_deadline is None:
                         grace_deadline = time.monotonic() + 2.0
         if errors or pending:
-            self.close()  # a half-finished collective poisons the group: rebuild on the next call
+            self.close(force=True)  # a half-finished collective poisons the group: rebuild on the next call
             if errors:
                 first = min(errors)
                 raise RankFailed(first, errors[first], {r: t for r, t in errors.items() if r != first})
