@@ -121,3 +121,22 @@ def test_hf_model_checkpoint_saved_at_tp2_loads_at_tp4(family, tmp_path):
     path = str(tmp_path / "ckpt")
     assert all(get_world(2).run(_save_tp, family, path))
     assert all(get_world(4).run(_load_tp, family, path))
+
+
+def _check_sequence_parallel(group, family: str):
+    dense = BUILD[family](seed=5)
+    model = tplayers.parallelize(copy.deepcopy(dense), family, group=group, sequence_parallel=True)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    out_d, out_t = dense(ids, labels=ids), model(ids, labels=ids)
+    torch.testing.assert_close(out_t.logits, out_d.logits, rtol=1e-9, atol=1e-9)
+    out_d.loss.backward()
+    out_t.loss.backward()
+    grads = dense_parameters(model, grads=True)
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_shipped_plan_sequence_parallel_matches_dense(family):
+    assert all(get_world(2).run(_check_sequence_parallel, family))

@@ -13,6 +13,13 @@ A plan maps module-name patterns (``fnmatch``: ``*`` also matches dots) to style
     "vocab_embedding"  VocabParallelEmbedding (rows of the table split across ranks)
     "vocab_head"       ParallelLMHead(gather_output=True): an LM head split like the embedding
     "replicate"        left as it is (documents intent; matching it stops later patterns)
+    "scatter_sequence" enter sequence parallelism: the module's input is cut along the sequence
+    "sequence_parallel_norm"  a norm on this rank's sequence chunk (parameter grads all-reduced);
+                       SequenceParallelNorm(gather_output=True) also gathers its output
+
+``parallelize(model, "llama", group=g, sequence_parallel=True)`` uses the shipped plan's sequence-
+parallel variant (Column/Row with ``sequence_parallel=True`` between ``scatter_sequence`` at the first
+block and a gathering final norm).
 
 GPT-2's ``Conv1D`` (weight stored ``(in, out)``) is accepted wherever ``nn.Linear`` is; its TP
 layer converts back to a ``Conv1D`` in ``to_dense()``. Modules whose forward depends on the
@@ -30,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from . import layers as _layers
-from .comm import all_gather_tensor
+from .comm import all_gather_tensor, all_reduce_tensor, gather_from_sequence, scatter_to_sequence
 from .groups import GroupLike, TPGroup, resolve_group
 from .layers import ColumnParallelLinear, RowParallelLinear, ShardLayout, TensorParallelModule, require_divisible
 from .sharding import conv1d_to_linear_weight, fused_layout, linear_to_conv1d_weight
@@ -43,6 +50,10 @@ __all__ = [
     "VocabEmbedding",
     "VocabHead",
     "Replicate",
+    "SequenceParallelNorm",
+    "ScatterSequence",
+    "GatherSequence",
+    "SP_PLANS",
     "PLANS",
     "get_plan",
     "FusedColumnParallelLinear",
@@ -277,7 +288,89 @@ class Replicate:
         return module
 
 
-Style = Union[Column, Row, VocabEmbedding, VocabHead, Replicate]
+class _InPlace:
+    """A style that keeps the module and attaches hooks (applied only after every check passed)."""
+
+    def build(self, module: nn.Module, name: str, tp: TPGroup) -> nn.Module:
+        return module
+
+    def apply(self, module: nn.Module, name: str, tp: TPGroup) -> None:
+        raise NotImplementedError
+
+
+def _first_tensor_arg(args: tuple, kwargs: dict, key: str) -> Tuple[tuple, dict, torch.Tensor]:
+    if args:
+        return args, kwargs, args[0]
+    if key in kwargs:
+        return args, kwargs, kwargs[key]
+    raise TypeError(f"parallelize: expected the module's input as the first argument or '{key}='")
+
+
+@dataclass(frozen=True)
+class SequenceParallelNorm(_InPlace):
+    """A norm (or any replicated module) inside a sequence-parallel region: it runs on this rank's
+    sequence chunk, so its parameter gradients are partial sums, all-reduced over the TP group
+    in backward. ``gather_output=True`` also all-gathers its output along the sequence (the
+    last norm, before a head that takes the full sequence)."""
+
+    gather_output: bool = False
+
+    def apply(self, module: nn.Module, name: str, tp: TPGroup) -> None:
+        if getattr(module, "_tplayers_sequence_parallel", False):
+            raise ValueError(f"parallelize: module '{name}' is already sequence-parallel")
+        module._tplayers_sequence_parallel = True
+        if tp.size == 1:
+            return
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_hook(lambda grad, tp=tp: all_reduce_tensor(grad, group=tp))
+        if self.gather_output:
+            # the head after it all-reduces its input gradient, so the gradient here is complete: split it
+            module.register_forward_hook(lambda m, args, out, tp=tp: gather_from_sequence(out, group=tp,
+                                                                                        grad_is_partial=False))
+
+
+@dataclass(frozen=True)
+class GatherSequence(_InPlace):
+    """Leave the sequence-parallel region for one module whose code needs the whole sequence
+    (HF Llama attention reshapes with its input's shape): its first input (``hidden_states``) is
+    all-gathered along the sequence. Its TP layers inside are plain (non-sequence-parallel)
+    column layers, whose backward all-reduces the input gradient, so this one splits it."""
+
+    def apply(self, module: nn.Module, name: str, tp: TPGroup) -> None:
+        if tp.size == 1:
+            return
+
+        def pre_hook(m: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+            args, kwargs, x = _first_tensor_arg(args, kwargs, "hidden_states")
+            x = gather_from_sequence(x, group=tp, grad_is_partial=False)
+            if args:
+                return (x,) + tuple(args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": x}
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+@dataclass(frozen=True)
+class ScatterSequence(_InPlace):
+    """Enter the sequence-parallel region: the module's first input (``hidden_states``) is cut to
+    this rank's sequence chunk (``(b, s, h) -> (b, s/p, h)``); its gradient is all-gathered."""
+
+    def apply(self, module: nn.Module, name: str, tp: TPGroup) -> None:
+        if tp.size == 1:
+            return
+
+        def pre_hook(m: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+            args, kwargs, x = _first_tensor_arg(args, kwargs, "hidden_states")
+            x = scatter_to_sequence(x, group=tp)
+            if args:
+                return (x,) + tuple(args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": x}
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+Style = Union[Column, Row, VocabEmbedding, VocabHead, Replicate, SequenceParallelNorm, ScatterSequence, GatherSequence]
 
 _STYLE_NAMES: Dict[str, Style] = {
     "column": Column(),
@@ -287,6 +380,9 @@ _STYLE_NAMES: Dict[str, Style] = {
     "vocab_embedding": VocabEmbedding(),
     "vocab_head": VocabHead(),
     "replicate": Replicate(),
+    "sequence_parallel_norm": SequenceParallelNorm(),
+    "scatter_sequence": ScatterSequence(),
+    "gather_sequence": GatherSequence(),
 }
 
 
@@ -351,17 +447,61 @@ GPT2_PLAN = Plan(
     divide_attrs={"*h.*.attn": ("num_heads", "split_size", "embed_dim")},
 )
 
+def _sequence_parallel(plan: Plan, first_block: Sequence[str], norms: Sequence[str], final_norm: Sequence[str],
+                       gather_inputs: Sequence[str] = (), keep: Sequence[str] = ()) -> Plan:
+    """The same plan with the residual stream split along the sequence between the TP layers.
+
+    ``gather_inputs``: modules that get the full sequence (their column layers, named in
+    ``keep``, stay non-sequence-parallel)."""
+    layers: Dict[str, Union[str, Style]] = {}
+    for pat, style in plan.layers.items():
+        st = _style(style, pat)
+        if pat not in keep:
+            if isinstance(st, Column) and not st.gather_output:
+                st = Column(parts=st.parts, sequence_parallel=True)
+            elif isinstance(st, Row):
+                st = Row(input_is_parallel=st.input_is_parallel, sequence_parallel=True)
+        layers[pat] = st
+    for pat in first_block:
+        layers[pat] = ScatterSequence()
+    for pat in norms:
+        layers[pat] = SequenceParallelNorm()
+    for pat in final_norm:
+        layers[pat] = SequenceParallelNorm(gather_output=True)
+    for pat in gather_inputs:
+        layers[pat] = GatherSequence()
+    return Plan(layers=layers, divide_attrs=dict(plan.divide_attrs), require_divisible=dict(plan.require_divisible),
+                name=plan.name + "+sp")
+
+
 PLANS: Dict[str, Plan] = {"llama": LLAMA_PLAN, "gpt2": GPT2_PLAN}
 
+# Sequence parallelism (Korthikanti et al.): norms and residual adds run on s/p tokens per rank.
+SP_PLANS: Dict[str, Plan] = {
+    # HF Llama attention views q/k/v with its input's (b, s) shape, so it takes the gathered
+    # sequence (plain column q/k/v); o_proj reduce-scatters back into the split residual stream.
+    "llama": _sequence_parallel(LLAMA_PLAN, ["layers.0", "model.layers.0"],
+                                ["*layers.*.input_layernorm", "*layers.*.post_attention_layernorm"], ["norm", "model.norm"],
+                                gather_inputs=["*layers.*.self_attn"],
+                                keep=["*layers.*.self_attn.q_proj", "*layers.*.self_attn.k_proj",
+                                      "*layers.*.self_attn.v_proj"]),
+    "gpt2": _sequence_parallel(GPT2_PLAN, ["h.0", "transformer.h.0"], ["*h.*.ln_1", "*h.*.ln_2"],
+                               ["ln_f", "transformer.ln_f"]),
+}
 
-def get_plan(plan: Union[str, Plan, Mapping[str, Union[str, Style]]]) -> Plan:
+
+def get_plan(plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *, sequence_parallel: bool = False) -> Plan:
     """A :class:`Plan` from a shipped plan's name, a Plan, or a ``{pattern: style}`` dict."""
+    if sequence_parallel and not isinstance(plan, str):
+        raise ValueError("parallelize: sequence_parallel=True selects a shipped plan's sequence-parallel variant; "
+                         "in your own plan use Column/Row(sequence_parallel=True), 'scatter_sequence' and "
+                         "'sequence_parallel_norm' styles")
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, str):
         if plan not in PLANS:
             raise ValueError(f"parallelize: unknown plan '{plan}'; shipped plans: {sorted(PLANS)}")
-        return PLANS[plan]
+        return SP_PLANS[plan] if sequence_parallel else PLANS[plan]
     if isinstance(plan, Mapping):
         return Plan(layers=dict(plan))
     raise TypeError(f"parallelize: plan must be a plan name, a Plan or a dict, got {type(plan).__name__}")
@@ -381,21 +521,24 @@ def _match(name: str, patterns: Sequence[str]) -> Optional[str]:
 
 
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
-                group: GroupLike) -> nn.Module:
+                group: GroupLike, sequence_parallel: bool = False) -> nn.Module:
     """Swap, in place, the modules ``plan`` names for TP layers holding this rank's shard.
 
     Every rank of ``group`` calls it on an identical dense model (same weights). Returns
     ``model``. All checks (module types, divisibility, head counts, tied weights) run before any
     module is swapped; errors name the module. Tied parameters (GPT-2's ``lm_head.weight`` and
     ``wte.weight``) stay tied when both modules are swapped with the same layout.
+    ``sequence_parallel=True`` (shipped plans): activations between the TP layers are split along
+    the sequence (its length must divide by the TP degree).
     """
     tp = resolve_group(group)
-    p = get_plan(plan)
+    p = get_plan(plan, sequence_parallel=sequence_parallel)
     styles = {pat: _style(v, pat) for pat, v in p.layers.items()}
     modules = dict(model.named_modules())
 
     # 1. build every TP module (nothing swapped yet, so an error leaves the model untouched)
     built: Dict[str, nn.Module] = {}
+    in_place: List[Tuple[_InPlace, nn.Module, str]] = []
     for name, module in modules.items():
         pat = _match(name, list(styles))
         if pat is None or isinstance(styles[pat], Replicate):
@@ -404,12 +547,20 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
             raise ValueError(f"parallelize: pattern '{pat}' matches the root module; name a submodule")
         if any(name.startswith(other + ".") for other in built):
             continue  # inside a module already swapped
+        if isinstance(styles[pat], _InPlace):
+            in_place.append((styles[pat], module, name))
+            continue
         try:
             built[name] = styles[pat].build(module, name, tp)
         except (ValueError, TypeError) as e:
             msg = str(e)
             raise type(e)(msg if msg.startswith("parallelize:") else f"parallelize: module '{name}' ({pat!r}): {msg}") from None
-    if not built:
+    enters = [n for st, _, n in in_place if isinstance(st, ScatterSequence)]
+    leaves = [n for st, _, n in in_place if isinstance(st, SequenceParallelNorm) and st.gather_output]
+    if bool(enters) != bool(leaves):
+        raise ValueError(f"parallelize: plan '{p.name}' enters sequence parallelism at {enters} but leaves it at "
+                         f"{leaves}: it needs both a 'scatter_sequence' module and a gathering final norm")
+    if not built and not in_place:
         raise ValueError(f"parallelize: plan '{p.name}' matched no module of {type(model).__name__} "
                          f"(patterns {list(styles)}); module names look like {list(modules)[1:6]}")
 
@@ -467,6 +618,8 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
         setattr(module, attr, value)
     for dst, a, src, a0 in retie:
         setattr(dst, a, getattr(src, a0))
+    for style, module, name in in_place:
+        style.apply(module, name, tp)
     return model
 
 
