@@ -76,11 +76,10 @@ def _check_inputs(
     sequence_parallel: bool,
     g: TPGroup,
 ) -> None:
-    if x.dim() < 1 or x.shape[-1] != expected_in:
-        raise ValueError(
-            f"{op}: input's last dim is {tuple(x.shape)[-1:] or '()'} (shape {tuple(x.shape)}), "
-            f"expected {expected_in}"
-        )
+    if x.dim() < 1:
+        raise ValueError(f"{op}: input is a 0-dim tensor, expected (..., {expected_in})")
+    if x.shape[-1] != expected_in:
+        raise ValueError(f"{op}: input's last dim is {x.shape[-1]} (shape {tuple(x.shape)}), expected {expected_in}")
     if x.device != weight.device:
         raise ValueError(f"{op}: input is on {x.device} but the weight is on {weight.device}")
     if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):

@@ -103,6 +103,11 @@ def resolve_group(group: GroupLike) -> TPGroup:
     """
     if group is None:
         return _SINGLE
+    if dist.is_available() and group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the TP group it was "
+            "given (new_group returned NON_GROUP_MEMBER); every rank must pass the group it belongs to"
+        )
     if isinstance(group, TPGroup):
         return group
     if _is_device_mesh(group):

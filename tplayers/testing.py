@@ -255,7 +255,7 @@ class World:
         if errors or pending:
             self.close(force=True)  # a half-finished collective poisons the group: rebuild on the next call
             if errors:
-                first = min(errors)
+                first = next(iter(errors))  # the earliest report: later ones are usually its echoes
                 raise RankFailed(first, errors[first], {r: t for r, t in errors.items() if r != first})
             raise WorldTimeout(f"ranks {sorted(pending)} of {self.size} did not finish {what} within {timeout:.0f}s")
         return results

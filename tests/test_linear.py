@@ -1,0 +1,306 @@
+"""ColumnParallelLinear and RowParallelLinear against float64 dense nn.Linear references."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import tplayers
+from tplayers import ColumnParallelLinear, RowParallelLinear
+from tplayers.testing import assert_matches_dense, get_world
+
+TP_SIZES = [1, 2, 4]
+f64 = torch.float64
+
+
+def _dense_linear(seed, in_features, out_features, bias):
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias, dtype=f64)
+
+
+def _input(seed, lead, features):
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(tuple(lead) + (features,), generator=gen, dtype=f64)
+
+
+# ------------------------------------------------------------------ per-rank checks
+
+
+def _check_column(group, seed, lead, in_f, out_f, bias, gather_output, overlap):
+    dense = _dense_linear(seed, in_f, out_f, bias)
+    tp = ColumnParallelLinear.from_dense(dense, group=group, gather_output=gather_output, overlap_comm=overlap)
+    report = assert_matches_dense(tp, dense, _input(seed, lead, in_f), group=group,
+                                  output_shard_dim=None if gather_output else -1)
+    return report.output_error, report.grad_error
+
+
+def _check_row(group, seed, lead, in_f, out_f, bias, input_is_parallel, overlap):
+    dense = _dense_linear(seed, in_f, out_f, bias)
+    tp = RowParallelLinear.from_dense(dense, group=group, input_is_parallel=input_is_parallel, overlap_comm=overlap)
+    report = assert_matches_dense(tp, dense, _input(seed, lead, in_f), group=group,
+                                  input_shard_dims=[-1] if input_is_parallel else None)
+    return report.output_error, report.grad_error
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, fc1: nn.Linear, fc2: nn.Linear):
+        super().__init__()
+        self.fc1, self.fc2 = fc1, fc2
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class TPMLP(nn.Module):
+    """Column -> GELU -> Row, the Megatron MLP, built from the dense one."""
+
+    def __init__(self, dense: DenseMLP, group, sequence_parallel=False, overlap=True):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear.from_dense(dense.fc1, group=group, sequence_parallel=sequence_parallel,
+                                                   overlap_comm=overlap)
+        self.fc2 = RowParallelLinear.from_dense(dense.fc2, group=group, sequence_parallel=sequence_parallel,
+                                                overlap_comm=overlap)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _check_mlp(group, seed, lead, hidden, ffn, bias, sequence_parallel, overlap):
+    torch.manual_seed(seed)
+    dense = DenseMLP(nn.Linear(hidden, ffn, bias=bias, dtype=f64), nn.Linear(ffn, hidden, bias=bias, dtype=f64))
+    tp = TPMLP(dense, group, sequence_parallel, overlap)
+    sp = [-2] if sequence_parallel else None
+    report = assert_matches_dense(tp, dense, _input(seed, lead, hidden), group=group,
+                                  input_shard_dims=sp, output_shard_dim=-2 if sequence_parallel else None)
+    return report.output_error, report.grad_error
+
+
+def _check_overlap_is_bit_identical(group, seed, sequence_parallel):
+    """overlap_comm only changes when we wait, never what is computed."""
+    torch.manual_seed(seed)
+    dense = DenseMLP(nn.Linear(8, 16, dtype=torch.float32), nn.Linear(16, 8, dtype=torch.float32))
+    x = torch.randn(2, 4, 8)
+    if sequence_parallel:
+        x = x.chunk(group.size(), dim=-2)[group.rank()]
+    results = []
+    for overlap in (True, False):
+        tp = TPMLP(dense, group, sequence_parallel, overlap)
+        xi = x.clone().requires_grad_()
+        out = tp(xi)
+        out.pow(2).sum().backward()
+        results.append([out, xi.grad] + [p.grad for p in tp.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*results))
+
+
+# ------------------------------------------------------------------ property tests
+
+leads = st.lists(st.integers(1, 3), min_size=0, max_size=2)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@settings(max_examples=8)
+@given(seed=st.integers(0, 2**16), lead=leads, in_f=st.integers(1, 9), out_mult=st.integers(1, 3),
+       bias=st.booleans(), gather_output=st.booleans(), overlap=st.booleans())
+def test_column_parallel_matches_dense(tp, seed, lead, in_f, out_mult, bias, gather_output, overlap):
+    get_world(tp).run(_check_column, seed, lead, in_f, 4 * out_mult, bias, gather_output, overlap)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@settings(max_examples=8)
+@given(seed=st.integers(0, 2**16), lead=leads, in_mult=st.integers(1, 3), out_f=st.integers(1, 9),
+       bias=st.booleans(), input_is_parallel=st.booleans(), overlap=st.booleans())
+def test_row_parallel_matches_dense(tp, seed, lead, in_mult, out_f, bias, input_is_parallel, overlap):
+    get_world(tp).run(_check_row, seed, lead, 4 * in_mult, out_f, bias, input_is_parallel, overlap)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@settings(max_examples=6)
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 2), seq_mult=st.integers(1, 2),
+       hidden_mult=st.integers(1, 3), ffn_mult=st.integers(1, 3), bias=st.booleans(),
+       sequence_parallel=st.booleans(), overlap=st.booleans())
+def test_column_gelu_row_mlp_matches_dense(tp, seed, batch, seq_mult, hidden_mult, ffn_mult, bias,
+                                           sequence_parallel, overlap):
+    lead = [batch, 4 * seq_mult]
+    get_world(tp).run(_check_mlp, seed, lead, 4 * hidden_mult, 4 * ffn_mult, bias, sequence_parallel, overlap)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_overlap_on_and_off_are_bit_identical(tp, sequence_parallel):
+    assert all(get_world(tp).run(_check_overlap_is_bit_identical, 3, sequence_parallel))
+
+
+# ------------------------------------------------------------------ init, conversion, repr
+
+
+def _check_init_equals_dense_shards(group, seed):
+    rank, size = group.rank(), group.size()
+    torch.manual_seed(seed)
+    dense = nn.Linear(8, 12)
+    torch.manual_seed(seed)
+    col = ColumnParallelLinear(8, 12, group=group)
+    torch.manual_seed(seed)
+    row = RowParallelLinear(12, 8, group=group)
+    torch.manual_seed(seed)
+    dense_row = nn.Linear(12, 8)
+    assert torch.equal(col.weight, dense.weight.chunk(size, 0)[rank])
+    assert torch.equal(col.bias, dense.bias.chunk(size, 0)[rank])
+    assert torch.equal(row.weight, dense_row.weight.chunk(size, 1)[rank])
+    assert torch.equal(row.bias, dense_row.bias)
+    return True
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_init_equals_dense_init_shards(tp):
+    assert all(get_world(tp).run(_check_init_equals_dense_shards, 11))
+
+
+def _check_round_trip(group):
+    torch.manual_seed(0)
+    a, b = nn.Linear(6, 8, dtype=f64), nn.Linear(8, 6, bias=False, dtype=f64)
+    a.weight.requires_grad_(False)
+    col = ColumnParallelLinear.from_dense(a, group=group)
+    row = RowParallelLinear.from_dense(b, group=group)
+    assert not col.weight.requires_grad, "from_dense must keep requires_grad"
+    back_a, back_b = col.to_dense(), row.to_dense()
+    assert type(back_a) is nn.Linear and type(back_b) is nn.Linear
+    assert torch.equal(back_a.weight, a.weight) and torch.equal(back_a.bias, a.bias)
+    assert torch.equal(back_b.weight, b.weight) and back_b.bias is None
+    assert back_a.weight.dtype == f64 and not back_a.weight.requires_grad
+    # from_dense copies: training the TP layer leaves the dense module untouched
+    with torch.no_grad():
+        row.weight.add_(1.0)
+    assert not torch.equal(row.to_dense().weight, b.weight)
+    return repr(col), repr(row)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_from_dense_to_dense_round_trip(tp):
+    col_repr, row_repr = get_world(tp).run(_check_round_trip)[0]
+    assert f"tp_size={tp}" in col_repr and "out_features_per_rank" in col_repr
+    assert f"tp_size={tp}" in row_repr and "in_features_per_rank" in row_repr
+
+
+def test_world_of_one_without_process_group_is_nn_linear():
+    torch.manual_seed(0)
+    dense = nn.Linear(5, 7)
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(5, 7, group=None)
+    row = RowParallelLinear.from_dense(dense, group=None)
+    x = torch.randn(3, 5)
+    assert torch.equal(layer(x), dense(x)) and torch.equal(row(x), dense(x))
+    assert isinstance(layer.to_dense(), nn.Linear)
+
+
+def test_autocast_bf16_on_cpu():
+    torch.manual_seed(0)
+    dense = nn.Linear(16, 16)
+    col = ColumnParallelLinear.from_dense(dense, group=None)
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = col(x), dense(x)
+    assert out.dtype == torch.bfloat16 == ref.dtype
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert col.weight.grad is not None and col.weight.grad.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _check_bad_inputs(group):
+    size = group.size()
+    bad = 2 * size + 1
+    with pytest.raises(ValueError, match=rf"ColumnParallelLinear: out_features={bad} is not divisible by the TP degree {size}"):
+        ColumnParallelLinear(4, bad, group=group)
+    with pytest.raises(ValueError, match=rf"RowParallelLinear: in_features={bad} is not divisible by the TP degree {size}"):
+        RowParallelLinear(bad, 4, group=group)
+    col = ColumnParallelLinear(8, 8, group=group)
+    with pytest.raises(ValueError, match=r"input's last dim is 7 .* expected 8"):
+        col(torch.randn(2, 7))
+    with pytest.raises(TypeError, match="input dtype torch.float64 does not match the weight dtype torch.float32"):
+        col(torch.randn(2, 8, dtype=f64))
+    row = RowParallelLinear(8, 8, group=group)
+    with pytest.raises(ValueError, match=rf"expected {8 // size}"):
+        row(torch.randn(2, 8 if size > 1 else 7))
+    meta = ColumnParallelLinear(8, 8, group=group, device="meta")
+    with pytest.raises(ValueError, match="input is on cpu but the weight is on meta"):
+        meta(torch.randn(2, 8))
+    sp_row = RowParallelLinear(8, 8, group=group, sequence_parallel=True)
+    with pytest.raises(ValueError, match=rf"sequence length 3 is not divisible by the TP degree {size}"):
+        sp_row(torch.randn(2, 3, 8 // size))
+    with pytest.raises(ValueError, match="gather_output=True cannot be combined with sequence_parallel"):
+        ColumnParallelLinear(8, 8, group=group, gather_output=True, sequence_parallel=True)
+    with pytest.raises(TypeError, match="from_dense expects an nn.Linear"):
+        ColumnParallelLinear.from_dense(nn.Embedding(4, 4), group=group)
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
+        ColumnParallelLinear(8, 8, group=2)
+    return True
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_bad_inputs_raise_clear_errors(tp):
+    assert all(get_world(tp).run(_check_bad_inputs))
+
+
+def test_process_group_without_init_is_a_clear_error(monkeypatch):
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    fake_pg = dist.ProcessGroup(dist.HashStore(), 0, 1)  # a group object, but no init_process_group
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        ColumnParallelLinear(4, 4, group=fake_pg)
+
+
+# ------------------------------------------------------------------ groups and meshes
+
+
+def _check_mesh_groups(group):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    rank = dist.get_rank()
+    mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_from_mesh = tplayers.resolve_group(mesh2d)  # the named "tp" dim
+    assert (tp_from_mesh.rank, tp_from_mesh.size) == (rank % 2, 2)
+    assert tplayers.resolve_group(mesh2d["tp"]).size == 2
+    with pytest.raises(ValueError, match="dimension named 'tp'"):
+        tplayers.resolve_group(init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")))
+    # a layer on the mesh matches dense, independently in each dp replica
+    torch.manual_seed(0)
+    dense = nn.Linear(4, 8, dtype=f64)
+    col = ColumnParallelLinear.from_dense(dense, group=mesh2d, gather_output=True)
+    assert_matches_dense(col, dense, torch.randn(3, 4, dtype=f64), group=mesh2d)
+    # a group this rank is not in
+    other = dist.new_group([0, 1])
+    if rank >= 2:
+        with pytest.raises(ValueError, match="is not a member of the TP group"):
+            ColumnParallelLinear(4, 8, group=other)
+    return True
+
+
+def test_device_mesh_and_group_membership():
+    assert all(get_world(4).run(_check_mesh_groups))
+
+
+# ------------------------------------------------------------------ CUDA
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _check_mlp_on_cuda(group, seed):
+    torch.cuda.set_device(0)
+    torch.manual_seed(seed)
+    dense = DenseMLP(nn.Linear(16, 32, dtype=f64), nn.Linear(32, 16, dtype=f64)).cuda()
+    tp = TPMLP(dense, group)
+    x = torch.randn(2, 4, 16, dtype=f64, device="cuda")
+    report = assert_matches_dense(tp, dense, x, group=group)
+    return report.output_error, report.grad_error
+
+
+@cuda
+def test_cuda_nccl_world_of_one():
+    get_world(1, backend="nccl").run(_check_mlp_on_cuda, 0)
+
+
+@cuda
+def test_cuda_tensors_over_gloo_two_ranks():
+    get_world(2).run(_check_mlp_on_cuda, 0)
