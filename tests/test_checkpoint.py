@@ -165,3 +165,14 @@ def _load_dense_tp4(group, path: str):
     model = _build(group, 8)
     tplayers.load_dense(model, path)
     return dense_state_dict(model)
+
+
+def test_fused_layout_mismatch_names_parameter(tmp_path):
+    path = str(tmp_path / "ckpt")
+    tplayers.save_checkpoint(_single(1), path)  # qkv saved as three fused parts
+    torch.manual_seed(0)
+    plain = Toy()
+    tplayers.parallelize(plain, {"qkv": "column", "up": "column", "down": "row"}, group=None)
+    plain.gqa = _GQAProj(plain.gqa.weight.detach(), None)
+    with pytest.raises(CheckpointError, match=r"'qkv.weight' was saved with TP layout .*parts.*\[8, 8, 8\]"):
+        tplayers.load_checkpoint(plain, path)
