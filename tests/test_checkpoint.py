@@ -36,7 +36,7 @@ class _GQAProj(TensorParallelModule):
 class Toy(nn.Module):
     def __init__(self, hidden: int = 8) -> None:
         super().__init__()
-        self.emb = nn.Embedding(32, hidden)
+        self.emb = nn.Embedding(30, hidden)  # vocabulary padded to the TP degree at TP 4
         self.qkv = nn.Linear(hidden, 3 * hidden)  # fused, equal thirds
         self.up = nn.Linear(hidden, 4 * hidden)
         self.down = nn.Linear(4 * hidden, hidden)
@@ -53,7 +53,8 @@ def _build(group, seed: int, hidden: int = 8) -> nn.Module:
         for p in model.parameters():
             p.normal_()
         model.step.fill_(seed)
-    tplayers.parallelize(model, {"qkv": Column(parts=3), "up": "column", "down": "row"}, group=group)
+    tplayers.parallelize(model, {"emb": "vocab_embedding", "qkv": Column(parts=3), "up": "column", "down": "row"},
+                         group=group)
     model.gqa = _GQAProj(model.gqa.weight.detach(), group)
     return model
 
@@ -172,7 +173,8 @@ def test_fused_layout_mismatch_names_parameter(tmp_path):
     tplayers.save_checkpoint(_single(1), path)  # qkv saved as three fused parts
     torch.manual_seed(0)
     plain = Toy()
-    tplayers.parallelize(plain, {"qkv": "column", "up": "column", "down": "row"}, group=None)
+    tplayers.parallelize(plain, {"emb": "vocab_embedding", "qkv": "column", "up": "column", "down": "row"},
+                         group=None)
     plain.gqa = _GQAProj(plain.gqa.weight.detach(), None)
     with pytest.raises(CheckpointError, match=r"'qkv.weight' was saved with TP layout .*parts.*\[8, 8, 8\]"):
         tplayers.load_checkpoint(plain, path)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("tplayers.embedding", reason="the vocabulary layers (VocabParallelEmbedding) are not merged yet")
 
 import tplayers  # noqa: E402
 from tplayers.testing import dense_parameters, get_world  # noqa: E402

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tplayers
-from tplayers.plan import Column, FusedColumnParallelLinear, Plan
+from tplayers.fused import FusedColumnParallelLinear
+from tplayers.plan import Column, Plan
 from tplayers.testing import assert_matches_dense, get_world
 
 

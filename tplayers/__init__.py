@@ -3,6 +3,15 @@ from . import comm, functional, testing
 from .functional import column_parallel_linear, row_parallel_linear
 from .groups import TPGroup, resolve_group
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelModule
+from .embedding import ParallelLMHead, VocabParallelEmbedding
+from .loss import vocab_parallel_cross_entropy
+from .random import RNGTracker
+from .norm import ParallelNorm
+from .fused import FusedColumnParallelLinear
+from .blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
+from .gpt import ParallelGPT
+from .dense import BlockConfig, GPTConfig
+from . import dense
 
 from . import sharding
 from .plan import Plan, parallelize
@@ -22,6 +31,19 @@ __all__ = [
     "comm",
     "functional",
     "testing",
+    "VocabParallelEmbedding",
+    "ParallelLMHead",
+    "vocab_parallel_cross_entropy",
+    "RNGTracker",
+    "ParallelNorm",
+    "FusedColumnParallelLinear",
+    "ParallelMLP",
+    "ParallelAttention",
+    "ParallelTransformerBlock",
+    "ParallelGPT",
+    "BlockConfig",
+    "GPTConfig",
+    "dense",
     # drop-in, checkpoints, 2-D parallelism
     "parallelize",
     "Plan",

@@ -30,6 +30,7 @@ __all__ = [
     "scatter_to_sequence",
     "gather_from_sequence",
     "reduce_scatter_to_sequence",
+    "sum_over_replicas",
     "all_gather_tensor",
     "all_reduce_tensor",
     "broadcast_tensor",
@@ -71,12 +72,16 @@ def _check_divisible(size: int, g: TPGroup, what: str) -> None:
         raise ValueError(f"{what} of size {size} is not divisible by the TP degree {g.size}")
 
 
-def _all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False) -> Pending:
-    """Sum ``buf`` over the group, in place. ``buf`` must be a contiguous tensor the caller owns."""
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str = "sum") -> Pending:
+    """Sum (or ``op="max"``) ``buf`` over the group, in place. ``buf`` must be a contiguous
+    tensor the caller owns."""
     if g.size == 1:
         return _done(buf)
     assert buf.is_contiguous(), "all-reduce needs an owned contiguous buffer"
-    work = dist.all_reduce(buf, group=g.process_group, async_op=async_op)
+    work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op)
     return Pending(work, lambda: buf)
 
 
@@ -234,6 +239,28 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.g).wait(), None, None
 
 
+class _SumOverReplicas(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the ranks holding the same replica.
+
+    Ranks are grouped in ``num_shards`` consecutive runs of ``p // num_shards`` (the layout of
+    KV heads replicated over more ranks than there are heads). One all-reduce of a
+    ``(num_shards, *grad.shape)`` buffer with this rank's gradient in its run's slot.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, g: TPGroup, num_shards: int) -> torch.Tensor:
+        ctx.g, ctx.num_shards = g, num_shards
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g, n = ctx.g, ctx.num_shards
+        slot = g.rank // (g.size // n)
+        buf = grad.new_zeros((n,) + tuple(grad.shape))
+        buf[slot].copy_(grad)
+        return _all_reduce(buf, g).wait()[slot], None, None
+
+
 # ---------------------------------------------------------------- public wrappers
 
 
@@ -282,6 +309,15 @@ def reduce_scatter_to_sequence(x: torch.Tensor, *, group: GroupLike, seq_dim: in
     return x if g.size == 1 else _ReduceScatterToSequence.apply(x, g, seq_dim)
 
 
+def sum_over_replicas(x: torch.Tensor, *, group: GroupLike, num_shards: int) -> torch.Tensor:
+    """Identity forward. Backward: the gradient summed over the ``p // num_shards`` consecutive
+    ranks that hold the same replica of ``x`` (e.g. a KV head shared by several ranks)."""
+    g = resolve_group(group)
+    if num_shards < 1 or g.size % num_shards:
+        raise ValueError(f"sum_over_replicas: num_shards={num_shards} does not divide the TP degree {g.size}")
+    return x if num_shards == g.size else _SumOverReplicas.apply(x, g, num_shards)
+
+
 # ---------------------------------------------------------------- non-differentiable helpers
 
 
@@ -291,11 +327,14 @@ def all_gather_tensor(x: torch.Tensor, dim: int, *, group: GroupLike) -> torch.T
         return _all_gather(x.detach(), dim, resolve_group(group)).wait()
 
 
-def all_reduce_tensor(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
-    """Sum of ``x`` over the group as a new tensor (no autograd); ``x`` is left untouched."""
+def all_reduce_tensor(x: torch.Tensor, *, group: GroupLike, op: str = "sum") -> torch.Tensor:
+    """Sum (``op="sum"``) or maximum (``op="max"``) of ``x`` over the group as a new tensor
+    (no autograd); ``x`` is left untouched."""
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce_tensor: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
     with torch.no_grad():
         g = resolve_group(group)
-        return x.detach() if g.size == 1 else _all_reduce(_owned_copy(x.detach()), g).wait()
+        return x.detach() if g.size == 1 else _all_reduce(_owned_copy(x.detach()), g, op=op).wait()
 
 
 def broadcast_tensor(x: torch.Tensor, src_rank: int, *, group: GroupLike) -> torch.Tensor:

@@ -36,11 +36,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
-from . import layers as _layers
-from .comm import all_gather_tensor, all_reduce_tensor, gather_from_sequence, scatter_to_sequence
+from .comm import all_reduce_tensor, gather_from_sequence, scatter_to_sequence
 from .groups import GroupLike, TPGroup, resolve_group
-from .layers import ColumnParallelLinear, RowParallelLinear, ShardLayout, TensorParallelModule, require_divisible
-from .sharding import conv1d_to_linear_weight, fused_layout, linear_to_conv1d_weight
+from .embedding import ParallelLMHead, VocabParallelEmbedding
+from .fused import FusedColumnParallelLinear
+from .layers import ColumnParallelLinear, RowParallelLinear, ShardLayout, TensorParallelModule
+from .sharding import conv1d_to_linear_weight, linear_to_conv1d_weight
 
 __all__ = [
     "parallelize",
@@ -56,7 +57,6 @@ __all__ = [
     "SP_PLANS",
     "PLANS",
     "get_plan",
-    "FusedColumnParallelLinear",
     "ColumnParallelConv1D",
     "RowParallelConv1D",
     "FusedColumnParallelConv1D",
@@ -65,73 +65,6 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------- extra TP layers
-
-
-class FusedColumnParallelLinear(ColumnParallelLinear):
-    """ColumnParallelLinear over a fused projection ``[p_0; p_1; ...]`` (q/k/v, gate/up).
-
-    Each part of ``part_sizes`` (output features) is split across ranks on its own, so rank r
-    holds ``[p_0 chunk r; p_1 chunk r; ...]``: the local output splits into local parts exactly
-    as the dense output splits into parts (``split_size`` / ``chunk`` code keeps working).
-    """
-
-    def __init__(self, in_features: int, part_sizes: Sequence[int], bias: bool = True, *, group: GroupLike,
-                 **options: Any) -> None:
-        tp = resolve_group(group)
-        if options.get("gather_output"):
-            raise ValueError("FusedColumnParallelLinear: gather_output=True would interleave the parts' shards "
-                             "([q_0 k_0 v_0 q_1 ...]); keep the output sharded")
-        for i, size in enumerate(part_sizes):
-            require_divisible(size, tp, "FusedColumnParallelLinear", f"part {i} size")
-        object.__setattr__(self, "part_sizes", tuple(int(s) for s in part_sizes))
-        super().__init__(in_features, sum(self.part_sizes), bias, group=tp, **options)
-
-    def _layout(self) -> ShardLayout:
-        return fused_layout(self.part_sizes, self.tp.size)
-
-    def reset_parameters(self) -> None:
-        w, b = _layers._dense_linear_init(self.in_features, self.out_features, self.bias is not None,
-                                  self.weight.device, self.weight.dtype)
-        with torch.no_grad():
-            self.weight.copy_(self._layout().shard(w, self.tp.rank, self.tp.size))
-            if self.bias is not None:
-                self.bias.copy_(self._layout().shard(b, self.tp.rank, self.tp.size))
-
-    @classmethod
-    def from_dense(cls, dense: nn.Module, *, group: GroupLike, parts: Union[int, Sequence[int]] = 3,
-                   **options: Any) -> "FusedColumnParallelLinear":
-        """This rank's per-part shard of an ``nn.Linear`` whose output concatenates ``parts``
-        (an int: that many equal parts; or the part sizes)."""
-        _layers._check_dense_linear(dense, cls)
-        tp = resolve_group(group)
-        sizes = _part_sizes(parts, dense.out_features, cls.__name__)
-        layer = cls(dense.in_features, sizes, dense.bias is not None, group=tp, device="meta",
-                    dtype=dense.weight.dtype, **options)
-        layout = layer._layout()
-        layer.weight = _layers._param(layout.shard(dense.weight, tp.rank, tp.size), dense.weight)
-        if dense.bias is not None:
-            layer.bias = _layers._param(layout.shard(dense.bias, tp.rank, tp.size), dense.bias)
-        return layer
-
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        locals_ = list(all_gather_tensor(t, 0, group=self.tp).chunk(self.tp.size, dim=0))
-        return self._layout().unshard(locals_)
-
-    def to_dense(self) -> nn.Linear:
-        dense = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta")
-        dense.weight = _layers._param(self._gather(self.weight), self.weight)
-        if self.bias is not None:
-            dense.bias = _layers._param(self._gather(self.bias), self.bias)
-        return dense
-
-    def param_layouts(self) -> Dict[str, ShardLayout]:
-        layouts = {"weight": self._layout()}
-        if self.bias is not None:
-            layouts["bias"] = self._layout()
-        return layouts
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + f", part_sizes={self.part_sizes}"
 
 
 def _part_sizes(parts: Union[int, Sequence[int]], out_features: int, where: str) -> Tuple[int, ...]:
@@ -194,7 +127,8 @@ class RowParallelConv1D(_Conv1DDense, RowParallelLinear):
 
 
 class FusedColumnParallelConv1D(_Conv1DDense, FusedColumnParallelLinear):
-    """FusedColumnParallelLinear built from (and converting back to) a GPT-2 ``Conv1D`` (``c_attn``)."""
+    """:class:`~tplayers.fused.FusedColumnParallelLinear` built from (and converting back to) a
+    GPT-2 ``Conv1D`` (``c_attn``: q, k, v fused, each split by heads)."""
 
 
 # ---------------------------------------------------------------------------- styles
@@ -216,11 +150,16 @@ class Column:
 
     def build(self, module: nn.Module, name: str, tp: TPGroup) -> nn.Module:
         _check_linear_like(module, name, "column")
-        opts: Dict[str, Any] = dict(gather_output=self.gather_output, sequence_parallel=self.sequence_parallel)
+        opts: Dict[str, Any] = dict(sequence_parallel=self.sequence_parallel)
         if self.parts is not None:
-            opts["parts"] = self.parts
+            if self.gather_output:
+                raise ValueError("Column(parts=..., gather_output=True): gathering a fused projection would "
+                                 "interleave its parts' shards ([q_0 k_0 v_0 q_1 ...]); keep the output sharded")
+            out_features = module.nf if is_conv1d(module) else module.out_features
+            opts["parts"] = _part_sizes(self.parts, out_features, "Column")
             cls = FusedColumnParallelConv1D if is_conv1d(module) else FusedColumnParallelLinear
         else:
+            opts["gather_output"] = self.gather_output
             cls = ColumnParallelConv1D if is_conv1d(module) else ColumnParallelLinear
         return cls.from_conv1d(module, group=tp, **opts) if is_conv1d(module) else cls.from_dense(module, group=tp, **opts)
 
@@ -240,14 +179,6 @@ class Row:
         return RowParallelLinear.from_dense(module, group=tp, **opts)
 
 
-def _embedding_module() -> Any:
-    try:
-        from . import embedding
-    except ImportError as e:  # pragma: no cover - only before the vocabulary layers exist
-        raise NotImplementedError(f"parallelize: vocabulary styles need tplayers.embedding ({e})") from None
-    return embedding
-
-
 @dataclass(frozen=True)
 class VocabEmbedding:
     """Split an ``nn.Embedding``'s rows (the vocabulary, padded to the TP degree) across ranks."""
@@ -258,7 +189,7 @@ class VocabEmbedding:
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"parallelize: module '{name}' is a {type(module).__name__}; style "
                             "'vocab_embedding' needs an nn.Embedding")
-        return _embedding_module().VocabParallelEmbedding.from_dense(module, group=tp,
+        return VocabParallelEmbedding.from_dense(module, group=tp,
                                                                     sequence_parallel=self.sequence_parallel)
 
 
@@ -277,7 +208,7 @@ class VocabHead:
         if not isinstance(module, nn.Linear):
             raise TypeError(f"parallelize: module '{name}' is a {type(module).__name__}; style "
                             "'vocab_head' needs an nn.Linear")
-        return _embedding_module().ParallelLMHead.from_dense(module, group=tp, gather_output=self.gather_output)
+        return ParallelLMHead.from_dense(module, group=tp, gather_output=self.gather_output)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,364 @@
+"""ParallelMLP, ParallelAttention, ParallelTransformerBlock and ParallelGPT vs their dense twins."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tplayers import (BlockConfig, VocabParallelEmbedding, GPTConfig, ParallelAttention, ParallelGPT, ParallelMLP, ParallelTransformerBlock,
+                      RNGTracker)
+from tplayers.comm import gather_from_sequence, scatter_to_sequence
+from tplayers.dense import DenseAttention, DenseGPT, DenseMLP, DenseTransformerBlock
+from tplayers.groups import TPGroup, resolve_group
+from tplayers.layers import TensorParallelModule
+from tplayers.testing import assert_matches_dense, dense_parameters, get_world
+
+TP_SIZES = [1, 2, 4]
+F64 = torch.float64
+
+
+class _WithMask(nn.Module):
+    """Binds an attention mask so assert_matches_dense sees a one-input module."""
+
+    def __init__(self, inner, mask):
+        super().__init__()
+        self.inner, self.mask = inner, mask
+
+    def forward(self, x):
+        return self.inner(x, self.mask)
+
+
+def _check_layouts(tp_module, dense_module, group):
+    """Every TP child's param_layouts() cuts exactly its local parameters from the dense ones."""
+    g = resolve_group(group)
+    dense_params = dict(dense_module.named_parameters())
+    seen = 0
+    for prefix, mod in tp_module.named_modules():
+        if not isinstance(mod, TensorParallelModule):
+            continue
+        for name, layout in mod.param_layouts().items():
+            full = dense_params[f"{prefix}.{name}" if prefix else name]
+            assert torch.equal(layout.shard(full, g.rank, g.size), getattr(mod, name)), f"{prefix}.{name}"
+            seen += 1
+    assert seen == len(dense_params), "every dense parameter has a layout"
+
+
+def _make_mask(kind, batch, heads, seq, gen):
+    if kind == "none":
+        return None
+    if kind == "bool":  # (b, s, s), every query keeps itself so no row is fully masked
+        return (torch.rand(batch, seq, seq, generator=gen) < 0.7) | torch.eye(seq, dtype=torch.bool)
+    return torch.randn(batch, heads, seq, seq, generator=gen, dtype=F64)  # additive, per head
+
+
+def _io_dims(sequence_parallel):
+    return dict(input_shard_dims=[1] if sequence_parallel else None, output_shard_dim=1 if sequence_parallel else None)
+
+
+# ------------------------------------------------------------------ MLP
+
+
+def _check_mlp(group, hidden, ffn, activation, bias, batch, seq, sequence_parallel, seed):
+    torch.manual_seed(seed)
+    dense = DenseMLP(hidden, ffn, activation, bias, dtype=F64)
+    tp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
+    _check_layouts(tp, dense, group)
+    x = torch.randn(batch, seq, hidden, dtype=F64)
+    return assert_matches_dense(tp, dense, x, group=group, **_io_dims(sequence_parallel)).grad_error
+
+
+@settings(max_examples=8)
+@given(hidden=st.integers(1, 8), ffn_per_rank=st.integers(1, 3), activation=st.sampled_from(["gelu", "swiglu"]),
+       bias=st.booleans(), batch=st.integers(1, 2), seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_mlp_matches_dense(hidden, ffn_per_rank, activation, bias, batch, seq, sequence_parallel, seed):
+    for tp in TP_SIZES:
+        get_world(tp).run(_check_mlp, hidden, ffn_per_rank * 4, activation, bias, batch, seq, sequence_parallel, seed)
+
+
+# ------------------------------------------------------------------ attention
+
+heads = st.sampled_from([(4, 4), (4, 2), (4, 1), (8, 2), (8, 8), (8, 4)])
+
+
+def _check_attention(group, hidden, n_heads, n_kv, head_dim, causal, rotary, mask_kind, batch, seq,
+                     sequence_parallel, seed):
+    torch.manual_seed(seed)
+    dense = DenseAttention(hidden, n_heads, n_kv, head_dim, True, causal, rotary, dtype=F64)
+    tp = ParallelAttention.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
+    _check_layouts(tp, dense, group)
+    mask = _make_mask(mask_kind, batch, n_heads, seq, torch.Generator().manual_seed(seed))
+    x = torch.randn(batch, seq, hidden, dtype=F64)
+    return assert_matches_dense(_WithMask(tp, mask), _WithMask(dense, mask), x, group=group,
+                                **_io_dims(sequence_parallel)).grad_error
+
+
+@settings(max_examples=12)
+@given(hidden=st.integers(1, 8), heads=heads, head_dim=st.sampled_from([2, 4]), causal=st.booleans(),
+       rotary=st.booleans(), mask_kind=st.sampled_from(["none", "bool", "float"]), batch=st.integers(1, 2),
+       seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
+def test_attention_matches_dense(hidden, heads, head_dim, causal, rotary, mask_kind, batch, seq, sequence_parallel,
+                                 seed):
+    n_heads, n_kv = heads
+    for tp in TP_SIZES:
+        get_world(tp).run(_check_attention, hidden, n_heads, n_kv, head_dim, causal, rotary, mask_kind, batch, seq,
+                          sequence_parallel, seed)
+
+
+def test_gqa_with_fewer_kv_heads_than_ranks_replicates_them():
+    # 4 query heads, 1 KV head, 4 ranks: every rank holds the same KV head; its weight gradient is
+    # the sum over all four ranks' query heads (checked against dense inside)
+    get_world(4).run(_check_attention, 6, 4, 1, 2, True, True, "none", 2, 4, False, 7)
+    get_world(4).run(_check_attention, 6, 8, 2, 2, False, False, "bool", 1, 4, True, 8)
+
+
+# ------------------------------------------------------------------ block
+
+
+def _check_block(group, config, batch, seq, mask_kind, sequence_parallel, seed):
+    torch.manual_seed(seed)
+    dense = DenseTransformerBlock(config, dtype=F64)
+    with torch.no_grad():  # non-trivial norm weights, so their gradients are tested for real
+        for name, p in dense.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    tp = ParallelTransformerBlock.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
+    _check_layouts(tp, dense, group)
+    assert type(tp.to_dense()) is DenseTransformerBlock
+    mask = _make_mask(mask_kind, batch, config.n_heads, seq, torch.Generator().manual_seed(seed))
+    x = torch.randn(batch, seq, config.hidden, dtype=F64)
+    return assert_matches_dense(_WithMask(tp, mask), _WithMask(dense, mask), x, group=group,
+                                **_io_dims(sequence_parallel)).grad_error
+
+
+configs = st.builds(
+    BlockConfig,
+    hidden=st.integers(2, 8),
+    n_heads=st.just(4),
+    ffn_hidden=st.sampled_from([4, 8]),
+    n_kv_heads=st.sampled_from([None, 1, 2]),
+    head_dim=st.sampled_from([2, 4]),
+    activation=st.sampled_from(["gelu", "swiglu"]),
+    norm=st.sampled_from(["layernorm", "rmsnorm"]),
+    bias=st.booleans(),
+    causal=st.booleans(),
+    rotary=st.booleans(),
+)
+
+
+@settings(max_examples=8)
+@given(config=configs, batch=st.integers(1, 2), seq=st.sampled_from([4, 8]),
+       mask_kind=st.sampled_from(["none", "bool"]), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
+def test_block_matches_dense(config, batch, seq, mask_kind, sequence_parallel, seed):
+    for tp in TP_SIZES:
+        get_world(tp).run(_check_block, config, batch, seq, mask_kind, sequence_parallel, seed)
+
+
+def _block_sp_equals_no_sp(group, config, seed):
+    """The same block with and without sequence parallelism: equal outputs and gradients."""
+    g = resolve_group(group)
+    torch.manual_seed(seed)
+    dense = DenseTransformerBlock(config, dtype=F64)
+    x = torch.randn(2, 8, config.hidden, dtype=F64)
+    results = []
+    for sp in (False, True):
+        tp = ParallelTransformerBlock.from_dense(dense, group=group, sequence_parallel=sp)
+        xi = x.clone().requires_grad_()
+        out = tp(scatter_to_sequence(xi, group=group) if sp else xi)
+        out = gather_from_sequence(out, group=group, grad_is_partial=False) if sp else out
+        (out * torch.arange(out.numel(), dtype=F64).reshape(out.shape).sin()).sum().backward()
+        results.append((out.detach(), xi.grad, dense_parameters(tp, grads=True)))
+    (o0, gx0, gp0), (o1, gx1, gp1) = results
+    torch.testing.assert_close(o1, o0, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-12, atol=1e-12)
+    for name in gp0:
+        torch.testing.assert_close(gp1[name], gp0[name], rtol=1e-12, atol=1e-12, msg=name)
+    return g.rank
+
+
+def test_block_sequence_parallel_equals_tensor_parallel():
+    config = BlockConfig(hidden=8, n_heads=4, ffn_hidden=8, n_kv_heads=2, activation="swiglu", norm="rmsnorm",
+                         rotary=True)
+    assert get_world(2).run(_block_sp_equals_no_sp, config, 3) == [0, 1]
+
+
+# ------------------------------------------------------------------ GPT
+
+
+def _check_gpt(group, config, batch, seq, sequence_parallel, seed):
+    torch.manual_seed(seed)
+    dense = DenseGPT(config, dtype=F64)
+    tp = ParallelGPT.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
+    _check_layouts(tp, dense, group)
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    targets = torch.randint(0, config.vocab_size, (batch, seq))
+    targets[0, 0] = -100
+    tol = dict(rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(tp.logits(ids), dense(ids), **tol)
+    tp.zero_grad(set_to_none=True)
+    loss, dense_loss = tp.loss(ids, targets), dense.loss(ids, targets)
+    torch.testing.assert_close(loss, dense_loss, **tol)
+    loss.backward()
+    dense_loss.backward()
+    grads = dense_parameters(tp, grads=True)
+    assert set(grads) == {n for n, _ in dense.named_parameters()}
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **tol, msg=name)
+    return float(loss.detach())
+
+
+@settings(max_examples=4)
+@given(vocab=st.integers(3, 13), activation=st.sampled_from(["gelu", "swiglu"]),
+       norm=st.sampled_from(["layernorm", "rmsnorm"]), n_kv=st.sampled_from([1, 2, 4]), batch=st.integers(1, 2),
+       sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
+def test_gpt_logits_loss_and_grads_match_dense(vocab, activation, norm, n_kv, batch, sequence_parallel, seed):
+    config = GPTConfig(hidden=8, n_heads=4, ffn_hidden=8, n_kv_heads=n_kv, activation=activation, norm=norm,
+                       vocab_size=vocab, n_layers=2)
+    for tp in TP_SIZES:
+        losses = get_world(tp).run(_check_gpt, config, batch, 4, sequence_parallel, seed)
+        assert len(set(losses)) == 1
+
+
+# ------------------------------------------------------------------ dropout RNG
+
+
+def _rng_streams(group, seed):
+    tracker = RNGTracker(seed, group=group)
+    before = torch.get_rng_state()
+    with tracker.fork("parallel"):
+        par = torch.rand(4)
+    with tracker.fork("replicated"):
+        rep = torch.rand(4)
+    with tracker.fork("parallel"):
+        par2 = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), before), "fork must leave the default generator as it was"
+    assert not torch.equal(par, par2), "a stream advances across forks"
+    again = RNGTracker(seed, group=group)
+    with again.fork("parallel"):
+        assert torch.equal(torch.rand(4), par), "reproducible from the seed"
+    return par, rep
+
+
+def test_rng_parallel_differs_across_ranks_replicated_agrees():
+    (p0, r0), (p1, r1) = get_world(2).run(_rng_streams, 5)
+    assert not torch.equal(p0, p1)
+    assert torch.equal(r0, r1)
+
+
+def _block_dropout(group, config, sequence_parallel, use_checkpoint):
+    """Train-mode block with dropout: per-rank outputs, and grads with or without checkpointing."""
+    torch.manual_seed(0)
+    dense = DenseTransformerBlock(config, dtype=F64)
+    rng = RNGTracker(11, group=group)
+    tp = ParallelTransformerBlock.from_dense(dense, group=group, sequence_parallel=sequence_parallel, rng=rng)
+    tp.train()
+    x = torch.randn(2, 4, config.hidden, dtype=F64)
+    x = resolve_group(group).shard(x, 1).clone() if sequence_parallel else x
+    x.requires_grad_()
+    out = rng.checkpoint(tp, x) if use_checkpoint else tp(x)
+    out.pow(2).sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in tp.named_parameters()}
+
+
+def test_block_dropout_replicated_agrees_and_checkpoint_replays():
+    config = BlockConfig(hidden=8, n_heads=4, ffn_hidden=8, dropout=0.5, attn_dropout=0.5)
+    world = get_world(2)
+    plain = world.run(_block_dropout, config, False, False)
+    # residual dropout is in the replicated region: both ranks hold the same output
+    torch.testing.assert_close(plain[0][0], plain[1][0], rtol=0, atol=0)
+    ckpt = world.run(_block_dropout, config, False, True)
+    for (o, gx, gp), (o2, gx2, gp2) in zip(plain, ckpt):
+        torch.testing.assert_close(o2, o, rtol=0, atol=0)
+        torch.testing.assert_close(gx2, gx, rtol=0, atol=0)  # recomputed masks equal the original ones
+        for name in gp:
+            torch.testing.assert_close(gp2[name], gp[name], rtol=0, atol=0, msg=name)
+    # under sequence parallelism each rank drops its own tokens: the masks differ across ranks
+    sp = world.run(_block_dropout, config, True, True)
+    zeros = [(o == 0).reshape(-1) for o, _, _ in sp]
+    assert not torch.equal(zeros[0], zeros[1]) or not torch.equal(sp[0][0], sp[1][0])
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _fake_group(n, rank=0):
+    """A TPGroup of size n for checks that fail before any communication."""
+    return TPGroup(object(), rank, n)
+
+
+def test_bad_inputs_raise_clear_errors():
+    two = _fake_group(2)
+    with pytest.raises(ValueError, match="ParallelAttention: n_heads=3 is not divisible by the TP degree 2"):
+        ParallelAttention(12, 3, 3, 4, group=two)
+    with pytest.raises(ValueError, match="n_kv_heads=3 is not divisible by the TP degree 2"):
+        ParallelAttention(12, 6, 3, 4, group=two)
+    with pytest.raises(ValueError, match="n_kv_heads=3 is fewer than the TP degree 4 and does not divide it"):
+        ParallelAttention(12, 12, 3, 4, group=_fake_group(4))
+    with pytest.raises(ValueError, match="n_heads=4 is not a multiple of n_kv_heads=3"):
+        ParallelAttention(16, 4, 3, group=None)
+    with pytest.raises(ValueError, match="needs rng="):
+        ParallelTransformerBlock(BlockConfig(hidden=8, n_heads=2, ffn_hidden=8, dropout=0.1), group=two)
+    with pytest.raises(ValueError, match="ffn_hidden=5 is not divisible by the TP degree 2"):
+        ParallelMLP(4, 5, group=two)
+    # sequence parallelism: a sequence that does not split evenly is refused when it is scattered
+    with pytest.raises(ValueError, match="size 3 is not divisible by the TP degree 2"):
+        scatter_to_sequence(torch.randn(1, 3, 8), group=two)
+    with pytest.raises(ValueError, match="sequence length .* not divisible by the TP degree 2"):
+        VocabParallelEmbedding(8, 4, group=two, sequence_parallel=True)(torch.zeros(1, 3, dtype=torch.long))
+    attn = ParallelAttention(8, 2, group=None)
+    with pytest.raises(ValueError, match="attn_mask of shape"):
+        attn(torch.randn(1, 4, 8), torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"expected input \(batch, seq, hidden\)"):
+        attn(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="last dim"):
+        attn(torch.randn(1, 4, 7))
+    with pytest.raises(ValueError, match="even head_dim"):
+        ParallelAttention(6, 2, rotary=True, group=None)
+    with pytest.raises(TypeError, match="DenseMLP"):
+        ParallelMLP.from_dense(nn.Linear(2, 2), group=None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rng_tracker_on_cuda_generator():
+    tracker = RNGTracker(3, group=None)
+    before = torch.cuda.get_rng_state()
+    with tracker.fork("parallel", "cuda"):
+        a = torch.rand(8, device="cuda")
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+    with RNGTracker(3, group=None).fork("parallel", "cuda"):
+        assert torch.equal(torch.rand(8, device="cuda"), a)
+
+
+# ------------------------------------------------------------------ activation memory
+
+
+def _saved_activation_bytes(group, config, sequence_parallel, dense):
+    """Unique non-parameter storages autograd saves in one block forward (see benchmarks/block_memory.py)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, config.hidden)
+    if dense:
+        block = DenseTransformerBlock(config)
+    else:
+        block = ParallelTransformerBlock(config, group=group, sequence_parallel=sequence_parallel)
+        x = scatter_to_sequence(x, group=group) if sequence_parallel else x
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x.detach().requires_grad_()).sum().backward()
+    return sum(storages.values())
+
+
+def test_sequence_parallel_saves_a_tp_share_of_activations():
+    config = BlockConfig(hidden=32, n_heads=4, ffn_hidden=64, activation="swiglu", norm="rmsnorm", rotary=True)
+    dense = get_world(1).run(_saved_activation_bytes, config, False, True)[0]
+    for tp in (2, 4):
+        per_rank = max(get_world(tp).run(_saved_activation_bytes, config, True, False))
+        assert per_rank <= dense * 1.1 / tp, (tp, per_rank, dense)

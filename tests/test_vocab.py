@@ -1,0 +1,210 @@
+"""VocabParallelEmbedding, ParallelLMHead and vocab_parallel_cross_entropy vs dense torch."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tplayers import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from tplayers.comm import all_gather_tensor
+from tplayers.embedding import PaddedShardLayout
+from tplayers.groups import resolve_group
+from tplayers.testing import RankFailed, assert_matches_dense, get_world
+
+TP_SIZES = [1, 2, 4]
+
+
+# ------------------------------------------------------------------ embedding
+
+
+def _check_embedding(group, vocab, dim, shape, sequence_parallel, padding_idx, seed):
+    g = resolve_group(group)
+    torch.manual_seed(seed)
+    dense = nn.Embedding(vocab, dim, padding_idx=padding_idx, dtype=torch.float64)
+    tp = VocabParallelEmbedding.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
+    ids = torch.randint(0, vocab, shape)
+    if padding_idx is not None:
+        ids[..., 0] = padding_idx
+    report = assert_matches_dense(tp, dense, ids, group=group, output_shard_dim=-2 if sequence_parallel else None)
+    # the table round-trips, padding stripped; the layout shards exactly what the module holds
+    back = tp.to_dense()
+    assert torch.equal(back.weight, dense.weight) and back.padding_idx == dense.padding_idx
+    layout = tp.param_layouts()["weight"]
+    assert torch.equal(layout.shard(dense.weight, g.rank, g.size), tp.weight)
+    locals_ = list(all_gather_tensor(tp.weight, 0, group=group).chunk(g.size))
+    assert torch.equal(layout.unshard(locals_), dense.weight)
+    return report.output_error
+
+
+@settings(max_examples=8)
+@given(
+    vocab=st.integers(1, 13),
+    dim=st.integers(1, 6),
+    batch=st.integers(1, 3),
+    seq_per_rank=st.integers(1, 3),
+    sequence_parallel=st.booleans(),
+    use_padding_idx=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_embedding_matches_dense(vocab, dim, batch, seq_per_rank, sequence_parallel, use_padding_idx, seed):
+    for tp in TP_SIZES:
+        shape = (batch, seq_per_rank * tp)
+        padding_idx = (seed % vocab) if use_padding_idx else None
+        get_world(tp).run(_check_embedding, vocab, dim, shape, sequence_parallel, padding_idx, seed)
+
+
+def _check_embedding_init(group, vocab, dim):
+    torch.manual_seed(3)
+    dense = nn.Embedding(vocab, dim, padding_idx=1)
+    torch.manual_seed(3)
+    tp = VocabParallelEmbedding(vocab, dim, padding_idx=1, group=group)
+    assert torch.equal(tp.to_dense().weight, dense.weight)
+    return tp.num_embeddings_padded
+
+
+def test_embedding_init_equals_nn_embedding():
+    assert get_world(4).run(_check_embedding_init, 7, 3) == [8] * 4
+
+
+def _embedding_sp_bad_seq(group):
+    tp = VocabParallelEmbedding(8, 4, group=group, sequence_parallel=True)
+    tp(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_embedding_errors():
+    with pytest.raises(TypeError, match="nn.Embedding"):
+        VocabParallelEmbedding.from_dense(nn.Linear(2, 2), group=None)
+    with pytest.raises(ValueError, match="max_norm"):
+        VocabParallelEmbedding.from_dense(nn.Embedding(4, 2, max_norm=1.0), group=None)
+    with pytest.raises(TypeError, match="integer"):
+        VocabParallelEmbedding(4, 2, group=None)(torch.zeros(3))
+    with pytest.raises(RankFailed, match="sequence length .* not divisible by the TP degree 2"):
+        get_world(2).run(_embedding_sp_bad_seq)
+
+
+def test_padded_layout_is_pure_and_inverts():
+    full = torch.arange(10.0).reshape(5, 2)
+    layout = PaddedShardLayout.padded(0, 5, 4)  # padded to 8 rows, 2 per rank
+    locals_ = [layout.shard(full, r, 4) for r in range(4)]
+    assert [t.shape[0] for t in locals_] == [2, 2, 2, 2]
+    assert torch.equal(locals_[2], torch.tensor([[8.0, 9.0], [0.0, 0.0]]))
+    assert torch.equal(locals_[3], torch.zeros(2, 2))
+    assert torch.equal(layout.unshard(locals_), full)
+
+
+# ------------------------------------------------------------------ LM head
+
+
+def _check_lm_head(group, vocab, dim, batch, seq, sequence_parallel, seed):
+    torch.manual_seed(seed)
+    dense = nn.Linear(dim, vocab, bias=False, dtype=torch.float64)
+    x = torch.randn(batch, seq, dim, dtype=torch.float64)
+    gathered = ParallelLMHead.from_dense(dense, group=group, gather_output=True)
+    assert_matches_dense(gathered, dense, x, group=group)
+    assert torch.equal(gathered.to_dense().weight, dense.weight)
+    # the sharded logits under sequence parallelism: full sequence, this rank's vocabulary
+    tp = ParallelLMHead.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
+    g = resolve_group(group)
+    x_in = g.shard(x, 1) if sequence_parallel else x
+    logits = tp(x_in)
+    full = torch.cat(list(all_gather_tensor(logits, -1, group=group).split(tp.num_embeddings_per_rank, -1)), -1)
+    torch.testing.assert_close(full[..., :vocab], dense(x))
+    assert not full[..., vocab:].any(), "padding logits must be zero"
+
+
+@settings(max_examples=5)
+@given(vocab=st.integers(1, 11), dim=st.integers(1, 5), batch=st.integers(1, 2),
+       seq_per_rank=st.integers(1, 2), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
+def test_lm_head_matches_dense(vocab, dim, batch, seq_per_rank, sequence_parallel, seed):
+    for tp in TP_SIZES:
+        get_world(tp).run(_check_lm_head, vocab, dim, batch, seq_per_rank * tp, sequence_parallel, seed)
+
+
+# ------------------------------------------------------------------ cross-entropy
+
+
+def _shard_logits(full, vocab, g):
+    """Rank g.rank's shard of (..., vocab) logits padded with junk columns up to a multiple of p."""
+    per_rank = -(-vocab // g.size)
+    pad = per_rank * g.size - vocab
+    junk = torch.full(full.shape[:-1] + (pad,), 1e4, dtype=full.dtype)  # must not leak into the loss
+    return torch.cat([full, junk], -1).chunk(g.size, -1)[g.rank].clone(), per_rank
+
+
+def _check_cross_entropy(group, shape, vocab, ignore_frac, smoothing, reduction, scale, dtype, seed):
+    g = resolve_group(group)
+    gen = torch.Generator().manual_seed(seed)
+    full = (torch.randn(shape + (vocab,), generator=gen, dtype=torch.float64) * scale).to(dtype)
+    target = torch.randint(0, vocab, shape, generator=gen)
+    target[torch.rand(shape, generator=gen) < ignore_frac] = -100
+    if ignore_frac < 1 and target.numel():
+        target.view(-1)[0] = int(torch.randint(0, vocab, (1,), generator=gen))  # at least one counted target
+
+    dense_in = full.clone().requires_grad_()
+    expected = F.cross_entropy(dense_in.reshape(-1, vocab), target.reshape(-1), label_smoothing=smoothing,
+                               reduction=reduction)
+    if reduction == "none":
+        expected = expected.reshape(shape)
+
+    shard, per_rank = _shard_logits(full, vocab, g)
+    shard.requires_grad_()
+    loss = vocab_parallel_cross_entropy(shard, target, group=group, vocab_size=vocab, label_smoothing=smoothing,
+                                        reduction=reduction)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, expected, **tol)
+
+    grad_out = torch.randn(expected.shape, generator=gen, dtype=torch.float64).to(dtype)
+    expected.backward(grad_out)
+    loss.backward(grad_out)
+    grads = all_gather_tensor(shard.grad, -1, group=group)
+    torch.testing.assert_close(grads[..., :vocab], dense_in.grad, **tol)
+    assert not grads[..., vocab:].any(), "padding columns got a gradient"
+    return float(loss.detach().sum())
+
+
+@settings(max_examples=12)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=2).map(tuple),
+    vocab=st.integers(1, 13),
+    ignore_frac=st.sampled_from([0.0, 0.3]),
+    smoothing=st.sampled_from([0.0, 0.1]),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    scale=st.sampled_from([1.0, 1e3]),
+    seed=st.integers(0, 2**16),
+)
+def test_cross_entropy_matches_dense(shape, vocab, ignore_frac, smoothing, reduction, scale, seed):
+    for tp in TP_SIZES:
+        losses = get_world(tp).run(_check_cross_entropy, shape, vocab, ignore_frac, smoothing, reduction, scale,
+                                   torch.float64, seed)
+        assert len(set(losses)) == 1, f"ranks disagree on the loss: {losses}"
+
+
+def test_cross_entropy_float32_large_logits_is_stable():
+    # logits ~ 1e4: a naive exp overflows in float32; the max-subtracted form does not
+    get_world(2).run(_check_cross_entropy, (3, 5), 11, 0.0, 0.0, "mean", 1e4, torch.float32, 0)
+
+
+def _ce_all_ignored(group):
+    shard = torch.zeros(3, 2, dtype=torch.float64, requires_grad=True)
+    loss = vocab_parallel_cross_entropy(shard, torch.full((3,), -100), group=group)
+    loss.backward()
+    return bool(torch.isnan(loss)), float(shard.grad.abs().sum())
+
+
+def test_cross_entropy_all_ignored_matches_torch():
+    expected = F.cross_entropy(torch.zeros(3, 4), torch.full((3,), -100))
+    assert torch.isnan(expected)  # torch's mean over zero targets
+    assert get_world(2).run(_ce_all_ignored) == [(True, 0.0)] * 2
+
+
+def test_cross_entropy_errors():
+    logits = torch.zeros(2, 3, 5)
+    with pytest.raises(ValueError, match="disagree"):
+        vocab_parallel_cross_entropy(logits, torch.zeros(2, 4, dtype=torch.long), group=None)
+    with pytest.raises(ValueError, match="reduction"):
+        vocab_parallel_cross_entropy(logits, torch.zeros(2, 3, dtype=torch.long), group=None, reduction="avg")
+    with pytest.raises(ValueError, match="vocab_size=7"):
+        vocab_parallel_cross_entropy(logits, torch.zeros(2, 3, dtype=torch.long), group=None, vocab_size=7)
+    with pytest.raises(TypeError, match="integer"):
+        vocab_parallel_cross_entropy(logits, torch.zeros(2, 3), group=None)

@@ -1,0 +1,272 @@
+"""Transformer blocks from TP layers: ParallelMLP, ParallelAttention, ParallelTransformerBlock.
+
+Megatron's recipe: each sublayer enters its TP region through a column-parallel linear (its
+output features split across ranks) and leaves it through a row-parallel linear (partial sums
+all-reduced), so one sublayer costs one all-reduce forward and one backward.
+
+With ``sequence_parallel=True`` the activations *between* TP regions (norms, dropout,
+residuals) are split along the sequence dim: ``(b, s/p, h)`` on each rank. The column linear
+all-gathers its input shard and the row linear reduce-scatters its output, the same bytes
+as the all-reduce, while norms and dropout work on 1/p of the tokens. Norm weights then see
+only this rank's tokens, and `ParallelNorm` all-reduces their gradients.
+
+Every module converts both ways with its plain-torch twin in `tplayers.dense`
+(``from_dense`` / ``to_dense``), with identical parameter names.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, apply_rotary,
+                    attention_core, check_heads, normalize_attn_mask, rotary_cos_sin)
+from .fused import FusedColumnParallelLinear
+from .groups import GroupLike, TPGroup, resolve_group
+from .layers import ColumnParallelLinear, RowParallelLinear, ShardLayout, TensorParallelModule, require_divisible
+from .norm import ParallelNorm
+from .random import PARALLEL, REPLICATED, RNGTracker, dropout_context
+
+__all__ = ["ParallelMLP", "ParallelAttention", "ParallelTransformerBlock"]
+
+
+def _require_rng(rng: Optional[RNGTracker], tp: TPGroup, layer: str, what: str, p: float) -> None:
+    if p > 0 and tp.size > 1 and rng is None:
+        raise ValueError(f"{layer}: {what}={p} at TP degree {tp.size} needs rng=tplayers.RNGTracker(seed, group=...) "
+                         "so that dropout masks differ across shards and agree across replicas")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{layer}: {what}={p} must be in [0, 1)")
+
+
+# ---------------------------------------------------------------------------- MLP
+
+
+class ParallelMLP(TensorParallelModule):
+    """``fc2(act(fc1(x)))``: ``fc1`` column-parallel, ``fc2`` row-parallel (as `DenseMLP`).
+
+    SwiGLU: ``fc1`` is the fused ``[gate; up]``, gate and up each split across ranks, so rank r
+    computes ``silu(gate_r) * up_r`` locally. ``ffn_hidden`` must divide the TP degree.
+    Input/output ``(..., hidden)``; ``(..., seq/p, hidden)`` with ``sequence_parallel``.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, activation: str = "gelu", bias: bool = True, *,
+                 group: GroupLike, sequence_parallel: bool = False, overlap_comm: bool = True,
+                 device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"ParallelMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.tp = resolve_group(group)
+        require_divisible(ffn_hidden, self.tp, "ParallelMLP", "ffn_hidden")
+        self.hidden, self.ffn_hidden, self.activation = hidden, ffn_hidden, activation
+        self.sequence_parallel = sequence_parallel
+        common = dict(group=self.tp, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm,
+                      device=device, dtype=dtype)
+        if activation == "swiglu":
+            self.fc1: nn.Module = FusedColumnParallelLinear(hidden, [ffn_hidden, ffn_hidden], bias,
+                                                            part_names=["gate", "up"], layer="ParallelMLP.fc1",
+                                                            **common)
+        else:
+            self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, bias, **common)
+        self.fc2 = RowParallelLinear(ffn_hidden, hidden, bias, input_is_parallel=True, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)  # (..., s, ffn/p) | (..., s, 2*ffn/p)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)  # the local [gate_r; up_r]
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.fc2(h)  # (..., [s or s/p], hidden)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelMLP":
+        if not isinstance(dense, DenseMLP):
+            raise TypeError(f"ParallelMLP.from_dense expects a tplayers.dense.DenseMLP, got {type(dense).__name__}")
+        w = dense.fc1.weight
+        mlp = cls(dense.hidden, dense.ffn_hidden, dense.activation, dense.fc1.bias is not None, group=group,
+                  device="meta", dtype=w.dtype, **options)
+        if dense.activation == "swiglu":
+            mlp.fc1 = FusedColumnParallelLinear.from_dense(
+                dense.fc1, group=mlp.tp, parts=[dense.ffn_hidden] * 2, part_names=["gate", "up"],
+                layer="ParallelMLP.fc1", sequence_parallel=mlp.sequence_parallel, overlap_comm=mlp.fc2.overlap_comm)
+        else:
+            mlp.fc1 = ColumnParallelLinear.from_dense(dense.fc1, group=mlp.tp, sequence_parallel=mlp.sequence_parallel,
+                                                      overlap_comm=mlp.fc2.overlap_comm)
+        mlp.fc2 = RowParallelLinear.from_dense(dense.fc2, group=mlp.tp, sequence_parallel=mlp.sequence_parallel,
+                                               overlap_comm=mlp.fc2.overlap_comm)
+        return mlp
+
+    def to_dense(self) -> DenseMLP:
+        dense = DenseMLP(self.hidden, self.ffn_hidden, self.activation, self.fc2.bias is not None, device="meta")
+        dense.fc1, dense.fc2 = self.fc1.to_dense(), self.fc2.to_dense()
+        return dense
+
+    def param_layouts(self) -> Dict[str, ShardLayout]:
+        return {}  # no direct parameters: fc1 and fc2 carry their own layouts
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+class ParallelAttention(TensorParallelModule):
+    """Self-attention with the heads split across ranks (as `DenseAttention`).
+
+    ``qkv`` is a fused column-parallel linear whose q, k and v components are each split by
+    heads; ``proj`` is row-parallel. Grouped-query attention: with ``n_kv_heads >= p`` each rank
+    holds ``n_kv_heads/p`` KV heads; with fewer KV heads than ranks each KV head is replicated on
+    the ``p/n_kv_heads`` ranks whose query heads read it (its weight gradient is summed over
+    them). ``n_heads`` and ``n_kv_heads`` must fit the TP degree (a clear error otherwise).
+
+    Input ``(b, s, hidden)``; ``(b, s/p, hidden)`` with ``sequence_parallel`` (attention itself
+    always sees the whole sequence). ``attn_mask``: bool (True = attend) or additive float,
+    ``(s, s)``, ``(b, s, s)`` or ``(b | 1, 1 | n_heads, s, s)``; combined with ``causal``.
+    Attention dropout runs on this rank's heads, under ``rng``'s parallel stream.
+    """
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
+                 bias: bool = True, *, group: GroupLike, causal: bool = True, rotary: bool = False,
+                 rope_theta: float = 10000.0, attn_dropout: float = 0.0, rng: Optional[RNGTracker] = None,
+                 sequence_parallel: bool = False, overlap_comm: bool = True, device: Any = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        name = "ParallelAttention"
+        self.tp = tp = resolve_group(group)
+        self.n_kv_heads, self.head_dim = check_heads(hidden, n_heads, n_kv_heads, head_dim, name)
+        require_divisible(n_heads, tp, name, "n_heads")
+        if self.n_kv_heads >= tp.size:
+            require_divisible(self.n_kv_heads, tp, name, "n_kv_heads")
+            kv_shards = tp.size
+        elif tp.size % self.n_kv_heads:
+            raise ValueError(f"{name}: n_kv_heads={self.n_kv_heads} is fewer than the TP degree {tp.size} "
+                             "and does not divide it, so KV heads cannot be replicated evenly")
+        else:
+            kv_shards = self.n_kv_heads
+        if rotary and self.head_dim % 2:
+            raise ValueError(f"{name}: rotary embeddings need an even head_dim, got {self.head_dim}")
+        _require_rng(rng, tp, name, "attn_dropout", attn_dropout)
+        self.hidden, self.n_heads = hidden, n_heads
+        self.local_heads, self.local_kv_heads = n_heads // tp.size, self.n_kv_heads // kv_shards
+        self.causal, self.rotary, self.rope_theta, self.attn_dropout = causal, rotary, rope_theta, attn_dropout
+        self.rng, self.sequence_parallel = rng, sequence_parallel
+        q_size, kv_size = n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        common = dict(group=tp, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm, device=device, dtype=dtype)
+        self.qkv = FusedColumnParallelLinear(hidden, [q_size, kv_size, kv_size], bias, part_shards=[tp.size, kv_shards, kv_shards],
+                                             part_names=["q", "k", "v"], layer=f"{name}.qkv", **common)
+        self.proj = RowParallelLinear(q_size, hidden, bias, input_is_parallel=True, **common)
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"ParallelAttention: expected input (batch, seq, hidden), got {tuple(x.shape)}")
+        hd = self.head_dim
+        qkv = self.qkv(x)  # (b, s, (hq/p + 2*hkv_local) * d): the whole sequence, this rank's heads
+        b, s = qkv.shape[0], qkv.shape[1]
+        q, k, v = qkv.split([self.local_heads * hd, self.local_kv_heads * hd, self.local_kv_heads * hd], dim=-1)
+        q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=hd) for t in (q, k, v))
+        if self.rotary:
+            cos, sin = rotary_cos_sin(s, hd, self.rope_theta, x.device, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        mask = normalize_attn_mask(attn_mask, b, s, self.n_heads, "ParallelAttention")
+        if mask is not None and mask.shape[1] > 1:  # per-head mask: this rank's heads
+            mask = mask.narrow(1, self.tp.rank * self.local_heads, self.local_heads)
+        p = self.attn_dropout if self.training else 0.0
+        with dropout_context(self.rng if p > 0 else None, PARALLEL, x.device):
+            o = attention_core(q, k, v, causal=self.causal, attn_mask=mask, dropout_p=p)  # (b, hq/p, s, d)
+        return self.proj(rearrange(o, "b h s d -> b s (h d)"))  # (b, s | s/p, hidden)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelAttention":
+        if not isinstance(dense, DenseAttention):
+            raise TypeError(f"ParallelAttention.from_dense expects a tplayers.dense.DenseAttention, got {type(dense).__name__}")
+        attn = cls(dense.hidden, dense.n_heads, dense.n_kv_heads, dense.head_dim, dense.qkv.bias is not None,
+                   group=group, causal=dense.causal, rotary=dense.rotary, rope_theta=dense.rope_theta,
+                   attn_dropout=dense.attn_dropout, device="meta", dtype=dense.qkv.weight.dtype, **options)
+        q = attn.qkv
+        attn.qkv = FusedColumnParallelLinear.from_dense(
+            dense.qkv, group=attn.tp, parts=q.parts, part_shards=q.part_shards, part_names=["q", "k", "v"],
+            layer=q.layer, sequence_parallel=q.sequence_parallel, overlap_comm=q.overlap_comm)
+        attn.proj = RowParallelLinear.from_dense(dense.proj, group=attn.tp, sequence_parallel=attn.sequence_parallel,
+                                                 overlap_comm=q.overlap_comm)
+        return attn
+
+    def to_dense(self) -> DenseAttention:
+        dense = DenseAttention(self.hidden, self.n_heads, self.n_kv_heads, self.head_dim, self.proj.bias is not None,
+                               self.causal, self.rotary, self.rope_theta, self.attn_dropout, device="meta")
+        dense.qkv, dense.proj = self.qkv.to_dense(), self.proj.to_dense()
+        return dense
+
+    def param_layouts(self) -> Dict[str, ShardLayout]:
+        return {}  # qkv and proj carry their own layouts
+
+    def extra_repr(self) -> str:
+        return (f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+                f"local_heads={self.local_heads}, local_kv_heads={self.local_kv_heads}, causal={self.causal}, "
+                f"rotary={self.rotary}")
+
+
+# ---------------------------------------------------------------------------- block
+
+
+class ParallelTransformerBlock(TensorParallelModule):
+    """Pre-norm block (as `DenseTransformerBlock`): ``x + drop(attn(norm(x)))``, then
+    ``x + drop(mlp(norm(x)))``, with attention and MLP tensor-parallel.
+
+    Input/output ``(b, s, hidden)`` replicated, or ``(b, s/p, hidden)`` with
+    ``sequence_parallel`` (this rank's sequence chunk, e.g. from `tplayers.comm.scatter_to_sequence`).
+    Residual dropout is replicated without sequence parallelism and per-shard with it; any
+    dropout at TP > 1 needs ``rng``.
+    """
+
+    def __init__(self, config: BlockConfig, *, group: GroupLike, sequence_parallel: bool = False,
+                 rng: Optional[RNGTracker] = None, overlap_comm: bool = True, device: Any = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        c = self.config = config
+        self.tp = tp = resolve_group(group)
+        _require_rng(rng, tp, "ParallelTransformerBlock", "dropout", c.dropout)
+        self.rng, self.sequence_parallel = rng, sequence_parallel
+        norm = dict(group=tp, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        linear = dict(group=tp, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm, device=device, dtype=dtype)
+        self.attn_norm = ParallelNorm(c.hidden, c.norm, c.norm_eps, c.bias, **norm)
+        self.attn = ParallelAttention(c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.bias, causal=c.causal,
+                                      rotary=c.rotary, rope_theta=c.rope_theta, attn_dropout=c.attn_dropout,
+                                      rng=rng, **linear)
+        self.mlp_norm = ParallelNorm(c.hidden, c.norm, c.norm_eps, c.bias, **norm)
+        self.mlp = ParallelMLP(c.hidden, c.ffn_hidden, c.activation, c.bias, **linear)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.config.dropout if self.training else 0.0
+        if p == 0:
+            return x
+        region = PARALLEL if self.sequence_parallel else REPLICATED  # sequence shards differ per rank
+        with dropout_context(self.rng, region, x.device):
+            return F.dropout(x, p)
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self._dropout(self.attn(self.attn_norm(x), attn_mask))  # (b, s | s/p, h)
+        return x + self._dropout(self.mlp(self.mlp_norm(x)))
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelTransformerBlock":
+        if not isinstance(dense, DenseTransformerBlock):
+            raise TypeError(f"ParallelTransformerBlock.from_dense expects a DenseTransformerBlock, got {type(dense).__name__}")
+        tp = resolve_group(group)
+        block = cls(dense.config, group=tp, device="meta", dtype=dense.attn.qkv.weight.dtype, **options)
+        sp = dict(sequence_parallel=block.sequence_parallel)
+        block.attn_norm = ParallelNorm.from_dense(dense.attn_norm, group=tp, **sp)
+        block.mlp_norm = ParallelNorm.from_dense(dense.mlp_norm, group=tp, **sp)
+        overlap = block.mlp.fc2.overlap_comm
+        block.attn = ParallelAttention.from_dense(dense.attn, group=tp, rng=block.rng, overlap_comm=overlap, **sp)
+        block.mlp = ParallelMLP.from_dense(dense.mlp, group=tp, overlap_comm=overlap, **sp)
+        return block
+
+    def to_dense(self) -> DenseTransformerBlock:
+        dense = DenseTransformerBlock(self.config, device="meta")
+        dense.attn_norm, dense.attn = self.attn_norm.to_dense(), self.attn.to_dense()
+        dense.mlp_norm, dense.mlp = self.mlp_norm.to_dense(), self.mlp.to_dense()
+        return dense
+
+    def param_layouts(self) -> Dict[str, ShardLayout]:
+        return {}  # every parameter lives in a child TP module with its own layout

@@ -1,0 +1,128 @@
+"""Cross-entropy over vocabulary-sharded logits, without ever gathering the full logits.
+
+Each rank holds ``logits[..., start:end]`` (its `ParallelLMHead` shard). With ``z = logits - m``
+where ``m`` is the row maximum over all ranks (one all-reduce of ``(tokens,)``), the loss is
+
+    loss = log(sum_c exp(z_c)) - z_target                      (the sum: one all-reduce)
+
+and the target logit is picked on the rank that holds it (summed in the same all-reduce). The
+gradient is local: ``softmax - onehot`` on this rank's columns, so backward communicates nothing.
+Communication per call: one ``(tokens,)`` max all-reduce and one ``(tokens, 2 or 3)`` sum.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .comm import all_reduce_tensor
+from .embedding import padded_vocab_size
+from .groups import GroupLike, TPGroup, resolve_group
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss ``(N,)`` from logits shards ``(N, V'/p)`` and targets ``(N,)``."""
+
+    @staticmethod
+    def forward(ctx, logits, target, g: TPGroup, vocab_size: int, ignore_index: int, smoothing: float):
+        n_local = logits.shape[-1]
+        start = g.rank * n_local
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        z = logits.to(compute_dtype, copy=True)  # (N, V'/p), a buffer we own
+        real = torch.arange(start, start + n_local, device=z.device) < vocab_size  # (V'/p,) not padding
+        has_padding = not bool(real.all())
+        if has_padding:
+            z.masked_fill_(~real, float("-inf"))
+
+        m = all_reduce_tensor(z.max(dim=-1).values, group=g, op="max")  # (N,)
+        z.sub_(m.unsqueeze(-1))  # numerically stable: every z <= 0
+
+        valid = target != ignore_index  # (N,)
+        in_shard = valid & (target >= start) & (target < start + n_local)
+        local_t = (target - start).masked_fill(~in_shard, 0)
+        z_target = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_shard, 0.0)  # (N,) on one rank
+        stats = [z_target]
+        if smoothing > 0:
+            stats.append((z.masked_fill(~real, 0.0) if has_padding else z).sum(-1))  # sum_c z_c, real classes
+        probs = z.exp_()  # (N, V'/p): exp(z), in place; padding columns are exp(-inf) = 0
+        stats.append(probs.sum(-1))
+        sums = all_reduce_tensor(torch.stack(stats, dim=-1), group=g)  # (N, 2 or 3), one collective
+        sum_exp = sums[:, -1]
+        log_z = sum_exp.log()  # (N,) logsumexp - m
+        loss = log_z - sums[:, 0]
+        if smoothing > 0:
+            loss = (1.0 - smoothing) * loss + smoothing * (log_z - sums[:, 1] / vocab_size)
+        loss = loss.masked_fill(~valid, 0.0)
+
+        probs.div_(sum_exp.unsqueeze(-1))  # softmax shard, saved for backward
+        ctx.save_for_backward(probs, local_t, in_shard, valid, real if has_padding else None)
+        ctx.smoothing, ctx.vocab_size, ctx.in_dtype = smoothing, vocab_size, logits.dtype
+        return loss.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        probs, local_t, in_shard, valid, real = ctx.saved_tensors
+        eps = ctx.smoothing
+        grad = probs.clone()  # d loss / d z = softmax - (1 - eps) * onehot - eps / V
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -(1.0 - eps) * in_shard.to(grad.dtype).unsqueeze(-1))
+        if eps > 0:
+            grad.sub_(eps / ctx.vocab_size)
+            if real is not None:
+                grad.masked_fill_(~real, 0.0)
+        scale = grad_loss.to(grad.dtype).masked_fill(~valid, 0.0).unsqueeze(-1)  # ignored: no gradient (even 1/0)
+        return (grad * scale).to(ctx.in_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group: GroupLike,
+    vocab_size: Optional[int] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.cross_entropy(gathered_logits, target)`` computed from this rank's logits shard.
+
+    logits_shard: ``(..., V'/p)``, rank r's ``torch.chunk`` of the (padded) vocabulary, as
+    `ParallelLMHead` produces. target: ``(...)`` integer class ids, identical on every rank.
+    vocab_size: the real vocabulary when the logits carry padding columns (vocabularies that do
+    not divide the TP degree); the padding never enters the loss. Defaults to ``p * V'/p``.
+    ``ignore_index``, ``label_smoothing`` and ``reduction`` ("mean" | "sum" | "none") follow
+    ``F.cross_entropy``; "mean" averages over non-ignored targets. Targets outside
+    ``[0, vocab_size)`` other than ``ignore_index`` are not checked (that would sync the device).
+    """
+    g = resolve_group(group)
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"vocab_parallel_cross_entropy: label_smoothing={label_smoothing} must be in [0, 1]")
+    if not logits_shard.is_floating_point():
+        raise TypeError(f"vocab_parallel_cross_entropy: logits must be floating point, got {logits_shard.dtype}")
+    if target.is_floating_point() or target.is_complex():
+        raise TypeError(f"vocab_parallel_cross_entropy: target must hold integer class ids, got {target.dtype}")
+    if logits_shard.dim() < 1 or tuple(logits_shard.shape[:-1]) != tuple(target.shape):
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: logits shard {tuple(logits_shard.shape)} and target "
+            f"{tuple(target.shape)} disagree: expected logits (*target.shape, vocab/p)")
+    n_local = logits_shard.shape[-1]
+    if vocab_size is None:
+        vocab_size = n_local * g.size
+    if padded_vocab_size(vocab_size, g.size) != n_local * g.size:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: vocab_size={vocab_size} padded to a multiple of the TP "
+            f"degree {g.size} is {padded_vocab_size(vocab_size, g.size)}, but the logits shard has "
+            f"{n_local} columns per rank ({n_local * g.size} in all)")
+    if logits_shard.device != target.device:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits on {logits_shard.device}, target on {target.device}")
+
+    loss = _VocabParallelCrossEntropy.apply(
+        logits_shard.reshape(-1, n_local), target.reshape(-1), g, vocab_size, ignore_index, float(label_smoothing))
+    if reduction == "none":
+        return loss.reshape(target.shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum().to(loss.dtype)

@@ -1,0 +1,91 @@
+"""LayerNorm / RMSNorm for transformer blocks, aware of sequence parallelism.
+
+The norm's weights are replicated. Without sequence parallelism its input is replicated too,
+so every rank computes the same full gradient. With sequence parallelism each rank normalizes
+only its sequence shard, so its weight gradient is partial: the weights enter the computation
+through `copy_to_tp` (identity forward, all-reduce of the gradient backward), and every rank
+ends up with the full gradient, with no hook and no optimizer-side step to remember.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm import copy_to_tp
+from .dense import NORMS, make_norm
+from .groups import GroupLike, resolve_group
+from .layers import ShardLayout, TensorParallelModule
+
+__all__ = ["ParallelNorm"]
+
+
+class ParallelNorm(TensorParallelModule):
+    """``nn.LayerNorm`` (``kind="layernorm"``) or ``nn.RMSNorm`` (``kind="rmsnorm"``) over the
+    last dim, replicated across the TP group; see the module docstring for sequence parallelism."""
+
+    def __init__(self, hidden: int, kind: str = "layernorm", eps: float = 1e-5, bias: bool = True, *,
+                 group: GroupLike, sequence_parallel: bool = False, device: Any = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        if kind not in NORMS:
+            raise ValueError(f"ParallelNorm: kind must be one of {NORMS}, got {kind!r}")
+        self.tp = resolve_group(group)
+        self.hidden, self.kind, self.eps, self.sequence_parallel = hidden, kind, eps, sequence_parallel
+        self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+        has_bias = bias and kind == "layernorm"
+        self.bias = nn.Parameter(torch.zeros(hidden, device=device, dtype=dtype)) if has_bias else None
+
+    def _shared(self, p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if p is None or not self.sequence_parallel:
+            return p
+        return copy_to_tp(p, group=self.tp)  # backward: gradient summed over the sequence shards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden:
+            raise ValueError(f"ParallelNorm: input's last dim is {x.shape[-1]} (shape {tuple(x.shape)}), "
+                             f"expected {self.hidden}")
+        weight, bias = self._shared(self.weight), self._shared(self.bias)
+        if self.kind == "layernorm":
+            return F.layer_norm(x, (self.hidden,), weight, bias, self.eps)
+        return F.rms_norm(x, (self.hidden,), weight, self.eps)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelNorm":
+        if isinstance(dense, nn.LayerNorm):
+            kind, bias = "layernorm", dense.bias is not None
+        elif isinstance(dense, nn.RMSNorm):
+            kind, bias = "rmsnorm", False
+        else:
+            raise TypeError(f"ParallelNorm.from_dense expects nn.LayerNorm or nn.RMSNorm, got {type(dense).__name__}")
+        shape = tuple(dense.normalized_shape)
+        if len(shape) != 1 or dense.weight is None:
+            raise ValueError(f"ParallelNorm.from_dense: only an affine norm over the last dim is supported, "
+                             f"got normalized_shape={shape}, elementwise_affine={dense.weight is not None}")
+        eps = dense.eps if dense.eps is not None else torch.finfo(dense.weight.dtype).eps
+        layer = cls(shape[0], kind, eps, bias, group=group, device=dense.weight.device,
+                    dtype=dense.weight.dtype, **options)
+        with torch.no_grad():
+            layer.weight.copy_(dense.weight)
+            if layer.bias is not None:
+                layer.bias.copy_(dense.bias)
+        layer.weight.requires_grad_(dense.weight.requires_grad)
+        return layer
+
+    def to_dense(self) -> nn.Module:
+        """The plain norm module with these weights (every rank holds them already)."""
+        dense = make_norm(self.kind, self.hidden, self.eps, self.bias is not None, self.weight.device, self.weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(self.weight)
+            if self.bias is not None:
+                dense.bias.copy_(self.bias)
+        return dense
+
+    def param_layouts(self) -> Dict[str, ShardLayout]:
+        return {name: ShardLayout.replicated() for name, _ in self.named_parameters(recurse=False)}
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden}, kind={self.kind}, eps={self.eps}, bias={self.bias is not None}, "
+                f"sequence_parallel={self.sequence_parallel}")

@@ -1,0 +1,123 @@
+"""Dropout randomness for tensor parallelism: one seed, two streams, checkpoint-safe.
+
+Dropout on a sharded activation (attention heads, or a sequence shard) must draw different
+masks on different ranks, or every shard would be dropped in the same pattern; dropout on a
+replicated activation must draw the same mask on every rank, or the replicas would diverge.
+
+`RNGTracker(seed, group=g)` keeps both streams, each a full generator state per device:
+
+- ``"replicated"``: seeded with ``seed`` on every rank;
+- ``"parallel"``: seeded with ``seed + parallel_offset + rank``.
+
+``with tracker.fork("parallel", device):`` swaps the stream into the device's default
+generator (which ``F.dropout`` and SDPA use), and on exit saves the advanced stream and puts
+the caller's state back, so code outside the fork sees its own RNG untouched. Works on CPU and
+CUDA generators. Modules take the tracker explicitly (``rng=``): there is no global tracker.
+
+Activation checkpointing: ``tracker.checkpoint(fn, *args)`` is ``torch.utils.checkpoint``
+(non-reentrant) that also rewinds the tracker's streams for the recomputation, so recomputed
+dropout masks equal the original ones.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.utils.checkpoint
+
+from .groups import GroupLike, resolve_group
+
+__all__ = ["RNGTracker", "PARALLEL", "REPLICATED"]
+
+PARALLEL = "parallel"
+REPLICATED = "replicated"
+_REGIONS = (PARALLEL, REPLICATED)
+
+_Key = Tuple[str, str, Optional[int]]
+
+
+def _device_key(device: Any) -> Tuple[str, Optional[int]]:
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type == "cuda":
+        return "cuda", dev.index if dev.index is not None else torch.cuda.current_device()
+    if dev.type != "cpu":
+        raise ValueError(f"RNGTracker supports CPU and CUDA generators, got device {dev}")
+    return "cpu", None
+
+
+class RNGTracker:
+    """Two RNG streams (``"parallel"``, ``"replicated"``) derived from one seed; see the module doc."""
+
+    def __init__(self, seed: int, *, group: GroupLike, parallel_offset: int = 2718) -> None:
+        self.tp = resolve_group(group)
+        self.seed = int(seed)
+        self.seeds = {REPLICATED: self.seed, PARALLEL: self.seed + parallel_offset + self.tp.rank}
+        self._states: Dict[_Key, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"RNGTracker(seed={self.seed}, tp_rank={self.tp.rank}, tp_size={self.tp.size})"
+
+    def _initial_state(self, region: str, dev_type: str, index: Optional[int]) -> torch.Tensor:
+        device = torch.device(dev_type, index) if dev_type == "cuda" else torch.device("cpu")
+        return torch.Generator(device=device).manual_seed(self.seeds[region]).get_state()
+
+    def get_states(self) -> Dict[_Key, torch.Tensor]:
+        """A copy of every stream's current state (to save, or to rewind with `set_states`)."""
+        return {k: v.clone() for k, v in self._states.items()}
+
+    def set_states(self, states: Dict[_Key, torch.Tensor]) -> None:
+        self._states = {k: v.clone() for k, v in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, region: str = PARALLEL, device: Any = None) -> Iterator[None]:
+        """Run the body with ``region``'s stream as ``device``'s default generator."""
+        if region not in _REGIONS:
+            raise ValueError(f"RNGTracker.fork: region must be one of {_REGIONS}, got {region!r}")
+        dev_type, index = _device_key(device)
+        key = (region, dev_type, index)
+        state = self._states.get(key)
+        if state is None:
+            state = self._initial_state(region, dev_type, index)
+        if dev_type == "cuda":
+            saved = torch.cuda.get_rng_state(index)
+            torch.cuda.set_rng_state(state, index)
+        else:
+            saved = torch.get_rng_state()
+            torch.set_rng_state(state)
+        try:
+            yield
+        finally:
+            if dev_type == "cuda":
+                self._states[key] = torch.cuda.get_rng_state(index)
+                torch.cuda.set_rng_state(saved, index)
+            else:
+                self._states[key] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    def checkpoint(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)`` whose recomputation
+        replays the tracker's streams from where the forward started them."""
+        at_forward: Dict[str, Dict[_Key, torch.Tensor]] = {}
+
+        @contextlib.contextmanager
+        def forward_ctx() -> Iterator[None]:
+            at_forward["states"] = self.get_states()
+            yield
+
+        @contextlib.contextmanager
+        def recompute_ctx() -> Iterator[None]:
+            current = self.get_states()
+            self.set_states(at_forward["states"])
+            try:
+                yield
+            finally:
+                self.set_states(current)
+
+        return torch.utils.checkpoint.checkpoint(
+            fn, *args, use_reentrant=False, context_fn=lambda: (forward_ctx(), recompute_ctx()), **kwargs)
+
+
+def dropout_context(rng: Optional[RNGTracker], region: str, device: Any):
+    """``rng.fork(region, device)``, or a no-op without a tracker (a world of one)."""
+    return contextlib.nullcontext() if rng is None else rng.fork(region, device)
