@@ -448,6 +448,14 @@ def dense_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {e.name: _full_tensor(e) for e in _entries(model)}
 
 
+def _safetensors() -> None:
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        raise ImportError("save_dense / load_dense need safetensors: pip install safetensors "
+                          "(or tplayers[hf])") from None
+
+
 def save_dense(model: nn.Module, path: str, *, process_group: Any = None,
                metadata: Optional[Dict[str, str]] = None) -> None:
     """Write the unsharded state dict of ``model`` to one safetensors file (atomically, rank 0).
@@ -455,6 +463,7 @@ def save_dense(model: nn.Module, path: str, *, process_group: Any = None,
     Collective: every rank calls it. The file is what the dense model's ``save_pretrained``
     would write (Conv1D weights ``(in, out)``, tied weights once), so Hugging Face loads it.
     """
+    _safetensors()
     from safetensors.torch import save_file
 
     path = os.path.abspath(os.fspath(path))
@@ -543,6 +552,7 @@ def load_dense(model: nn.Module, path: str, *, strict: bool = True) -> Tuple[Lis
     Returns ``(missing, unexpected)`` names; with ``strict`` a missing tensor raises. Names may
     differ by the model's ``base_model_prefix`` (``transformer.``, ``model.``) as in HF files.
     """
+    _safetensors()
     from safetensors import safe_open
 
     path = os.fspath(path)
