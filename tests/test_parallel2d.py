@@ -60,6 +60,8 @@ def _check_2d(group, wrap: str, seed: int):
         for m in (model.fc1, model.fc2):
             fully_shard(m, mesh=mesh.dp_mesh)
         trained = fully_shard(model, mesh=mesh.dp_mesh)
+        local_rows = model.fc1.weight.to_local().shape[0]  # FSDP2 shards the TP shard again, over dp
+        assert local_rows == 4 * HIDDEN // 2 // 2, local_rows
     _train(trained, local)
     _train(dense, data)
 
