@@ -9,7 +9,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tplayers  # noqa: E402
+from tplayers import testing  # noqa: E402
 from tplayers.testing import dense_parameters, get_world  # noqa: E402
+
+# Ranks fork from a server that imports these once (pytest collects every module before the
+# first world starts), instead of each of the 7 ranks importing the model code on its own.
+testing.FORKSERVER_PRELOAD.extend(["transformers.models.llama.modeling_llama",
+                                   "transformers.models.gpt2.modeling_gpt2"])
 
 VOCAB = 96  # divisible by 2 and 4, so GPT-2's tied head and embedding keep one layout without padding
 
