@@ -91,3 +91,24 @@ def _bad_mesh(group):
 
 def test_make_2d_mesh_rejects_wrong_sizes():
     assert all(get_world(4).run(_bad_mesh))
+
+
+def _fsdp2_checkpoint_refused(group, path):
+    from torch.distributed.fsdp import fully_shard
+
+    from tplayers.checkpoint import CheckpointError
+
+    mesh = tplayers.make_2d_mesh(dp=2, tp=2)
+    model = tplayers.parallelize(MLPNet().double(), PLAN, group=mesh.mesh)
+    fully_shard(model, mesh=mesh.dp_mesh)
+    with pytest.raises(CheckpointError, match="is a DTensor"):
+        tplayers.save_checkpoint(model, path)
+    ddp_model = tplayers.parallelize(MLPNet().double(), PLAN, group=mesh.mesh)
+    tplayers.save_checkpoint(torch.nn.parallel.DistributedDataParallel(ddp_model, process_group=mesh.dp_group).module,
+                             path)  # DDP replicas of one shard are written once
+    return True
+
+
+def test_checkpoint_of_ddp_model_saves_and_fsdp2_is_refused_clearly(tmp_path):
+    assert all(get_world(4).run(_fsdp2_checkpoint_refused, str(tmp_path / "ckpt")))
+    assert (tmp_path / "ckpt" / "tplayers.json").is_file()

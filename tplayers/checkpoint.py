@@ -84,6 +84,10 @@ def _entries(model: nn.Module) -> List[_Entry]:
                     if t is not None and n not in mod._non_persistent_buffers_set]
         for pname, t in tensors:
             name = prefix + pname
+            if type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor":
+                raise CheckpointError(f"'{name}' is a DTensor (FSDP2 or DTensor TP): tplayers checkpoints handle "
+                                      "tplayers TP modules (plain or DDP-wrapped); use torch.distributed.checkpoint "
+                                      "with get_model_state_dict for FSDP2-sharded models")
             if id(t) in seen:
                 seen[id(t)].aliases += (name,)
                 continue
