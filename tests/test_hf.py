@@ -20,13 +20,13 @@ testing.FORKSERVER_PRELOAD.extend(["transformers.models.llama.modeling_llama",
 VOCAB = 96  # divisible by 2 and 4, so GPT-2's tied head and embedding keep one layout without padding
 
 
-def _llama(kv_heads: int = 4, seed: int = 0):
+def _llama(kv_heads: int = 4, seed: int = 0, heads: int = 8, attn: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=kv_heads, max_position_embeddings=32,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=4 * heads, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32,
+                      tie_word_embeddings=False, attn_implementation=attn)
     return LlamaForCausalLM(cfg).double().eval()
 
 
@@ -42,8 +42,8 @@ def _gpt2(seed: int = 0, vocab: int = VOCAB):
 BUILD = {"llama": _llama, "gpt2": _gpt2}
 
 
-def _check_model(group, family: str, seed: int):
-    dense = BUILD[family](seed=seed)
+def _check_model(group, family: str, seed: int, **config):
+    dense = BUILD[family](seed=seed, **config)
     model = tplayers.parallelize(copy.deepcopy(dense), family, group=group)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (2, 10), generator=g)
@@ -69,16 +69,27 @@ def test_shipped_plan_matches_dense(family, tp):
         assert "VocabParallelEmbedding" in swapped and "ParallelLMHead" in swapped
 
 
-def _gqa_too_few_kv_heads(group):
-    model = _llama(kv_heads=2)
-    with pytest.raises(ValueError, match=r"module 'model.layers.0.self_attn': config.num_key_value_heads=2 "
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])  # eager repeats KV heads by num_key_value_groups
+def test_llama_gqa_with_fewer_kv_heads_than_ranks_matches_dense(attn):
+    """2 KV heads at TP 4: each KV head is replicated on 2 ranks, gradients summed over replicas."""
+    for err, swapped in get_world(4).run(_check_model, "llama", seed=3, kv_heads=2, attn=attn):
+        assert err < 1e-9 and "FusedColumnParallelLinear" in swapped
+
+
+def _kv_heads_do_not_fit(group):
+    model = _llama(kv_heads=3, heads=12)
+    with pytest.raises(ValueError, match=r"module 'model.layers.0.self_attn.k_proj'.*config.num_key_value_heads=3 "
+                                         r"neither divides nor is divisible by the TP degree 4"):
+        tplayers.parallelize(model, "llama", group=group)
+    model = _llama(kv_heads=2, heads=6)
+    with pytest.raises(ValueError, match=r"module 'model.layers.0.self_attn': config.num_attention_heads=6 "
                                          r"is not divisible by the TP degree 4"):
         tplayers.parallelize(model, "llama", group=group)
     return True
 
 
-def test_llama_plan_names_attention_module_when_heads_do_not_divide():
-    assert all(get_world(4).run(_gqa_too_few_kv_heads))
+def test_llama_plan_names_the_module_when_heads_do_not_fit():
+    assert all(get_world(4).run(_kv_heads_do_not_fit))
 
 
 def _hf_roundtrip(group, src_dir: str, out_dir: str):

@@ -9,6 +9,8 @@ A plan maps module-name patterns (``fnmatch``: ``*`` also matches dots) to style
     "column_gather"    ColumnParallelLinear(gather_output=True): full output (e.g. an LM head)
     "fused_qkv"        column split per component of an equal-thirds fused [q; k; v] projection
     Column(parts=..)   column split per component of any fused projection (gate/up, GQA qkv)
+    "kv_column"        K/V projection of GQA: split by KV heads, or replicated KV heads when there
+                       are fewer than ranks (KVColumn reads the count from the parent attention)
     "row"              RowParallelLinear, input sharded on the last dim, full output
     "vocab_embedding"  VocabParallelEmbedding (rows of the table split across ranks)
     "vocab_head"       ParallelLMHead(gather_output=True): an LM head split like the embedding
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -47,6 +49,7 @@ __all__ = [
     "parallelize",
     "Plan",
     "Column",
+    "KVColumn",
     "Row",
     "VocabEmbedding",
     "VocabHead",
@@ -162,6 +165,27 @@ class Column:
             opts["gather_output"] = self.gather_output
             cls = ColumnParallelConv1D if is_conv1d(module) else ColumnParallelLinear
         return cls.from_conv1d(module, group=tp, **opts) if is_conv1d(module) else cls.from_dense(module, group=tp, **opts)
+
+
+@dataclass(frozen=True)
+class KVColumn:
+    """A K or V projection of grouped-query attention: split by KV heads when they divide the TP
+    degree, else each KV head is held by ``p / num_kv_heads`` consecutive ranks (replicas whose
+    gradients are summed), so every rank keeps the KV head its query heads use. ``kv_heads``
+    is read from the parent module (the attention) by this dotted path."""
+
+    kv_heads: str = "config.num_key_value_heads"
+
+    def build(self, module: nn.Module, name: str, tp: TPGroup, parent: Optional[nn.Module] = None) -> nn.Module:
+        _check_linear_like(module, name, "kv_column")
+        if is_conv1d(module):
+            raise TypeError(f"parallelize: module '{name}': style 'kv_column' needs an nn.Linear")
+        n = _getattr_path(parent, self.kv_heads)
+        if n % tp.size == 0:
+            return ColumnParallelLinear.from_dense(module, group=tp)
+        if tp.size % n:
+            raise ValueError(f"{self.kv_heads}={n} neither divides nor is divisible by the TP degree {tp.size}")
+        return FusedColumnParallelLinear.from_dense(module, group=tp, parts=[module.out_features], part_shards=[n])
 
 
 @dataclass(frozen=True)
@@ -301,13 +325,14 @@ class ScatterSequence(_InPlace):
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
-Style = Union[Column, Row, VocabEmbedding, VocabHead, Replicate, SequenceParallelNorm, ScatterSequence, GatherSequence]
+Style = Union[Column, KVColumn, Row, VocabEmbedding, VocabHead, Replicate, SequenceParallelNorm, ScatterSequence, GatherSequence]
 
 _STYLE_NAMES: Dict[str, Style] = {
     "column": Column(),
     "column_gather": Column(gather_output=True),
     "fused_qkv": Column(parts=3),
     "row": Row(),
+    "kv_column": KVColumn(),
     "vocab_embedding": VocabEmbedding(),
     "vocab_head": VocabHead(),
     "replicate": Replicate(),
@@ -345,6 +370,17 @@ class Plan:
     divide_attrs: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
     require_divisible: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
     name: str = "custom"
+    # pattern -> fn(module, tp_size) -> {attr: new value}: attributes a plain division cannot express
+    set_attrs: Dict[str, Callable[[nn.Module, int], Dict[str, Any]]] = field(default_factory=dict)
+
+
+def _llama_local_kv_groups(attn: nn.Module, tp_size: int) -> Dict[str, Any]:
+    """Query heads per KV head on one rank: unchanged when KV heads split evenly, else each rank
+    holds one KV head (replicated) for its ``num_heads / p`` query heads."""
+    heads, kv = attn.config.num_attention_heads, attn.config.num_key_value_heads
+    if not hasattr(attn, "num_key_value_groups") or kv % tp_size == 0:
+        return {}
+    return {"num_key_value_groups": heads // tp_size}
 
 
 LLAMA_PLAN = Plan(
@@ -352,8 +388,8 @@ LLAMA_PLAN = Plan(
     layers={
         "*embed_tokens": "vocab_embedding",
         "*layers.*.self_attn.q_proj": "column",
-        "*layers.*.self_attn.k_proj": "column",
-        "*layers.*.self_attn.v_proj": "column",
+        "*layers.*.self_attn.k_proj": "kv_column",
+        "*layers.*.self_attn.v_proj": "kv_column",
         "*layers.*.self_attn.o_proj": "row",
         "*layers.*.mlp.gate_proj": "column",
         "*layers.*.mlp.up_proj": "column",
@@ -362,7 +398,8 @@ LLAMA_PLAN = Plan(
     },
     # transformers >= 4.48 reshapes with view(..., -1, head_dim); older versions read these.
     divide_attrs={"*layers.*.self_attn": ("num_heads?", "num_key_value_heads?", "hidden_size?")},
-    require_divisible={"*layers.*.self_attn": ("config.num_attention_heads", "config.num_key_value_heads")},
+    require_divisible={"*layers.*.self_attn": ("config.num_attention_heads",)},
+    set_attrs={"*layers.*.self_attn": _llama_local_kv_groups},
 )
 
 GPT2_PLAN = Plan(
@@ -402,7 +439,7 @@ def _sequence_parallel(plan: Plan, first_block: Sequence[str], norms: Sequence[s
     for pat in gather_inputs:
         layers[pat] = GatherSequence()
     return Plan(layers=layers, divide_attrs=dict(plan.divide_attrs), require_divisible=dict(plan.require_divisible),
-                name=plan.name + "+sp")
+                name=plan.name + "+sp", set_attrs=dict(plan.set_attrs))
 
 
 PLANS: Dict[str, Plan] = {"llama": LLAMA_PLAN, "gpt2": GPT2_PLAN}
@@ -482,7 +519,12 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
             in_place.append((styles[pat], module, name))
             continue
         try:
-            built[name] = styles[pat].build(module, name, tp)
+            style = styles[pat]
+            if isinstance(style, KVColumn):
+                parent_name = name.rpartition(".")[0]
+                built[name] = style.build(module, name, tp, parent=modules[parent_name])
+            else:
+                built[name] = style.build(module, name, tp)
         except (ValueError, TypeError) as e:
             msg = str(e)
             raise type(e)(msg if msg.startswith("parallelize:") else f"parallelize: module '{name}' ({pat!r}): {msg}") from None
@@ -505,6 +547,9 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
                     if value % tp.size:
                         raise ValueError(f"parallelize: module '{name}': {path}={value} is not divisible by the "
                                          f"TP degree {tp.size}")
+        for pat, fn in p.set_attrs.items():
+            if fnmatch.fnmatchcase(name, pat):
+                changes.extend((module, attr, value) for attr, value in fn(module, tp.size).items())
         for pat, attrs in p.divide_attrs.items():
             if not fnmatch.fnmatchcase(name, pat):
                 continue
