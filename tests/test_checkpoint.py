@@ -208,3 +208,18 @@ def test_parallel_gpt_with_replicated_kv_heads_reshards(tmp_path):
     for loaded, out_loaded in get_world(4).run(_gpt_load, path):
         assert all(torch.equal(loaded[k], saved[k]) for k in saved)
         torch.testing.assert_close(out_loaded, out, rtol=1e-10, atol=1e-10)
+
+
+def test_load_refuses_non_tensor_entries(tmp_path):
+    """DCP would torch.load(weights_only=False) a 'bytes' entry: a checkpoint holding one is refused."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    path = str(tmp_path / "ckpt")
+    tplayers.save_checkpoint(_single(1), path)
+    state, _ = tplayers.checkpoint._dcp_state(_single(1), for_save=True)
+    state["step"] = "not a tensor"  # stored by DCP as pickled bytes
+    with tplayers.checkpoint._quiet():
+        dcp.save(state, storage_writer=FileSystemWriter(path, overwrite=True), no_dist=True)
+    with pytest.raises(CheckpointError, match="'step' is not a tensor"):
+        tplayers.load_checkpoint(_single(2), path)

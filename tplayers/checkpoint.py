@@ -12,7 +12,8 @@ with the model first and reports mismatches by parameter name.
 Safety: a save writes into ``<path>.tmp-<token>`` and renames it to ``<path>`` only after every
 rank finished, so an interrupted save never leaves a directory at ``<path>`` (and a directory
 without the manifest, written last, is refused). Loading never unpickles arbitrary objects: DCP's
-pickled metadata is read with an unpickler that only admits DCP's own metadata classes, and
+pickled metadata is read with an unpickler that only admits DCP's own metadata classes, any
+non-tensor entry (which DCP would ``torch.load`` with ``weights_only=False``) is refused, and
 tensor data is read by DCP with ``torch.load(weights_only=True)``.
 
 Dense (``save_dense`` / ``load_dense``): one safetensors file (or a Hugging Face checkpoint
@@ -326,12 +327,19 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def _safe_reader(path: str) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
     class _SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             with open(os.path.join(str(self.path), ".metadata"), "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP Metadata")
+            for key, md in metadata.state_dict_metadata.items():
+                # DCP loads non-tensor ("bytes") entries with torch.load(weights_only=False): refuse them
+                if not isinstance(md, TensorStorageMetadata):
+                    raise pickle.UnpicklingError(f"entry '{key}' is not a tensor ({type(md).__name__}); "
+                                                 "tplayers checkpoints hold tensors only")
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
