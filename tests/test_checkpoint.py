@@ -210,6 +210,7 @@ def test_parallel_gpt_with_replicated_kv_heads_reshards(tmp_path):
         torch.testing.assert_close(out_loaded, out, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
 def test_load_refuses_non_tensor_entries(tmp_path):
     """DCP would torch.load(weights_only=False) a 'bytes' entry: a checkpoint holding one is refused."""
     import torch.distributed.checkpoint as dcp
