@@ -116,9 +116,9 @@ def test_gqa_with_fewer_kv_heads_than_ranks_replicates_them():
 # ------------------------------------------------------------------ block
 
 
-def _check_block(group, config, batch, seq, mask_kind, sequence_parallel, seed):
+def _check_block(group, config, batch, seq, mask_kind, sequence_parallel, seed, dtype=F64):
     torch.manual_seed(seed)
-    dense = DenseTransformerBlock(config, dtype=F64)
+    dense = DenseTransformerBlock(config, dtype=dtype)
     with torch.no_grad():  # non-trivial norm weights, so their gradients are tested for real
         for name, p in dense.named_parameters():
             if "norm" in name:
@@ -127,9 +127,17 @@ def _check_block(group, config, batch, seq, mask_kind, sequence_parallel, seed):
     _check_layouts(tp, dense, group)
     assert type(tp.to_dense()) is DenseTransformerBlock
     mask = _make_mask(mask_kind, batch, config.n_heads, seq, torch.Generator().manual_seed(seed))
-    x = torch.randn(batch, seq, config.hidden, dtype=F64)
+    x = torch.randn(batch, seq, config.hidden, dtype=dtype)
     return assert_matches_dense(_WithMask(tp, mask), _WithMask(dense, mask), x, group=group,
                                 **_io_dims(sequence_parallel)).grad_error
+
+
+def test_block_float32_within_default_tolerance():
+    # fp32: only the order of the partial sums differs from dense (rtol 1e-4, atol 1e-5)
+    config = BlockConfig(hidden=16, n_heads=4, ffn_hidden=32, n_kv_heads=2, activation="swiglu", norm="rmsnorm",
+                         rotary=True)
+    for tp in (2, 4):
+        get_world(tp).run(_check_block, config, 2, 8, "bool", True, 1, torch.float32)
 
 
 configs = st.builds(
@@ -362,3 +370,22 @@ def test_sequence_parallel_saves_a_tp_share_of_activations():
     for tp in (2, 4):
         per_rank = max(get_world(tp).run(_saved_activation_bytes, config, True, False))
         assert per_rank <= dense * 1.1 / tp, (tp, per_rank, dense)
+
+
+def _column_sp_saved(group):
+    from tplayers import ColumnParallelLinear
+    g = resolve_group(group)
+    layer = ColumnParallelLinear(8, 8, group=group, sequence_parallel=True)
+    x = torch.randn(2, 4 // g.size, 8, requires_grad=True)  # this rank's sequence shard
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = layer(x)
+    assert out.shape == (2, 4, 8 // g.size), "the column linear all-gathers the sequence"
+    acts = [t for t in saved if t.untyped_storage().data_ptr() != layer.weight.untyped_storage().data_ptr()]
+    return [tuple(t.shape) for t in acts], all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+                                               for t in acts)
+
+
+def test_column_linear_under_sequence_parallelism_saves_only_the_input_shard():
+    for shapes, is_input in get_world(2).run(_column_sp_saved):
+        assert shapes == [(2, 2, 8)] and is_input  # not the gathered (2, 4, 8): re-gathered in backward

@@ -125,3 +125,12 @@ def _check_detects_wrong_input_grad(group):
 def test_assert_matches_dense_detects_wrong_input_gradient():
     messages = get_world(2).run(_check_detects_wrong_input_grad)
     assert all(m is not None and "gradient of input 0" in m for m in messages), messages
+
+
+def test_idle_world_stays_up_between_calls():
+    world = get_world(2)
+    world.run(_rank_and_size)
+    starts = world.starts
+    time.sleep(2.5)  # longer than a rank's idle poll
+    world.run(_rank_and_size)
+    assert world.starts == starts, "an idle world must not restart"

@@ -208,3 +208,39 @@ def test_cross_entropy_errors():
         vocab_parallel_cross_entropy(logits, torch.zeros(2, 3, dtype=torch.long), group=None, vocab_size=7)
     with pytest.raises(TypeError, match="integer"):
         vocab_parallel_cross_entropy(logits, torch.zeros(2, 3), group=None)
+
+
+class _TiedLM(nn.Module):
+    def __init__(self, embed, head):
+        super().__init__()
+        self.embed, self.head = embed, head
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+def _check_tied(group, vocab, dim, seed):
+    torch.manual_seed(seed)
+    dense = _TiedLM(nn.Embedding(vocab, dim, dtype=torch.float64), nn.Linear(dim, vocab, bias=False, dtype=torch.float64))
+    embed = VocabParallelEmbedding.from_dense(dense.embed, group=group)
+    head = ParallelLMHead.from_dense(dense.head, group=group, gather_output=True)
+    tp = _TiedLM(embed, head)
+    ids = torch.randint(0, vocab, (2, 5))
+    dense.zero_grad()
+    out, expected = tp(ids), dense(ids)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    out.backward(grad)
+    expected.backward(grad)
+    assert tp.head.weight is tp.embed.weight
+    # the one shared gradient holds both uses: embedding lookup and output projection
+    torch.testing.assert_close(tp.embed.to_dense().weight, dense.embed.weight)
+    g = resolve_group(group)
+    full_grad = tp.embed.layout.unshard(list(all_gather_tensor(tp.embed.weight.grad, 0, group=group).chunk(g.size)))
+    torch.testing.assert_close(full_grad, dense.embed.weight.grad)
+
+
+def test_tied_embedding_and_lm_head():
+    for tp in TP_SIZES:
+        get_world(tp).run(_check_tied, 7, 4, tp)

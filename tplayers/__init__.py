@@ -5,7 +5,7 @@ from .groups import TPGroup, resolve_group
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelModule
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
-from .random import RNGTracker
+from .rng import RNGTracker
 from .norm import ParallelNorm
 from .fused import FusedColumnParallelLinear
 from .blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock

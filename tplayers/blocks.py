@@ -28,7 +28,7 @@ from .fused import FusedColumnParallelLinear
 from .groups import GroupLike, TPGroup, resolve_group
 from .layers import ColumnParallelLinear, RowParallelLinear, ShardLayout, TensorParallelModule, require_divisible
 from .norm import ParallelNorm
-from .random import PARALLEL, REPLICATED, RNGTracker, dropout_context
+from .rng import PARALLEL, REPLICATED, RNGTracker, dropout_context
 
 __all__ = ["ParallelMLP", "ParallelAttention", "ParallelTransformerBlock"]
 

@@ -15,7 +15,7 @@ token dim of ``[tokens, hidden]``).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -240,25 +240,31 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 class _SumOverReplicas(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the ranks holding the same replica.
+    """Identity forward; backward sums the gradient of rows ``[start, stop)`` (dim 0) over the
+    ranks holding the same replica of them, and passes the other rows through.
 
     Ranks are grouped in ``num_shards`` consecutive runs of ``p // num_shards`` (the layout of
     KV heads replicated over more ranks than there are heads). One all-reduce of a
-    ``(num_shards, *grad.shape)`` buffer with this rank's gradient in its run's slot.
+    ``(num_shards, stop - start, ...)`` buffer with this rank's rows in its run's slot.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, g: TPGroup, num_shards: int) -> torch.Tensor:
-        ctx.g, ctx.num_shards = g, num_shards
-        return x.view_as(x)
+    def forward(ctx, x: torch.Tensor, g: TPGroup, num_shards: int, start: int, stop: int) -> torch.Tensor:
+        ctx.g, ctx.num_shards, ctx.rows = g, num_shards, (start, stop)
+        return x.view_as(x)  # a view: no copy of x is made or saved
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        g, n = ctx.g, ctx.num_shards
+        g, n, (start, stop) = ctx.g, ctx.num_shards, ctx.rows
         slot = g.rank // (g.size // n)
-        buf = grad.new_zeros((n,) + tuple(grad.shape))
-        buf[slot].copy_(grad)
-        return _all_reduce(buf, g).wait()[slot], None, None
+        buf = grad.new_zeros((n, stop - start) + tuple(grad.shape[1:]))
+        buf[slot].copy_(grad[start:stop])
+        summed = _all_reduce(buf, g).wait()[slot]
+        if start == 0 and stop == grad.shape[0]:
+            return summed, None, None, None, None
+        out = grad.clone(memory_format=torch.contiguous_format)  # never write into autograd's grad
+        out[start:stop] = summed
+        return out, None, None, None, None
 
 
 # ---------------------------------------------------------------- public wrappers
@@ -309,13 +315,20 @@ def reduce_scatter_to_sequence(x: torch.Tensor, *, group: GroupLike, seq_dim: in
     return x if g.size == 1 else _ReduceScatterToSequence.apply(x, g, seq_dim)
 
 
-def sum_over_replicas(x: torch.Tensor, *, group: GroupLike, num_shards: int) -> torch.Tensor:
-    """Identity forward. Backward: the gradient summed over the ``p // num_shards`` consecutive
-    ranks that hold the same replica of ``x`` (e.g. a KV head shared by several ranks)."""
+def sum_over_replicas(x: torch.Tensor, *, group: GroupLike, num_shards: int,
+                      rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """Identity forward (a view, no copy). Backward: the gradient of ``x`` (or of its dim-0 rows
+    ``rows=(start, stop)``) summed over the ``p // num_shards`` consecutive ranks that hold the
+    same replica of it (e.g. a KV head shared by several ranks)."""
     g = resolve_group(group)
     if num_shards < 1 or g.size % num_shards:
         raise ValueError(f"sum_over_replicas: num_shards={num_shards} does not divide the TP degree {g.size}")
-    return x if num_shards == g.size else _SumOverReplicas.apply(x, g, num_shards)
+    start, stop = (0, x.shape[0]) if rows is None else rows
+    if not 0 <= start <= stop <= x.shape[0]:
+        raise ValueError(f"sum_over_replicas: rows={rows} outside dim 0 of size {x.shape[0]}")
+    if num_shards == g.size or start == stop:
+        return x
+    return _SumOverReplicas.apply(x, g, num_shards, start, stop)
 
 
 # ---------------------------------------------------------------- non-differentiable helpers

@@ -215,6 +215,10 @@ class ParallelLMHead(_VocabParallelBase):
     this rank's logits shard ``(..., [seq,] vocab_padded/p)``, whose padding columns are zero;
     pass ``vocab_size=head.num_embeddings`` to `vocab_parallel_cross_entropy`. With
     ``gather_output=True``: the full ``(..., vocab)`` logits on every rank, padding removed.
+
+    Tied embeddings (GPT-2 style): the local weight has the same layout as a
+    `VocabParallelEmbedding` of the same vocabulary, so ``head.weight = embedding.weight`` ties
+    them rank by rank, and both uses accumulate into the one gradient.
     """
 
     def __init__(

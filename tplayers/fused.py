@@ -74,10 +74,6 @@ class FusedColumnParallelLinear(TensorParallelModule):
     def layout(self) -> ShardLayout:
         return ShardLayout(0, tuple(zip(self.parts, self.part_shards)))
 
-    @property
-    def _replicated(self) -> bool:
-        return any(n < self.tp.size for n in self.part_shards)
-
     def reset_parameters(self) -> None:
         """Redraw the full ``nn.Linear(in, sum(parts))`` init and keep this rank's pieces."""
         w, b = _dense_linear_init(self.in_features, self.out_features, self.bias is not None,
@@ -88,12 +84,21 @@ class FusedColumnParallelLinear(TensorParallelModule):
                 self.bias.copy_(self.layout.shard(b, self.tp.rank, self.tp.size))
 
     def _with_replica_grads(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` whose replicated components' gradients are summed over their replica ranks."""
-        if not self._replicated:
-            return t
-        pieces = t.split(self.local_parts, dim=0)
-        return torch.cat([p if n == self.tp.size else sum_over_replicas(p, group=self.tp, num_shards=n)
-                          for p, n in zip(pieces, self.part_shards)], dim=0)
+        """``t`` (a view of it: no copy) whose replicated components' gradients are summed over
+        their replica ranks; adjacent components with the same shard count (k and v) share one
+        all-reduce."""
+        runs = []  # [start, stop, num_shards] of consecutive replicated rows
+        start = 0
+        for local, n in zip(self.local_parts, self.part_shards):
+            if n < self.tp.size:
+                if runs and runs[-1][1] == start and runs[-1][2] == n:
+                    runs[-1][1] = start + local
+                else:
+                    runs.append([start, start + local, n])
+            start += local
+        for lo, hi, n in runs:
+            t = sum_over_replicas(t, group=self.tp, num_shards=n, rows=(lo, hi))
+        return t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self._with_replica_grads(self.weight)

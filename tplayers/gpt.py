@@ -29,7 +29,7 @@ from .groups import GroupLike, resolve_group
 from .layers import ShardLayout, TensorParallelModule
 from .loss import vocab_parallel_cross_entropy
 from .norm import ParallelNorm
-from .random import PARALLEL, REPLICATED, RNGTracker, dropout_context
+from .rng import PARALLEL, REPLICATED, RNGTracker, dropout_context
 
 __all__ = ["ParallelGPT"]
 

@@ -76,6 +76,18 @@ class WorldTimeout(WorldError):
     """Some ranks did not answer in time (hung collective, dead peer)."""
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists. (Not ``os.getppid() == pid``: a rank forked from the
+    forkserver has the server, not the process that owns the world, as its parent.)"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _worker_main(rank: int, size: int, backend: str, init_file: str, conn: Any,
                  collective_timeout_s: float, threads: int, parent_pid: int) -> None:
     torch.set_num_threads(threads)
@@ -91,7 +103,7 @@ def _worker_main(rank: int, size: int, backend: str, init_file: str, conn: Any,
     group = dist.group.WORLD
     while True:
         if not conn.poll(1.0):
-            if os.getppid() != parent_pid:  # orphaned: the parent died without closing us
+            if not _alive(parent_pid):  # orphaned: the parent died without closing us
                 break
             continue
         try:
