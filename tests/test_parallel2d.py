@@ -103,12 +103,17 @@ def _fsdp2_checkpoint_refused(group, path):
     fully_shard(model, mesh=mesh.dp_mesh)
     with pytest.raises(CheckpointError, match="is a DTensor"):
         tplayers.save_checkpoint(model, path)
-    ddp_model = tplayers.parallelize(MLPNet().double(), PLAN, group=mesh.mesh)
+    torch.manual_seed(1)
+    dense = MLPNet().double()
+    ddp_model = tplayers.parallelize(copy.deepcopy(dense), PLAN, group=mesh.mesh)
     tplayers.save_checkpoint(torch.nn.parallel.DistributedDataParallel(ddp_model, process_group=mesh.dp_group).module,
                              path)  # DDP replicas of one shard are written once
-    return True
+    tp4 = tplayers.parallelize(MLPNet().double(), PLAN, group=group)  # all 4 ranks as one TP group
+    tplayers.load_checkpoint(tp4, path)
+    loaded = tplayers.checkpoint.dense_state_dict(tp4)
+    return all(torch.equal(loaded[k], v) for k, v in dense.state_dict().items())
 
 
-def test_checkpoint_of_ddp_model_saves_and_fsdp2_is_refused_clearly(tmp_path):
+def test_checkpoint_of_dp2_tp2_model_loads_at_tp4_and_fsdp2_is_refused_clearly(tmp_path):
     assert all(get_world(4).run(_fsdp2_checkpoint_refused, str(tmp_path / "ckpt")))
     assert (tmp_path / "ckpt" / "tplayers.json").is_file()
