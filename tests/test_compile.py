@@ -2,9 +2,9 @@
 
 Measured on 2 CPU ranks, torch 2.13:
 - ``overlap_comm=True`` (default): dynamo cannot trace ``async_op=True`` collectives, which the
-  column/row backward uses to overlap the input-gradient all-reduce with the weight-gradient
-  matmul, so it graph-breaks there (one break per TP linear; the autograd Function then runs
-  eagerly, the code between TP linears is compiled). Results are unchanged.
+  column backward uses to overlap the input-gradient all-reduce with the weight-gradient
+  matmul, so it graph-breaks there (the column-parallel autograd Function then runs eagerly,
+  the code around it is compiled). Results are unchanged.
 - ``overlap_comm=False``: the blocking collectives trace; ``fullgraph=True`` compiles the whole
   model as one graph with no break.
 Inductor takes tens of seconds per compile on 2 cores: one inductor case, the rest ``aot_eager``.
