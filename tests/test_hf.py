@@ -46,7 +46,7 @@ def _check_model(group, family: str, seed: int, **config):
     dense = BUILD[family](seed=seed, **config)
     model = tplayers.parallelize(copy.deepcopy(dense), family, group=group)
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (2, 10), generator=g)
+    ids = torch.randint(0, dense.config.vocab_size, (2, 10), generator=g)
     out_d, out_t = dense(ids, labels=ids), model(ids, labels=ids)
     torch.testing.assert_close(out_t.logits, out_d.logits, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(out_t.loss, out_d.loss, rtol=1e-9, atol=1e-9)
@@ -74,6 +74,12 @@ def test_llama_gqa_with_fewer_kv_heads_than_ranks_matches_dense(attn):
     """2 KV heads at TP 4: each KV head is replicated on 2 ranks, gradients summed over replicas."""
     for err, swapped in get_world(4).run(_check_model, "llama", seed=3, kv_heads=2, attn=attn):
         assert err < 1e-9 and "FusedColumnParallelLinear" in swapped
+
+
+def test_gpt2_vocab_not_divisible_by_tp_is_padded_and_stays_tied():
+    """GPT-2's real vocabulary (50257) does not divide the TP degree: 50 at TP 4 is padded to 52."""
+    for err, swapped in get_world(4).run(_check_model, "gpt2", seed=4, vocab=50):
+        assert err < 1e-9 and "ParallelLMHead" in swapped
 
 
 def _kv_heads_do_not_fit(group):
