@@ -122,6 +122,28 @@ def test_hf_checkpoint_into_tp_model_and_back_out(tmp_path):
         assert missing == [] and same
 
 
+def _meta_then_load(group, src_dir: str):
+    """Large-model flow: build on the meta device (no weights), parallelize, allocate only this
+    rank's shards, read only this rank's slices of the HF checkpoint."""
+    from transformers import GPT2LMHeadModel
+
+    dense = _gpt2(seed=11)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(dense.config).double().eval()
+    tplayers.parallelize(model, "gpt2", group=group)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty re-creates each parameter, untying lm_head from wte: tie them again
+    tplayers.load_dense(model, src_dir)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-9, atol=1e-9)
+    return model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_meta_device_model_parallelized_then_loaded_from_hf_checkpoint(tmp_path):
+    _gpt2(seed=11).save_pretrained(tmp_path / "hf")
+    assert all(get_world(2).run(_meta_then_load, str(tmp_path / "hf")))
+
+
 def _save_tp(group, family: str, path: str):
     model = tplayers.parallelize(BUILD[family](seed=21), family, group=group)
     tplayers.save_checkpoint(model, path)
