@@ -94,8 +94,15 @@ def _check_inputs(
             raise ValueError(f"{op}: sequence parallelism needs a [..., seq, hidden] input, got {tuple(x.shape)}")
 
 
+# One cheap C call answering "is autocast on for any device?" (torch >= 2.4); it spares the
+# per-call device-type lookup on the common path.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
+
+
 def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
     """Apply autocast's cast before entering the custom Function (which autocast does not see)."""
+    if not _any_autocast():
+        return x, weight, bias
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
         return x, weight, bias
@@ -191,6 +198,8 @@ def column_parallel_linear(
     """
     g = resolve_group(group)
     _check_inputs(x, weight, bias, weight.shape[1], "column_parallel_linear", sequence_parallel, g)
+    if g.size == 1 and not _any_autocast():
+        return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear, no further Python
     _warn_cuda_connections_once(x, g, overlap_comm)
     x, weight, bias = _autocast(x, weight, bias)
     if g.size == 1:
@@ -219,6 +228,8 @@ def row_parallel_linear(
     g = resolve_group(group)
     expected_in = weight.shape[1] * (1 if input_is_parallel else g.size)
     _check_inputs(x, weight, bias, expected_in, "row_parallel_linear", sequence_parallel, g)
+    if g.size == 1 and not _any_autocast():
+        return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear, no further Python
     if sequence_parallel and g.size > 1 and x.shape[SEQ_DIM] % g.size != 0:
         raise ValueError(
             f"row_parallel_linear: sequence length {x.shape[SEQ_DIM]} is not divisible by the TP "

@@ -1,0 +1,182 @@
+"""The ``tplayers`` command: verify (table, exit status, torchrun) and bench (JSON schema, table)."""
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tplayers.bench import MODES, SCHEMA
+from tplayers.cli import main
+from tplayers.cli import verify as V
+from tplayers.cli.bench_cmd import format_report, plot_report
+from tplayers.layers import ColumnParallelLinear
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(var, None)
+    return env
+
+
+# ---------------------------------------------------------------------------- verify
+
+
+def test_verify_in_process_tp1_and_2(capsys):
+    rc = main(["verify", "--tp", "1,2", "-k", "RowParallelLinear", "-k", "MLP(sequence"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [line for line in out.splitlines() if line.startswith(("RowParallelLinear", "Column->GELU"))]
+    assert len(rows) == 2 * 4, out  # 3 row variants + the SP MLP, at TP 1 and 2
+    for line in rows:
+        name, tp, fwd, grad, result = line.rsplit(None, 4)
+        assert tp in ("1", "2") and result == "PASS"
+        assert float(fwd) < 1e-9 and float(grad) < 1e-9  # float64 by default
+    assert "8/8 checks passed" in out
+
+
+def test_verify_subprocess_default_tp2():
+    proc = subprocess.run([sys.executable, "-m", "tplayers", "verify", "--tp", "2"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for check in V.CHECKS:  # every registered check appears once, passing, at TP 2
+        line = next(l for l in proc.stdout.splitlines() if l.startswith(check.name + " "))
+        assert line.split()[-4:][0] == "2" and line.endswith("PASS"), line
+    assert f"{len(V.CHECKS)}/{len(V.CHECKS)} checks passed" in proc.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_verify_under_torchrun_env():
+    """The same code runs directly on ranks a launcher started (torchrun's env:// variables)."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = _env()
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tplayers", "verify", "-k", "sequence_parallel", "--json"],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[1][0].strip() == ""  # only global rank 0 prints
+    report = json.loads(outs[0][0])
+    assert report["passed"] and {r["tp"] for r in report["results"]} == {2}
+    assert len(report["results"]) == len(V.select_checks(["sequence_parallel"]))
+
+
+@pytest.fixture
+def broken_check(monkeypatch):
+    """A check whose TP module deliberately differs from its dense reference (tests only)."""
+    check = V.Check("BrokenColumn", "", _broken_column)
+    monkeypatch.setattr(V, "CHECKS", V.CHECKS + [check])
+    return check
+
+
+def _broken_column(g, cfg):
+    dense = nn.Linear(8, 8).double()
+    tp = ColumnParallelLinear.from_dense(dense, group=g)
+    with torch.no_grad():
+        tp.bias.add_(0.5)  # wrong by 0.5 in the output, right in the gradients
+    return V._match(tp, dense, torch.randn(2, 8, dtype=torch.float64), g, cfg, output_shard_dim=-1)
+
+
+def test_failing_check_is_reported_and_exits_nonzero(broken_check):
+    results = V.run_checks(None, [broken_check.name, "Column->GELU->Row MLP"], V.VerifyConfig())
+    bad, good = results
+    assert not bad.passed and good.passed
+    assert bad.forward_error == pytest.approx(0.5) and bad.grad_error < 1e-12  # measured despite failing
+    assert "output differs from the dense reference" in bad.message
+    table = V.format_table(results)
+    assert "FAIL" in table.splitlines()[2] and "1/2 checks passed" in table
+    assert "FAIL BrokenColumn (TP 1): AssertionError" in table
+    assert V.exit_code(results) == 1 and V.exit_code([good]) == 0 and V.exit_code([]) == 1
+
+
+def test_merge_rank_results_any_rank_fails():
+    ok = V.CheckResult("m", 2, 1e-16, 2e-16, True)
+    bad = V.CheckResult("m", 2, math.nan, 3e-16, False, "rank 1: boom")
+    (merged,) = V.merge_rank_results([[ok], [bad]])
+    assert not merged.passed and merged.message == "rank 1: boom" and merged.grad_error == 3e-16
+    assert "n/a" in V.format_table([merged])
+
+
+def test_verify_usage_errors(capsys):
+    assert main(["verify", "-k", "no-such-module"]) == 2
+    assert main(["verify", "--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == [c.name for c in V.CHECKS]
+    with pytest.raises(SystemExit):
+        main(["verify", "--tp", "0"])
+
+
+# ---------------------------------------------------------------------------- bench
+
+
+def test_bench_json_schema_and_table(capsys, tmp_path):
+    rc = main(["bench", "--tp", "2", "--batch", "1", "--seq", "8", "--hidden", "8", "--ffn", "16",
+               "--iters", "3", "--warmup", "1", "--json", "--no-progress", "--save", str(tmp_path / "b.json")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    report = json.loads(out)
+    assert report == json.loads((tmp_path / "b.json").read_text())
+    assert report["schema"] == SCHEMA
+    assert report["config"]["hidden"] == 8 and report["config"]["iters"] == 3
+    assert report["environment"]["tp"] == 2 and report["environment"]["backend"] == "gloo"
+    assert set(report["timings"]) == set(MODES)  # naive runs at TP 2
+    for timing in report["timings"].values():
+        assert set(timing) == {"min_ms", "median_ms", "mean_ms", "n"} and timing["n"] == 3
+        assert 0 < timing["min_ms"] <= timing["median_ms"]
+    s = report["summary"]
+    assert {"overlap_saving_ms", "comm_bwd_ms", "hidden_fraction", "speedup_vs_dense", "speedup_vs_naive"} <= set(s)
+    table = format_report(report)
+    assert "TP fwd+bwd, overlap on" in table and "communication hidden by overlap" in table
+    if _has_matplotlib():
+        plot_report(report, str(tmp_path / "b.png"))
+        assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_bench_tp1_column_skips_naive(capsys):
+    rc = main(["bench", "--tp", "1", "--module", "column", "--batch", "1", "--seq", "4", "--hidden", "8",
+               "--iters", "2", "--warmup", "0", "--modes", "tp,dense,naive,comm_bwd,tp_blocking", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "skipped" in out and "needs --tp 2" in out
+    assert "no collective at TP 1" in out
+
+
+def test_bench_bad_shape_is_a_usage_error(capsys):
+    assert main(["bench", "--tp", "2", "--ffn", "15", "--iters", "1"]) == 2
+    assert "ffn=15 is not divisible by the TP degree 2" in capsys.readouterr().err
+    assert main(["bench", "--modes", "tp,warp", "--iters", "1"]) == 2
+
+
+def test_verify_tolerances_scale_only_in_low_precision():
+    assert V.tolerance(V.VerifyConfig(dtype="float64", tol_scale=16)) == (1e-9, 1e-9)
+    assert V.tolerance(V.VerifyConfig(dtype="bfloat16", tol_scale=4)) == pytest.approx((8e-2, 8e-2))
+    assert V.tolerance(V.VerifyConfig(dtype="bfloat16", tol_scale=4, rtol=1e-3)) == pytest.approx((1e-3, 8e-2))

@@ -1,0 +1,7 @@
+"""``python -m tplayers verify|bench``."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

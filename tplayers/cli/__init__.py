@@ -1,0 +1,215 @@
+"""The ``tplayers`` command: ``tplayers verify`` and ``tplayers bench``.
+
+Both run the same per-rank code either on ranks they spawn themselves (no arguments needed:
+2 CPU ranks on gloo) or, when torchrun's environment is present (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), on the ranks torchrun started, single- or multi-node.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional, Sequence
+
+from ._launch import finish_torchrun, run_on_ranks, under_torchrun
+
+__all__ = ["main", "build_parser"]
+
+_DTYPES = ["float64", "float32", "bfloat16", "float16"]
+
+
+def _tp_list(text: str) -> List[int]:
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tp takes sizes like 2 or 1,2,4, got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--tp sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tplayers", description="Tensor-parallel layers: verify and benchmark.")
+    sub = parser.add_subparsers(dest="command", metavar="{verify,bench}")
+    sub.required = True
+
+    def common(p: argparse.ArgumentParser, dtype: str) -> None:
+        p.add_argument("--dtype", choices=_DTYPES, default=dtype, help=f"parameter/activation dtype (default {dtype})")
+        p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda uses NCCL (default cpu/gloo)")
+        p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                       help="override the process-group backend (e.g. gloo for several ranks on one GPU)")
+        p.add_argument("--threads", type=_positive, default=1, help="torch threads per rank (default 1)")
+        p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is abandoned")
+        p.add_argument("--seed", type=int, default=0)
+
+    v = sub.add_parser("verify", help="check every TP module against its dense reference",
+                       description="Check every TP module against its dense reference (outputs, input and "
+                                   "weight gradients). Exit status 1 if any check fails.")
+    v.add_argument("--tp", type=_tp_list, default=None,
+                   help="TP size(s), e.g. 2 or 1,2,4 (default 2; under torchrun: the world size)")
+    common(v, "float64")
+    v.add_argument("-k", "--only", action="append", metavar="PATTERN",
+                   help="run only checks whose name contains PATTERN (or matches a glob); repeatable")
+    v.add_argument("--list", action="store_true", help="list the checks and exit")
+    v.add_argument("--rtol", type=float, default=None, help="override the dtype's default rtol")
+    v.add_argument("--atol", type=float, default=None, help="override the dtype's default atol")
+    v.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+
+    from ..bench import MODES, SHAPES
+
+    b = sub.add_parser("bench", help="comm-overlap microbenchmark",
+                       description="Time forward+backward of a TP module with the overlapped backward and with "
+                                   "blocking collectives, the collectives alone, the matmuls alone, dense torch.nn "
+                                   "and naive model parallelism; report the share of communication hidden.")
+    b.add_argument("--module", choices=["mlp", "column"], default="mlp",
+                   help="mlp: Column -> GELU -> Row (default); column: one ColumnParallelLinear")
+    b.add_argument("--shape", choices=sorted(SHAPES), default="comm-heavy",
+                   help="named shape: " + "; ".join(f"{k}: {v}" for k, v in SHAPES.items()) + " (default comm-heavy)")
+    for dim in ("batch", "seq", "hidden", "ffn"):
+        b.add_argument(f"--{dim}", type=_positive, default=None, help=f"override the shape's {dim}")
+    b.add_argument("--tp", type=_positive, default=None, help="TP size (default 2; under torchrun: the world size)")
+    b.add_argument("--sequence-parallel", action="store_true", help="shard activations along the sequence")
+    b.add_argument("--iters", type=_positive, default=50, help="timed iterations per mode (default 50)")
+    b.add_argument("--warmup", type=int, default=5, help="untimed iterations per mode first (default 5)")
+    b.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    common(b, "float32")
+    b.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    b.add_argument("--save", metavar="PATH", help="also write the JSON report to PATH")
+    b.add_argument("--plot", metavar="PNG", help="bar chart of the timings (needs matplotlib: tplayers[plot])")
+    b.add_argument("--trace", metavar="DIR", help="write a torch.profiler trace per rank showing the overlap")
+    prog = b.add_mutually_exclusive_group()
+    prog.add_argument("--progress", dest="progress", action="store_true", default=None, help="show a progress bar")
+    prog.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
+    return parser
+
+
+# ---------------------------------------------------------------------------- verify
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from . import verify as V
+
+    checks = V.select_checks(args.only)
+    if args.list:
+        for c in V.CHECKS:
+            print(c.name)
+        return 0
+    if not checks:
+        print(f"tplayers verify: no check matches {args.only}; see tplayers verify --list", file=sys.stderr)
+        return 2
+    cfg = V.VerifyConfig(dtype=args.dtype, device=args.device, seed=args.seed, rtol=args.rtol, atol=args.atol)
+    names = [c.name for c in checks]
+    sizes = args.tp or [None]
+    if under_torchrun() and len(sizes) > 1:
+        print("tplayers verify: under torchrun pass a single --tp (the ranks are fixed)", file=sys.stderr)
+        return 2
+    results: List[V.CheckResult] = []
+    reporter = True
+    for size in sizes:
+        per_rank, reporter = run_on_ranks(V.run_checks, names, cfg, tp=size, device=args.device,
+                                          backend=args.backend, threads=args.threads, timeout_s=args.timeout)
+        results += V.merge_rank_results(per_rank)
+    if under_torchrun():
+        results = _merge_over_world(results, args.device)
+    if reporter:
+        if args.json:
+            print(json.dumps({"schema": "tplayers-verify/1", "dtype": args.dtype, "device": args.device,
+                              "results": [vars(r) for r in results],
+                              "passed": V.exit_code(results) == 0}, indent=2))
+        else:
+            tol = ("--rtol/--atol" if args.rtol is not None or args.atol is not None else
+                   "default_tolerance(dtype)" + (" x per-check scale" if args.dtype in ("bfloat16", "float16") else ""))
+            print(f"tplayers verify: {len(names)} checks, dtype={args.dtype}, device={args.device}, "
+                  f"tolerance {tol}; reference: dense torch.nn, same weights")
+            print(V.format_table(results))
+    return V.exit_code(results)
+
+
+def _merge_over_world(results: list, device: str) -> list:
+    """Under torchrun with several TP groups: the worst result of every group, on every rank."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import all_gather_tensor
+
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not results:
+        return results
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    local = torch.tensor([[r.forward_error, r.grad_error, 0.0 if r.passed else 1.0] for r in results],
+                         dtype=torch.float64, device=dev)[None]  # (1, checks, 3)
+    everyone = all_gather_tensor(local, 0, group=dist.group.WORLD).cpu()  # (world, checks, 3)
+    worst = everyone.nan_to_num(nan=-math.inf).amax(0)
+    worst[everyone.isnan().any(0)] = math.nan
+    for r, (fwd, grad, failed) in zip(results, worst.tolist()):
+        r.forward_error, r.grad_error = fwd, grad
+        if failed and r.passed:
+            r.passed, r.message = False, "failed in another TP group"
+    return results
+
+
+# ---------------------------------------------------------------------------- bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ..bench import SHAPES, BenchConfig, run_overlap_bench
+    from .bench_cmd import format_report, plot_report
+
+    shape = dict(SHAPES[args.shape])
+    for dim in ("batch", "seq", "hidden", "ffn"):
+        if getattr(args, dim) is not None:
+            shape[dim] = getattr(args, dim)
+    if args.ffn is None and args.hidden is not None:
+        shape["ffn"] = 4 * args.hidden
+    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    try:
+        cfg = BenchConfig(module=args.module, dtype=args.dtype, device=args.device,
+                          sequence_parallel=args.sequence_parallel, iters=args.iters, warmup=args.warmup,
+                          modes=modes, seed=args.seed, progress=progress, trace_dir=args.trace, **shape)
+        cfg.check_tp(args.tp or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2))
+    except ValueError as e:
+        print(f"tplayers {e}", file=sys.stderr)
+        return 2
+    per_rank, reporter = run_on_ranks(run_overlap_bench, cfg, tp=args.tp, device=args.device,
+                                      backend=args.backend, threads=args.threads, timeout_s=args.timeout)
+    if not reporter:
+        return 0
+    report = per_rank[0]
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        plot_report(report, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+        if args.plot:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``tplayers`` console script; returns the exit status."""
+    from ..testing import WorldError
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "verify":
+            return _verify(args)
+        return _bench(args)
+    except WorldError as e:
+        print(f"tplayers {args.command}: the ranks failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        finish_torchrun()

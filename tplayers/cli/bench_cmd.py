@@ -1,0 +1,90 @@
+"""``tplayers bench``: the comm-overlap microbenchmark as a command (table, JSON, plot)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict
+
+from ..bench import MODE_LABELS
+
+__all__ = ["format_report", "plot_report"]
+
+
+def _ms(x: float) -> str:
+    return f"{x:9.3f}"
+
+
+def format_report(report: Dict[str, Any]) -> str:
+    """The human-readable table of a bench report (as returned by run_overlap_bench)."""
+    c, env, t, s = report["config"], report["environment"], report["timings"], report["summary"]
+    shape = f"[b, s, h]=[{c['batch']}, {c['seq']}, {c['hidden']}] ffn={c['ffn']}"
+    sp = " sequence-parallel" if c["sequence_parallel"] else ""
+    load = env.get("load_average_1m")
+    lines = [
+        f"tplayers bench: {c['module']}{sp}  {shape}  tp={env['tp']}  {c['dtype']}  "
+        f"{env['device']}/{env['backend']}  threads/rank={env['threads_per_rank']}",
+        f"{c['iters']} iterations (+{c['warmup']} warm-up) per mode, interleaved; "
+        "time = slowest rank of each iteration" + ("" if load is None else f"; load average {load:.1f}"),
+        "",
+        f"{'mode':<40} {'min ms':>9} {'median ms':>9}",
+        f"{'-' * 40} {'-' * 9} {'-' * 9}",
+    ]
+    for mode, timing in t.items():
+        lines.append(f"{MODE_LABELS.get(mode, mode):<40} {_ms(timing['min_ms'])} {_ms(timing['median_ms'])}")
+    for mode, why in report.get("skipped", {}).items():
+        lines.append(f"{MODE_LABELS.get(mode, mode):<40} {'skipped':>9}  ({why})")
+    lines.append("")
+    hidden = s.get("hidden_fraction")
+    if hidden is not None:
+        lines.append(
+            f"communication hidden by overlap: {100 * hidden:.0f}% of the backward collectives "
+            f"({s['comm_bwd_ms']:.3f} ms alone; overlap saves {s['overlap_saving_ms']:.3f} ms, "
+            "median of paired iterations)"
+        )
+        if s.get("hidden_fraction_min") is not None:
+            lines.append(f"  from the minima instead: {100 * s['hidden_fraction_min']:.0f}% "
+                         f"(min off {t['tp_blocking']['min_ms']:.3f} - min on {t['tp']['min_ms']:.3f}) "
+                         f"/ min comm {t['comm_bwd']['min_ms']:.3f} ms")
+    elif "overlap_saving_ms" in s:
+        why = "no collective at TP 1" if env["tp"] == 1 else "add the comm_bwd mode for the hidden fraction"
+        lines.append(f"overlap saves {s['overlap_saving_ms']:.3f} ms per iteration ({why})")
+    if "exposed_comm_ms" in s:
+        lines.append(f"exposed communication (TP overlapped - matmuls alone): {s['exposed_comm_ms']:.3f} ms")
+    for other, label in (("dense", "dense torch.nn"), ("naive", "naive model parallel")):
+        key = f"speedup_vs_{other}"
+        if key in s:
+            lines.append(f"TP (overlap on) vs {label}: {s[key]:.2f}x {'faster' if s[key] >= 1 else 'slower'}")
+    if "trace" in report:
+        lines.append(f"profiler trace (rank 0): {report['trace']}  (open in chrome://tracing or ui.perfetto.dev)")
+    return "\n".join(lines)
+
+
+def plot_report(report: Dict[str, Any], path: str) -> None:
+    """A PNG bar chart of the medians (min as a tick). Needs matplotlib (``pip install tplayers[plot]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - depends on the optional extra
+        raise SystemExit("tplayers bench --plot needs matplotlib: pip install 'tplayers[plot]'") from e
+    c, env, t, s = report["config"], report["environment"], report["timings"], report["summary"]
+    modes = list(t)
+    labels = [MODE_LABELS.get(m, m) for m in modes]
+    med = [t[m]["median_ms"] for m in modes]
+    mins = [t[m]["min_ms"] for m in modes]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(modes) + 1.6))
+    y = list(range(len(modes)))
+    ax.barh(y, med, color=["C0" if m.startswith("tp") else "C7" if m.startswith("comm") else "C2" for m in modes])
+    ax.scatter(mins, y, color="k", marker="|", s=200, label="min", zorder=3)
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per forward+backward (median; | = min), slowest rank")
+    hidden = s.get("hidden_fraction")
+    extra = "" if hidden is None or math.isnan(hidden) else f", {100 * hidden:.0f}% of bwd comm hidden"
+    ax.set_title(f"{c['module']} b={c['batch']} s={c['seq']} h={c['hidden']} ffn={c['ffn']} "
+                 f"tp={env['tp']} {env['device']}/{env['backend']}{extra}", fontsize=9)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
