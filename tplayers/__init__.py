@@ -13,6 +13,11 @@ from .gpt import ParallelGPT
 from .dense import BlockConfig, GPTConfig
 from . import dense
 
+from . import sharding
+from .plan import Plan, parallelize
+from .checkpoint import load_checkpoint, load_dense, save_checkpoint, save_dense
+from .parallel2d import Mesh2D, make_2d_mesh
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -39,4 +44,14 @@ __all__ = [
     "BlockConfig",
     "GPTConfig",
     "dense",
+    # drop-in, checkpoints, 2-D parallelism
+    "parallelize",
+    "Plan",
+    "save_checkpoint",
+    "load_checkpoint",
+    "save_dense",
+    "load_dense",
+    "sharding",
+    "make_2d_mesh",
+    "Mesh2D",
 ]

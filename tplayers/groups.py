@@ -103,13 +103,13 @@ def resolve_group(group: GroupLike) -> TPGroup:
     """
     if group is None:
         return _SINGLE
+    if isinstance(group, TPGroup):  # first: the per-call path of every layer (and traceable by dynamo)
+        return group
     if dist.is_available() and group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
         raise ValueError(
             f"this process (global rank {dist.get_rank()}) is not a member of the TP group it was "
             "given (new_group returned NON_GROUP_MEMBER); every rank must pass the group it belongs to"
         )
-    if isinstance(group, TPGroup):
-        return group
     if _is_device_mesh(group):
         return _from_mesh(group)
     if dist.is_available() and isinstance(group, dist.ProcessGroup):

@@ -1,0 +1,226 @@
+"""Checkpoints: a DCP checkpoint saved at one TP size loads bit-exactly at TP 1, 2 and 4; atomic
+saves; no arbitrary unpickling; mismatches named; dense safetensors round trip."""
+import os
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tplayers
+from tplayers.checkpoint import CheckpointError, dense_state_dict
+from tplayers.groups import resolve_group
+from tplayers.layers import ShardLayout, TensorParallelModule
+from tplayers.plan import Column
+from tplayers.sharding import qkv_layout
+from tplayers.testing import get_world
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 1, 2  # GQA with one KV head: replicated KV shards at TP > 1
+
+
+class _GQAProj(TensorParallelModule):
+    """A fused q/k/v weight whose single KV head is replicated across ranks (checkpoint test only)."""
+
+    def __init__(self, full: torch.Tensor, group) -> None:
+        super().__init__()
+        self.tp = resolve_group(group)
+        self.weight = nn.Parameter(self._layout().shard(full, self.tp.rank, self.tp.size).clone())
+
+    def _layout(self) -> ShardLayout:
+        return qkv_layout(HEADS, KV_HEADS, HEAD_DIM, self.tp.size)
+
+    def param_layouts(self):
+        return {"weight": self._layout()}
+
+
+class Toy(nn.Module):
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, hidden)  # vocabulary padded to the TP degree at TP 4
+        self.qkv = nn.Linear(hidden, 3 * hidden)  # fused, equal thirds
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.gqa = nn.Linear(hidden, (HEADS + 2 * KV_HEADS) * HEAD_DIM, bias=False)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+
+def _build(group, seed: int, hidden: int = 8) -> nn.Module:
+    torch.manual_seed(seed)
+    model = Toy(hidden)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+        model.step.fill_(seed)
+    tplayers.parallelize(model, {"emb": "vocab_embedding", "qkv": Column(parts=3), "up": "column", "down": "row"},
+                         group=group)
+    model.gqa = _GQAProj(model.gqa.weight.detach(), group)
+    return model
+
+
+def _save(group, path: str, seed: int):
+    model = _build(group, seed)
+    tplayers.save_checkpoint(model, path)
+    return dense_state_dict(model)
+
+
+def _load(group, path: str, seed: int, hidden: int = 8):
+    model = _build(group, seed, hidden)
+    tplayers.load_checkpoint(model, path)
+    return dense_state_dict(model)
+
+
+@pytest.mark.parametrize("save_tp", [2, 4])
+def test_checkpoint_reshards_bit_exactly(tmp_path, save_tp):
+    path = str(tmp_path / "ckpt")
+    saved = get_world(save_tp).run(_save, path, seed=1)[0]
+    assert set(saved) == {"emb.weight", "qkv.weight", "qkv.bias", "up.weight", "up.bias", "down.weight",
+                          "down.bias", "norm.weight", "norm.bias", "gqa.weight", "step"}
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary left behind
+    for tp in (1, 2, 4):
+        for rank, loaded in enumerate(get_world(tp).run(_load, path, seed=2)):
+            assert set(loaded) == set(saved)
+            for name, t in saved.items():
+                assert torch.equal(loaded[name], t), f"TP {save_tp} -> {tp}, rank {rank}: {name} differs"
+
+
+def _load_expect_error(group, path: str):
+    model = _build(group, 3, hidden=16)
+    with pytest.raises(CheckpointError) as info:
+        tplayers.load_checkpoint(model, path)
+    return str(info.value)
+
+
+def test_checkpoint_shape_mismatch_names_parameter(tmp_path):
+    path = str(tmp_path / "ckpt")
+    get_world(2).run(_save, path, seed=1)
+    msg = get_world(2).run(_load_expect_error, path)[0]
+    assert "full shape" in msg and "'" in msg and ".weight" in msg
+
+
+def _single(seed: int) -> nn.Module:
+    return _build(None, seed)
+
+
+def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    path = str(tmp_path / "ckpt")
+    tplayers.save_checkpoint(_single(1), path)
+
+    def crash(self, *args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", crash)
+    with pytest.raises(BaseException, match="disk full"):  # DCP's CheckpointException is a BaseException
+        tplayers.save_checkpoint(_single(5), path)
+    monkeypatch.undo()
+    model = _single(9)
+    tplayers.load_checkpoint(model, path)
+    want = dense_state_dict(_single(1))
+    assert all(torch.equal(t, want[k]) for k, t in dense_state_dict(model).items())
+    # the torn temporary directory never loads: it has no manifest
+    (tmp,) = [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+    with pytest.raises(CheckpointError, match="not a complete"):
+        tplayers.load_checkpoint(_single(9), str(tmp_path / tmp))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_load_never_unpickles_arbitrary_objects(tmp_path):
+    path = str(tmp_path / "ckpt")
+    tplayers.save_checkpoint(_single(1), path)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(_Evil(), f)
+    with pytest.raises(CheckpointError, match="posix.system|os.system"):
+        tplayers.load_checkpoint(_single(2), path)
+
+
+def _dense_roundtrip(group, path: str):
+    model = _build(group, 4)
+    tplayers.save_dense(model, path)
+    other = _build(group, 6)
+    missing, unexpected = tplayers.load_dense(other, path)
+    assert missing == [] and unexpected == []
+    return dense_state_dict(other), dense_state_dict(model)
+
+
+def test_dense_safetensors_roundtrip_across_tp(tmp_path):
+    pytest.importorskip("safetensors", reason="dense export needs the hf extra (safetensors)")
+    from safetensors.torch import load_file
+
+    path = str(tmp_path / "dense.safetensors")
+    got, want = get_world(2).run(_dense_roundtrip, path)[1]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    on_disk = load_file(path)
+    assert set(on_disk) == set(want) and all(torch.equal(on_disk[k], want[k]) for k in want)
+    # the same file loads into a TP-4 model slice by slice
+    model = get_world(4).run(_load_dense_tp4, path)[3]
+    assert all(torch.equal(model[k], want[k]) for k in want)
+
+
+def _load_dense_tp4(group, path: str):
+    model = _build(group, 8)
+    tplayers.load_dense(model, path)
+    return dense_state_dict(model)
+
+
+def test_fused_layout_mismatch_names_parameter(tmp_path):
+    path = str(tmp_path / "ckpt")
+    tplayers.save_checkpoint(_single(1), path)  # qkv saved as three fused parts
+    torch.manual_seed(0)
+    plain = Toy()
+    tplayers.parallelize(plain, {"emb": "vocab_embedding", "qkv": "column", "up": "column", "down": "row"},
+                         group=None)
+    plain.gqa = _GQAProj(plain.gqa.weight.detach(), None)
+    with pytest.raises(CheckpointError, match=r"'qkv.weight' was saved with TP layout .*parts.*\[8, 8, 8\]"):
+        tplayers.load_checkpoint(plain, path)
+
+
+GPT_CFG = dict(vocab_size=30, hidden=16, n_heads=4, n_kv_heads=1, ffn_hidden=32, n_layers=2,
+               activation="swiglu", norm="rmsnorm")
+
+
+def _gpt_save(group, path: str):
+    torch.manual_seed(7)
+    model = tplayers.ParallelGPT(tplayers.GPTConfig(**GPT_CFG), group=group).double()
+    tplayers.save_checkpoint(model, path)
+    ids = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(0))
+    return dense_state_dict(model), model.loss(ids, ids).detach()
+
+
+def _gpt_load(group, path: str):
+    torch.manual_seed(8)
+    model = tplayers.ParallelGPT(tplayers.GPTConfig(**GPT_CFG), group=group).double()
+    tplayers.load_checkpoint(model, path)
+    ids = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(0))
+    return dense_state_dict(model), model.loss(ids, ids).detach()
+
+
+def test_parallel_gpt_with_replicated_kv_heads_reshards(tmp_path):
+    """tplayers' own GPT (one KV head: replicated at TP > 1; padded vocabulary) from TP 2 to TP 4."""
+    path = str(tmp_path / "gpt")
+    saved, out = get_world(2).run(_gpt_save, path)[0]
+    for loaded, out_loaded in get_world(4).run(_gpt_load, path):
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+        torch.testing.assert_close(out_loaded, out, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_load_refuses_non_tensor_entries(tmp_path):
+    """DCP would torch.load(weights_only=False) a 'bytes' entry: a checkpoint holding one is refused."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    path = str(tmp_path / "ckpt")
+    tplayers.save_checkpoint(_single(1), path)
+    state, _ = tplayers.checkpoint._dcp_state(_single(1), for_save=True)
+    state["step"] = "not a tensor"  # stored by DCP as pickled bytes
+    with tplayers.checkpoint._quiet():
+        dcp.save(state, storage_writer=FileSystemWriter(path, overwrite=True), no_dist=True)
+    with pytest.raises(CheckpointError, match="'step' is not a tensor"):
+        tplayers.load_checkpoint(_single(2), path)

@@ -1,0 +1,186 @@
+"""Hugging Face models (tiny, built from a config with random weights; no download): the shipped
+"llama" and "gpt2" plans give the dense model's logits, loss and gradients at TP 2 and 4; HF
+safetensors checkpoints load straight into TP models and back out; TP checkpoints reshard."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import tplayers  # noqa: E402
+from tplayers import testing  # noqa: E402
+from tplayers.testing import dense_parameters, get_world  # noqa: E402
+
+# Ranks fork from a server that imports these once (pytest collects every module before the
+# first world starts), instead of each of the 7 ranks importing the model code on its own.
+testing.FORKSERVER_PRELOAD.extend(["transformers.models.llama.modeling_llama",
+                                   "transformers.models.gpt2.modeling_gpt2"])
+
+VOCAB = 96  # divisible by 2 and 4, so GPT-2's tied head and embedding keep one layout without padding
+
+
+def _llama(kv_heads: int = 4, seed: int = 0, heads: int = 8, attn: str = "sdpa"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=4 * heads, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32,
+                      tie_word_embeddings=False, attn_implementation=attn)
+    return LlamaForCausalLM(cfg).double().eval()
+
+
+def _gpt2(seed: int = 0, vocab: int = VOCAB):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg).double().eval()
+
+
+BUILD = {"llama": _llama, "gpt2": _gpt2}
+
+
+def _check_model(group, family: str, seed: int, **config):
+    dense = BUILD[family](seed=seed, **config)
+    model = tplayers.parallelize(copy.deepcopy(dense), family, group=group)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, dense.config.vocab_size, (2, 10), generator=g)
+    out_d, out_t = dense(ids, labels=ids), model(ids, labels=ids)
+    torch.testing.assert_close(out_t.logits, out_d.logits, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out_t.loss, out_d.loss, rtol=1e-9, atol=1e-9)
+    out_d.loss.backward()
+    out_t.loss.backward()
+    grads = dense_parameters(model, grads=True)
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    swapped = sorted({type(m).__name__ for m in model.modules() if isinstance(m, tplayers.TensorParallelModule)})
+    return float((out_t.logits - out_d.logits).abs().max()), swapped
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_shipped_plan_matches_dense(family, tp):
+    for err, swapped in get_world(tp).run(_check_model, family, seed=tp):
+        assert err < 1e-9
+        if family == "gpt2":
+            assert "FusedColumnParallelConv1D" in swapped and "RowParallelConv1D" in swapped
+        assert "VocabParallelEmbedding" in swapped and "ParallelLMHead" in swapped
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])  # eager repeats KV heads by num_key_value_groups
+def test_llama_gqa_with_fewer_kv_heads_than_ranks_matches_dense(attn):
+    """2 KV heads at TP 4: each KV head is replicated on 2 ranks, gradients summed over replicas."""
+    for err, swapped in get_world(4).run(_check_model, "llama", seed=3, kv_heads=2, attn=attn):
+        assert err < 1e-9 and "FusedColumnParallelLinear" in swapped
+
+
+def test_gpt2_vocab_not_divisible_by_tp_is_padded_and_stays_tied():
+    """GPT-2's real vocabulary (50257) does not divide the TP degree: 50 at TP 4 is padded to 52."""
+    for err, swapped in get_world(4).run(_check_model, "gpt2", seed=4, vocab=50):
+        assert err < 1e-9 and "ParallelLMHead" in swapped
+
+
+def _kv_heads_do_not_fit(group):
+    model = _llama(kv_heads=3, heads=12)
+    with pytest.raises(ValueError, match=r"module 'model.layers.0.self_attn.k_proj'.*config.num_key_value_heads=3 "
+                                         r"neither divides nor is divisible by the TP degree 4"):
+        tplayers.parallelize(model, "llama", group=group)
+    model = _llama(kv_heads=2, heads=6)
+    with pytest.raises(ValueError, match=r"module 'model.layers.0.self_attn': config.num_attention_heads=6 "
+                                         r"is not divisible by the TP degree 4"):
+        tplayers.parallelize(model, "llama", group=group)
+    return True
+
+
+def test_llama_plan_names_the_module_when_heads_do_not_fit():
+    assert all(get_world(4).run(_kv_heads_do_not_fit))
+
+
+def _hf_roundtrip(group, src_dir: str, out_dir: str):
+    """HF save_pretrained dir -> TP model (load_dense) -> save_dense -> HF from_pretrained."""
+    from transformers import GPT2LMHeadModel
+
+    dense = _gpt2(seed=11)
+    model = tplayers.parallelize(_gpt2(seed=12), "gpt2", group=group)  # different weights until loaded
+    missing, _ = tplayers.load_dense(model, src_dir)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-9, atol=1e-9)
+    if group.rank() == 0:
+        dense.config.save_pretrained(out_dir)
+    tplayers.save_dense(model, f"{out_dir}/model.safetensors")  # collective; returns once the file is in place
+    back = GPT2LMHeadModel.from_pretrained(out_dir, dtype=torch.float64).eval()
+    ref = dense.state_dict()
+    return missing, all(torch.equal(t, ref[k]) for k, t in back.state_dict().items())
+
+
+def test_hf_checkpoint_into_tp_model_and_back_out(tmp_path):
+    _gpt2(seed=11).save_pretrained(tmp_path / "hf")  # HF's own safetensors: Conv1D (in, out), tied head dropped
+    (tmp_path / "out").mkdir()
+    for missing, same in get_world(2).run(_hf_roundtrip, str(tmp_path / "hf"), str(tmp_path / "out")):
+        assert missing == [] and same
+
+
+def _meta_then_load(group, src_dir: str):
+    """Large-model flow: build on the meta device (no weights), parallelize, allocate only this
+    rank's shards, read only this rank's slices of the HF checkpoint."""
+    from transformers import GPT2LMHeadModel
+
+    dense = _gpt2(seed=11)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(dense.config).double().eval()
+    tplayers.parallelize(model, "gpt2", group=group)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty re-creates each parameter, untying lm_head from wte: tie them again
+    tplayers.load_dense(model, src_dir)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-9, atol=1e-9)
+    return model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_meta_device_model_parallelized_then_loaded_from_hf_checkpoint(tmp_path):
+    _gpt2(seed=11).save_pretrained(tmp_path / "hf")
+    assert all(get_world(2).run(_meta_then_load, str(tmp_path / "hf")))
+
+
+def _save_tp(group, family: str, path: str):
+    model = tplayers.parallelize(BUILD[family](seed=21), family, group=group)
+    tplayers.save_checkpoint(model, path)
+    return True
+
+
+def _load_tp(group, family: str, path: str):
+    dense = BUILD[family](seed=21)
+    model = tplayers.parallelize(BUILD[family](seed=22), family, group=group)
+    tplayers.load_checkpoint(model, path)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    return torch.equal(model(ids).logits, model(ids).logits) and bool(
+        torch.allclose(model(ids).logits, dense(ids).logits, rtol=1e-9, atol=1e-9)) and all(
+        torch.equal(t, dense.state_dict()[k]) for k, t in dense_parameters(model).items())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hf_model_checkpoint_saved_at_tp2_loads_at_tp4(family, tmp_path):
+    path = str(tmp_path / "ckpt")
+    assert all(get_world(2).run(_save_tp, family, path))
+    assert all(get_world(4).run(_load_tp, family, path))
+
+
+def _check_sequence_parallel(group, family: str):
+    dense = BUILD[family](seed=5)
+    model = tplayers.parallelize(copy.deepcopy(dense), family, group=group, sequence_parallel=True)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    out_d, out_t = dense(ids, labels=ids), model(ids, labels=ids)
+    torch.testing.assert_close(out_t.logits, out_d.logits, rtol=1e-9, atol=1e-9)
+    out_d.loss.backward()
+    out_t.loss.backward()
+    grads = dense_parameters(model, grads=True)
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_shipped_plan_sequence_parallel_matches_dense(family):
+    assert all(get_world(2).run(_check_sequence_parallel, family))

@@ -1,0 +1,119 @@
+"""2-D parallelism on 4 ranks (dp 2 x tp 2): TP + DDP and TP + FSDP2 train like dense on the
+global batch."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tplayers
+from tplayers.sharding import model_layouts, shard_state_dict
+from tplayers.testing import get_world
+
+STEPS, GLOBAL_BATCH, SEQ, HIDDEN = 3, 4, 3, 8
+
+
+class MLPNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.fc1 = nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.fc2 = nn.Linear(4 * HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, 5)
+
+    def forward(self, x):  # (b, s, h)
+        return self.head(x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+PLAN = {"fc1": "column", "fc2": "row"}
+
+
+def _train(model, batches, lr=1e-2):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+
+
+def _data(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(GLOBAL_BATCH, SEQ, HIDDEN, generator=g, dtype=torch.float64),
+             torch.randint(0, 5, (GLOBAL_BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+
+
+def _check_2d(group, wrap: str, seed: int):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = tplayers.make_2d_mesh(dp=2, tp=2)
+    torch.manual_seed(seed)
+    dense = MLPNet().double()
+    model = tplayers.parallelize(copy.deepcopy(dense), PLAN, group=mesh.mesh)  # the mesh's "tp" dim
+    data = _data(seed)
+    dp_rank, dp = mesh.dp_rank, mesh.dp_size
+    local = [(x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]) for x, y in data]  # this replica's half of the batch
+    if wrap == "ddp":
+        trained = DDP(model, process_group=mesh.dp_group)
+    else:
+        for m in (model.fc1, model.fc2):
+            fully_shard(m, mesh=mesh.dp_mesh)
+        trained = fully_shard(model, mesh=mesh.dp_mesh)
+        local_rows = model.fc1.weight.to_local().shape[0]  # FSDP2 shards the TP shard again, over dp
+        assert local_rows == 4 * HIDDEN // 2 // 2, local_rows
+    _train(trained, local)
+    _train(dense, data)
+
+    # compare this rank's TP shards with the dense result cut the same way
+    want = shard_state_dict(dense.state_dict(), model_layouts(model), mesh.tp.rank, mesh.tp.size)
+    errors = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: gather over dp
+        torch.testing.assert_close(t.detach(), want[name], rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+        errors[name] = float((t.detach() - want[name]).abs().max())
+    return max(errors.values())
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_tp_with_data_parallel_matches_dense_training(wrap):
+    errs = get_world(4).run(_check_2d, wrap, seed=0)
+    assert max(errs) < 1e-9
+
+
+def _bad_mesh(group):
+    with pytest.raises(ValueError, match="dp=3 x tp=2"):
+        tplayers.make_2d_mesh(dp=3, tp=2)
+    with pytest.raises(ValueError, match="tp=3 does not divide"):
+        tplayers.make_2d_mesh(tp=3)
+    return True
+
+
+def test_make_2d_mesh_rejects_wrong_sizes():
+    assert all(get_world(4).run(_bad_mesh))
+
+
+def _fsdp2_checkpoint_refused(group, path):
+    from torch.distributed.fsdp import fully_shard
+
+    from tplayers.checkpoint import CheckpointError
+
+    mesh = tplayers.make_2d_mesh(dp=2, tp=2)
+    model = tplayers.parallelize(MLPNet().double(), PLAN, group=mesh.mesh)
+    fully_shard(model, mesh=mesh.dp_mesh)
+    with pytest.raises(CheckpointError, match="is a DTensor"):
+        tplayers.save_checkpoint(model, path)
+    torch.manual_seed(1)
+    dense = MLPNet().double()
+    ddp_model = tplayers.parallelize(copy.deepcopy(dense), PLAN, group=mesh.mesh)
+    tplayers.save_checkpoint(torch.nn.parallel.DistributedDataParallel(ddp_model, process_group=mesh.dp_group).module,
+                             path)  # DDP replicas of one shard are written once
+    tp4 = tplayers.parallelize(MLPNet().double(), PLAN, group=group)  # all 4 ranks as one TP group
+    tplayers.load_checkpoint(tp4, path)
+    loaded = tplayers.checkpoint.dense_state_dict(tp4)
+    return all(torch.equal(loaded[k], v) for k, v in dense.state_dict().items())
+
+
+def test_checkpoint_of_dp2_tp2_model_loads_at_tp4_and_fsdp2_is_refused_clearly(tmp_path):
+    assert all(get_world(4).run(_fsdp2_checkpoint_refused, str(tmp_path / "ckpt")))
+    assert (tmp_path / "ckpt" / "tplayers.json").is_file()

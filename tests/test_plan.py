@@ -1,0 +1,123 @@
+"""parallelize(): dict plans on plain PyTorch models match dense at TP 1, 2, 4; every error names
+the module and leaves the model untouched."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tplayers
+from tplayers.fused import FusedColumnParallelLinear
+from tplayers.plan import Column, Plan
+from tplayers.testing import assert_matches_dense, get_world
+
+
+class Block(nn.Module):
+    """A pre-norm MLP with a fused gate/up projection (SwiGLU), as many models write it."""
+
+    def __init__(self, hidden: int, ffn: int, bias: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=bias)
+        self.down = nn.Linear(ffn, hidden, bias=bias)
+
+    def forward(self, x):  # (b, s, h)
+        gate, up = self.gate_up(self.norm(x)).chunk(2, dim=-1)  # (b, s, ffn[/p]) each
+        return x + self.down(nn.functional.silu(gate) * up)
+
+
+class Net(nn.Module):
+    def __init__(self, hidden: int, ffn: int, bias: bool, layers: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(hidden, ffn, bias) for _ in range(layers))
+        self.out = nn.Linear(hidden, 12)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+PLAN = {"blocks.*.gate_up": Column(parts=2), "blocks.*.down": "row", "out": "column_gather"}
+
+
+def _check_net(group, hidden, ffn, bias, seed):
+    torch.manual_seed(seed)
+    dense = Net(hidden, ffn, bias).double()
+    tp = tplayers.parallelize(copy.deepcopy(dense), PLAN, group=group)
+    assert isinstance(tp.blocks[1].gate_up, FusedColumnParallelLinear)
+    x = torch.randn(2, 3, hidden, dtype=torch.float64)
+    return assert_matches_dense(tp, dense, x, group=group).grad_error
+
+
+@settings(max_examples=6)
+@given(hidden=st.sampled_from([4, 8]), ffn=st.sampled_from([4, 8, 16]), bias=st.booleans(),
+       seed=st.integers(0, 2**16), tp=st.sampled_from([1, 2, 4]))
+def test_dict_plan_matches_dense(hidden, ffn, bias, seed, tp):
+    errs = get_world(tp).run(_check_net, hidden, ffn, bias, seed)
+    assert max(errs) < 1e-9
+
+
+def _expect_error(group, case):
+    torch.manual_seed(0)
+    model = Net(8, 6, True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = {
+        "indivisible": ({"blocks.*.down": "row"}, ValueError, r"module 'blocks.0.down'.*in_features=6 is not divisible by the TP degree 4"),
+        "wrong_type": ({"blocks.0.norm": "column"}, TypeError, r"module 'blocks.0.norm' is a LayerNorm"),
+        "unknown_style": ({"out": "colwise"}, ValueError, r"unknown style 'colwise' for pattern 'out'"),
+        "unknown_plan": ("bert", ValueError, r"unknown plan 'bert'"),
+        "no_match": ({"decoder.*": "row"}, ValueError, r"matched no module of Net"),
+        "missing_attr": (Plan({"out": "column_gather"}, divide_attrs={"blocks.*": ("num_heads",)}),
+                         AttributeError, r"module 'blocks.0' \(Block\) has no attribute 'num_heads'"),
+        "fused_gather": ({"blocks.*.gate_up": Column(parts=2, gather_output=True)}, ValueError,
+                         r"module 'blocks.0.gate_up'.*gather_output=True"),
+    }
+    plan, exc, pattern = kinds[case]
+    with pytest.raises(exc, match=pattern):
+        tplayers.parallelize(model, plan, group=group)
+    after = model.state_dict()
+    assert all(type(m) in (Net, Block, nn.ModuleList, nn.LayerNorm, nn.Linear) for m in model.modules())
+    assert all(torch.equal(after[k], before[k]) for k in before)  # untouched
+    return True
+
+
+@pytest.mark.parametrize("case", ["indivisible", "wrong_type", "unknown_style", "unknown_plan", "no_match",
+                                  "missing_attr", "fused_gather"])
+def test_errors_name_the_module_and_leave_model_untouched(case):
+    assert all(get_world(4).run(_expect_error, case))
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8, bias=False)
+        self.b = nn.Linear(4, 8, bias=False)
+        self.b.weight = self.a.weight
+
+
+def test_tied_parameters_swapped_together_or_refused():
+    model = Tied()
+    with pytest.raises(ValueError, match=r"\['a.weight', 'b.weight'\] are tied"):
+        tplayers.parallelize(model, {"a": "column"}, group=None)
+    tplayers.parallelize(model, {"a": "column", "b": "column"}, group=None)
+    assert model.a.weight is model.b.weight
+
+
+def _divide_attrs(group):
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads, self.split_size = 4, 16
+            self.qkv = nn.Linear(16, 48)
+
+    model = nn.Sequential(Attn())
+    plan = Plan({"0.qkv": "fused_qkv"}, divide_attrs={"0": ("num_heads", "split_size", "head_dim?")})
+    tplayers.parallelize(model, plan, group=group)
+    return model[0].num_heads, model[0].split_size, tuple(model[0].qkv.weight.shape)
+
+
+def test_divide_attrs_follow_local_heads():
+    assert get_world(2).run(_divide_attrs) == [(2, 8, (24, 16))] * 2
