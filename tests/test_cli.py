@@ -180,3 +180,58 @@ def test_verify_tolerances_scale_only_in_low_precision():
     assert V.tolerance(V.VerifyConfig(dtype="float64", tol_scale=16)) == (1e-9, 1e-9)
     assert V.tolerance(V.VerifyConfig(dtype="bfloat16", tol_scale=4)) == pytest.approx((8e-2, 8e-2))
     assert V.tolerance(V.VerifyConfig(dtype="bfloat16", tol_scale=4, rtol=1e-3)) == pytest.approx((1e-3, 8e-2))
+
+
+
+def test_bench_block_overlap_on_off_dense_and_sequence_parallel(capsys):
+    rc = main(["bench", "--tp", "2", "--module", "block", "--batch", "1", "--seq", "8", "--hidden", "16",
+               "--heads", "2", "--iters", "2", "--warmup", "1", "--json", "--no-progress"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["config"]["module"] == "block" and report["config"]["heads"] == 2
+    assert set(report["timings"]) == set(MODES) - {"naive"} and "naive" in report["skipped"]
+    assert report["summary"]["hidden_fraction"] is not None and "speedup_vs_dense" in report["summary"]
+    rc = main(["bench", "--tp", "2", "--module", "block", "--sequence-parallel", "--batch", "1", "--seq", "8",
+               "--hidden", "16", "--heads", "2", "--iters", "1", "--warmup", "0", "--modes", "tp,tp_blocking,comm_bwd",
+               "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "block sequence-parallel" in out and "heads=2" in out
+
+
+@pytest.mark.parametrize("sp, expect_all, expect_bwd", [
+    (False, ["ar"] * 4, ["ar"] * 2),  # 2 row forward all-reduces; qkv and fc1 input-grad all-reduces
+    (True, ["ag", "rs", "ag", "rs", "ag", "ag", "rs", "ag", "ag", "rs"], ["ag", "rs"] * 2),
+])
+def test_bench_block_collectives_alone(monkeypatch, sp, expect_all, expect_bwd):
+    """The block's comm modes issue what the block issues, on (b, s, h) activations."""
+    import tplayers.bench as B
+    from tplayers.groups import TPGroup
+
+    calls = []
+
+    class _Done:
+        def wait(self):
+            return None
+
+    def fake(name):
+        def collective(t, *args):
+            calls.append(name)
+            assert t.shape[-1] == 16 and t.shape[-2] in (8, 4)  # (b, s, h) or (b, s/p, h)
+            return _Done()
+        return collective
+
+    for fn, name in (("_all_reduce", "ar"), ("_all_gather", "ag"), ("_reduce_scatter", "rs")):
+        monkeypatch.setattr(B, fn, fake(name))
+    cfg = B.BenchConfig(module="block", batch=1, seq=8, hidden=16, ffn=32, heads=2, sequence_parallel=sp)
+    everything, bwd = B._comm_steps(cfg, TPGroup(object(), 0, 2), torch.float32, torch.device("cpu"))
+    everything()
+    assert calls == expect_all
+    calls.clear()
+    bwd()
+    assert calls == expect_bwd
+
+
+def test_bench_block_bad_heads_is_a_usage_error(capsys):
+    assert main(["bench", "--tp", "2", "--module", "block", "--hidden", "16", "--heads", "3", "--iters", "1"]) == 2
+    assert "hidden=16 is not divisible by heads=3" in capsys.readouterr().err
+    assert main(["bench", "--tp", "4", "--module", "block", "--hidden", "16", "--heads", "2", "--iters", "1"]) == 2
+    assert "heads=2 is not divisible by the TP degree 4" in capsys.readouterr().err

@@ -7,7 +7,8 @@ Modes are interleaved iteration by iteration (in a rotating order), so backgroun
 shared machine hits them alike and their ratios stay meaningful.
 
 `run_overlap_bench` is the comm-overlap microbenchmark behind ``tplayers bench``: for one
-module (Column -> GELU -> Row MLP, or a lone ColumnParallelLinear) it times forward+backward
+module (Column -> GELU -> Row MLP, a lone ColumnParallelLinear, or a whole
+ParallelTransformerBlock) it times forward+backward
 with the overlapped backward and with blocking collectives, the same collectives alone, the
 same matmuls alone, plain dense ``torch.nn`` and naive model parallelism (fc1 on rank 0, fc2 on
 rank 1), and derives how much of the backward communication the overlap hides.
@@ -15,20 +16,23 @@ rank 1), and derives how much of the backward communication the overlap hides.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import os
 import platform
 import socket
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .blocks import ParallelTransformerBlock
 from .comm import _all_gather, _all_reduce, _reduce_scatter, all_gather_tensor, all_reduce_tensor, broadcast_tensor
+from .dense import BlockConfig, DenseTransformerBlock
 from .functional import SEQ_DIM
 from .groups import GroupLike, TPGroup, resolve_group
 from .layers import ColumnParallelLinear, RowParallelLinear
@@ -71,13 +75,15 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One benchmark: module, shape ``[batch, seq, hidden]`` (ffn for the MLP), precision, modes."""
+    """One benchmark: module, shape ``[batch, seq, hidden]`` (ffn for the MLP and the block; heads
+    for the block), precision, modes."""
 
-    module: str = "mlp"  # "mlp" (Column -> GELU -> Row) | "column"
+    module: str = "mlp"  # "mlp" (Column -> GELU -> Row) | "column" | "block" (ParallelTransformerBlock)
     batch: int = 8
     seq: int = 1024
     hidden: int = 64
     ffn: int = 256
+    heads: int = 4  # attention heads of the block (MHA, head_dim = hidden / heads)
     dtype: str = "float32"
     device: str = "cpu"
     sequence_parallel: bool = False
@@ -90,23 +96,27 @@ class BenchConfig:
     trace_iters: int = 3
 
     def __post_init__(self) -> None:
-        if self.module not in ("mlp", "column"):
-            raise ValueError(f"bench: unknown module {self.module!r} (choose 'mlp' or 'column')")
+        if self.module not in _MODULES:
+            raise ValueError(f"bench: unknown module {self.module!r} (choose from {sorted(_MODULES)})")
         if self.dtype not in _DTYPES:
             raise ValueError(f"bench: unknown dtype {self.dtype!r} (choose from {sorted(_DTYPES)})")
         unknown = [m for m in self.modes if m not in MODES]
         if unknown:
             raise ValueError(f"bench: unknown modes {unknown} (choose from {list(MODES)})")
-        for name in ("batch", "seq", "hidden", "ffn", "iters"):
+        for name in ("batch", "seq", "hidden", "ffn", "heads", "iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"bench: {name}={getattr(self, name)} must be >= 1")
         if self.warmup < 0:
             raise ValueError(f"bench: warmup={self.warmup} must be >= 0")
+        if self.module == "block" and self.hidden % self.heads:
+            raise ValueError(f"bench: hidden={self.hidden} is not divisible by heads={self.heads} (block)")
 
     def check_tp(self, tp: int) -> None:
         """Clear errors for shapes the TP degree does not divide."""
         if self.ffn % tp:
             raise ValueError(f"bench: ffn={self.ffn} is not divisible by the TP degree {tp}")
+        if self.module == "block" and self.heads % tp:
+            raise ValueError(f"bench: heads={self.heads} is not divisible by the TP degree {tp} (block)")
         if self.sequence_parallel and self.seq % tp:
             raise ValueError(f"bench: seq={self.seq} is not divisible by the TP degree {tp} (sequence parallel)")
 
@@ -233,71 +243,101 @@ def _fwd_bwd(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[
     return step
 
 
-def _dense_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    if cfg.module == "mlp":
-        return nn.Sequential(nn.Linear(cfg.hidden, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.hidden)).to(device, dtype)
-    return nn.Linear(cfg.hidden, cfg.ffn).to(device, dtype)
+def _linear_shard(lin: nn.Linear, dim: int, g: TPGroup) -> nn.Linear:
+    """A plain ``nn.Linear`` holding this rank's shard of ``lin`` (dim 0: column, 1: row)."""
+    shape = list(lin.weight.shape)  # (out, in)
+    shape[dim] //= g.size
+    out = nn.Linear(shape[1], shape[0]).to(lin.weight.device, lin.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(g.shard(lin.weight, dim))
+        out.bias.copy_(g.shard(lin.bias, 0) if dim == 0 else lin.bias)
+    return out
+
+
+def _block_config(cfg: BenchConfig) -> BlockConfig:
+    return BlockConfig(hidden=cfg.hidden, n_heads=cfg.heads, ffn_hidden=cfg.ffn)
+
+
+@dataclass(frozen=True)
+class _Module:
+    """How the benchmark builds one module kind.
+
+    ``dense(cfg)``: the full model (random init); ``tp(dense, g, sequence_parallel)``: its TP twin
+    from the same weights; ``local(dense, cfg, g)``: the TP model's computation with no
+    communication (plain modules of one rank's shard shapes). Collectives: ``pairs`` column-
+    parallel linears reading ``(b, s, h)``, each followed by a row-parallel one writing
+    ``(b, s, h)`` when ``has_row``; the backward input-gradient collective of each column linear
+    is what the overlap can hide.
+    """
+
+    dense: Callable[[BenchConfig], nn.Module]
+    tp: Callable[[nn.Module, TPGroup, bool], nn.Module]
+    local: Callable[[nn.Module, BenchConfig, TPGroup], nn.Module]
+    pairs: int
+    has_row: bool
+
+
+_MODULES: Dict[str, _Module] = {
+    "mlp": _Module(
+        dense=lambda c: nn.Sequential(nn.Linear(c.hidden, c.ffn), nn.GELU(), nn.Linear(c.ffn, c.hidden)),
+        tp=lambda d, g, sp: nn.Sequential(ColumnParallelLinear.from_dense(d[0], group=g, sequence_parallel=sp),
+                                          nn.GELU(),
+                                          RowParallelLinear.from_dense(d[2], group=g, sequence_parallel=sp)),
+        local=lambda d, c, g: nn.Sequential(_linear_shard(d[0], 0, g), nn.GELU(), _linear_shard(d[2], 1, g)),
+        pairs=1, has_row=True),
+    "column": _Module(
+        dense=lambda c: nn.Linear(c.hidden, c.ffn),
+        tp=lambda d, g, sp: ColumnParallelLinear.from_dense(d, group=g, sequence_parallel=sp),
+        local=lambda d, c, g: _linear_shard(d, 0, g),
+        pairs=1, has_row=False),
+    # attention (qkv column, proj row) then MLP (fc1 column, fc2 row); local: this rank's heads and
+    # ffn slice as a plain block (its own random weights: only its shapes matter for timing)
+    "block": _Module(
+        dense=lambda c: DenseTransformerBlock(_block_config(c)),
+        tp=lambda d, g, sp: ParallelTransformerBlock.from_dense(d, group=g, sequence_parallel=sp),
+        local=lambda d, c, g: DenseTransformerBlock(replace(
+            _block_config(c), n_heads=c.heads // g.size, ffn_hidden=c.ffn // g.size,
+            head_dim=c.hidden // c.heads)).to(d.attn.qkv.weight.device, d.attn.qkv.weight.dtype),
+        pairs=2, has_row=True),
+}
 
 
 def _tp_model(dense: nn.Module, cfg: BenchConfig, g: TPGroup, overlap: bool) -> nn.Module:
-    sp = cfg.sequence_parallel
-    if cfg.module == "mlp":
-        return nn.Sequential(
-            ColumnParallelLinear.from_dense(dense[0], group=g, sequence_parallel=sp, overlap_comm=overlap),
-            nn.GELU(),
-            RowParallelLinear.from_dense(dense[2], group=g, sequence_parallel=sp, overlap_comm=overlap),
-        )
-    return ColumnParallelLinear.from_dense(dense, group=g, sequence_parallel=sp, overlap_comm=overlap)
+    """The TP twin of ``dense`` with ``overlap_comm`` set on every submodule that has it."""
+    model = _MODULES[cfg.module].tp(dense, g, cfg.sequence_parallel)
+    for m in model.modules():
+        if hasattr(m, "overlap_comm"):
+            m.overlap_comm = overlap
+    return model
 
 
-def _local_compute_model(dense: nn.Module, cfg: BenchConfig, g: TPGroup) -> nn.Module:
-    """The TP model's matmuls with no communication: plain layers of this rank's shard shapes."""
-    def col(lin: nn.Linear) -> nn.Linear:
-        out = nn.Linear(lin.in_features, lin.out_features // g.size).to(lin.weight.device, lin.weight.dtype)
-        with torch.no_grad():
-            out.weight.copy_(g.shard(lin.weight, 0))
-            out.bias.copy_(g.shard(lin.bias, 0))
-        return out
-
-    if cfg.module == "mlp":
-        fc2 = dense[2]
-        row = nn.Linear(fc2.in_features // g.size, fc2.out_features).to(fc2.weight.device, fc2.weight.dtype)
-        with torch.no_grad():
-            row.weight.copy_(g.shard(fc2.weight, 1))
-            row.bias.copy_(fc2.bias)
-        return nn.Sequential(col(dense[0]), nn.GELU(), row)
-    return col(dense)
+def _run_all(ops: List[Callable[[], None]]) -> None:
+    for op in ops:
+        op()
 
 
 def _comm_steps(cfg: BenchConfig, g: TPGroup, dtype: torch.dtype, device: torch.device) -> Tuple[Callable, Callable]:
-    """The TP model's collectives alone, blocking, in the order the model issues them.
+    """The TP model's linear-layer collectives alone, blocking, in the order the model issues them.
 
-    Returns (all of fwd+bwd, the backward collectives the overlap can hide). Buffers are zeros
-    (reducing them in place keeps them zeros: no overflow, no denormals)."""
+    Returns (all of fwd+bwd, the backward collectives the overlap can hide). Every one moves a
+    ``(b, s, h)`` activation (the input of a column linear or the output of a row linear). Not
+    included: the block's norm-weight gradient all-reduces under sequence parallelism (4 x h
+    values). Buffers are zeros (reducing them in place keeps them zeros: no overflow, no denormals)."""
+    spec = _MODULES[cfg.module]
     b, s, h = cfg.batch, cfg.seq, cfg.hidden
     full = torch.zeros(b, s, h, dtype=dtype, device=device)  # (b, s, h)
     if cfg.sequence_parallel:
         shard = torch.zeros(b, s // g.size, h, dtype=dtype, device=device)  # (b, s/p, h)
-
-        def bwd() -> None:  # column backward: re-gather x, reduce-scatter grad_x
-            _all_gather(shard, SEQ_DIM, g).wait()
-            _reduce_scatter(full, SEQ_DIM, g).wait()
-
-        def all_() -> None:
-            _all_gather(shard, SEQ_DIM, g).wait()  # column forward
-            if cfg.module == "mlp":
-                _reduce_scatter(full, SEQ_DIM, g).wait()  # row forward
-                _all_gather(shard, SEQ_DIM, g).wait()  # row backward
-            bwd()
+        gather = lambda: _all_gather(shard, SEQ_DIM, g).wait()  # noqa: E731
+        scatter = lambda: _reduce_scatter(full, SEQ_DIM, g).wait()  # noqa: E731
+        col_fwd, row_fwd, row_bwd, col_bwd = [gather], [scatter], [gather], [gather, scatter]  # col bwd: re-gather x
     else:
-        def bwd() -> None:  # column backward: all-reduce grad_x
-            _all_reduce(full, g).wait()
-
-        def all_() -> None:
-            if cfg.module == "mlp":
-                _all_reduce(full, g).wait()  # row forward
-            bwd()
-    return all_, bwd
+        reduce = lambda: _all_reduce(full, g).wait()  # noqa: E731
+        col_fwd, row_fwd, row_bwd, col_bwd = [], [reduce], [], [reduce]
+    if not spec.has_row:
+        row_fwd = row_bwd = []
+    everything = (col_fwd + row_fwd) * spec.pairs + (row_bwd + col_bwd) * spec.pairs
+    return functools.partial(_run_all, everything), functools.partial(_run_all, col_bwd * spec.pairs)
 
 
 def _naive_step(dense: nn.Module, cfg: BenchConfig, g: TPGroup, x: torch.Tensor,
@@ -331,17 +371,17 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
     dtype = _DTYPES[cfg.dtype]
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    dense = _dense_model(cfg, dtype, device)
+    dense = _MODULES[cfg.module].dense(cfg).to(device, dtype)
     x_full = torch.randn(cfg.batch, cfg.seq, cfg.hidden, dtype=dtype, device=device)  # (b, s, h)
-    out_dim = cfg.hidden if cfg.module == "mlp" else cfg.ffn
+    out_dim = cfg.ffn if cfg.module == "column" else cfg.hidden
     grad_full = torch.randn(cfg.batch, cfg.seq, out_dim, dtype=dtype, device=device)  # (b, s, h|ffn)
 
     sp = cfg.sequence_parallel
     x_tp = g.shard(x_full, SEQ_DIM) if sp else x_full  # (b, s/p, h) under sequence parallelism
-    if cfg.module == "mlp":
-        grad_tp = g.shard(grad_full, SEQ_DIM) if sp else grad_full  # row output: replicated / seq-sharded
-    else:
+    if cfg.module == "column":
         grad_tp = g.shard(grad_full, -1)  # column output: (b, s, ffn/p)
+    else:
+        grad_tp = g.shard(grad_full, SEQ_DIM) if sp else grad_full  # row output: replicated / seq-sharded
 
     steps: Dict[str, Callable[[], None]] = {}
     skipped: Dict[str, str] = {}
@@ -355,7 +395,7 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
             steps[mode] = comm_all if mode == "comm" else comm_bwd
         elif mode == "compute":
             local_grad = g.shard(grad_full, -1).contiguous() if cfg.module == "column" else grad_full
-            steps[mode] = _fwd_bwd(_local_compute_model(dense, cfg, g), _leaf(x_full), local_grad)
+            steps[mode] = _fwd_bwd(_MODULES[cfg.module].local(dense, cfg, g), _leaf(x_full), local_grad)
         elif mode == "dense":
             steps[mode] = _fwd_bwd(dense, _leaf(x_full), grad_full)
         elif mode == "naive":

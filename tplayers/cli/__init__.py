@@ -69,12 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Time forward+backward of a TP module with the overlapped backward and with "
                                    "blocking collectives, the collectives alone, the matmuls alone, dense torch.nn "
                                    "and naive model parallelism; report the share of communication hidden.")
-    b.add_argument("--module", choices=["mlp", "column"], default="mlp",
-                   help="mlp: Column -> GELU -> Row (default); column: one ColumnParallelLinear")
+    b.add_argument("--module", choices=["mlp", "column", "block"], default="mlp",
+                   help="mlp: Column -> GELU -> Row (default); column: one ColumnParallelLinear; "
+                        "block: one ParallelTransformerBlock (attention + MLP)")
     b.add_argument("--shape", choices=sorted(SHAPES), default="comm-heavy",
                    help="named shape: " + "; ".join(f"{k}: {v}" for k, v in SHAPES.items()) + " (default comm-heavy)")
     for dim in ("batch", "seq", "hidden", "ffn"):
         b.add_argument(f"--{dim}", type=_positive, default=None, help=f"override the shape's {dim}")
+    b.add_argument("--heads", type=_positive, default=4, help="attention heads of --module block (default 4)")
     b.add_argument("--tp", type=_positive, default=None, help="TP size (default 2; under torchrun: the world size)")
     b.add_argument("--sequence-parallel", action="store_true", help="shard activations along the sequence")
     b.add_argument("--iters", type=_positive, default=50, help="timed iterations per mode (default 50)")
@@ -173,7 +175,7 @@ def _bench(args: argparse.Namespace) -> int:
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     try:
-        cfg = BenchConfig(module=args.module, dtype=args.dtype, device=args.device,
+        cfg = BenchConfig(module=args.module, heads=args.heads, dtype=args.dtype, device=args.device,
                           sequence_parallel=args.sequence_parallel, iters=args.iters, warmup=args.warmup,
                           modes=modes, seed=args.seed, progress=progress, trace_dir=args.trace, **shape)
         cfg.check_tp(args.tp or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2))

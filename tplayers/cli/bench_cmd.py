@@ -17,6 +17,8 @@ def format_report(report: Dict[str, Any]) -> str:
     """The human-readable table of a bench report (as returned by run_overlap_bench)."""
     c, env, t, s = report["config"], report["environment"], report["timings"], report["summary"]
     shape = f"[b, s, h]=[{c['batch']}, {c['seq']}, {c['hidden']}] ffn={c['ffn']}"
+    if c["module"] == "block":
+        shape += f" heads={c['heads']}"
     sp = " sequence-parallel" if c["sequence_parallel"] else ""
     load = env.get("load_average_1m")
     lines = [

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 from ..blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from ..comm import all_gather_tensor
-from ..dense import BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock
-from ..embedding import VocabParallelEmbedding
+from ..dense import BlockConfig, DenseAttention, DenseGPT, DenseMLP, DenseTransformerBlock, GPTConfig
+from ..embedding import ParallelLMHead, VocabParallelEmbedding
+from ..gpt import ParallelGPT
 from ..groups import TPGroup, resolve_group
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..loss import vocab_parallel_cross_entropy
@@ -291,6 +292,53 @@ def check_embedding_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
     return _embedding(g, cfg, sequence_parallel=True)
 
 
+def _lm_head(g: TPGroup, cfg: VerifyConfig, vocab: int, sp: bool, **options: Any) -> MatchReport:
+    d = _dims(g)
+    dense = _dense(nn.Linear(d["hidden"], vocab, bias=False), cfg)
+    tp = ParallelLMHead.from_dense(dense, group=g, sequence_parallel=sp, **options)
+    gathered = options.get("gather_output", False)
+    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                  input_shard_dims=[-2] if sp else None, output_shard_dim=None if gathered else -1)
+
+
+@register("ParallelLMHead", "vocab=8p+3, gather_output=True")
+def check_lm_head(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _lm_head(g, cfg, 8 * g.size + 3, sp=False, gather_output=True)
+
+
+@register("ParallelLMHead", "vocab=8p, logits shard, sequence_parallel=True")
+def check_lm_head_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _lm_head(g, cfg, 8 * g.size, sp=True)  # no padding: the gathered shards are the dense logits
+
+
+class _TiedLM(nn.Module):
+    """``head(tanh(embed(ids)))`` with ``head.weight`` tied to ``embed.weight``. The head is kept out
+    of the module tree so the one shared parameter is named ``embed.weight`` in both the dense
+    and the TP model (its gradient holds both uses)."""
+
+    def __init__(self, embed: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.embed = embed
+        head.weight = embed.weight
+        object.__setattr__(self, "head", head)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)))  # (b, s, V)
+
+
+@register("VocabParallelEmbedding+ParallelLMHead", "tied weight, vocab=8p+3", tol_scale=2)
+def check_tied_embedding(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    d = _dims(g)
+    vocab = 8 * g.size + 3
+    dense = _TiedLM(_dense(nn.Embedding(vocab, d["hidden"]), cfg), _dense(nn.Linear(d["hidden"], vocab, bias=False), cfg))
+    tp = _TiedLM(VocabParallelEmbedding.from_dense(dense.embed, group=g),
+                 ParallelLMHead.from_dense(dense.head, group=g, gather_output=True))
+    if tp.head.weight is not tp.embed.weight:
+        raise AssertionError("the TP head and embedding do not share one weight")
+    ids = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
+    return _match(tp, dense, ids, g, cfg)
+
+
 def _parallel_mlp(g: TPGroup, cfg: VerifyConfig, activation: str, sp: bool) -> MatchReport:
     d = _dims(g)
     dense = _dense(DenseMLP(d["hidden"], d["ffn"], activation), cfg)
@@ -376,6 +424,47 @@ def check_block_llama(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
 @register("ParallelTransformerBlock", "Llama, sequence_parallel=True", tol_scale=16)
 def check_block_llama_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
     return _block(g, cfg, sp=True, llama=True)
+
+
+class _Call(nn.Module):
+    """``model.<method>(ids, *args)`` as a module (names its parameters ``model.*`` on both sides)."""
+
+    def __init__(self, model: nn.Module, method: str, *args: Any) -> None:
+        super().__init__()
+        self.model, self.method, self.args = model, method, args
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return getattr(self.model, self.method)(ids, *self.args)
+
+
+def _gpt(g: TPGroup, cfg: VerifyConfig, what: str, sp: bool) -> MatchReport:
+    d, h = _dims(g), _heads(g)
+    vocab = 8 * g.size + 3  # padded vocabulary: the loss must keep the padding out
+    config = GPTConfig(hidden=d["hidden"], n_heads=h["n_heads"], ffn_hidden=d["ffn"], n_kv_heads=h["n_kv_heads"],
+                       vocab_size=vocab, n_layers=2)
+    dense = _dense(DenseGPT(config), cfg)
+    tp = ParallelGPT.from_dense(dense, group=g, sequence_parallel=sp)
+    ids = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
+    if what == "logits":  # the full (b, s, V) logits, gathered from the vocabulary shards
+        return _match(_Call(tp, "logits"), _Call(dense, "forward"), ids, g, cfg)
+    targets = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=ids.device)  # (b, s)
+    targets[0, 0] = -100  # ignored
+    return _match(_Call(tp, "loss", targets), _Call(dense, "loss", targets), ids, g, cfg)
+
+
+@register("ParallelGPT", "logits, GQA, rotary, vocab=8p+3", tol_scale=32)
+def check_gpt_logits(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _gpt(g, cfg, "logits", sp=False)
+
+
+@register("ParallelGPT", "loss (vocab-parallel cross-entropy)", tol_scale=32)
+def check_gpt_loss(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _gpt(g, cfg, "loss", sp=False)
+
+
+@register("ParallelGPT", "loss, sequence_parallel=True", tol_scale=32)
+def check_gpt_loss_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    return _gpt(g, cfg, "loss", sp=True)
 
 
 # ---------------------------------------------------------------------------- running and reporting
