@@ -244,3 +244,20 @@ def _check_tied(group, vocab, dim, seed):
 def test_tied_embedding_and_lm_head():
     for tp in TP_SIZES:
         get_world(tp).run(_check_tied, 7, 4, tp)
+
+
+def _ce_narrow_target(group, dtype):
+    g = resolve_group(group)
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    target = torch.randint(0, 8, (6,), generator=gen)
+    expected = F.cross_entropy(full, target)
+    loss = vocab_parallel_cross_entropy(full.chunk(g.size, -1)[g.rank], target.to(dtype), group=group)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_cross_entropy_accepts_narrow_integer_targets():
+    # F.cross_entropy takes uint8 targets; int16/int32 ids (e.g. from a tokenizer's numpy array) work too
+    for tp in (1, 2):
+        for dtype in (torch.uint8, torch.int16, torch.int32):
+            get_world(tp).run(_ce_narrow_target, dtype)

@@ -119,8 +119,9 @@ def vocab_parallel_cross_entropy(
     if logits_shard.device != target.device:
         raise ValueError(f"vocab_parallel_cross_entropy: logits on {logits_shard.device}, target on {target.device}")
 
-    loss = _VocabParallelCrossEntropy.apply(
-        logits_shard.reshape(-1, n_local), target.reshape(-1), g, vocab_size, ignore_index, float(label_smoothing))
+    loss = _VocabParallelCrossEntropy.apply(  # int64 ids: gather/scatter take no narrower index (uint8, int16)
+        logits_shard.reshape(-1, n_local), target.reshape(-1).long(), g, vocab_size, ignore_index,
+        float(label_smoothing))
     if reduction == "none":
         return loss.reshape(target.shape)
     if reduction == "sum":
