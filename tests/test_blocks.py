@@ -389,3 +389,17 @@ def _column_sp_saved(group):
 def test_column_linear_under_sequence_parallelism_saves_only_the_input_shard():
     for shapes, is_input in get_world(2).run(_column_sp_saved):
         assert shapes == [(2, 2, 8)] and is_input  # not the gathered (2, 4, 8): re-gathered in backward
+
+
+def test_norm_conversion_keeps_frozen_parameters_frozen():
+    # like every other from_dense/to_dense: requires_grad follows the source parameter, bias included
+    from tplayers.norm import ParallelNorm
+    dense = nn.LayerNorm(4)
+    dense.bias.requires_grad_(False)
+    tp = ParallelNorm.from_dense(dense, group=None)
+    assert tp.weight.requires_grad and not tp.bias.requires_grad
+    tp.weight.requires_grad_(False)
+    back = tp.to_dense()
+    assert not back.weight.requires_grad and not back.bias.requires_grad
+    rms = ParallelNorm.from_dense(nn.RMSNorm(4), group=None)
+    assert rms.bias is None and rms.weight.requires_grad and rms.to_dense().weight.requires_grad

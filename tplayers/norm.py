@@ -22,6 +22,17 @@ from .layers import ShardLayout, TensorParallelModule
 __all__ = ["ParallelNorm"]
 
 
+def _copy_params(src: nn.Module, dst: nn.Module) -> None:
+    """``dst.weight``/``dst.bias`` := ``src``'s values, ``requires_grad`` included (frozen stays frozen)."""
+    for name in ("weight", "bias"):
+        d = getattr(dst, name, None)  # nn.RMSNorm has no bias attribute at all
+        if d is not None:
+            s = getattr(src, name)
+            with torch.no_grad():
+                d.copy_(s)
+            d.requires_grad_(s.requires_grad)
+
+
 class ParallelNorm(TensorParallelModule):
     """``nn.LayerNorm`` (``kind="layernorm"``) or ``nn.RMSNorm`` (``kind="rmsnorm"``) over the
     last dim, replicated across the TP group; see the module docstring for sequence parallelism."""
@@ -67,20 +78,13 @@ class ParallelNorm(TensorParallelModule):
         eps = dense.eps if dense.eps is not None else torch.finfo(dense.weight.dtype).eps
         layer = cls(shape[0], kind, eps, bias, group=group, device=dense.weight.device,
                     dtype=dense.weight.dtype, **options)
-        with torch.no_grad():
-            layer.weight.copy_(dense.weight)
-            if layer.bias is not None:
-                layer.bias.copy_(dense.bias)
-        layer.weight.requires_grad_(dense.weight.requires_grad)
+        _copy_params(dense, layer)
         return layer
 
     def to_dense(self) -> nn.Module:
         """The plain norm module with these weights (every rank holds them already)."""
         dense = make_norm(self.kind, self.hidden, self.eps, self.bias is not None, self.weight.device, self.weight.dtype)
-        with torch.no_grad():
-            dense.weight.copy_(self.weight)
-            if self.bias is not None:
-                dense.bias.copy_(self.bias)
+        _copy_params(self, dense)
         return dense
 
     def param_layouts(self) -> Dict[str, ShardLayout]:
