@@ -67,6 +67,13 @@ def test_embedding_init_equals_nn_embedding():
     assert get_world(4).run(_check_embedding_init, 7, 3) == [8] * 4
 
 
+def test_lm_head_init_equals_nn_linear():
+    torch.manual_seed(5)
+    dense = nn.Linear(3, 7, bias=False)
+    torch.manual_seed(5)
+    assert torch.equal(ParallelLMHead(3, 7, group=None).weight, dense.weight)
+
+
 def _embedding_sp_bad_seq(group):
     tp = VocabParallelEmbedding(8, 4, group=group, sequence_parallel=True)
     tp(torch.zeros(2, 3, dtype=torch.long))

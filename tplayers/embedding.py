@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .comm import all_gather_tensor, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence
 from .functional import SEQ_DIM, column_parallel_linear
 from .groups import GroupLike, TPGroup, resolve_group
-from .layers import ShardLayout, TensorParallelModule
+from .layers import ShardLayout, TensorParallelModule, _dense_linear_init, _param
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead", "PaddedShardLayout", "padded_vocab_size", "vocab_range"]
 
@@ -75,11 +75,6 @@ class PaddedShardLayout(ShardLayout):
     def unshard(self, locals_: List[torch.Tensor]) -> torch.Tensor:
         assert self.dim is not None
         return torch.cat(list(locals_), dim=self.dim).narrow(self.dim, 0, self.full_size)
-
-
-def _param(t: torch.Tensor, like: Optional[nn.Parameter] = None) -> nn.Parameter:
-    requires_grad = True if like is None else like.requires_grad
-    return nn.Parameter(t.detach().clone(), requires_grad=requires_grad)
 
 
 class _VocabParallelBase(TensorParallelModule):
@@ -252,9 +247,7 @@ class ParallelLMHead(_VocabParallelBase):
 
     def reset_parameters(self) -> None:
         """Redraw the full ``nn.Linear(dim, vocab, bias=False)`` init and keep this rank's rows."""
-        full = torch.empty(self.num_embeddings, self.embedding_dim, device=self.weight.device, dtype=self.weight.dtype)
-        if full.device.type != "meta":
-            nn.init.kaiming_uniform_(full, a=5 ** 0.5)
+        full, _ = _dense_linear_init(self.embedding_dim, self.num_embeddings, False, self.weight.device, self.weight.dtype)
         with torch.no_grad():
             self.weight.copy_(self.layout.shard(full, self.tp.rank, self.tp.size))
 

@@ -18,13 +18,9 @@ import torch.nn as nn
 from .comm import all_gather_tensor, sum_over_replicas
 from .functional import column_parallel_linear
 from .groups import GroupLike, resolve_group
-from .layers import ShardLayout, TensorParallelModule, _dense_linear_init
+from .layers import ShardLayout, TensorParallelModule, _dense_linear_init, _param
 
 __all__ = ["FusedColumnParallelLinear"]
-
-
-def _param(t: torch.Tensor, like: Optional[nn.Parameter] = None) -> nn.Parameter:
-    return nn.Parameter(t.detach().clone(), requires_grad=True if like is None else like.requires_grad)
 
 
 class FusedColumnParallelLinear(TensorParallelModule):
