@@ -1,7 +1,7 @@
 """``tplayers verify``: every TP module against its dense reference, as a table and an exit status.
 
-A check is a module-level function ``fn(group, cfg) -> MatchReport`` registered with
-:func:`register`. It builds the dense reference and the TP module from the same seeded full
+A check is a function ``fn(group, cfg) -> MatchReport`` registered with :func:`register`
+(variants of one builder: ``_variant``, which binds the builder's keyword options). It builds the dense reference and the TP module from the same seeded full
 weights and calls :func:`tplayers.testing.assert_matches_dense` (outputs, input gradients,
 gathered parameter gradients). Every rank runs every selected check; the ranks agree on each
 result, so the table and the exit status are the same everywhere.
@@ -12,6 +12,7 @@ Shapes scale with the TP degree p (hidden 16p, ffn 32p, seq 4p, 2p heads of 8, v
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -131,65 +132,36 @@ def _match(tp: nn.Module, dense: nn.Module, x: Any, g: TPGroup, cfg: VerifyConfi
     return assert_matches_dense(tp, dense, x, group=g, rtol=rtol, atol=atol, seed=cfg.seed, **kw)
 
 
+def _variant(module: str, options: str, fn: Callable[..., MatchReport], *, tol_scale: float = 1.0,
+             **kwargs: Any) -> None:
+    """Register ``fn(group, cfg, **kwargs)`` as the check ``module(options)``."""
+    register(module, options, tol_scale=tol_scale)(functools.partial(fn, **kwargs))
+
+
+def _seq_shards(sp: bool) -> Dict[str, Any]:
+    """assert_matches_dense's shard dims for a module whose input and output are (b, s | s/p, h)."""
+    return dict(input_shard_dims=[-2] if sp else None, output_shard_dim=-2 if sp else None)
+
+
 # ---------------------------------------------------------------------------- the checks: linears
 
 
-@register("ColumnParallelLinear", "gather_output=False")
-def check_column(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+def _column(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
     d = _dims(g)
     dense = _dense(nn.Linear(d["hidden"], d["ffn"]), cfg)
-    tp = ColumnParallelLinear.from_dense(dense, group=g)
-    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg, output_shard_dim=-1)
-
-
-@register("ColumnParallelLinear", "gather_output=True")
-def check_column_gather(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    d = _dims(g)
-    dense = _dense(nn.Linear(d["hidden"], d["ffn"]), cfg)
-    tp = ColumnParallelLinear.from_dense(dense, group=g, gather_output=True)
-    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg)
-
-
-@register("ColumnParallelLinear", "overlap_comm=False")
-def check_column_blocking(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    d = _dims(g)
-    dense = _dense(nn.Linear(d["hidden"], d["ffn"]), cfg)
-    tp = ColumnParallelLinear.from_dense(dense, group=g, overlap_comm=False)
-    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg, output_shard_dim=-1)
-
-
-@register("ColumnParallelLinear", "sequence_parallel=True")
-def check_column_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    d = _dims(g)
-    dense = _dense(nn.Linear(d["hidden"], d["ffn"]), cfg)
-    tp = ColumnParallelLinear.from_dense(dense, group=g, sequence_parallel=True)
+    tp = ColumnParallelLinear.from_dense(dense, group=g, **options)
     return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
-                  input_shard_dims=[-2], output_shard_dim=-1)
+                  input_shard_dims=[-2] if options.get("sequence_parallel") else None,
+                  output_shard_dim=None if options.get("gather_output") else -1)
 
 
-@register("RowParallelLinear", "input_is_parallel=True")
-def check_row(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+def _row(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
     d = _dims(g)
     dense = _dense(nn.Linear(d["ffn"], d["hidden"]), cfg)
-    tp = RowParallelLinear.from_dense(dense, group=g)
-    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["ffn"]), g, cfg, input_shard_dims=[-1])
-
-
-@register("RowParallelLinear", "input_is_parallel=False")
-def check_row_replicated(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    d = _dims(g)
-    dense = _dense(nn.Linear(d["ffn"], d["hidden"]), cfg)
-    tp = RowParallelLinear.from_dense(dense, group=g, input_is_parallel=False)
-    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["ffn"]), g, cfg)
-
-
-@register("RowParallelLinear", "sequence_parallel=True")
-def check_row_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    d = _dims(g)
-    dense = _dense(nn.Linear(d["ffn"], d["hidden"]), cfg)
-    tp = RowParallelLinear.from_dense(dense, group=g, sequence_parallel=True)
+    tp = RowParallelLinear.from_dense(dense, group=g, **options)
     return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["ffn"]), g, cfg,
-                  input_shard_dims=[-1], output_shard_dim=-2)
+                  input_shard_dims=[-1] if options.get("input_is_parallel", True) else None,
+                  output_shard_dim=-2 if options.get("sequence_parallel") else None)
 
 
 def _mlp_pair(g: TPGroup, cfg: VerifyConfig, act: bool, **options: Any) -> MatchReport:
@@ -200,29 +172,21 @@ def _mlp_pair(g: TPGroup, cfg: VerifyConfig, act: bool, **options: Any) -> Match
     middle = [nn.GELU()] if act else []
     tp = nn.Sequential(ColumnParallelLinear.from_dense(fc1, group=g, **options), *middle,
                        RowParallelLinear.from_dense(fc2, group=g, **options))
-    sp = options.get("sequence_parallel", False)
     return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
-                  input_shard_dims=[-2] if sp else None, output_shard_dim=-2 if sp else None)
+                  **_seq_shards(options.get("sequence_parallel", False)))
 
 
-@register("Column->Row", "sequence_parallel=True", tol_scale=2)
-def check_pair_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _mlp_pair(g, cfg, act=False, sequence_parallel=True)
-
-
-@register("Column->GELU->Row MLP", tol_scale=2)
-def check_mlp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _mlp_pair(g, cfg, act=True)
-
-
-@register("Column->GELU->Row MLP", "overlap_comm=False", tol_scale=2)
-def check_mlp_blocking(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _mlp_pair(g, cfg, act=True, overlap_comm=False)
-
-
-@register("Column->GELU->Row MLP", "sequence_parallel=True", tol_scale=2)
-def check_mlp_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _mlp_pair(g, cfg, act=True, sequence_parallel=True)
+_variant("ColumnParallelLinear", "gather_output=False", _column)
+_variant("ColumnParallelLinear", "gather_output=True", _column, gather_output=True)
+_variant("ColumnParallelLinear", "overlap_comm=False", _column, overlap_comm=False)
+_variant("ColumnParallelLinear", "sequence_parallel=True", _column, sequence_parallel=True)
+_variant("RowParallelLinear", "input_is_parallel=True", _row)
+_variant("RowParallelLinear", "input_is_parallel=False", _row, input_is_parallel=False)
+_variant("RowParallelLinear", "sequence_parallel=True", _row, sequence_parallel=True)
+_variant("Column->Row", "sequence_parallel=True", _mlp_pair, tol_scale=2, act=False, sequence_parallel=True)
+_variant("Column->GELU->Row MLP", "", _mlp_pair, tol_scale=2, act=True)
+_variant("Column->GELU->Row MLP", "overlap_comm=False", _mlp_pair, tol_scale=2, act=True, overlap_comm=False)
+_variant("Column->GELU->Row MLP", "sequence_parallel=True", _mlp_pair, tol_scale=2, act=True, sequence_parallel=True)
 
 
 # ---------------------------------------------------------------------------- the checks: vocab, blocks
@@ -262,14 +226,9 @@ def _cross_entropy(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport
                   input_shard_dims=[-1])
 
 
-@register("vocab_parallel_cross_entropy", "reduction='none'")
-def check_cross_entropy(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _cross_entropy(g, cfg, reduction="none")
-
-
-@register("vocab_parallel_cross_entropy", "mean, label_smoothing=0.1, ignore_index")
-def check_cross_entropy_smoothing(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _cross_entropy(g, cfg, reduction="mean", label_smoothing=0.1, ignore_index=-100)
+_variant("vocab_parallel_cross_entropy", "reduction='none'", _cross_entropy, reduction="none")
+_variant("vocab_parallel_cross_entropy", "mean, label_smoothing=0.1, ignore_index", _cross_entropy,
+         reduction="mean", label_smoothing=0.1, ignore_index=-100)
 
 
 def _embedding(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
@@ -282,18 +241,13 @@ def _embedding(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
     return _match(tp, dense, ids, g, cfg, output_shard_dim=-2 if sp else None)
 
 
-@register("VocabParallelEmbedding", "vocab=8p+3")
-def check_embedding(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _embedding(g, cfg)
+_variant("VocabParallelEmbedding", "vocab=8p+3", _embedding)
+_variant("VocabParallelEmbedding", "vocab=8p+3, sequence_parallel=True", _embedding, sequence_parallel=True)
 
 
-@register("VocabParallelEmbedding", "vocab=8p+3, sequence_parallel=True")
-def check_embedding_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _embedding(g, cfg, sequence_parallel=True)
-
-
-def _lm_head(g: TPGroup, cfg: VerifyConfig, vocab: int, sp: bool, **options: Any) -> MatchReport:
+def _lm_head(g: TPGroup, cfg: VerifyConfig, padded: bool, sp: bool, **options: Any) -> MatchReport:
     d = _dims(g)
+    vocab = 8 * g.size + (3 if padded else 0)  # without padding the gathered shards are the dense logits
     dense = _dense(nn.Linear(d["hidden"], vocab, bias=False), cfg)
     tp = ParallelLMHead.from_dense(dense, group=g, sequence_parallel=sp, **options)
     gathered = options.get("gather_output", False)
@@ -301,14 +255,8 @@ def _lm_head(g: TPGroup, cfg: VerifyConfig, vocab: int, sp: bool, **options: Any
                   input_shard_dims=[-2] if sp else None, output_shard_dim=None if gathered else -1)
 
 
-@register("ParallelLMHead", "vocab=8p+3, gather_output=True")
-def check_lm_head(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _lm_head(g, cfg, 8 * g.size + 3, sp=False, gather_output=True)
-
-
-@register("ParallelLMHead", "vocab=8p, logits shard, sequence_parallel=True")
-def check_lm_head_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _lm_head(g, cfg, 8 * g.size, sp=True)  # no padding: the gathered shards are the dense logits
+_variant("ParallelLMHead", "vocab=8p+3, gather_output=True", _lm_head, padded=True, sp=False, gather_output=True)
+_variant("ParallelLMHead", "vocab=8p, logits shard, sequence_parallel=True", _lm_head, padded=False, sp=True)
 
 
 class _TiedLM(nn.Module):
@@ -344,22 +292,12 @@ def _parallel_mlp(g: TPGroup, cfg: VerifyConfig, activation: str, sp: bool) -> M
     dense = _dense(DenseMLP(d["hidden"], d["ffn"], activation), cfg)
     tp = ParallelMLP.from_dense(dense, group=g, sequence_parallel=sp)
     return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
-                  input_shard_dims=[-2] if sp else None, output_shard_dim=-2 if sp else None)
+                  **_seq_shards(sp))
 
 
-@register("ParallelMLP", "gelu", tol_scale=2)
-def check_parallel_mlp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _parallel_mlp(g, cfg, "gelu", sp=False)
-
-
-@register("ParallelMLP", "swiglu", tol_scale=2)
-def check_parallel_mlp_swiglu(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _parallel_mlp(g, cfg, "swiglu", sp=False)
-
-
-@register("ParallelMLP", "swiglu, sequence_parallel=True", tol_scale=2)
-def check_parallel_mlp_swiglu_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _parallel_mlp(g, cfg, "swiglu", sp=True)
+_variant("ParallelMLP", "gelu", _parallel_mlp, tol_scale=2, activation="gelu", sp=False)
+_variant("ParallelMLP", "swiglu", _parallel_mlp, tol_scale=2, activation="swiglu", sp=False)
+_variant("ParallelMLP", "swiglu, sequence_parallel=True", _parallel_mlp, tol_scale=2, activation="swiglu", sp=True)
 
 
 def _heads(g: TPGroup) -> Dict[str, int]:
@@ -373,22 +311,14 @@ def _attention(g: TPGroup, cfg: VerifyConfig, gqa: bool, sp: bool, rotary: bool)
                                   causal=True, rotary=rotary), cfg)
     tp = ParallelAttention.from_dense(dense, group=g, sequence_parallel=sp)
     return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
-                  input_shard_dims=[-2] if sp else None, output_shard_dim=-2 if sp else None)
+                  **_seq_shards(sp))
 
 
-@register("ParallelAttention", "MHA, causal", tol_scale=8)
-def check_attention(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _attention(g, cfg, gqa=False, sp=False, rotary=False)
-
-
-@register("ParallelAttention", "GQA (kv heads = p/2), causal, rotary", tol_scale=8)
-def check_attention_gqa(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _attention(g, cfg, gqa=True, sp=False, rotary=True)
-
-
-@register("ParallelAttention", "GQA, rotary, sequence_parallel=True", tol_scale=8)
-def check_attention_gqa_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _attention(g, cfg, gqa=True, sp=True, rotary=True)
+_variant("ParallelAttention", "MHA, causal", _attention, tol_scale=8, gqa=False, sp=False, rotary=False)
+_variant("ParallelAttention", "GQA (kv heads = p/2), causal, rotary", _attention, tol_scale=8,
+         gqa=True, sp=False, rotary=True)
+_variant("ParallelAttention", "GQA, rotary, sequence_parallel=True", _attention, tol_scale=8,
+         gqa=True, sp=True, rotary=True)
 
 
 def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool) -> MatchReport:
@@ -403,27 +333,13 @@ def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool) -> MatchReport:
                 p.add_(torch.randn_like(p) * 0.5)
     tp = ParallelTransformerBlock.from_dense(dense, group=g, sequence_parallel=sp)
     return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
-                  input_shard_dims=[-2] if sp else None, output_shard_dim=-2 if sp else None)
+                  **_seq_shards(sp))
 
 
-@register("ParallelTransformerBlock", "GPT: gelu, layernorm, MHA", tol_scale=16)
-def check_block_gpt(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _block(g, cfg, sp=False, llama=False)
-
-
-@register("ParallelTransformerBlock", "GPT, sequence_parallel=True", tol_scale=16)
-def check_block_gpt_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _block(g, cfg, sp=True, llama=False)
-
-
-@register("ParallelTransformerBlock", "Llama: swiglu, rmsnorm, GQA, rotary", tol_scale=16)
-def check_block_llama(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _block(g, cfg, sp=False, llama=True)
-
-
-@register("ParallelTransformerBlock", "Llama, sequence_parallel=True", tol_scale=16)
-def check_block_llama_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _block(g, cfg, sp=True, llama=True)
+_variant("ParallelTransformerBlock", "GPT: gelu, layernorm, MHA", _block, tol_scale=16, sp=False, llama=False)
+_variant("ParallelTransformerBlock", "GPT, sequence_parallel=True", _block, tol_scale=16, sp=True, llama=False)
+_variant("ParallelTransformerBlock", "Llama: swiglu, rmsnorm, GQA, rotary", _block, tol_scale=16, sp=False, llama=True)
+_variant("ParallelTransformerBlock", "Llama, sequence_parallel=True", _block, tol_scale=16, sp=True, llama=True)
 
 
 class _Call(nn.Module):
@@ -452,19 +368,9 @@ def _gpt(g: TPGroup, cfg: VerifyConfig, what: str, sp: bool) -> MatchReport:
     return _match(_Call(tp, "loss", targets), _Call(dense, "loss", targets), ids, g, cfg)
 
 
-@register("ParallelGPT", "logits, GQA, rotary, vocab=8p+3", tol_scale=32)
-def check_gpt_logits(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _gpt(g, cfg, "logits", sp=False)
-
-
-@register("ParallelGPT", "loss (vocab-parallel cross-entropy)", tol_scale=32)
-def check_gpt_loss(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _gpt(g, cfg, "loss", sp=False)
-
-
-@register("ParallelGPT", "loss, sequence_parallel=True", tol_scale=32)
-def check_gpt_loss_sp(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
-    return _gpt(g, cfg, "loss", sp=True)
+_variant("ParallelGPT", "logits, GQA, rotary, vocab=8p+3", _gpt, tol_scale=32, what="logits", sp=False)
+_variant("ParallelGPT", "loss (vocab-parallel cross-entropy)", _gpt, tol_scale=32, what="loss", sp=False)
+_variant("ParallelGPT", "loss, sequence_parallel=True", _gpt, tol_scale=32, what="loss", sp=True)
 
 
 # ---------------------------------------------------------------------------- running and reporting
