@@ -287,6 +287,25 @@ def test_block_dropout_replicated_agrees_and_checkpoint_replays():
     assert not torch.equal(zeros[0], zeros[1]) or not torch.equal(sp[0][0], sp[1][0])
 
 
+def _gpt_dropout_hidden(group):
+    """ParallelGPT's final-norm input with embedding and residual dropout, train vs eval."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=11, hidden=8, n_heads=2, ffn_hidden=8, n_layers=1, dropout=0.5)
+    model = ParallelGPT(config, group=group, rng=RNGTracker(3, group=group), dtype=F64)
+    seen = []
+    model.norm.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    ids = torch.randint(0, 11, (2, 4))
+    model.train()(ids)
+    model.eval()(ids)
+    return seen
+
+
+def test_gpt_embedding_dropout_is_replicated():
+    (train0, eval0), (train1, eval1) = get_world(2).run(_gpt_dropout_hidden)
+    torch.testing.assert_close(train0, train1, rtol=0, atol=0)  # same masks on both replicas
+    assert not torch.equal(train0, eval0)  # and dropout did act
+
+
 # ------------------------------------------------------------------ errors
 
 

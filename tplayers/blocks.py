@@ -41,6 +41,16 @@ def _require_rng(rng: Optional[RNGTracker], tp: TPGroup, layer: str, what: str, 
         raise ValueError(f"{layer}: {what}={p} must be in [0, 1)")
 
 
+def _activation_dropout(x: torch.Tensor, p: float, rng: Optional[RNGTracker], sequence_parallel: bool) -> torch.Tensor:
+    """Dropout on an activation between TP regions: the same mask on every rank when it is
+    replicated, per-rank masks when it is a sequence shard (``sequence_parallel``)."""
+    if p == 0:
+        return x
+    region = PARALLEL if sequence_parallel else REPLICATED
+    with dropout_context(rng, region, x.device):
+        return F.dropout(x, p)
+
+
 # ---------------------------------------------------------------------------- MLP
 
 
@@ -237,12 +247,7 @@ class ParallelTransformerBlock(TensorParallelModule):
         self.mlp = ParallelMLP(c.hidden, c.ffn_hidden, c.activation, c.bias, **linear)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.config.dropout if self.training else 0.0
-        if p == 0:
-            return x
-        region = PARALLEL if self.sequence_parallel else REPLICATED  # sequence shards differ per rank
-        with dropout_context(self.rng, region, x.device):
-            return F.dropout(x, p)
+        return _activation_dropout(x, self.config.dropout if self.training else 0.0, self.rng, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x + self._dropout(self.attn(self.attn_norm(x), attn_mask))  # (b, s | s/p, h)

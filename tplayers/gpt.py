@@ -19,9 +19,8 @@ from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from .blocks import ParallelTransformerBlock, _require_rng
+from .blocks import ParallelTransformerBlock, _activation_dropout, _require_rng
 from .comm import gather_from_tp
 from .dense import DenseGPT, GPTConfig
 from .embedding import ParallelLMHead, VocabParallelEmbedding
@@ -29,7 +28,7 @@ from .groups import GroupLike, resolve_group
 from .layers import ShardLayout, TensorParallelModule
 from .loss import vocab_parallel_cross_entropy
 from .norm import ParallelNorm
-from .rng import PARALLEL, REPLICATED, RNGTracker, dropout_context
+from .rng import RNGTracker
 
 __all__ = ["ParallelGPT"]
 
@@ -56,10 +55,7 @@ class ParallelGPT(TensorParallelModule):
 
     def forward(self, ids: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = self.embed(ids)  # (b, s, h) | (b, s/p, h)
-        p = self.config.dropout if self.training else 0.0
-        if p > 0:
-            with dropout_context(self.rng, PARALLEL if self.sequence_parallel else REPLICATED, x.device):
-                x = F.dropout(x, p)
+        x = _activation_dropout(x, self.config.dropout if self.training else 0.0, self.rng, self.sequence_parallel)
         for block in self.blocks:
             x = block(x, attn_mask)
         return self.head(self.norm(x))  # (b, s, V'/p): the whole sequence, this rank's vocabulary
