@@ -326,6 +326,8 @@ def test_bad_inputs_raise_clear_errors():
         ParallelAttention(16, 4, 3, group=None)
     with pytest.raises(ValueError, match="needs rng="):
         ParallelTransformerBlock(BlockConfig(hidden=8, n_heads=2, ffn_hidden=8, dropout=0.1), group=two)
+    with pytest.raises(ValueError, match=r"dropout=1.5 must be in \[0, 1\)"):  # the real problem, not the rng
+        ParallelTransformerBlock(BlockConfig(hidden=8, n_heads=2, ffn_hidden=8, dropout=1.5), group=two)
     with pytest.raises(ValueError, match="ffn_hidden=5 is not divisible by the TP degree 2"):
         ParallelMLP(4, 5, group=two)
     # sequence parallelism: a sequence that does not split evenly is refused when it is scattered

@@ -34,11 +34,11 @@ __all__ = ["ParallelMLP", "ParallelAttention", "ParallelTransformerBlock"]
 
 
 def _require_rng(rng: Optional[RNGTracker], tp: TPGroup, layer: str, what: str, p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{layer}: {what}={p} must be in [0, 1)")
     if p > 0 and tp.size > 1 and rng is None:
         raise ValueError(f"{layer}: {what}={p} at TP degree {tp.size} needs rng=tplayers.RNGTracker(seed, group=...) "
                          "so that dropout masks differ across shards and agree across replicas")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"{layer}: {what}={p} must be in [0, 1)")
 
 
 def _activation_dropout(x: torch.Tensor, p: float, rng: Optional[RNGTracker], sequence_parallel: bool) -> torch.Tensor:
