@@ -23,7 +23,7 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token loss ``(N,)`` from logits shards ``(N, V'/p)`` and targets ``(N,)``."""
+    """Per-token loss ``(N,)`` (float32 or wider) from logits shards ``(N, V'/p)`` and targets ``(N,)``."""
 
     @staticmethod
     def forward(ctx, logits, target, g: TPGroup, vocab_size: int, ignore_index: int, smoothing: float):
@@ -59,7 +59,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         probs.div_(sum_exp.unsqueeze(-1))  # softmax shard, saved for backward
         ctx.save_for_backward(probs, local_t, in_shard, valid, real if has_padding else None)
         ctx.smoothing, ctx.vocab_size, ctx.in_dtype = smoothing, vocab_size, logits.dtype
-        return loss.to(logits.dtype)
+        return loss  # in the compute dtype (>= float32): the caller reduces it, then casts once
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -123,7 +123,9 @@ def vocab_parallel_cross_entropy(
         logits_shard.reshape(-1, n_local), target.reshape(-1).long(), g, vocab_size, ignore_index,
         float(label_smoothing))
     if reduction == "none":
-        return loss.reshape(target.shape)
-    if reduction == "sum":
-        return loss.sum()
-    return loss.sum() / (target != ignore_index).sum().to(loss.dtype)
+        loss = loss.reshape(target.shape)
+    elif reduction == "sum":
+        loss = loss.sum()
+    else:
+        loss = loss.sum() / (target != ignore_index).sum().to(loss.dtype)
+    return loss.to(logits_shard.dtype)  # low precision: rounded once, after the reduction
