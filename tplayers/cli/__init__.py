@@ -137,22 +137,19 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _merge_over_world(results: list, device: str) -> list:
     """Under torchrun with several TP groups: the worst result of every group, on every rank."""
-    import math
-
     import torch
     import torch.distributed as dist
 
-    from ..comm import all_gather_tensor
+    from ..groups import resolve_group
+    from .verify import _agree
 
     if not dist.is_initialized() or dist.get_world_size() == 1 or not results:
         return results
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    local = torch.tensor([[r.forward_error, r.grad_error, 0.0 if r.passed else 1.0] for r in results],
-                         dtype=torch.float64, device=dev)[None]  # (1, checks, 3)
-    everyone = all_gather_tensor(local, 0, group=dist.group.WORLD).cpu()  # (world, checks, 3)
-    worst = everyone.nan_to_num(nan=-math.inf).amax(0)
-    worst[everyone.isnan().any(0)] = math.nan
-    for r, (fwd, grad, failed) in zip(results, worst.tolist()):
+    local = [v for r in results for v in (r.forward_error, r.grad_error, 0.0 if r.passed else 1.0)]
+    worst = _agree(resolve_group(dist.group.WORLD), local, dev)  # NaN-aware max over every rank
+    for i, r in enumerate(results):
+        fwd, grad, failed = worst[3 * i: 3 * i + 3]
         r.forward_error, r.grad_error = fwd, grad
         if failed and r.passed:
             r.passed, r.message = False, "failed in another TP group"
