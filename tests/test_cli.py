@@ -15,7 +15,8 @@ from tplayers.bench import MODES, SCHEMA
 from tplayers.cli import main
 from tplayers.cli import verify as V
 from tplayers.cli.bench_cmd import format_report, plot_report
-from tplayers.layers import ColumnParallelLinear
+from tplayers.layers import ColumnParallelLinear, RowParallelLinear
+from tplayers.testing import get_world
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,6 +110,33 @@ def test_failing_check_is_reported_and_exits_nonzero(broken_check):
     assert "FAIL" in table.splitlines()[2] and "1/2 checks passed" in table
     assert "FAIL BrokenColumn (TP 1): AssertionError" in table
     assert V.exit_code(results) == 1 and V.exit_code([good]) == 0 and V.exit_code([]) == 1
+
+
+def _broken_on_rank1(g, cfg):
+    dense = nn.Linear(8, 8).double()
+    tp = RowParallelLinear.from_dense(dense, group=g)
+    if g.rank == 1:
+        with torch.no_grad():
+            tp.bias.add_(0.5)  # the replicated output is wrong on rank 1 only
+    return V._match(tp, dense, torch.randn(2, 8, dtype=torch.float64), g, cfg, input_shard_dims=[-1])
+
+
+def _run_with_check_failing_on_one_rank(group):
+    check = V.Check("BrokenOnRank1", "", _broken_on_rank1)
+    V.CHECKS.append(check)
+    try:
+        return V.run_checks(group, [check.name, "RowParallelLinear(input_is_parallel=True)"], V.VerifyConfig())
+    finally:
+        V.CHECKS.remove(check)
+
+
+def test_check_failing_on_one_rank_only_is_a_fail_row_not_a_crash():
+    # rank 1 fails the output comparison while rank 0 goes on into backward's collectives:
+    # the mismatch must be raised only after them, or the ranks' collectives no longer pair up
+    bad, good = V.merge_rank_results(get_world(2).run(_run_with_check_failing_on_one_rank))
+    assert not bad.passed and "rank 1: output differs" in bad.message
+    assert bad.forward_error == pytest.approx(0.5)
+    assert good.passed
 
 
 def test_merge_rank_results_any_rank_fails():

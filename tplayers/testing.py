@@ -22,6 +22,7 @@ parameter gradients.
 from __future__ import annotations
 
 import atexit
+import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -355,19 +356,19 @@ class MatchReport:
         return max(self.input_grad_error, self.param_grad_error)
 
 
-def _compare(name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float, rank: int) -> float:
+def _compare(name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float,
+             rank: int) -> Tuple[float, Optional[str]]:
+    """(max abs error, None) when within tolerance, else (max abs error, what differs)."""
     if actual.shape != expected.shape:
-        raise AssertionError(f"rank {rank}: {name} has shape {tuple(actual.shape)}, dense has {tuple(expected.shape)}")
+        return math.inf, f"rank {rank}: {name} has shape {tuple(actual.shape)}, dense has {tuple(expected.shape)}"
     a, e = actual.detach().to(torch.float64).cpu(), expected.detach().to(torch.float64).cpu()
     err = (a - e).abs()
     max_err = float(err.nan_to_num(nan=float("inf")).max()) if err.numel() else 0.0
     bad = ~torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True)  # a NaN only matches a NaN
     if bool(bad.any()):
-        raise AssertionError(
-            f"rank {rank}: {name} differs from the dense reference: max abs error {max_err:.3e}, "
-            f"{int(bad.sum())} of {bad.numel()} elements outside atol={atol:g} rtol={rtol:g}"
-        )
-    return max_err
+        return max_err, (f"rank {rank}: {name} differs from the dense reference: max abs error {max_err:.3e}, "
+                         f"{int(bad.sum())} of {bad.numel()} elements outside atol={atol:g} rtol={rtol:g}")
+    return max_err, None
 
 
 def assert_matches_dense(
@@ -415,8 +416,18 @@ def assert_matches_dense(
     rtol = d_rtol if rtol is None else rtol
     atol = d_atol if atol is None else atol
 
+    # A mismatch is raised only after every collective below: it may show on some ranks only
+    # (a replicated output), and a rank leaving early would leave the others waiting.
+    failures: List[str] = []
+
+    def compare(name: str, actual: torch.Tensor, expected: torch.Tensor) -> float:
+        err, failure = _compare(name, actual, expected, rtol, atol, g.rank)
+        if failure is not None:
+            failures.append(failure)
+        return err
+
     report = MatchReport()
-    report.output_error = _compare("output", tp_full, dense_out, rtol, atol, g.rank)
+    report.output_error = compare("output", tp_full, dense_out)
     report.errors["output"] = report.output_error
 
     gen = torch.Generator().manual_seed(seed)
@@ -432,7 +443,7 @@ def assert_matches_dense(
         actual = t_in.grad if t_in.grad is not None else torch.zeros_like(t_in)
         if dim is not None:
             actual = all_gather_tensor(actual, dim, group=g)
-        err = _compare(f"gradient of input {i}", actual, expected, rtol, atol, g.rank)
+        err = compare(f"gradient of input {i}", actual, expected)
         report.errors[f"input{i}.grad"] = err
         report.input_grad_error = max(report.input_grad_error, err)
 
@@ -444,7 +455,9 @@ def assert_matches_dense(
             f"only in dense {sorted(set(dense_grads) - set(tp_grads))}"
         )
     for name in sorted(dense_grads):
-        err = _compare(f"gradient of parameter '{name}'", tp_grads[name], dense_grads[name], rtol, atol, g.rank)
+        err = compare(f"gradient of parameter '{name}'", tp_grads[name], dense_grads[name])
         report.errors[f"{name}.grad"] = err
         report.param_grad_error = max(report.param_grad_error, err)
+    if failures:
+        raise AssertionError(failures[0])
     return report
