@@ -285,6 +285,13 @@ def test_block_dropout_replicated_agrees_and_checkpoint_replays():
     sp = world.run(_block_dropout, config, True, True)
     zeros = [(o == 0).reshape(-1) for o, _, _ in sp]
     assert not torch.equal(zeros[0], zeros[1]) or not torch.equal(sp[0][0], sp[1][0])
+    # and checkpointing replays those per-rank masks too (parallel stream, sequence shards)
+    sp_plain = world.run(_block_dropout, config, True, False)
+    for (o, gx, gp), (o2, gx2, gp2) in zip(sp_plain, sp):
+        torch.testing.assert_close(o2, o, rtol=0, atol=0)
+        torch.testing.assert_close(gx2, gx, rtol=0, atol=0)
+        for name in gp:
+            torch.testing.assert_close(gp2[name], gp[name], rtol=0, atol=0, msg=name)
 
 
 def _gpt_dropout_hidden(group):
