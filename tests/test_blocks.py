@@ -94,6 +94,26 @@ def _check_attention(group, hidden, n_heads, n_kv, head_dim, causal, rotary, mas
                                 **_io_dims(sequence_parallel)).grad_error
 
 
+def _check_key_padding_mask(group, kind, causal, sequence_parallel):
+    """A (b, 1, 1, s) key-padding mask acts as the same mask expanded to (b, 1, s, s)."""
+    torch.manual_seed(0)
+    b, s = 2, 4
+    dense = DenseAttention(8, 4, 2, causal=causal, dtype=F64)
+    tp = ParallelAttention.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
+    keep = torch.tensor([[True, True, True, False], [True, False, True, True]])[:, None, None, :]  # (b, 1, 1, s)
+    mask = keep if kind == "bool" else torch.zeros(keep.shape, dtype=F64).masked_fill(~keep, -1e4)
+    x = torch.randn(b, s, 8, dtype=F64)
+    assert_matches_dense(_WithMask(tp, mask), _WithMask(dense, mask.expand(b, 1, s, s)), x, group=group,
+                         **_io_dims(sequence_parallel))
+
+
+def test_attention_key_padding_mask_broadcasts_over_queries():
+    for tp in (1, 2):
+        for kind in ("bool", "float"):
+            for causal in (False, True):
+                get_world(tp).run(_check_key_padding_mask, kind, causal, tp == 2)
+
+
 @settings(max_examples=12)
 @given(hidden=st.integers(1, 8), heads=heads, head_dim=st.sampled_from([2, 4]), causal=st.booleans(),
        rotary=st.booleans(), mask_kind=st.sampled_from(["none", "bool", "float"]), batch=st.integers(1, 2),

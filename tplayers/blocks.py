@@ -132,7 +132,8 @@ class ParallelAttention(TensorParallelModule):
 
     Input ``(b, s, hidden)``; ``(b, s/p, hidden)`` with ``sequence_parallel`` (attention itself
     always sees the whole sequence). ``attn_mask``: bool (True = attend) or additive float,
-    ``(s, s)``, ``(b, s, s)`` or ``(b | 1, 1 | n_heads, s, s)``; combined with ``causal``.
+    ``(s, s)``, ``(b, s, s)`` or ``(b | 1, 1 | n_heads, 1 | s, s)`` (query dim 1: a key-padding
+    mask); combined with ``causal``.
     Attention dropout runs on this rank's heads, under ``rng``'s parallel stream.
     """
 

@@ -124,19 +124,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def normalize_attn_mask(mask: Optional[torch.Tensor], batch: int, seq: int, n_heads: int, layer: str) -> Optional[torch.Tensor]:
-    """A user mask as ``(b | 1, 1 | n_heads, s, s)``. Bool: True = attend; float: added to scores."""
+    """A user mask as ``(b | 1, 1 | n_heads, 1 | s, s)`` (query dim 1: a key-padding mask, broadcast
+    over the queries). Bool: True = attend; float: added to scores."""
     if mask is None:
         return None
     if mask.dim() == 2:
         mask = mask[None, None]
     elif mask.dim() == 3:
         mask = mask[:, None]
-    ok = (mask.dim() == 4 and mask.shape[-2:] == (seq, seq) and mask.shape[0] in (1, batch)
+    ok = (mask.dim() == 4 and mask.shape[-1] == seq and mask.shape[-2] in (1, seq) and mask.shape[0] in (1, batch)
           and mask.shape[1] in (1, n_heads))
     if not ok:
         raise ValueError(
             f"{layer}: attn_mask of shape {tuple(mask.shape)} does not fit batch={batch}, heads={n_heads}, "
-            f"seq={seq}: expected (s, s), (b, s, s) or (b | 1, 1 | heads, s, s)")
+            f"seq={seq}: expected (s, s), (b, s, s) or (b | 1, 1 | heads, 1 | s, s)")
     return mask
 
 
