@@ -147,6 +147,16 @@ def test_merge_rank_results_any_rank_fails():
     assert "n/a" in V.format_table([merged])
 
 
+def test_verify_json_is_strict_json_when_an_error_is_unmeasured():
+    # a check that raised has NaN errors; Python's json would print the non-standard token NaN
+    failed = V.CheckResult("m", 2, math.nan, math.nan, False, "ValueError: boom")
+    text = json.dumps(V.report_json([failed, V.CheckResult("n", 2, 0.0, 1e-16, True)], "float64", "cpu"),
+                      allow_nan=False)
+    report = json.loads(text)
+    assert report["results"][0]["forward_error"] is None and report["results"][1]["grad_error"] == 1e-16
+    assert report["passed"] is False
+
+
 def test_verify_usage_errors(capsys):
     assert main(["verify", "-k", "no-such-module"]) == 2
     assert main(["verify", "--list"]) == 0

@@ -123,9 +123,7 @@ def _verify(args: argparse.Namespace) -> int:
         results = _merge_over_world(results, args.device)
     if reporter:
         if args.json:
-            print(json.dumps({"schema": "tplayers-verify/1", "dtype": args.dtype, "device": args.device,
-                              "results": [vars(r) for r in results],
-                              "passed": V.exit_code(results) == 0}, indent=2))
+            print(json.dumps(V.report_json(results, args.dtype, args.device), indent=2, allow_nan=False))
         else:
             tol = ("--rtol/--atol" if args.rtol is not None or args.atol is not None else
                    "default_tolerance(dtype)" + (" x per-check scale" if args.dtype in ("bfloat16", "float16") else ""))

@@ -32,7 +32,7 @@ from ..loss import vocab_parallel_cross_entropy
 from ..testing import MatchReport, assert_matches_dense, default_tolerance
 
 __all__ = ["VerifyConfig", "Check", "CheckResult", "CHECKS", "register", "select_checks", "run_checks", "tolerance",
-           "merge_rank_results", "format_table", "exit_code"]
+           "merge_rank_results", "format_table", "report_json", "exit_code"]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -455,6 +455,13 @@ def format_table(results: Sequence[CheckResult]) -> str:
     for r in failures:
         out.append(f"FAIL {r.name} (TP {r.tp}): {r.message.splitlines()[0] if r.message else 'failed'}")
     return "\n".join(out)
+
+
+def report_json(results: Sequence[CheckResult], dtype: str, device: str) -> Dict[str, Any]:
+    """The ``--json`` report. An error that could not be measured (NaN) is ``null``: strict JSON."""
+    rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in vars(r).items()} for r in results]
+    return {"schema": "tplayers-verify/1", "dtype": dtype, "device": device, "results": rows,
+            "passed": exit_code(results) == 0}
 
 
 def exit_code(results: Sequence[CheckResult]) -> int:
