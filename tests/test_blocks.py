@@ -470,3 +470,16 @@ def test_norm_conversion_keeps_frozen_parameters_frozen():
     assert not back.weight.requires_grad and not back.bias.requires_grad
     rms = ParallelNorm.from_dense(nn.RMSNorm(4), group=None)
     assert rms.bias is None and rms.weight.requires_grad and rms.to_dense().weight.requires_grad
+
+
+def test_rmsnorm_default_eps_follows_the_input_dtype():
+    # nn.RMSNorm(eps=None) uses the INPUT dtype's epsilon at call time; freezing the weight
+    # dtype's (float32: 1.2e-7) changed the result for float64 (or autocast bf16) inputs
+    from tplayers.norm import ParallelNorm
+    dense = nn.RMSNorm(4)
+    tp = ParallelNorm.from_dense(dense, group=None)
+    x = torch.full((2, 4), 1e-4, dtype=F64)
+    torch.testing.assert_close(tp(x), dense(x))
+    torch.testing.assert_close(tp.to_dense()(x), dense(x))
+    with pytest.raises(ValueError, match="eps=None"):
+        ParallelNorm(4, "layernorm", None, group=None)

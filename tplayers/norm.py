@@ -35,14 +35,17 @@ def _copy_params(src: nn.Module, dst: nn.Module) -> None:
 
 class ParallelNorm(TensorParallelModule):
     """``nn.LayerNorm`` (``kind="layernorm"``) or ``nn.RMSNorm`` (``kind="rmsnorm"``) over the
-    last dim, replicated across the TP group; see the module docstring for sequence parallelism."""
+    last dim, replicated across the TP group; see the module docstring for sequence parallelism.
+    ``eps=None`` (RMSNorm only) is ``nn.RMSNorm``'s default: the input dtype's machine epsilon."""
 
-    def __init__(self, hidden: int, kind: str = "layernorm", eps: float = 1e-5, bias: bool = True, *,
+    def __init__(self, hidden: int, kind: str = "layernorm", eps: Optional[float] = 1e-5, bias: bool = True, *,
                  group: GroupLike, sequence_parallel: bool = False, device: Any = None,
                  dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         if kind not in NORMS:
             raise ValueError(f"ParallelNorm: kind must be one of {NORMS}, got {kind!r}")
+        if eps is None and kind != "rmsnorm":
+            raise ValueError("ParallelNorm: eps=None (the input dtype's epsilon) exists only for kind='rmsnorm'")
         self.tp = resolve_group(group)
         self.hidden, self.kind, self.eps, self.sequence_parallel = hidden, kind, eps, sequence_parallel
         self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
@@ -75,8 +78,7 @@ class ParallelNorm(TensorParallelModule):
         if len(shape) != 1 or dense.weight is None:
             raise ValueError(f"ParallelNorm.from_dense: only an affine norm over the last dim is supported, "
                              f"got normalized_shape={shape}, elementwise_affine={dense.weight is not None}")
-        eps = dense.eps if dense.eps is not None else torch.finfo(dense.weight.dtype).eps
-        layer = cls(shape[0], kind, eps, bias, group=group, device=dense.weight.device,
+        layer = cls(shape[0], kind, dense.eps, bias, group=group, device=dense.weight.device,
                     dtype=dense.weight.dtype, **options)
         _copy_params(dense, layer)
         return layer
