@@ -472,6 +472,7 @@ def test_norm_conversion_keeps_frozen_parameters_frozen():
     assert rms.bias is None and rms.weight.requires_grad and rms.to_dense().weight.requires_grad
 
 
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # the point of the test
 def test_rmsnorm_default_eps_follows_the_input_dtype():
     # nn.RMSNorm(eps=None) uses the INPUT dtype's epsilon at call time; freezing the weight
     # dtype's (float32: 1.2e-7) changed the result for float64 (or autocast bf16) inputs
