@@ -140,6 +140,30 @@ def test_load_never_unpickles_arbitrary_objects(tmp_path):
         tplayers.load_checkpoint(_single(2), path)
 
 
+def _stack_global_call(module: str, name: str, *args: str) -> bytes:
+    """A protocol-4 pickle calling ``module``'s (dotted) ``name`` with string args."""
+    def text(x: str) -> bytes:
+        b = x.encode()
+        return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + b"(" + b"".join(map(text, args)) + b"tR."
+
+
+@pytest.mark.parametrize("name", ["torch.utils.collect_env.subprocess.Popen", "os.sys.modules",
+                                  "FileSystemWriter", "__builtins__"])
+def test_metadata_unpickler_refuses_dotted_and_foreign_names(tmp_path, name):
+    """A dotted name walks from an allowed DCP module to anything it imports (subprocess.Popen)."""
+    import torch.utils.collect_env  # noqa: F401  (make the Popen path resolvable, as it is after DCP imports)
+
+    path = str(tmp_path / "ckpt")
+    tplayers.save_checkpoint(_single(1), path)
+    marker = tmp_path / "pwned"
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(_stack_global_call("torch.distributed.checkpoint.filesystem", name, "touch", str(marker)))
+    with pytest.raises(CheckpointError, match="does not load"):
+        tplayers.load_checkpoint(_single(2), path)
+    assert not marker.exists()
+
+
 def _dense_roundtrip(group, path: str):
     model = _build(group, 4)
     tplayers.save_dense(model, path)

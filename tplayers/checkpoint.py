@@ -302,26 +302,28 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only what DCP's ``.metadata`` contains: its dataclasses, torch sizes/dtypes, paths."""
+    """Admits only what DCP's ``.metadata`` contains: its dataclasses, torch sizes/dtypes, paths.
 
-    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed.checkpoint.planner")
+    Names are matched exactly (an allowlist of ``(module, name)``): a dotted name would walk from an
+    allowed module to anything it imports (``...filesystem`` -> ``subprocess.Popen``).
+    """
+
+    _ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+        "collections": {"OrderedDict"},
+    }
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in self._MODULES:
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) or isinstance(obj, dict):
-                return obj
-        elif module == "torch":
-            obj = getattr(torch, name, None)
-            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        elif module == "torch.serialization" and name in ("_get_layout",):
+        if name in self._ALLOWED.get(module, ()):
             return super().find_class(module, name)
-        elif module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
-            return super().find_class(module, name)
-        elif module == "collections" and name == "OrderedDict":
-            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which tplayers does not load")
 
 
