@@ -248,3 +248,34 @@ def test_load_refuses_non_tensor_entries(tmp_path):
         dcp.save(state, storage_writer=FileSystemWriter(path, overwrite=True), no_dist=True)
     with pytest.raises(CheckpointError, match="'step' is not a tensor"):
         tplayers.load_checkpoint(_single(2), path)
+
+
+def _save_with_rank0_failure(group, path: str, what: str):
+    """Rank 0 alone fails while finishing the save: every rank must raise, none may wait forever."""
+    import tplayers.checkpoint as ck
+
+    def fail(*args, **kwargs):
+        raise OSError("read-only file system (simulated)")
+
+    name = "_write_json" if what == "checkpoint" else "_fsync_dir"
+    saved = getattr(ck, name)
+    if resolve_group(group).rank == 0:
+        setattr(ck, name, fail)
+    try:
+        if what == "checkpoint":
+            tplayers.save_checkpoint(_build(group, 1), path)
+        else:
+            tplayers.save_dense(_build(group, 1), path)
+    except (OSError, CheckpointError) as e:
+        return str(e)
+    finally:
+        setattr(ck, name, saved)
+    return None
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "dense"])
+def test_save_error_on_rank0_raises_on_every_rank(tmp_path, what):
+    if what == "dense":
+        pytest.importorskip("safetensors", reason="dense export needs the hf extra (safetensors)")
+    errors = get_world(2).run(_save_with_rank0_failure, str(tmp_path / "out"), what, timeout=30)
+    assert all(e is not None and "read-only" in e for e in errors), errors

@@ -273,9 +273,32 @@ def _agree_token(pg: Any, rank: int) -> str:
     return f"{int(token.item()):016x}"
 
 
-def _barrier(pg: Any) -> None:
-    if pg is not None:
-        broadcast_tensor(torch.zeros(1), 0, group=pg)
+def _on_rank0(pg: Any, rank: int, fn: Any) -> None:
+    """Run ``fn`` on rank 0 only, then make every rank raise if it failed (no rank left waiting).
+
+    Rank 0 re-raises its own exception; the others raise :class:`CheckpointError` carrying its
+    message (broadcast as bytes), so an error on rank 0 alone never hangs the rest in a collective.
+    """
+    error: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (re-raised below, after the others heard of it)
+            error = e
+    if pg is None:
+        if error is not None:
+            raise error
+        return
+    msg = torch.zeros(1024, dtype=torch.uint8)
+    if error is not None:
+        text = f"{type(error).__name__}: {error}".encode()[:1023] or b"?"
+        msg[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    msg = broadcast_tensor(msg, 0, group=pg)
+    if error is not None:
+        raise error
+    if msg[0]:
+        text = bytes(msg[msg.nonzero().flatten()].tolist()).decode(errors="replace")
+        raise CheckpointError(f"rank 0 failed to finish the save: {text}")
 
 
 def _fsync_dir(path: str) -> None:
@@ -369,7 +392,8 @@ def save_checkpoint(model: nn.Module, path: str, *, process_group: Any = None) -
     manifest = _manifest(model)
     with _quiet():
         dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=pg, no_dist=pg is None)
-    if rank == 0:
+
+    def publish() -> None:
         _write_json(os.path.join(tmp, MANIFEST), manifest)
         _fsync_dir(tmp)
         old = f"{path}.old-{os.path.basename(tmp)[-16:]}"
@@ -378,7 +402,8 @@ def save_checkpoint(model: nn.Module, path: str, *, process_group: Any = None) -
         os.rename(tmp, path)
         _fsync_dir(os.path.dirname(path))
         shutil.rmtree(old, ignore_errors=True)
-    _barrier(pg)
+
+    _on_rank0(pg, rank, publish)
 
 
 def _read_manifest(path: str) -> Dict[str, Any]:
@@ -483,14 +508,16 @@ def save_dense(model: nn.Module, path: str, *, process_group: Any = None,
     path = os.path.abspath(os.fspath(path))
     state = dense_state_dict(model)
     pg, rank = _coord_group(process_group)
-    if rank == 0:
+
+    def write() -> None:
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:16]}"
         save_file({k: v.cpu() for k, v in state.items()}, tmp, metadata={"format": "pt", **(metadata or {})})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(path))
-    _barrier(pg)
+
+    _on_rank0(pg, rank, write)
 
 
 def _dense_files(path: str) -> Dict[str, str]:
