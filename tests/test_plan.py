@@ -121,3 +121,29 @@ def _divide_attrs(group):
 
 def test_divide_attrs_follow_local_heads():
     assert get_world(2).run(_divide_attrs) == [(2, 8, (24, 16))] * 2
+
+
+class SPNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+
+def _parallelize_twice(group):
+    model = tplayers.parallelize(Net(8, 8, True), PLAN, group=group)
+    with pytest.raises(ValueError, match=r"module 'blocks.0.gate_up' is already tensor-parallel"):
+        tplayers.parallelize(model, PLAN, group=group)
+    sp = SPNet()
+    sp_plan = {"first": "scatter_sequence", "norm": tplayers.plan.SequenceParallelNorm(gather_output=True)}
+    tplayers.parallelize(sp, sp_plan, group=group)
+    hooks = len(sp.first._forward_pre_hooks), len(sp.norm._forward_hooks)
+    with pytest.raises(ValueError, match=r"module 'first' already has the scatter_sequence hooks"):
+        tplayers.parallelize(sp, sp_plan, group=group)
+    # refused before anything changed: no second scatter on 'first'
+    return hooks, (len(sp.first._forward_pre_hooks), len(sp.norm._forward_hooks))
+
+
+def test_parallelize_twice_is_refused_before_changing_anything():
+    for before, after in get_world(2).run(_parallelize_twice):
+        assert before == after == (1, 1)
