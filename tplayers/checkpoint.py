@@ -177,13 +177,19 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
                 state[key] = DTensor.from_local(sub, _mesh(e.tp, t.device, meshes), [Shard(d)], run_check=False,
                                                 shape=shape_t, stride=_contiguous_stride(shape_t))
             elif for_save:
-                gathered = all_gather_tensor(local.contiguous(), d, group=e.tp).chunk(p, dim=d)
-                state[key] = torch.cat([gathered[j * (p // n)] for j in range(n)], dim=d)
+                state[key] = _gather_full(local, ShardLayout(d, ((size, n),)), e.tp)
             else:
                 full = torch.empty(shape_t, dtype=t.dtype, device=t.device)
                 state[key] = full
                 post.append((full.chunk(n, dim=d)[r // (p // n)], local))
     return state, post
+
+
+def _gather_full(local: torch.Tensor, layout: ShardLayout, tp: TPGroup) -> torch.Tensor:
+    """The full tensor of ``layout`` from every rank's ``local`` (collective over ``tp``)."""
+    assert layout.dim is not None
+    gathered = all_gather_tensor(local.contiguous(), layout.dim, group=tp)
+    return layout.unshard(list(gathered.chunk(tp.size, dim=layout.dim)))
 
 
 def _custom_state(e: _Entry, t: torch.Tensor, for_save: bool, state: Dict[str, Any],
@@ -216,8 +222,7 @@ def _custom_state(e: _Entry, t: torch.Tensor, for_save: bool, state: Dict[str, A
         state[e.name] = DTensor.from_local(piece, _mesh(e.tp, t.device, meshes), [Shard(d)], run_check=False,
                                            shape=full_shape, stride=_contiguous_stride(full_shape))
     elif for_save:
-        locals_ = list(all_gather_tensor(t.contiguous(), d, group=e.tp).chunk(p, dim=d))
-        state[e.name] = e.layout.unshard(locals_)
+        state[e.name] = _gather_full(t, e.layout, e.tp)
     else:
         full = torch.empty(full_shape, dtype=t.dtype, device=t.device)
         state[e.name] = full
@@ -479,8 +484,7 @@ def _full_tensor(e: _Entry) -> torch.Tensor:
     t = e.tensor.detach()
     if e.layout is not None:
         assert e.tp is not None
-        locals_ = list(all_gather_tensor(t.contiguous(), e.layout.dim, group=e.tp).chunk(e.tp.size, dim=e.layout.dim))
-        t = e.layout.unshard(locals_)
+        t = _gather_full(t, e.layout, e.tp)
     if e.transposed:
         t = t.t()
     return t.contiguous()
