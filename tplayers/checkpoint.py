@@ -10,8 +10,10 @@ manifest (``tplayers.json``) records every tensor's full shape and layout; loadi
 with the model first and reports mismatches by parameter name.
 
 Safety: a save writes into ``<path>.tmp-<token>`` and renames it to ``<path>`` only after every
-rank finished, so an interrupted save never leaves a directory at ``<path>`` (and a directory
-without the manifest, written last, is refused). Loading never unpickles arbitrary objects: DCP's
+rank finished, so an interrupted save never leaves a partial directory at ``<path>`` (and a
+directory without the manifest, written last, is refused). Replacing an existing checkpoint
+takes two renames (old aside to ``<path>.old-<token>``, new into place; directories cannot be
+swapped atomically): a crash between them leaves no ``<path>``, the old one under that name. Loading never unpickles arbitrary objects: DCP's
 pickled metadata is read with an unpickler that only admits DCP's own metadata classes, any
 non-tensor entry (which DCP would ``torch.load`` with ``weights_only=False``) is refused, and
 tensor data is read by DCP with ``torch.load(weights_only=True)``.
