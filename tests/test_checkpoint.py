@@ -209,18 +209,11 @@ GPT_CFG = dict(vocab_size=30, hidden=16, n_heads=4, n_kv_heads=1, ffn_hidden=32,
                activation="swiglu", norm="rmsnorm")
 
 
-def _gpt_save(group, path: str):
-    torch.manual_seed(7)
+def _gpt(group, path: str, seed: int, save: bool):
+    """A ParallelGPT drawn from ``seed``, saved to or loaded from ``path``; its weights and loss."""
+    torch.manual_seed(seed)
     model = tplayers.ParallelGPT(tplayers.GPTConfig(**GPT_CFG), group=group).double()
-    tplayers.save_checkpoint(model, path)
-    ids = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(0))
-    return dense_state_dict(model), model.loss(ids, ids).detach()
-
-
-def _gpt_load(group, path: str):
-    torch.manual_seed(8)
-    model = tplayers.ParallelGPT(tplayers.GPTConfig(**GPT_CFG), group=group).double()
-    tplayers.load_checkpoint(model, path)
+    (tplayers.save_checkpoint if save else tplayers.load_checkpoint)(model, path)
     ids = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(0))
     return dense_state_dict(model), model.loss(ids, ids).detach()
 
@@ -228,8 +221,8 @@ def _gpt_load(group, path: str):
 def test_parallel_gpt_with_replicated_kv_heads_reshards(tmp_path):
     """tplayers' own GPT (one KV head: replicated at TP > 1; padded vocabulary) from TP 2 to TP 4."""
     path = str(tmp_path / "gpt")
-    saved, out = get_world(2).run(_gpt_save, path)[0]
-    for loaded, out_loaded in get_world(4).run(_gpt_load, path):
+    saved, out = get_world(2).run(_gpt, path, seed=7, save=True)[0]
+    for loaded, out_loaded in get_world(4).run(_gpt, path, seed=8, save=False):
         assert all(torch.equal(loaded[k], saved[k]) for k in saved)
         torch.testing.assert_close(out_loaded, out, rtol=1e-10, atol=1e-10)
 
