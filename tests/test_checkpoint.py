@@ -187,9 +187,43 @@ def test_dense_safetensors_roundtrip_across_tp(tmp_path):
     assert all(torch.equal(model[k], want[k]) for k in want)
 
 
+class _RecordingHandle:
+    """A safetensors handle that records which tensors were read whole."""
+
+    def __init__(self, handle, whole):
+        self._handle, self._whole = handle, whole
+
+    def get_tensor(self, key):
+        self._whole.append(key)
+        return self._handle.get_tensor(key)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
 def _load_dense_tp4(group, path: str):
+    import safetensors
+
+    whole, real_open = [], safetensors.safe_open
+
+    class _Open:
+        def __init__(self, *args, **kwargs):
+            self._ctx = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            return _RecordingHandle(self._ctx.__enter__(), whole)
+
+        def __exit__(self, *exc):
+            return self._ctx.__exit__(*exc)
+
     model = _build(group, 8)
-    tplayers.load_dense(model, path)
+    safetensors.safe_open = _Open
+    try:
+        tplayers.load_dense(model, path)
+    finally:
+        safetensors.safe_open = real_open
+    # only replicated tensors are read whole: the padded vocabulary is read as this rank's rows
+    assert "emb.weight" not in whole and "up.weight" not in whole, whole
     return dense_state_dict(model)
 
 

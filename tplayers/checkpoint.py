@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .comm import all_gather_tensor, broadcast_tensor
+from .embedding import PaddedShardLayout
 from .groups import TPGroup
 from .layers import ShardLayout, TensorParallelModule
 
@@ -584,10 +585,16 @@ def _read_local(f: Any, key: str, e: _Entry) -> torch.Tensor:
         return t.t() if e.transposed else t
     assert e.tp is not None
     d = e.layout.dim
-    if type(e.layout) is not ShardLayout:  # a layout subclass (padded vocabulary): read whole, then cut
+    file_dim = (1 - d) if e.transposed else d
+    if isinstance(e.layout, PaddedShardLayout):  # padded vocabulary: this rank's real rows, then zeros
+        lo, hi, padding = e.layout.real_rows(e.tp.rank, e.tp.size)
+        index = [slice(None)] * len(shape)
+        index[file_dim] = slice(lo, hi)
+        t = sl[tuple(index)]
+        return e.layout.pad(t.t() if e.transposed else t, padding)
+    if type(e.layout) is not ShardLayout:  # another layout subclass: read whole, then cut
         full_t = f.get_tensor(key)
         return e.layout.shard(full_t.t() if e.transposed else full_t, e.tp.rank, e.tp.size)
-    file_dim = (1 - d) if e.transposed else d
     pieces = []
     for _, full_off, size, _, n in _parts(e):
         piece = size // n
