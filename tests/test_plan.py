@@ -147,3 +147,16 @@ def _parallelize_twice(group):
 def test_parallelize_twice_is_refused_before_changing_anything():
     for before, after in get_world(2).run(_parallelize_twice):
         assert before == after == (1, 1)
+
+
+def test_pattern_matching_nothing_warns():
+    """A typo in one pattern of a custom plan (here the norms of a sequence-parallel plan, whose
+    gradients would then silently miss the all-reduce) is reported, not ignored."""
+    model = SPNet()
+    with pytest.warns(UserWarning, match=r"\['nrom'\] matched no module of SPNet"):
+        tplayers.parallelize(model, {"first": "column", "nrom": "sequence_parallel_norm"}, group=None)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tplayers.parallelize(SPNet(), {"first": "column", "norm": "replicate"}, group=None)

@@ -32,6 +32,7 @@ its (shared) config. Every check runs before anything is swapped, and every erro
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -508,8 +509,11 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     # 1. build every TP module (nothing swapped yet, so an error leaves the model untouched)
     built: Dict[str, nn.Module] = {}
     in_place: List[Tuple[_InPlace, nn.Module, str]] = []
+    matched = set()
     for name, module in modules.items():
         pat = _match(name, list(styles))
+        if pat is not None:
+            matched.add(pat)
         if pat is None or isinstance(styles[pat], Replicate):
             continue
         if name == "":
@@ -541,6 +545,10 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     if not built and not in_place:
         raise ValueError(f"parallelize: plan '{p.name}' matched no module of {type(model).__name__} "
                          f"(patterns {list(styles)}); module names look like {list(modules)[1:6]}")
+    unmatched = [pat for pat in styles if pat not in matched]
+    if unmatched and not isinstance(plan, str):  # shipped plans list alternatives (with/without a head, prefix)
+        warnings.warn(f"parallelize: plan pattern(s) {unmatched} matched no module of {type(model).__name__} "
+                      "(or only modules an earlier pattern took); those modules stay as they are", stacklevel=2)
 
     # 2. attributes that follow the local head count: check all, then change
     changes: List[Tuple[nn.Module, str, int]] = []
