@@ -72,6 +72,10 @@ def _expect_error(group, case):
         "no_match": ({"decoder.*": "row"}, ValueError, r"matched no module of Net"),
         "missing_attr": (Plan({"out": "column_gather"}, divide_attrs={"blocks.*": ("num_heads",)}),
                          AttributeError, r"module 'blocks.0' \(Block\) has no attribute 'num_heads'"),
+        "kv_heads_missing": ({"blocks.*.gate_up": "kv_column"}, AttributeError,
+                             r"module 'blocks.0.gate_up'.*Block has no attribute path 'config.num_key_value_heads'"),
+        "divisible_missing": (Plan({"out": "column_gather"}, require_divisible={"blocks.*": ("config.heads",)}),
+                              AttributeError, r"module 'blocks.0' \('blocks.\*'\): Block has no attribute path"),
         "fused_gather": ({"blocks.*.gate_up": Column(parts=2, gather_output=True)}, ValueError,
                          r"module 'blocks.0.gate_up'.*gather_output=True"),
     }
@@ -85,7 +89,7 @@ def _expect_error(group, case):
 
 
 @pytest.mark.parametrize("case", ["indivisible", "wrong_type", "unknown_style", "unknown_plan", "no_match",
-                                  "missing_attr", "fused_gather"])
+                                  "missing_attr", "kv_heads_missing", "divisible_missing", "fused_gather"])
 def test_errors_name_the_module_and_leave_model_untouched(case):
     assert all(get_world(4).run(_expect_error, case))
 

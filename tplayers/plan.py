@@ -16,6 +16,7 @@ A plan maps module-name patterns (``fnmatch``: ``*`` also matches dots) to style
     "vocab_head"       ParallelLMHead(gather_output=True): an LM head split like the embedding
     "replicate"        left as it is (documents intent; matching it stops later patterns)
     "scatter_sequence" enter sequence parallelism: the module's input is cut along the sequence
+    "gather_sequence"  the module's input is gathered along the sequence (a module that needs it whole)
     "sequence_parallel_norm"  a norm on this rank's sequence chunk (parameter grads all-reduced);
                        SequenceParallelNorm(gather_output=True) also gathers its output
 
@@ -478,9 +479,12 @@ def get_plan(plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *, sequenc
 
 
 def _getattr_path(obj: Any, path: str) -> Any:
+    value = obj
     for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
+        if not hasattr(value, part):
+            raise AttributeError(f"{type(obj).__name__} has no attribute path '{path}' (no '{part}')")
+        value = getattr(value, part)
+    return value
 
 
 def _match(name: str, patterns: Sequence[str]) -> Optional[str]:
@@ -534,7 +538,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
                 built[name] = style.build(module, name, tp, parent=modules[parent_name])
             else:
                 built[name] = style.build(module, name, tp)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, AttributeError) as e:
             msg = str(e)
             raise type(e)(msg if msg.startswith("parallelize:") else f"parallelize: module '{name}' ({pat!r}): {msg}") from None
     enters = [n for st, _, n in in_place if isinstance(st, ScatterSequence)]
@@ -556,7 +560,10 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
         for pat, paths in p.require_divisible.items():
             if fnmatch.fnmatchcase(name, pat):
                 for path in paths:
-                    value = _getattr_path(module, path)
+                    try:
+                        value = _getattr_path(module, path)
+                    except AttributeError as e:
+                        raise AttributeError(f"parallelize: module '{name}' ({pat!r}): {e}") from None
                     if value % tp.size:
                         raise ValueError(f"parallelize: module '{name}': {path}={value} is not divisible by the "
                                          f"TP degree {tp.size}")
