@@ -1,5 +1,6 @@
 """Checkpoints: a DCP checkpoint saved at one TP size loads bit-exactly at TP 1, 2 and 4; atomic
 saves; no arbitrary unpickling; mismatches named; dense safetensors round trip."""
+import importlib.util
 import os
 import pickle
 
@@ -306,3 +307,17 @@ def test_save_error_on_rank0_raises_on_every_rank(tmp_path, what):
         pytest.importorskip("safetensors", reason="dense export needs the hf extra (safetensors)")
     errors = get_world(2).run(_save_with_rank0_failure, str(tmp_path / "out"), what, timeout=30)
     assert all(e is not None and "read-only" in e for e in errors), errors
+
+
+def test_loading_into_meta_tensors_is_refused(tmp_path):
+    """copy_ into a meta tensor does nothing: load_dense used to return ([], []) having loaded nothing."""
+    path = str(tmp_path / "ckpt")
+    tplayers.save_checkpoint(_single(1), path)
+    with torch.device("meta"):
+        model = _single(2)
+    with pytest.raises(CheckpointError, match=r"meta device \[.*'emb.weight'.*to_empty"):
+        tplayers.load_checkpoint(model, path)
+    if importlib.util.find_spec("safetensors") is not None:
+        tplayers.save_dense(_single(1), str(tmp_path / "dense.safetensors"))
+        with pytest.raises(CheckpointError, match=r"meta device \[.*'emb.weight'"):
+            tplayers.load_dense(model, str(tmp_path / "dense.safetensors"))

@@ -105,6 +105,15 @@ def _entries(model: nn.Module) -> List[_Entry]:
     return out
 
 
+def _refuse_meta(entries: List[_Entry], path: str) -> None:
+    """Loading into meta tensors is a silent no-op (copy_ into meta does nothing): refuse it."""
+    meta = [e.name for e in entries if e.tensor.device.type == "meta"]
+    if meta:
+        raise CheckpointError(f"{path}: cannot load into tensors on the meta device {meta[:5]}"
+                              f"{' ...' if len(meta) > 5 else ''}; allocate them first "
+                              "(model.to_empty(device=...), then re-tie tied weights)")
+
+
 def _parts(e: _Entry) -> Iterator[Tuple[str, int, int, int, int]]:
     """(key, full offset, full size, local offset, shards) of each part of a sharded entry."""
     assert e.layout is not None and e.layout.dim is not None
@@ -465,6 +474,7 @@ def load_checkpoint(model: nn.Module, path: str, *, process_group: Any = None) -
 
     path = os.path.abspath(os.fspath(path))
     _check_against(_read_manifest(path), model, path)
+    _refuse_meta(_entries(model), path)
     reader = _safe_reader(path)
     try:
         reader.read_metadata()  # refuse a tampered .metadata here, with a clear error, before DCP reads it
@@ -620,6 +630,7 @@ def load_dense(model: nn.Module, path: str, *, strict: bool = True) -> Tuple[Lis
     files = _dense_files(path)
     prefix = getattr(model, "base_model_prefix", None) or None
     entries = _entries(model)
+    _refuse_meta(entries, path)
     missing, used = [], set()
     handles: Dict[str, Any] = {}
     try:
