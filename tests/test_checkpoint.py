@@ -1,5 +1,6 @@
 """Checkpoints: a DCP checkpoint saved at one TP size loads bit-exactly at TP 1, 2 and 4; atomic
 saves; no arbitrary unpickling; mismatches named; dense safetensors round trip."""
+import importlib.util
 import os
 import pickle
 
@@ -140,6 +141,30 @@ def test_load_never_unpickles_arbitrary_objects(tmp_path):
         tplayers.load_checkpoint(_single(2), path)
 
 
+def _stack_global_call(module: str, name: str, *args: str) -> bytes:
+    """A protocol-4 pickle calling ``module``'s (dotted) ``name`` with string args."""
+    def text(x: str) -> bytes:
+        b = x.encode()
+        return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + b"(" + b"".join(map(text, args)) + b"tR."
+
+
+@pytest.mark.parametrize("name", ["torch.utils.collect_env.subprocess.Popen", "os.sys.modules",
+                                  "FileSystemWriter", "__builtins__"])
+def test_metadata_unpickler_refuses_dotted_and_foreign_names(tmp_path, name):
+    """A dotted name walks from an allowed DCP module to anything it imports (subprocess.Popen)."""
+    import torch.utils.collect_env  # noqa: F401  (make the Popen path resolvable, as it is after DCP imports)
+
+    path = str(tmp_path / "ckpt")
+    tplayers.save_checkpoint(_single(1), path)
+    marker = tmp_path / "pwned"
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(_stack_global_call("torch.distributed.checkpoint.filesystem", name, "touch", str(marker)))
+    with pytest.raises(CheckpointError, match="does not load"):
+        tplayers.load_checkpoint(_single(2), path)
+    assert not marker.exists()
+
+
 def _dense_roundtrip(group, path: str):
     model = _build(group, 4)
     tplayers.save_dense(model, path)
@@ -163,9 +188,43 @@ def test_dense_safetensors_roundtrip_across_tp(tmp_path):
     assert all(torch.equal(model[k], want[k]) for k in want)
 
 
+class _RecordingHandle:
+    """A safetensors handle that records which tensors were read whole."""
+
+    def __init__(self, handle, whole):
+        self._handle, self._whole = handle, whole
+
+    def get_tensor(self, key):
+        self._whole.append(key)
+        return self._handle.get_tensor(key)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
 def _load_dense_tp4(group, path: str):
+    import safetensors
+
+    whole, real_open = [], safetensors.safe_open
+
+    class _Open:
+        def __init__(self, *args, **kwargs):
+            self._ctx = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            return _RecordingHandle(self._ctx.__enter__(), whole)
+
+        def __exit__(self, *exc):
+            return self._ctx.__exit__(*exc)
+
     model = _build(group, 8)
-    tplayers.load_dense(model, path)
+    safetensors.safe_open = _Open
+    try:
+        tplayers.load_dense(model, path)
+    finally:
+        safetensors.safe_open = real_open
+    # only replicated tensors are read whole: the padded vocabulary is read as this rank's rows
+    assert "emb.weight" not in whole and "up.weight" not in whole, whole
     return dense_state_dict(model)
 
 
@@ -185,18 +244,11 @@ GPT_CFG = dict(vocab_size=30, hidden=16, n_heads=4, n_kv_heads=1, ffn_hidden=32,
                activation="swiglu", norm="rmsnorm")
 
 
-def _gpt_save(group, path: str):
-    torch.manual_seed(7)
+def _gpt(group, path: str, seed: int, save: bool):
+    """A ParallelGPT drawn from ``seed``, saved to or loaded from ``path``; its weights and loss."""
+    torch.manual_seed(seed)
     model = tplayers.ParallelGPT(tplayers.GPTConfig(**GPT_CFG), group=group).double()
-    tplayers.save_checkpoint(model, path)
-    ids = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(0))
-    return dense_state_dict(model), model.loss(ids, ids).detach()
-
-
-def _gpt_load(group, path: str):
-    torch.manual_seed(8)
-    model = tplayers.ParallelGPT(tplayers.GPTConfig(**GPT_CFG), group=group).double()
-    tplayers.load_checkpoint(model, path)
+    (tplayers.save_checkpoint if save else tplayers.load_checkpoint)(model, path)
     ids = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(0))
     return dense_state_dict(model), model.loss(ids, ids).detach()
 
@@ -204,8 +256,8 @@ def _gpt_load(group, path: str):
 def test_parallel_gpt_with_replicated_kv_heads_reshards(tmp_path):
     """tplayers' own GPT (one KV head: replicated at TP > 1; padded vocabulary) from TP 2 to TP 4."""
     path = str(tmp_path / "gpt")
-    saved, out = get_world(2).run(_gpt_save, path)[0]
-    for loaded, out_loaded in get_world(4).run(_gpt_load, path):
+    saved, out = get_world(2).run(_gpt, path, seed=7, save=True)[0]
+    for loaded, out_loaded in get_world(4).run(_gpt, path, seed=8, save=False):
         assert all(torch.equal(loaded[k], saved[k]) for k in saved)
         torch.testing.assert_close(out_loaded, out, rtol=1e-10, atol=1e-10)
 
@@ -224,3 +276,48 @@ def test_load_refuses_non_tensor_entries(tmp_path):
         dcp.save(state, storage_writer=FileSystemWriter(path, overwrite=True), no_dist=True)
     with pytest.raises(CheckpointError, match="'step' is not a tensor"):
         tplayers.load_checkpoint(_single(2), path)
+
+
+def _save_with_rank0_failure(group, path: str, what: str):
+    """Rank 0 alone fails while finishing the save: every rank must raise, none may wait forever."""
+    import tplayers.checkpoint as ck
+
+    def fail(*args, **kwargs):
+        raise OSError("read-only file system (simulated)")
+
+    name = "_write_json" if what == "checkpoint" else "_fsync_dir"
+    saved = getattr(ck, name)
+    if resolve_group(group).rank == 0:
+        setattr(ck, name, fail)
+    try:
+        if what == "checkpoint":
+            tplayers.save_checkpoint(_build(group, 1), path)
+        else:
+            tplayers.save_dense(_build(group, 1), path)
+    except (OSError, CheckpointError) as e:
+        return str(e)
+    finally:
+        setattr(ck, name, saved)
+    return None
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "dense"])
+def test_save_error_on_rank0_raises_on_every_rank(tmp_path, what):
+    if what == "dense":
+        pytest.importorskip("safetensors", reason="dense export needs the hf extra (safetensors)")
+    errors = get_world(2).run(_save_with_rank0_failure, str(tmp_path / "out"), what, timeout=30)
+    assert all(e is not None and "read-only" in e for e in errors), errors
+
+
+def test_loading_into_meta_tensors_is_refused(tmp_path):
+    """copy_ into a meta tensor does nothing: load_dense used to return ([], []) having loaded nothing."""
+    path = str(tmp_path / "ckpt")
+    tplayers.save_checkpoint(_single(1), path)
+    with torch.device("meta"):
+        model = _single(2)
+    with pytest.raises(CheckpointError, match=r"meta device \[.*'emb.weight'.*to_empty"):
+        tplayers.load_checkpoint(model, path)
+    if importlib.util.find_spec("safetensors") is not None:
+        tplayers.save_dense(_single(1), str(tmp_path / "dense.safetensors"))
+        with pytest.raises(CheckpointError, match=r"meta device \[.*'emb.weight'"):
+            tplayers.load_dense(model, str(tmp_path / "dense.safetensors"))

@@ -42,11 +42,8 @@ def _gpt2(seed: int = 0, vocab: int = VOCAB):
 BUILD = {"llama": _llama, "gpt2": _gpt2}
 
 
-def _check_model(group, family: str, seed: int, **config):
-    dense = BUILD[family](seed=seed, **config)
-    model = tplayers.parallelize(copy.deepcopy(dense), family, group=group)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, dense.config.vocab_size, (2, 10), generator=g)
+def _assert_lm_matches(model, dense, ids):
+    """Logits, loss and every parameter gradient of the TP model equal the dense model's; the logits."""
     out_d, out_t = dense(ids, labels=ids), model(ids, labels=ids)
     torch.testing.assert_close(out_t.logits, out_d.logits, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(out_t.loss, out_d.loss, rtol=1e-9, atol=1e-9)
@@ -55,6 +52,15 @@ def _check_model(group, family: str, seed: int, **config):
     grads = dense_parameters(model, grads=True)
     for name, p in dense.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    return out_t, out_d
+
+
+def _check_model(group, family: str, seed: int, **config):
+    dense = BUILD[family](seed=seed, **config)
+    model = tplayers.parallelize(copy.deepcopy(dense), family, group=group)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, dense.config.vocab_size, (2, 10), generator=g)
+    out_t, out_d = _assert_lm_matches(model, dense, ids)
     swapped = sorted({type(m).__name__ for m in model.modules() if isinstance(m, tplayers.TensorParallelModule)})
     return float((out_t.logits - out_d.logits).abs().max()), swapped
 
@@ -171,13 +177,7 @@ def _check_sequence_parallel(group, family: str):
     dense = BUILD[family](seed=5)
     model = tplayers.parallelize(copy.deepcopy(dense), family, group=group, sequence_parallel=True)
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
-    out_d, out_t = dense(ids, labels=ids), model(ids, labels=ids)
-    torch.testing.assert_close(out_t.logits, out_d.logits, rtol=1e-9, atol=1e-9)
-    out_d.loss.backward()
-    out_t.loss.backward()
-    grads = dense_parameters(model, grads=True)
-    for name, p in dense.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    _assert_lm_matches(model, dense, ids)
     return True
 
 

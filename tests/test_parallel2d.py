@@ -117,3 +117,15 @@ def _fsdp2_checkpoint_refused(group, path):
 def test_checkpoint_of_dp2_tp2_model_loads_at_tp4_and_fsdp2_is_refused_clearly(tmp_path):
     assert all(get_world(4).run(_fsdp2_checkpoint_refused, str(tmp_path / "ckpt")))
     assert (tmp_path / "ckpt" / "tplayers.json").is_file()
+
+
+def test_default_mesh_device_follows_the_backend():
+    """init_process_group() without a backend reports 'undefined'; on a GPU machine the mesh must
+    still be a CUDA mesh (a CPU mesh makes FSDP2 move the model to the CPU)."""
+    from tplayers.parallel2d import _default_device_type
+
+    assert _default_device_type("undefined", cuda_available=True) == "cuda"
+    assert _default_device_type("cpu:gloo,cuda:nccl", cuda_available=True) == "cuda"
+    assert _default_device_type("nccl", cuda_available=True) == "cuda"
+    assert _default_device_type("gloo", cuda_available=True) == "cpu"
+    assert _default_device_type("undefined", cuda_available=False) == "cpu"

@@ -72,6 +72,10 @@ def _expect_error(group, case):
         "no_match": ({"decoder.*": "row"}, ValueError, r"matched no module of Net"),
         "missing_attr": (Plan({"out": "column_gather"}, divide_attrs={"blocks.*": ("num_heads",)}),
                          AttributeError, r"module 'blocks.0' \(Block\) has no attribute 'num_heads'"),
+        "kv_heads_missing": ({"blocks.*.gate_up": "kv_column"}, AttributeError,
+                             r"module 'blocks.0.gate_up'.*Block has no attribute path 'config.num_key_value_heads'"),
+        "divisible_missing": (Plan({"out": "column_gather"}, require_divisible={"blocks.*": ("config.heads",)}),
+                              AttributeError, r"module 'blocks.0' \('blocks.\*'\): Block has no attribute path"),
         "fused_gather": ({"blocks.*.gate_up": Column(parts=2, gather_output=True)}, ValueError,
                          r"module 'blocks.0.gate_up'.*gather_output=True"),
     }
@@ -85,7 +89,7 @@ def _expect_error(group, case):
 
 
 @pytest.mark.parametrize("case", ["indivisible", "wrong_type", "unknown_style", "unknown_plan", "no_match",
-                                  "missing_attr", "fused_gather"])
+                                  "missing_attr", "kv_heads_missing", "divisible_missing", "fused_gather"])
 def test_errors_name_the_module_and_leave_model_untouched(case):
     assert all(get_world(4).run(_expect_error, case))
 
@@ -121,3 +125,42 @@ def _divide_attrs(group):
 
 def test_divide_attrs_follow_local_heads():
     assert get_world(2).run(_divide_attrs) == [(2, 8, (24, 16))] * 2
+
+
+class SPNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+
+def _parallelize_twice(group):
+    model = tplayers.parallelize(Net(8, 8, True), PLAN, group=group)
+    with pytest.raises(ValueError, match=r"module 'blocks.0.gate_up' is already tensor-parallel"):
+        tplayers.parallelize(model, PLAN, group=group)
+    sp = SPNet()
+    sp_plan = {"first": "scatter_sequence", "norm": tplayers.plan.SequenceParallelNorm(gather_output=True)}
+    tplayers.parallelize(sp, sp_plan, group=group)
+    hooks = len(sp.first._forward_pre_hooks), len(sp.norm._forward_hooks)
+    with pytest.raises(ValueError, match=r"module 'first' already has the scatter_sequence hooks"):
+        tplayers.parallelize(sp, sp_plan, group=group)
+    # refused before anything changed: no second scatter on 'first'
+    return hooks, (len(sp.first._forward_pre_hooks), len(sp.norm._forward_hooks))
+
+
+def test_parallelize_twice_is_refused_before_changing_anything():
+    for before, after in get_world(2).run(_parallelize_twice):
+        assert before == after == (1, 1)
+
+
+def test_pattern_matching_nothing_warns():
+    """A typo in one pattern of a custom plan (here the norms of a sequence-parallel plan, whose
+    gradients would then silently miss the all-reduce) is reported, not ignored."""
+    model = SPNet()
+    with pytest.warns(UserWarning, match=r"\['nrom'\] matched no module of SPNet"):
+        tplayers.parallelize(model, {"first": "column", "nrom": "sequence_parallel_norm"}, group=None)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tplayers.parallelize(SPNet(), {"first": "column", "norm": "replicate"}, group=None)

@@ -90,6 +90,18 @@ def test_errors_name_the_parameter():
         unshard_state_dict([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], {})
 
 
+def test_unshard_refuses_locals_of_another_tp_size():
+    """Locals of 3 ranks under a TP-4 layout used to rebuild rank 0's rows four times, silently."""
+    full = {"w": torch.randn(8, 3)}
+    tp4 = {"w": ShardLayout.split(0, 8, 4)}
+    locals4 = [shard_state_dict(full, tp4, r, 4) for r in range(4)]
+    with pytest.raises(ValueError, match=r"w: .*3 ranks.*4 shards"):
+        unshard_state_dict(locals4[:3], tp4)
+    with pytest.raises(ValueError, match=r"w: rank 0's local tensor has size 2 along dim 0, the layout expects 4"):
+        unshard_state_dict(locals4[:2], {"w": ShardLayout.split(0, 8, 2)})
+    torch.testing.assert_close(unshard_state_dict(locals4, tp4)["w"], full["w"], rtol=0, atol=0)
+
+
 def test_conv1d_transposition_round_trips():
     w = torch.randn(3, 5)  # Conv1D (in, out)
     lin = conv1d_to_linear_weight(w)

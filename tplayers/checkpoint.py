@@ -10,8 +10,10 @@ manifest (``tplayers.json``) records every tensor's full shape and layout; loadi
 with the model first and reports mismatches by parameter name.
 
 Safety: a save writes into ``<path>.tmp-<token>`` and renames it to ``<path>`` only after every
-rank finished, so an interrupted save never leaves a directory at ``<path>`` (and a directory
-without the manifest, written last, is refused). Loading never unpickles arbitrary objects: DCP's
+rank finished, so an interrupted save never leaves a partial directory at ``<path>`` (and a
+directory without the manifest, written last, is refused). Replacing an existing checkpoint
+takes two renames (old aside to ``<path>.old-<token>``, new into place; directories cannot be
+swapped atomically): a crash between them leaves no ``<path>``, the old one under that name. Loading never unpickles arbitrary objects: DCP's
 pickled metadata is read with an unpickler that only admits DCP's own metadata classes, any
 non-tensor entry (which DCP would ``torch.load`` with ``weights_only=False``) is refused, and
 tensor data is read by DCP with ``torch.load(weights_only=True)``.
@@ -38,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .comm import all_gather_tensor, broadcast_tensor
+from .embedding import PaddedShardLayout
 from .groups import TPGroup
 from .layers import ShardLayout, TensorParallelModule
 
@@ -100,6 +103,15 @@ def _entries(model: nn.Module) -> List[_Entry]:
             seen[id(t)] = e
             out.append(e)
     return out
+
+
+def _refuse_meta(entries: List[_Entry], path: str) -> None:
+    """Loading into meta tensors is a silent no-op (copy_ into meta does nothing): refuse it."""
+    meta = [e.name for e in entries if e.tensor.device.type == "meta"]
+    if meta:
+        raise CheckpointError(f"{path}: cannot load into tensors on the meta device {meta[:5]}"
+                              f"{' ...' if len(meta) > 5 else ''}; allocate them first "
+                              "(model.to_empty(device=...), then re-tie tied weights)")
 
 
 def _parts(e: _Entry) -> Iterator[Tuple[str, int, int, int, int]]:
@@ -177,13 +189,19 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
                 state[key] = DTensor.from_local(sub, _mesh(e.tp, t.device, meshes), [Shard(d)], run_check=False,
                                                 shape=shape_t, stride=_contiguous_stride(shape_t))
             elif for_save:
-                gathered = all_gather_tensor(local.contiguous(), d, group=e.tp).chunk(p, dim=d)
-                state[key] = torch.cat([gathered[j * (p // n)] for j in range(n)], dim=d)
+                state[key] = _gather_full(local, ShardLayout(d, ((size, n),)), e.tp)
             else:
                 full = torch.empty(shape_t, dtype=t.dtype, device=t.device)
                 state[key] = full
                 post.append((full.chunk(n, dim=d)[r // (p // n)], local))
     return state, post
+
+
+def _gather_full(local: torch.Tensor, layout: ShardLayout, tp: TPGroup) -> torch.Tensor:
+    """The full tensor of ``layout`` from every rank's ``local`` (collective over ``tp``)."""
+    assert layout.dim is not None
+    gathered = all_gather_tensor(local.contiguous(), layout.dim, group=tp)
+    return layout.unshard(list(gathered.chunk(tp.size, dim=layout.dim)))
 
 
 def _custom_state(e: _Entry, t: torch.Tensor, for_save: bool, state: Dict[str, Any],
@@ -216,8 +234,7 @@ def _custom_state(e: _Entry, t: torch.Tensor, for_save: bool, state: Dict[str, A
         state[e.name] = DTensor.from_local(piece, _mesh(e.tp, t.device, meshes), [Shard(d)], run_check=False,
                                            shape=full_shape, stride=_contiguous_stride(full_shape))
     elif for_save:
-        locals_ = list(all_gather_tensor(t.contiguous(), d, group=e.tp).chunk(p, dim=d))
-        state[e.name] = e.layout.unshard(locals_)
+        state[e.name] = _gather_full(t, e.layout, e.tp)
     else:
         full = torch.empty(full_shape, dtype=t.dtype, device=t.device)
         state[e.name] = full
@@ -265,17 +282,47 @@ def _coord_group(process_group: Any) -> Tuple[Any, int]:
     return pg, dist.get_rank(pg)
 
 
+def _coord_device(pg: Any) -> torch.device:
+    """Where the small coordination tensors live: a group created with only NCCL has no CPU backend."""
+    if pg is not None and dist.get_backend(pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _agree_token(pg: Any, rank: int) -> str:
     """A random token drawn on rank 0 and broadcast (all ranks name the same temporary dir)."""
     token = torch.tensor([uuid.uuid4().int % (2**62) if rank == 0 else 0], dtype=torch.int64)
     if pg is not None:
-        token = broadcast_tensor(token, 0, group=pg)
+        token = broadcast_tensor(token.to(_coord_device(pg)), 0, group=pg).cpu()
     return f"{int(token.item()):016x}"
 
 
-def _barrier(pg: Any) -> None:
-    if pg is not None:
-        broadcast_tensor(torch.zeros(1), 0, group=pg)
+def _on_rank0(pg: Any, rank: int, fn: Any) -> None:
+    """Run ``fn`` on rank 0 only, then make every rank raise if it failed (no rank left waiting).
+
+    Rank 0 re-raises its own exception; the others raise :class:`CheckpointError` carrying its
+    message (broadcast as bytes), so an error on rank 0 alone never hangs the rest in a collective.
+    """
+    error: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (re-raised below, after the others heard of it)
+            error = e
+    if pg is None:
+        if error is not None:
+            raise error
+        return
+    msg = torch.zeros(1024, dtype=torch.uint8)
+    if error is not None:
+        text = f"{type(error).__name__}: {error}".encode()[:1023] or b"?"
+        msg[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    msg = broadcast_tensor(msg.to(_coord_device(pg)), 0, group=pg).cpu()
+    if error is not None:
+        raise error
+    if msg[0]:
+        text = bytes(msg[msg.nonzero().flatten()].tolist()).decode(errors="replace")
+        raise CheckpointError(f"rank 0 failed to finish the save: {text}")
 
 
 def _fsync_dir(path: str) -> None:
@@ -302,26 +349,28 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only what DCP's ``.metadata`` contains: its dataclasses, torch sizes/dtypes, paths."""
+    """Admits only what DCP's ``.metadata`` contains: its dataclasses, torch sizes/dtypes, paths.
 
-    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed.checkpoint.planner")
+    Names are matched exactly (an allowlist of ``(module, name)``): a dotted name would walk from an
+    allowed module to anything it imports (``...filesystem`` -> ``subprocess.Popen``).
+    """
+
+    _ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+        "collections": {"OrderedDict"},
+    }
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in self._MODULES:
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) or isinstance(obj, dict):
-                return obj
-        elif module == "torch":
-            obj = getattr(torch, name, None)
-            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        elif module == "torch.serialization" and name in ("_get_layout",):
+        if name in self._ALLOWED.get(module, ()):
             return super().find_class(module, name)
-        elif module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
-            return super().find_class(module, name)
-        elif module == "collections" and name == "OrderedDict":
-            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which tplayers does not load")
 
 
@@ -367,7 +416,8 @@ def save_checkpoint(model: nn.Module, path: str, *, process_group: Any = None) -
     manifest = _manifest(model)
     with _quiet():
         dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=pg, no_dist=pg is None)
-    if rank == 0:
+
+    def publish() -> None:
         _write_json(os.path.join(tmp, MANIFEST), manifest)
         _fsync_dir(tmp)
         old = f"{path}.old-{os.path.basename(tmp)[-16:]}"
@@ -376,7 +426,8 @@ def save_checkpoint(model: nn.Module, path: str, *, process_group: Any = None) -
         os.rename(tmp, path)
         _fsync_dir(os.path.dirname(path))
         shutil.rmtree(old, ignore_errors=True)
-    _barrier(pg)
+
+    _on_rank0(pg, rank, publish)
 
 
 def _read_manifest(path: str) -> Dict[str, Any]:
@@ -423,6 +474,7 @@ def load_checkpoint(model: nn.Module, path: str, *, process_group: Any = None) -
 
     path = os.path.abspath(os.fspath(path))
     _check_against(_read_manifest(path), model, path)
+    _refuse_meta(_entries(model), path)
     reader = _safe_reader(path)
     try:
         reader.read_metadata()  # refuse a tampered .metadata here, with a clear error, before DCP reads it
@@ -445,8 +497,7 @@ def _full_tensor(e: _Entry) -> torch.Tensor:
     t = e.tensor.detach()
     if e.layout is not None:
         assert e.tp is not None
-        locals_ = list(all_gather_tensor(t.contiguous(), e.layout.dim, group=e.tp).chunk(e.tp.size, dim=e.layout.dim))
-        t = e.layout.unshard(locals_)
+        t = _gather_full(t, e.layout, e.tp)
     if e.transposed:
         t = t.t()
     return t.contiguous()
@@ -481,14 +532,16 @@ def save_dense(model: nn.Module, path: str, *, process_group: Any = None,
     path = os.path.abspath(os.fspath(path))
     state = dense_state_dict(model)
     pg, rank = _coord_group(process_group)
-    if rank == 0:
+
+    def write() -> None:
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:16]}"
         save_file({k: v.cpu() for k, v in state.items()}, tmp, metadata={"format": "pt", **(metadata or {})})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(path))
-    _barrier(pg)
+
+    _on_rank0(pg, rank, write)
 
 
 def _dense_files(path: str) -> Dict[str, str]:
@@ -542,10 +595,16 @@ def _read_local(f: Any, key: str, e: _Entry) -> torch.Tensor:
         return t.t() if e.transposed else t
     assert e.tp is not None
     d = e.layout.dim
-    if type(e.layout) is not ShardLayout:  # a layout subclass (padded vocabulary): read whole, then cut
+    file_dim = (1 - d) if e.transposed else d
+    if isinstance(e.layout, PaddedShardLayout):  # padded vocabulary: this rank's real rows, then zeros
+        lo, hi, padding = e.layout.real_rows(e.tp.rank, e.tp.size)
+        index = [slice(None)] * len(shape)
+        index[file_dim] = slice(lo, hi)
+        t = sl[tuple(index)]
+        return e.layout.pad(t.t() if e.transposed else t, padding)
+    if type(e.layout) is not ShardLayout:  # another layout subclass: read whole, then cut
         full_t = f.get_tensor(key)
         return e.layout.shard(full_t.t() if e.transposed else full_t, e.tp.rank, e.tp.size)
-    file_dim = (1 - d) if e.transposed else d
     pieces = []
     for _, full_off, size, _, n in _parts(e):
         piece = size // n
@@ -571,6 +630,7 @@ def load_dense(model: nn.Module, path: str, *, strict: bool = True) -> Tuple[Lis
     files = _dense_files(path)
     prefix = getattr(model, "base_model_prefix", None) or None
     entries = _entries(model)
+    _refuse_meta(entries, path)
     missing, used = [], set()
     handles: Dict[str, Any] = {}
     try:

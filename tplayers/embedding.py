@@ -58,19 +58,28 @@ class PaddedShardLayout(ShardLayout):
     def full_size(self) -> int:
         return self.parts[0][0]
 
+    def real_rows(self, rank: int, tp_size: int) -> Tuple[int, int, int]:
+        """``(start, stop, padding)``: rank's rows ``[start, stop)`` of the full tensor, then that many
+        zero rows (a rank may hold only padding with tiny vocabularies)."""
+        start, end = vocab_range(self.full_size, rank, tp_size)
+        lo, hi = min(start, self.full_size), min(end, self.full_size)
+        return lo, hi, (end - start) - (hi - lo)
+
+    def pad(self, piece: torch.Tensor, padding: int) -> torch.Tensor:
+        """``piece`` (rank's real rows) followed by ``padding`` zero rows along ``dim``."""
+        assert self.dim is not None
+        if padding == 0:
+            return piece
+        pad_shape = list(piece.shape)
+        pad_shape[self.dim] = padding
+        return torch.cat([piece, piece.new_zeros(pad_shape)], dim=self.dim)
+
     def shard(self, full: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:
         assert self.dim is not None
         if full.shape[self.dim] != self.full_size:
             raise ValueError(f"expected size {self.full_size} along dim {self.dim}, got {tuple(full.shape)}")
-        start, end = vocab_range(self.full_size, rank, tp_size)
-        real_start = min(start, self.full_size)  # a rank may hold only padding (tiny vocabularies)
-        piece = full.narrow(self.dim, real_start, min(end, self.full_size) - real_start)
-        missing = (end - start) - piece.shape[self.dim]
-        if missing == 0:
-            return piece
-        pad_shape = list(full.shape)
-        pad_shape[self.dim] = missing
-        return torch.cat([piece, full.new_zeros(pad_shape)], dim=self.dim)
+        lo, hi, padding = self.real_rows(rank, tp_size)
+        return self.pad(full.narrow(self.dim, lo, hi - lo), padding)
 
     def unshard(self, locals_: List[torch.Tensor]) -> torch.Tensor:
         assert self.dim is not None

@@ -71,7 +71,14 @@ class ShardLayout:
         tp_size = len(locals_)
         if self.dim is None:
             return locals_[0]
+        for size, n in self.parts:
+            if n > tp_size or tp_size % n:
+                raise ValueError(f"{tp_size} ranks' local tensors cannot hold a part cut into {n} shards")
         local_sizes = [size // n for size, n in self.parts]
+        for r, t in enumerate(locals_):
+            if t.shape[self.dim] != sum(local_sizes):
+                raise ValueError(f"rank {r}'s local tensor has size {t.shape[self.dim]} along dim {self.dim}, "
+                                 f"the layout expects {sum(local_sizes)}")
         split_locals = [t.split(local_sizes, dim=self.dim) for t in locals_]
         parts = []
         for i, (_, n) in enumerate(self.parts):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from .groups import TPGroup, resolve_group
@@ -51,11 +52,17 @@ class Mesh2D:
         return resolve_group(self.tp_group)
 
 
+def _default_device_type(backend: str, cuda_available: bool) -> str:
+    """``"cuda"`` unless the world is gloo-only or there is no GPU: ``init_process_group()`` without a
+    backend reports ``"undefined"`` (gloo for CPU, NCCL for CUDA), not ``"nccl"``."""
+    return "cuda" if cuda_available and backend != "gloo" else "cpu"
+
+
 def make_2d_mesh(dp: Optional[int] = None, tp: int = 1, *, device_type: Optional[str] = None) -> Mesh2D:
     """Build the ``(dp, tp)`` mesh over the whole (initialized) world; collective on every rank.
 
-    ``dp`` defaults to ``world_size // tp``. ``device_type`` defaults to ``"cuda"`` under NCCL,
-    else ``"cpu"``. Raises a clear error when ``dp * tp`` is not the world size.
+    ``dp`` defaults to ``world_size // tp``. ``device_type`` defaults to ``"cuda"`` when CUDA is
+    available and the backend is not gloo alone (NCCL, or ``init_process_group()``'s default), else ``"cpu"``. Raises a clear error when ``dp * tp`` is not the world size.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -68,6 +75,6 @@ def make_2d_mesh(dp: Optional[int] = None, tp: int = 1, *, device_type: Optional
     if dp * tp != world:
         raise ValueError(f"make_2d_mesh: dp={dp} x tp={tp} = {dp * tp} ranks, but the world has {world}")
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = _default_device_type(str(dist.get_backend()), torch.cuda.is_available())
     mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
     return Mesh2D(mesh, mesh.get_group("dp"), mesh.get_group("tp"))

@@ -16,6 +16,7 @@ A plan maps module-name patterns (``fnmatch``: ``*`` also matches dots) to style
     "vocab_head"       ParallelLMHead(gather_output=True): an LM head split like the embedding
     "replicate"        left as it is (documents intent; matching it stops later patterns)
     "scatter_sequence" enter sequence parallelism: the module's input is cut along the sequence
+    "gather_sequence"  the module's input is gathered along the sequence (a module that needs it whole)
     "sequence_parallel_norm"  a norm on this rank's sequence chunk (parameter grads all-reduced);
                        SequenceParallelNorm(gather_output=True) also gathers its output
 
@@ -32,6 +33,7 @@ its (shared) config. Every check runs before anything is swapped, and every erro
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -244,21 +246,42 @@ class Replicate:
 
 
 class _InPlace:
-    """A style that keeps the module and attaches hooks (applied only after every check passed)."""
+    """A style that keeps the module and attaches hooks (applied only after every check passed).
+
+    ``style_name`` marks the module (``_tplayers_styles``) so a second parallelize is refused in
+    the check phase instead of stacking a second set of hooks."""
+
+    style_name = ""
 
     def build(self, module: nn.Module, name: str, tp: TPGroup) -> nn.Module:
         return module
 
+    def check(self, module: nn.Module, name: str) -> None:
+        if self.style_name in getattr(module, "_tplayers_styles", ()):
+            raise ValueError(f"parallelize: module '{name}' already has the {self.style_name} hooks of an "
+                             "earlier parallelize call")
+
     def apply(self, module: nn.Module, name: str, tp: TPGroup) -> None:
+        module._tplayers_styles = getattr(module, "_tplayers_styles", ()) + (self.style_name,)
+        if tp.size > 1:
+            self._attach(module, tp)
+
+    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
         raise NotImplementedError
 
 
-def _first_tensor_arg(args: tuple, kwargs: dict, key: str) -> Tuple[tuple, dict, torch.Tensor]:
-    if args:
-        return args, kwargs, args[0]
-    if key in kwargs:
-        return args, kwargs, kwargs[key]
-    raise TypeError(f"parallelize: expected the module's input as the first argument or '{key}='")
+def _map_first_input(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+                     key: str = "hidden_states") -> None:
+    """A forward pre-hook replacing the module's first input (positional or ``key=``) by ``fn`` of it."""
+
+    def pre_hook(m: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        if args:
+            return (fn(args[0]),) + tuple(args[1:]), kwargs
+        if key in kwargs:
+            return args, {**kwargs, key: fn(kwargs[key])}
+        raise TypeError(f"parallelize: expected the module's input as the first argument or '{key}='")
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
 @dataclass(frozen=True)
@@ -269,13 +292,9 @@ class SequenceParallelNorm(_InPlace):
     last norm, before a head that takes the full sequence)."""
 
     gather_output: bool = False
+    style_name = "sequence_parallel_norm"
 
-    def apply(self, module: nn.Module, name: str, tp: TPGroup) -> None:
-        if getattr(module, "_tplayers_sequence_parallel", False):
-            raise ValueError(f"parallelize: module '{name}' is already sequence-parallel")
-        module._tplayers_sequence_parallel = True
-        if tp.size == 1:
-            return
+    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
         for p in module.parameters():
             if p.requires_grad:
                 p.register_hook(lambda grad, tp=tp: all_reduce_tensor(grad, group=tp))
@@ -292,18 +311,10 @@ class GatherSequence(_InPlace):
     all-gathered along the sequence. Its TP layers inside are plain (non-sequence-parallel)
     column layers, whose backward all-reduces the input gradient, so this one splits it."""
 
-    def apply(self, module: nn.Module, name: str, tp: TPGroup) -> None:
-        if tp.size == 1:
-            return
+    style_name = "gather_sequence"
 
-        def pre_hook(m: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-            args, kwargs, x = _first_tensor_arg(args, kwargs, "hidden_states")
-            x = gather_from_sequence(x, group=tp, grad_is_partial=False)
-            if args:
-                return (x,) + tuple(args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": x}
-
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
+        _map_first_input(module, lambda x: gather_from_sequence(x, group=tp, grad_is_partial=False))
 
 
 @dataclass(frozen=True)
@@ -311,18 +322,10 @@ class ScatterSequence(_InPlace):
     """Enter the sequence-parallel region: the module's first input (``hidden_states``) is cut to
     this rank's sequence chunk (``(b, s, h) -> (b, s/p, h)``); its gradient is all-gathered."""
 
-    def apply(self, module: nn.Module, name: str, tp: TPGroup) -> None:
-        if tp.size == 1:
-            return
+    style_name = "scatter_sequence"
 
-        def pre_hook(m: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-            args, kwargs, x = _first_tensor_arg(args, kwargs, "hidden_states")
-            x = scatter_to_sequence(x, group=tp)
-            if args:
-                return (x,) + tuple(args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": x}
-
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
+        _map_first_input(module, lambda x: scatter_to_sequence(x, group=tp))
 
 
 Style = Union[Column, KVColumn, Row, VocabEmbedding, VocabHead, Replicate, SequenceParallelNorm, ScatterSequence, GatherSequence]
@@ -476,9 +479,12 @@ def get_plan(plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *, sequenc
 
 
 def _getattr_path(obj: Any, path: str) -> Any:
+    value = obj
     for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
+        if not hasattr(value, part):
+            raise AttributeError(f"{type(obj).__name__} has no attribute path '{path}' (no '{part}')")
+        value = getattr(value, part)
+    return value
 
 
 def _match(name: str, patterns: Sequence[str]) -> Optional[str]:
@@ -507,8 +513,11 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     # 1. build every TP module (nothing swapped yet, so an error leaves the model untouched)
     built: Dict[str, nn.Module] = {}
     in_place: List[Tuple[_InPlace, nn.Module, str]] = []
+    matched = set()
     for name, module in modules.items():
         pat = _match(name, list(styles))
+        if pat is not None:
+            matched.add(pat)
         if pat is None or isinstance(styles[pat], Replicate):
             continue
         if name == "":
@@ -516,8 +525,12 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
         if any(name.startswith(other + ".") for other in built):
             continue  # inside a module already swapped
         if isinstance(styles[pat], _InPlace):
+            styles[pat].check(module, name)
             in_place.append((styles[pat], module, name))
             continue
+        if isinstance(module, TensorParallelModule):
+            raise ValueError(f"parallelize: module '{name}' is already tensor-parallel "
+                             f"({type(module).__name__}); parallelize each model once")
         try:
             style = styles[pat]
             if isinstance(style, KVColumn):
@@ -525,7 +538,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
                 built[name] = style.build(module, name, tp, parent=modules[parent_name])
             else:
                 built[name] = style.build(module, name, tp)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, AttributeError) as e:
             msg = str(e)
             raise type(e)(msg if msg.startswith("parallelize:") else f"parallelize: module '{name}' ({pat!r}): {msg}") from None
     enters = [n for st, _, n in in_place if isinstance(st, ScatterSequence)]
@@ -536,6 +549,10 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     if not built and not in_place:
         raise ValueError(f"parallelize: plan '{p.name}' matched no module of {type(model).__name__} "
                          f"(patterns {list(styles)}); module names look like {list(modules)[1:6]}")
+    unmatched = [pat for pat in styles if pat not in matched]
+    if unmatched and not isinstance(plan, str):  # shipped plans list alternatives (with/without a head, prefix)
+        warnings.warn(f"parallelize: plan pattern(s) {unmatched} matched no module of {type(model).__name__} "
+                      "(or only modules an earlier pattern took); those modules stay as they are", stacklevel=2)
 
     # 2. attributes that follow the local head count: check all, then change
     changes: List[Tuple[nn.Module, str, int]] = []
@@ -543,7 +560,10 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
         for pat, paths in p.require_divisible.items():
             if fnmatch.fnmatchcase(name, pat):
                 for path in paths:
-                    value = _getattr_path(module, path)
+                    try:
+                        value = _getattr_path(module, path)
+                    except AttributeError as e:
+                        raise AttributeError(f"parallelize: module '{name}' ({pat!r}): {e}") from None
                     if value % tp.size:
                         raise ValueError(f"parallelize: module '{name}': {path}={value} is not divisible by the "
                                          f"TP degree {tp.size}")

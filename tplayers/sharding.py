@@ -53,7 +53,9 @@ def model_layouts(model: nn.Module) -> Dict[str, ShardLayout]:
 def shard_state_dict(
     full: Mapping[str, torch.Tensor], layouts: Mapping[str, ShardLayout], rank: int, tp_size: int
 ) -> Dict[str, torch.Tensor]:
-    """Rank ``rank``'s local state dict cut from a full (dense) one. Names without a layout are copied."""
+    """Rank ``rank``'s local state dict cut from a full (dense) one (views of ``full``, not copies).
+
+    Names without a layout (or with a replicated one) map to the same tensor as in ``full``."""
     out = {}
     for name, t in full.items():
         layout = layouts.get(name)
@@ -82,7 +84,10 @@ def unshard_state_dict(
     for name in names:
         layout = layouts.get(name)
         pieces = [sd[name] for sd in locals_]
-        out[name] = pieces[0] if layout is None else layout.unshard(pieces)
+        try:
+            out[name] = pieces[0] if layout is None else layout.unshard(pieces)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
     return out
 
 
