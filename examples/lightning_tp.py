@@ -95,6 +95,11 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"max_abs_error": err, "names": sorted(weights)}, f)
+    # Leave the process group before the interpreter exits: letting gloo's threads be torn down
+    # at exit can abort the process ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
