@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tplayers import ColumnParallelLinear, RowParallelLinear, resolve_group  # noqa: E402
-from tplayers.bench import SHAPES, time_steps  # noqa: E402
+from tplayers.bench import SHAPES, fwd_bwd_step, time_steps  # noqa: E402
 from tplayers.testing import World  # noqa: E402
 
 PEERS = ("dense", "tplayers", "dtensor", "megatron-core", "fairscale")
@@ -161,15 +161,7 @@ def run_peers(group: Any, shape: Dict[str, int], peers: List[str], iters: int, w
     errors: Dict[str, float] = {}
 
     def fwd_bwd(model: nn.Module) -> Callable[[], None]:
-        xin = x.clone().requires_grad_(True)
-        params = list(model.parameters())
-
-        def step() -> None:
-            xin.grad = None
-            for p in params:
-                p.grad = None
-            model(xin).backward(gy)
-        return step
+        return fwd_bwd_step(model, x.clone().requires_grad_(True), gy)
 
     for peer in peers:
         if peer == "dense":

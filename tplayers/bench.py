@@ -231,7 +231,8 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
     return x.detach().clone().requires_grad_(True)
 
 
-def _fwd_bwd(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+def fwd_bwd_step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    """A step timing one forward+backward of ``model`` on the leaf ``x`` with output grad ``grad``."""
     params = [p for p in model.parameters()]
 
     def step() -> None:
@@ -387,17 +388,17 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
     skipped: Dict[str, str] = {}
     for mode in cfg.modes:
         if mode == "tp":
-            steps[mode] = _fwd_bwd(_tp_model(dense, cfg, g, True), _leaf(x_tp), grad_tp.contiguous())
+            steps[mode] = fwd_bwd_step(_tp_model(dense, cfg, g, True), _leaf(x_tp), grad_tp.contiguous())
         elif mode == "tp_blocking":
-            steps[mode] = _fwd_bwd(_tp_model(dense, cfg, g, False), _leaf(x_tp), grad_tp.contiguous())
+            steps[mode] = fwd_bwd_step(_tp_model(dense, cfg, g, False), _leaf(x_tp), grad_tp.contiguous())
         elif mode in ("comm", "comm_bwd"):
             comm_all, comm_bwd = _comm_steps(cfg, g, dtype, device)
             steps[mode] = comm_all if mode == "comm" else comm_bwd
         elif mode == "compute":
             local_grad = g.shard(grad_full, -1).contiguous() if cfg.module == "column" else grad_full
-            steps[mode] = _fwd_bwd(_MODULES[cfg.module].local(dense, cfg, g), _leaf(x_full), local_grad)
+            steps[mode] = fwd_bwd_step(_MODULES[cfg.module].local(dense, cfg, g), _leaf(x_full), local_grad)
         elif mode == "dense":
-            steps[mode] = _fwd_bwd(dense, _leaf(x_full), grad_full)
+            steps[mode] = fwd_bwd_step(dense, _leaf(x_full), grad_full)
         elif mode == "naive":
             if g.size != 2 or cfg.module != "mlp":
                 skipped[mode] = "needs --tp 2 and --module mlp (fc1 on rank 0, fc2 on rank 1)"
