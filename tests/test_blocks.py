@@ -30,14 +30,14 @@ class _WithMask(nn.Module):
 
 
 def _check_layouts(tp_module, dense_module, group):
-    """Every TP child's param_layouts() cuts exactly its local parameters from the dense ones."""
+    """Every TP child's param_placements() cuts exactly its local parameters from the dense ones."""
     g = resolve_group(group)
     dense_params = dict(dense_module.named_parameters())
     seen = 0
     for prefix, mod in tp_module.named_modules():
         if not isinstance(mod, TensorParallelModule):
             continue
-        for name, layout in mod.param_layouts().items():
+        for name, layout in mod.param_placements().items():
             full = dense_params[f"{prefix}.{name}" if prefix else name]
             assert torch.equal(layout.shard(full, g.rank, g.size), getattr(mod, name)), f"{prefix}.{name}"
             seen += 1

@@ -11,7 +11,8 @@ import torch.nn as nn
 import tplayers
 from tplayers.checkpoint import CheckpointError, dense_state_dict
 from tplayers.groups import resolve_group
-from tplayers.layers import ShardLayout, TensorParallelModule
+from tplayers.core.placement import Sharded
+from tplayers.layers import TensorParallelModule
 from tplayers.plan import Column
 from tplayers.sharding import qkv_layout
 from tplayers.testing import get_world
@@ -27,10 +28,10 @@ class _GQAProj(TensorParallelModule):
         self.tp = resolve_group(group)
         self.weight = nn.Parameter(self._layout().shard(full, self.tp.rank, self.tp.size).clone())
 
-    def _layout(self) -> ShardLayout:
+    def _layout(self) -> Sharded:
         return qkv_layout(HEADS, KV_HEADS, HEAD_DIM, self.tp.size)
 
-    def param_layouts(self):
+    def param_placements(self):
         return {"weight": self._layout()}
 
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tplayers.layers import ShardLayout
+from tplayers.core.placement import Replicated, Sharded
 from tplayers.sharding import (
     conv1d_to_linear_weight,
     fuse,
@@ -21,11 +21,11 @@ from tplayers.sharding import (
 
 def _layouts(tp: int, heads: int, kv_heads: int, head_dim: int, hidden: int):
     return {
-        "col.weight": ShardLayout.split(0, 4 * hidden, tp),
-        "row.weight": ShardLayout.split(1, 4 * hidden, tp),
+        "col.weight": Sharded.split(0, 4 * hidden, tp),
+        "row.weight": Sharded.split(1, 4 * hidden, tp),
         "gate_up.weight": fused_layout([4 * hidden, 4 * hidden], tp),
         "qkv.weight": qkv_layout(heads, kv_heads, head_dim, tp),
-        "norm.weight": ShardLayout.replicated(),
+        "norm.weight": Replicated(),
     }
 
 
@@ -85,7 +85,7 @@ def test_qkv_layout_replicates_kv_heads_when_fewer_than_ranks():
 
 def test_errors_name_the_parameter():
     with pytest.raises(ValueError, match="col.weight"):
-        shard_state_dict({"col.weight": torch.zeros(6, 2)}, {"col.weight": ShardLayout.split(0, 8, 2)}, 0, 2)
+        shard_state_dict({"col.weight": torch.zeros(6, 2)}, {"col.weight": Sharded.split(0, 8, 2)}, 0, 2)
     with pytest.raises(ValueError, match="rank 1"):
         unshard_state_dict([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], {})
 
@@ -93,12 +93,12 @@ def test_errors_name_the_parameter():
 def test_unshard_refuses_locals_of_another_tp_size():
     """Locals of 3 ranks under a TP-4 layout used to rebuild rank 0's rows four times, silently."""
     full = {"w": torch.randn(8, 3)}
-    tp4 = {"w": ShardLayout.split(0, 8, 4)}
+    tp4 = {"w": Sharded.split(0, 8, 4)}
     locals4 = [shard_state_dict(full, tp4, r, 4) for r in range(4)]
     with pytest.raises(ValueError, match=r"w: .*3 ranks.*4 shards"):
         unshard_state_dict(locals4[:3], tp4)
-    with pytest.raises(ValueError, match=r"w: rank 0's local tensor has size 2 along dim 0, the layout expects 4"):
-        unshard_state_dict(locals4[:2], {"w": ShardLayout.split(0, 8, 2)})
+    with pytest.raises(ValueError, match=r"w: rank 0's local tensor has size 2 along dim 0, the placement expects 4"):
+        unshard_state_dict(locals4[:2], {"w": Sharded.split(0, 8, 2)})
     torch.testing.assert_close(unshard_state_dict(locals4, tp4)["w"], full["w"], rtol=0, atol=0)
 
 

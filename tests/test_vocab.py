@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tplayers import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
-from tplayers.comm import all_gather_tensor
-from tplayers.embedding import PaddedShardLayout
+from tplayers.comm import all_gather_tensor, gather_placed
+from tplayers.core.placement import Sharded
 from tplayers.groups import resolve_group
 from tplayers.testing import RankFailed, assert_matches_dense, get_world
 
@@ -92,7 +92,7 @@ def test_embedding_errors():
 
 def test_padded_layout_is_pure_and_inverts():
     full = torch.arange(10.0).reshape(5, 2)
-    layout = PaddedShardLayout.padded(0, 5, 4)  # padded to 8 rows, 2 per rank
+    layout = Sharded.split(0, 5, 4, padded=True)  # padded to 8 rows, 2 per rank
     locals_ = [layout.shard(full, r, 4) for r in range(4)]
     assert [t.shape[0] for t in locals_] == [2, 2, 2, 2]
     assert torch.equal(locals_[2], torch.tensor([[8.0, 9.0], [0.0, 0.0]]))
@@ -244,7 +244,7 @@ def _check_tied(group, vocab, dim, seed):
     # the one shared gradient holds both uses: embedding lookup and output projection
     torch.testing.assert_close(tp.embed.to_dense().weight, dense.embed.weight)
     g = resolve_group(group)
-    full_grad = tp.embed.layout.unshard(list(all_gather_tensor(tp.embed.weight.grad, 0, group=group).chunk(g.size)))
+    full_grad = gather_placed(tp.embed.weight.grad, tp.embed.param_placements()["weight"], group=group)
     torch.testing.assert_close(full_grad, dense.embed.weight.grad)
 
 

@@ -1,24 +1,49 @@
-"""tplayers: Megatron-style tensor-parallel layers for PyTorch, on explicit groups."""
-from . import comm, functional, testing
-from .functional import column_parallel_linear, row_parallel_linear
-from .groups import TPGroup, resolve_group
-from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelModule
-from .embedding import ParallelLMHead, VocabParallelEmbedding
-from .loss import vocab_parallel_cross_entropy
-from .rng import RNGTracker
-from .norm import ParallelNorm
-from .fused import FusedColumnParallelLinear
-from .blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
-from .gpt import ParallelGPT
-from .dense import BlockConfig, GPTConfig
-from . import dense
+"""tplayers: Megatron-style tensor-parallel layers for PyTorch, on explicit groups.
 
-from . import sharding
-from .plan import Plan, parallelize
-from .checkpoint import load_checkpoint, load_dense, save_checkpoint, save_dense
-from .parallel2d import Mesh2D, make_2d_mesh
+The package reads bottom-up, one folder per floor; each floor imports only the floors below it
+(``tests/test_layering.py`` checks it):
+
+    core/     groups, placement (how every parameter maps to its dense tensor), comm, functional
+    layers/   ColumnParallelLinear, RowParallelLinear, fused, vocabulary, norm, GPT-2 Conv1D
+    models/   dense twins + configs, rng, vocab-parallel loss, blocks, ParallelGPT
+    convert/  parallelize(model, plan): styles, the engine, one plan file per model family; 2-D meshes
+    io/       DCP checkpoints that reshard, dense safetensors, atomic publish, safe unpickling
+    testing/  the persistent rank world, assert_matches_dense
+    bench/    timing harness and the overlap microbenchmark
+    cli/      ``tplayers verify`` and ``tplayers bench``
+"""
+import importlib as _importlib
+import sys as _sys
+
+from .core import comm, functional
+from .core.functional import column_parallel_linear, row_parallel_linear
+from .core.groups import TPGroup, resolve_group
+from .layers import (ColumnParallelLinear, FusedColumnParallelLinear, ParallelLMHead, ParallelNorm, RowParallelLinear,
+                     TensorParallelModule, VocabParallelEmbedding)
+from .models import dense
+from .models.dense import BlockConfig, GPTConfig
+from .models.rng import RNGTracker
+from .models.loss import vocab_parallel_cross_entropy
+from .models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
+from .models.gpt import ParallelGPT
+from .convert import Plan, parallelize
+from .layers import set_overlap_comm
+from .convert.mesh2d import Mesh2D, make_2d_mesh
+from .io import state_dict as sharding
+from .io import load_checkpoint, load_dense, save_checkpoint, save_dense
+from . import testing
 
 __version__ = "0.1.0"
+
+# Module paths of tplayers 0.1 (a flat package): they keep importing, as the module now in their place.
+_OLD_PATHS = {
+    "groups": "core.groups", "comm": "core.comm", "functional": "core.functional",
+    "embedding": "layers.vocab", "fused": "layers.fused", "norm": "layers.norm",
+    "dense": "models.dense", "rng": "models.rng", "loss": "models.loss", "blocks": "models.blocks", "gpt": "models.gpt",
+    "plan": "convert", "parallel2d": "convert.mesh2d", "checkpoint": "io.checkpoint", "sharding": "io.state_dict",
+}
+for _old, _new in _OLD_PATHS.items():
+    _sys.modules[f"{__name__}.{_old}"] = globals()[_old] = _importlib.import_module(f".{_new}", __name__)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -46,6 +71,7 @@ __all__ = [
     "dense",
     # drop-in, checkpoints, 2-D parallelism
     "parallelize",
+    "set_overlap_comm",
     "Plan",
     "save_checkpoint",
     "load_checkpoint",

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--atol", type=float, default=None, help="override the dtype's default atol")
     v.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
-    from ..bench import MODES, SHAPES
+    from ..bench.overlap import MODES, SHAPES
 
     b = sub.add_parser("bench", help="comm-overlap microbenchmark",
                        description="Time forward+backward of a TP module with the overlapped backward and with "
@@ -138,7 +138,7 @@ def _merge_over_world(results: list, device: str) -> list:
     import torch
     import torch.distributed as dist
 
-    from ..groups import resolve_group
+    from ..core.groups import resolve_group
     from .verify import _agree
 
     if not dist.is_initialized() or dist.get_world_size() == 1 or not results:
@@ -158,7 +158,7 @@ def _merge_over_world(results: list, device: str) -> list:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ..bench import SHAPES, BenchConfig, run_overlap_bench
+    from ..bench.overlap import SHAPES, BenchConfig, run_overlap_bench
     from .bench_cmd import format_report, plot_report
 
     shape = dict(SHAPES[args.shape])
@@ -198,7 +198,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``tplayers`` console script; returns the exit status."""
-    from ..testing import WorldError
+    from ..testing.world import WorldError
 
     args = build_parser().parse_args(argv)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict
 
-from ..bench import MODE_LABELS
+from ..bench.overlap import MODE_LABELS
 
 __all__ = ["format_report", "plot_report"]
 

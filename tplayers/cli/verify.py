@@ -21,15 +21,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
-from ..comm import all_gather_tensor
-from ..dense import BlockConfig, DenseAttention, DenseGPT, DenseMLP, DenseTransformerBlock, GPTConfig
-from ..embedding import ParallelLMHead, VocabParallelEmbedding
-from ..gpt import ParallelGPT
-from ..groups import TPGroup, resolve_group
-from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..loss import vocab_parallel_cross_entropy
-from ..testing import MatchReport, assert_matches_dense, default_tolerance
+from ..models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
+from ..core.comm import all_gather_tensor
+from ..models.dense import BlockConfig, DenseAttention, DenseGPT, DenseMLP, DenseTransformerBlock, GPTConfig
+from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from ..models.gpt import ParallelGPT
+from ..core.groups import TPGroup, resolve_group
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
+from ..models.loss import vocab_parallel_cross_entropy
+from ..testing.world import MatchReport, assert_matches_dense, default_tolerance
 
 __all__ = ["VerifyConfig", "Check", "CheckResult", "CHECKS", "register", "select_checks", "run_checks", "tolerance",
            "merge_rank_results", "format_table", "report_json", "exit_code"]

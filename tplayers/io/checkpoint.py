@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .comm import all_gather_tensor, broadcast_tensor
-from .embedding import PaddedShardLayout
-from .groups import TPGroup
-from .layers import ShardLayout, TensorParallelModule
+from ..core.comm import broadcast_tensor, gather_placed
+from ..core.groups import TPGroup
+from ..core.placement import Sharded
+from ..layers.base import TensorParallelModule, placements_of
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_dense", "load_dense", "dense_state_dict", "CheckpointError"]
 
@@ -64,16 +64,13 @@ class _Entry:
 
     name: str
     tensor: torch.Tensor  # the local tensor (the parameter/buffer itself)
-    layout: Optional[ShardLayout]  # None: replicated
+    layout: Optional[Sharded]  # None: replicated
     tp: Optional[TPGroup]
     transposed: bool  # dense form stores the transpose (GPT-2 Conv1D weight)
     aliases: Tuple[str, ...] = ()  # other names of the same (tied) tensor
 
     def full_shape(self) -> Tuple[int, ...]:
-        shape = list(self.tensor.shape)
-        if self.layout is not None and self.layout.dim is not None:
-            shape[self.layout.dim] = sum(size for size, _ in self.layout.parts)
-        return tuple(shape)
+        return self.layout.full_shape(self.tensor.shape) if self.layout is not None else tuple(self.tensor.shape)
 
 
 def _entries(model: nn.Module) -> List[_Entry]:
@@ -82,7 +79,7 @@ def _entries(model: nn.Module) -> List[_Entry]:
     seen: Dict[int, _Entry] = {}
     for mod_name, mod in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        layouts = mod.param_layouts() if isinstance(mod, TensorParallelModule) else {}
+        layouts = placements_of(mod)
         tensors = [(n, t) for n, t in mod._parameters.items() if t is not None]
         tensors += [(n, t) for n, t in mod._buffers.items()
                     if t is not None and n not in mod._non_persistent_buffers_set]
@@ -96,7 +93,7 @@ def _entries(model: nn.Module) -> List[_Entry]:
                 seen[id(t)].aliases += (name,)
                 continue
             layout = layouts.get(pname)
-            if layout is not None and layout.dim is None:
+            if layout is not None and not layout.is_sharded:
                 layout = None
             tp = mod.tp if isinstance(mod, TensorParallelModule) else None
             e = _Entry(name, t, layout, tp, bool(getattr(mod, "dense_transposed", False)) and pname == "weight")
@@ -114,21 +111,20 @@ def _refuse_meta(entries: List[_Entry], path: str) -> None:
                               "(model.to_empty(device=...), then re-tie tied weights)")
 
 
-def _parts(e: _Entry) -> Iterator[Tuple[str, int, int, int, int]]:
-    """(key, full offset, full size, local offset, shards) of each part of a sharded entry."""
-    assert e.layout is not None and e.layout.dim is not None
-    full_off = local_off = 0
+def _parts(e: _Entry) -> Iterator[Tuple[str, int, Any, Any]]:
+    """(key, full offset, Part, this rank's Piece) of each part of a sharded entry."""
+    assert e.layout is not None and e.tp is not None
     multi = len(e.layout.parts) > 1
-    for i, (size, n) in enumerate(e.layout.parts):
-        yield (f"{e.name}.__part{i}" if multi else e.name), full_off, size, local_off, n
-        full_off += size
-        local_off += size // n
+    full_off = 0
+    for i, (part, piece) in enumerate(zip(e.layout.parts, e.layout.pieces(e.tp.rank, e.tp.size))):
+        yield (f"{e.name}.__part{i}" if multi else e.name), full_off, part, piece
+        full_off += part.size
 
 
 def _layout_record(e: _Entry) -> Optional[Dict[str, Any]]:
     if e.layout is None:
         return None
-    return {"dim": e.layout.dim, "parts": [size for size, _ in e.layout.parts]}
+    return {"dim": e.layout.dim, "parts": [part.size for part in e.layout.parts]}
 
 
 # ---------------------------------------------------------------------------- DCP state dicts
@@ -154,12 +150,12 @@ def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
 def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], List[Tuple[torch.Tensor, torch.Tensor]]]:
     """The DCP state dict of ``model`` and, for loading, (buffer, destination) copies to do after.
 
-    Sharded parts are DTensors over the TP group (views of the parameters when loading, so DCP
-    writes straight into them). A part with replicas (fewer shards than ranks) is saved as the
-    rank's sub-chunk when it divides, else as the full gathered part; it is loaded in full.
+    Each part of a sharded parameter is a DTensor ``Shard(dim)`` over the TP group whose local
+    tensor is this rank's piece (views of the parameters when loading, so DCP writes straight into
+    them): a placement's piece of a part cut into p shards is exactly DTensor's chunk, padded
+    vocabularies included. A part with replicas (fewer shards than ranks) is saved as the rank's
+    sub-chunk when it divides, else as the full gathered part; it is loaded in full.
     """
-    from torch.distributed.tensor import DTensor, Shard
-
     state: Dict[str, Any] = {}
     post: List[Tuple[torch.Tensor, torch.Tensor]] = []
     meshes: Dict[int, Any] = {}
@@ -170,85 +166,34 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
             continue
         assert e.tp is not None
         p, r, d = e.tp.size, e.tp.rank, e.layout.dim
-        if type(e.layout) is not ShardLayout:  # a layout subclass (padded vocabulary): see _custom_state
-            _custom_state(e, t, for_save, state, post, meshes)
-            continue
-        for key, _, size, local_off, n in _parts(e):
-            local = t.narrow(d, local_off, size // n)
+        for key, full_off, part, piece in _parts(e):
+            local = t.narrow(d, piece.local_start, piece.length)
             shape = list(t.shape)
-            shape[d] = size
+            shape[d] = part.size
             shape_t = tuple(shape)
             if p == 1:
                 state[key] = local.clone() if for_save else local
-            elif n == p:
-                piece = local.contiguous().clone() if for_save else local
-                state[key] = DTensor.from_local(piece, _mesh(e.tp, t.device, meshes), [Shard(d)], run_check=False,
-                                                shape=shape_t, stride=_contiguous_stride(shape_t))
-            elif for_save and size % p == 0:
-                sub = local.chunk(p // n, dim=d)[r % (p // n)].contiguous().clone()
-                state[key] = DTensor.from_local(sub, _mesh(e.tp, t.device, meshes), [Shard(d)], run_check=False,
-                                                shape=shape_t, stride=_contiguous_stride(shape_t))
+            elif part.shards == p:
+                chunk = local.contiguous().clone() if for_save else local
+                state[key] = _dtensor(chunk, e.tp, d, shape_t, meshes)
+            elif for_save and part.size % p == 0:
+                sub = local.chunk(p // part.shards, dim=d)[r % (p // part.shards)].contiguous().clone()
+                state[key] = _dtensor(sub, e.tp, d, shape_t, meshes)
             elif for_save:
-                state[key] = _gather_full(local, ShardLayout(d, ((size, n),)), e.tp)
+                state[key] = gather_placed(local, Sharded.split(d, part.size, part.shards), group=e.tp)
             else:
                 full = torch.empty(shape_t, dtype=t.dtype, device=t.device)
                 state[key] = full
-                post.append((full.chunk(n, dim=d)[r // (p // n)], local))
+                post.append((full.narrow(d, piece.start - full_off, piece.length), local))
     return state, post
 
 
-def _gather_full(local: torch.Tensor, layout: ShardLayout, tp: TPGroup) -> torch.Tensor:
-    """The full tensor of ``layout`` from every rank's ``local`` (collective over ``tp``)."""
-    assert layout.dim is not None
-    gathered = all_gather_tensor(local.contiguous(), layout.dim, group=tp)
-    return layout.unshard(list(gathered.chunk(tp.size, dim=layout.dim)))
-
-
-def _custom_state(e: _Entry, t: torch.Tensor, for_save: bool, state: Dict[str, Any],
-                  post: List[Tuple[torch.Tensor, torch.Tensor]], meshes: Dict[int, Any]) -> None:
-    """A layout other than plain :class:`ShardLayout` (e.g. a vocabulary padded to the TP degree).
-
-    Where the rank's real rows are a prefix of its local tensor and are exactly DTensor's
-    ``Shard(dim)`` chunk of the full tensor (true for padded vocabularies), that prefix is a
-    DTensor as usual; otherwise the full tensor is gathered to save and read whole to load.
-    """
+def _dtensor(local: torch.Tensor, tp: TPGroup, dim: int, shape: Tuple[int, ...], meshes: Dict[int, Any]) -> Any:
+    """``local`` as this rank's ``Shard(dim)`` chunk of a DTensor of ``shape`` over the TP group."""
     from torch.distributed.tensor import DTensor, Shard
 
-    assert e.tp is not None and e.layout is not None and e.layout.dim is not None
-    p, r, d = e.tp.size, e.tp.rank, e.layout.dim
-    full_shape = e.full_shape()
-    n_full = full_shape[d]
-    probe_shape = [1] * t.dim()
-    probe_shape[d] = n_full
-    probe = torch.arange(1, n_full + 1).reshape(probe_shape)  # 0 marks padding after shard()
-    local_idx = e.layout.shard(probe, r, p).reshape(-1)
-    real = int((local_idx > 0).sum())
-    per = -(-n_full // p)
-    start = min(r * per, n_full)
-    expected = torch.arange(start + 1, start + 1 + min(per, n_full - start))
-    dtensor_ok = p > 1 and real == expected.numel() and torch.equal(local_idx[:real], expected)
-    if dtensor_ok:
-        piece = t.narrow(d, 0, real)
-        if for_save:
-            piece = piece.contiguous().clone()
-        state[e.name] = DTensor.from_local(piece, _mesh(e.tp, t.device, meshes), [Shard(d)], run_check=False,
-                                           shape=full_shape, stride=_contiguous_stride(full_shape))
-    elif for_save:
-        state[e.name] = _gather_full(t, e.layout, e.tp)
-    else:
-        full = torch.empty(full_shape, dtype=t.dtype, device=t.device)
-        state[e.name] = full
-        post.append((_LazyShard(full, e.layout, r, p), t))  # type: ignore[arg-type]
-
-
-class _LazyShard:
-    """``layout.shard(full)`` evaluated after DCP filled ``full`` (used by load's post copies)."""
-
-    def __init__(self, full: torch.Tensor, layout: ShardLayout, rank: int, size: int) -> None:
-        self.full, self.layout, self.rank, self.size = full, layout, rank, size
-
-    def get(self) -> torch.Tensor:
-        return self.layout.shard(self.full, self.rank, self.size)
+    return DTensor.from_local(local, _mesh(tp, local.device, meshes), [Shard(dim)], run_check=False,
+                              shape=shape, stride=_contiguous_stride(shape))
 
 
 def _manifest(model: nn.Module) -> Dict[str, Any]:
@@ -486,7 +431,7 @@ def load_checkpoint(model: nn.Module, path: str, *, process_group: Any = None) -
         with _quiet():
             dcp.load(state, storage_reader=reader, process_group=pg, no_dist=pg is None)
         for src, dst in post:
-            dst.copy_(src.get() if isinstance(src, _LazyShard) else src)
+            dst.copy_(src)
 
 
 # ---------------------------------------------------------------------------- dense (safetensors)
@@ -497,7 +442,7 @@ def _full_tensor(e: _Entry) -> torch.Tensor:
     t = e.tensor.detach()
     if e.layout is not None:
         assert e.tp is not None
-        t = _gather_full(t, e.layout, e.tp)
+        t = gather_placed(t, e.layout, group=e.tp)
     if e.transposed:
         t = t.t()
     return t.contiguous()
@@ -596,22 +541,16 @@ def _read_local(f: Any, key: str, e: _Entry) -> torch.Tensor:
     assert e.tp is not None
     d = e.layout.dim
     file_dim = (1 - d) if e.transposed else d
-    if isinstance(e.layout, PaddedShardLayout):  # padded vocabulary: this rank's real rows, then zeros
-        lo, hi, padding = e.layout.real_rows(e.tp.rank, e.tp.size)
-        index = [slice(None)] * len(shape)
-        index[file_dim] = slice(lo, hi)
-        t = sl[tuple(index)]
-        return e.layout.pad(t.t() if e.transposed else t, padding)
-    if type(e.layout) is not ShardLayout:  # another layout subclass: read whole, then cut
-        full_t = f.get_tensor(key)
-        return e.layout.shard(full_t.t() if e.transposed else full_t, e.tp.rank, e.tp.size)
     pieces = []
-    for _, full_off, size, _, n in _parts(e):
-        piece = size // n
-        start = full_off + (e.tp.rank // (e.tp.size // n)) * piece
+    for _, _, part, piece in _parts(e):  # this rank's rows of each part, then the part's zero padding
         index = [slice(None)] * len(shape)
-        index[file_dim] = slice(start, start + piece)
-        pieces.append(sl[tuple(index)])
+        index[file_dim] = slice(piece.start, piece.start + piece.length)
+        rows = sl[tuple(index)]
+        if piece.length < part.local_size:
+            pad_shape = list(rows.shape)
+            pad_shape[file_dim] = part.local_size - piece.length
+            rows = torch.cat([rows, rows.new_zeros(pad_shape)], dim=file_dim)
+        pieces.append(rows)
     t = torch.cat(pieces, dim=file_dim) if len(pieces) > 1 else pieces[0]
     return t.t() if e.transposed else t
 

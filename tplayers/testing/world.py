@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .comm import all_gather_tensor
-from .groups import GroupLike, resolve_group
-from .layers import TensorParallelModule
+from ..core.comm import all_gather_tensor
+from ..core.groups import GroupLike, resolve_group
+from ..layers.base import TensorParallelModule
 
 __all__ = [
     "World",

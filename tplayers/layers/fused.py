@@ -10,15 +10,16 @@ gradient over them, so every replica carries the full gradient of the dense rows
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-from .comm import all_gather_tensor, sum_over_replicas
-from .functional import column_parallel_linear
-from .groups import GroupLike, resolve_group
-from .layers import ShardLayout, TensorParallelModule, _dense_linear_init, _param
+from ..core.comm import sum_over_replicas
+from ..core.functional import column_parallel_linear
+from ..core.groups import GroupLike, resolve_group
+from ..core.placement import Placement, Sharded
+from .base import TensorParallelModule, check_dense_linear, dense_linear_init, linear_to_dense, load_full_params
 
 __all__ = ["FusedColumnParallelLinear"]
 
@@ -49,35 +50,21 @@ class FusedColumnParallelLinear(TensorParallelModule):
         super().__init__()
         self.tp = tp = resolve_group(group)
         parts = [int(n) for n in parts]
-        shards = [tp.size] * len(parts) if part_shards is None else [int(n) for n in part_shards]
-        names = list(part_names) if part_names is not None else [f"part {i}" for i in range(len(parts))]
-        if not parts or len(shards) != len(parts) or len(names) != len(parts):
-            raise ValueError(f"{layer}: parts={parts}, part_shards={shards} and part_names={names} must be "
-                             "non-empty and of equal length")
-        for size, n, name in zip(parts, shards, names):
-            if n < 1 or tp.size % n or size % n:
-                raise ValueError(f"{layer}: {name} of size {size} cannot be cut into {n} shards at TP degree "
-                                 f"{tp.size} (the shard count must divide both)")
-        self.in_features, self.parts, self.part_shards = in_features, parts, shards
+        self.placement = Sharded.fused(0, parts, tp.size, part_shards, layer=layer, names=part_names)
+        self.in_features, self.parts = in_features, parts
+        self.part_shards = [part.shards for part in self.placement.parts]
         self.out_features = sum(parts)
-        self.local_parts = [size // n for size, n in zip(parts, shards)]
+        self.local_parts = [part.local_size for part in self.placement.parts]
         self.sequence_parallel, self.overlap_comm, self.layer = sequence_parallel, overlap_comm, layer
         self.weight = nn.Parameter(torch.empty(sum(self.local_parts), in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(sum(self.local_parts), device=device, dtype=dtype)) if bias else None
         self.reset_parameters()
 
-    @property
-    def layout(self) -> ShardLayout:
-        return ShardLayout(0, tuple(zip(self.parts, self.part_shards)))
-
     def reset_parameters(self) -> None:
         """Redraw the full ``nn.Linear(in, sum(parts))`` init and keep this rank's pieces."""
-        w, b = _dense_linear_init(self.in_features, self.out_features, self.bias is not None,
-                                  self.weight.device, self.weight.dtype)
-        with torch.no_grad():
-            self.weight.copy_(self.layout.shard(w, self.tp.rank, self.tp.size))
-            if self.bias is not None:
-                self.bias.copy_(self.layout.shard(b, self.tp.rank, self.tp.size))
+        w, b = dense_linear_init(self.in_features, self.out_features, self.bias is not None,
+                                 self.weight.device, self.weight.dtype)
+        load_full_params(self, {"weight": w, "bias": b})
 
     def _with_replica_grads(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a view of it: no copy) whose replicated components' gradients are summed over
@@ -106,36 +93,21 @@ class FusedColumnParallelLinear(TensorParallelModule):
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, parts: Sequence[int] = (),
                    **options: Any) -> "FusedColumnParallelLinear":
         """This rank's pieces of an ``nn.Linear`` whose output is ``parts`` fused back to back."""
-        if not isinstance(dense, nn.Linear):
-            raise TypeError(f"{cls.__name__}.from_dense expects an nn.Linear, got {type(dense).__name__}")
+        check_dense_linear(dense, cls)
         if sum(parts) != dense.out_features:
             raise ValueError(f"{cls.__name__}.from_dense: parts {list(parts)} sum to {sum(parts)}, "
                              f"the linear has out_features={dense.out_features}")
-        tp = resolve_group(group)
-        layer = cls(dense.in_features, parts, dense.bias is not None, group=tp, device="meta",
+        layer = cls(dense.in_features, parts, dense.bias is not None, group=group, device="meta",
                     dtype=dense.weight.dtype, **options)
-        layer.weight = _param(layer.layout.shard(dense.weight, tp.rank, tp.size), dense.weight)
-        if dense.bias is not None:
-            layer.bias = _param(layer.layout.shard(dense.bias, tp.rank, tp.size), dense.bias)
+        load_full_params(layer, {"weight": dense.weight, "bias": dense.bias}, like=dense)
         return layer
-
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        locals_: List[torch.Tensor] = list(all_gather_tensor(t, 0, group=self.tp).chunk(self.tp.size, dim=0))
-        return self.layout.unshard(locals_)
 
     def to_dense(self) -> nn.Linear:
         """The full fused ``nn.Linear``, gathered on every rank (collective)."""
-        dense = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta")
-        dense.weight = _param(self._gather(self.weight), self.weight)
-        if self.bias is not None:
-            dense.bias = _param(self._gather(self.bias), self.bias)
-        return dense
+        return linear_to_dense(self)
 
-    def param_layouts(self) -> Dict[str, ShardLayout]:
-        layouts = {"weight": self.layout}
-        if self.bias is not None:
-            layouts["bias"] = self.layout
-        return layouts
+    def param_placements(self) -> Dict[str, Placement]:
+        return {"weight": self.placement, "bias": self.placement} if self.bias is not None else {"weight": self.placement}
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, parts={self.parts}, part_shards={self.part_shards}, "

@@ -15,75 +15,19 @@ gathering the full logits (``gather_output=True`` gathers them, padding removed)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import all_gather_tensor, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence
-from .functional import SEQ_DIM, column_parallel_linear
-from .groups import GroupLike, TPGroup, resolve_group
-from .layers import ShardLayout, TensorParallelModule, _dense_linear_init, _param
+from ..core.comm import gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence
+from ..core.functional import SEQ_DIM, column_parallel_linear
+from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..core.placement import Placement, Sharded
+from .base import TensorParallelModule, dense_linear_init, load_full_params, new_param
 
-__all__ = ["VocabParallelEmbedding", "ParallelLMHead", "PaddedShardLayout", "padded_vocab_size", "vocab_range"]
-
-
-def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
-    """``vocab_size`` rounded up to a multiple of ``tp_size``."""
-    return -(-vocab_size // tp_size) * tp_size
-
-
-def vocab_range(vocab_size: int, rank: int, tp_size: int) -> Tuple[int, int]:
-    """``[start, end)`` of the (padded) vocabulary rows that ``rank`` holds."""
-    per_rank = padded_vocab_size(vocab_size, tp_size) // tp_size
-    return rank * per_rank, (rank + 1) * per_rank
-
-
-@dataclass(frozen=True)
-class PaddedShardLayout(ShardLayout):
-    """A split along ``dim`` of a full tensor whose size need not divide the TP degree.
-
-    The full tensor (size ``parts[0][0]`` along ``dim``) is padded with zeros up to a multiple
-    of ``tp_size`` and cut into torch.chunk pieces; `unshard` drops the padding again. The full
-    tensor is the dense one, so checkpoints stay independent of the TP size.
-    """
-
-    @staticmethod
-    def padded(dim: int, full_size: int, tp_size: int) -> "PaddedShardLayout":
-        return PaddedShardLayout(dim, ((full_size, tp_size),))
-
-    @property
-    def full_size(self) -> int:
-        return self.parts[0][0]
-
-    def real_rows(self, rank: int, tp_size: int) -> Tuple[int, int, int]:
-        """``(start, stop, padding)``: rank's rows ``[start, stop)`` of the full tensor, then that many
-        zero rows (a rank may hold only padding with tiny vocabularies)."""
-        start, end = vocab_range(self.full_size, rank, tp_size)
-        lo, hi = min(start, self.full_size), min(end, self.full_size)
-        return lo, hi, (end - start) - (hi - lo)
-
-    def pad(self, piece: torch.Tensor, padding: int) -> torch.Tensor:
-        """``piece`` (rank's real rows) followed by ``padding`` zero rows along ``dim``."""
-        assert self.dim is not None
-        if padding == 0:
-            return piece
-        pad_shape = list(piece.shape)
-        pad_shape[self.dim] = padding
-        return torch.cat([piece, piece.new_zeros(pad_shape)], dim=self.dim)
-
-    def shard(self, full: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:
-        assert self.dim is not None
-        if full.shape[self.dim] != self.full_size:
-            raise ValueError(f"expected size {self.full_size} along dim {self.dim}, got {tuple(full.shape)}")
-        lo, hi, padding = self.real_rows(rank, tp_size)
-        return self.pad(full.narrow(self.dim, lo, hi - lo), padding)
-
-    def unshard(self, locals_: List[torch.Tensor]) -> torch.Tensor:
-        assert self.dim is not None
-        return torch.cat(list(locals_), dim=self.dim).narrow(self.dim, 0, self.full_size)
+__all__ = ["VocabParallelEmbedding", "ParallelLMHead"]
 
 
 class _VocabParallelBase(TensorParallelModule):
@@ -95,23 +39,15 @@ class _VocabParallelBase(TensorParallelModule):
     def _init_vocab(self, num_embeddings: int, tp: TPGroup) -> None:
         self.tp = tp
         self.num_embeddings = num_embeddings
-        self.num_embeddings_padded = padded_vocab_size(num_embeddings, tp.size)
-        self.num_embeddings_per_rank = self.num_embeddings_padded // tp.size
-        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp.rank, tp.size)
+        self.placement = Sharded.split(0, num_embeddings, tp.size, padded=True)
+        self.num_embeddings_per_rank = self.placement.local_size
+        self.num_embeddings_padded = self.num_embeddings_per_rank * tp.size
+        # the padded rows [vocab_start, vocab_end) this rank holds (those past num_embeddings are zeros)
+        self.vocab_start = tp.rank * self.num_embeddings_per_rank
+        self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
 
-    @property
-    def layout(self) -> PaddedShardLayout:
-        return PaddedShardLayout.padded(0, self.num_embeddings, self.tp.size)
-
-    def _set_from_full(self, full: torch.Tensor, like: Optional[nn.Parameter] = None) -> None:
-        self.weight = _param(self.layout.shard(full, self.tp.rank, self.tp.size), like)
-
-    def _gather_full(self) -> torch.Tensor:
-        locals_ = all_gather_tensor(self.weight, 0, group=self.tp).chunk(self.tp.size, dim=0)
-        return self.layout.unshard(list(locals_))
-
-    def param_layouts(self) -> Dict[str, ShardLayout]:
-        return {"weight": self.layout}
+    def param_placements(self) -> Dict[str, Placement]:
+        return {"weight": self.placement}
 
 
 class VocabParallelEmbedding(_VocabParallelBase):
@@ -163,8 +99,7 @@ class VocabParallelEmbedding(_VocabParallelBase):
             if self.padding_idx is not None:
                 with torch.no_grad():
                     full[self.padding_idx].zero_()
-        with torch.no_grad():
-            self.weight.copy_(self.layout.shard(full, self.tp.rank, self.tp.size))
+        load_full_params(self, {"weight": full})
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.is_floating_point() or ids.is_complex():
@@ -197,13 +132,13 @@ class VocabParallelEmbedding(_VocabParallelBase):
             raise ValueError(f"VocabParallelEmbedding.from_dense: nn.Embedding options {unsupported} are not supported")
         layer = cls(dense.num_embeddings, dense.embedding_dim, dense.padding_idx, group=group,
                     device="meta", dtype=dense.weight.dtype, **options)
-        layer._set_from_full(dense.weight, dense.weight)
+        load_full_params(layer, {"weight": dense.weight}, like=dense)
         return layer
 
     def to_dense(self) -> nn.Embedding:
         """The full ``nn.Embedding`` (padding removed), gathered on every rank (collective)."""
         dense = nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx, device="meta")
-        dense.weight = _param(self._gather_full(), self.weight)
+        dense.weight = new_param(self.gather_param("weight"), self.weight)
         return dense
 
     def extra_repr(self) -> str:
@@ -256,9 +191,8 @@ class ParallelLMHead(_VocabParallelBase):
 
     def reset_parameters(self) -> None:
         """Redraw the full ``nn.Linear(dim, vocab, bias=False)`` init and keep this rank's rows."""
-        full, _ = _dense_linear_init(self.embedding_dim, self.num_embeddings, False, self.weight.device, self.weight.dtype)
-        with torch.no_grad():
-            self.weight.copy_(self.layout.shard(full, self.tp.rank, self.tp.size))
+        full, _ = dense_linear_init(self.embedding_dim, self.num_embeddings, False, self.weight.device, self.weight.dtype)
+        load_full_params(self, {"weight": full})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = column_parallel_linear(x, self.weight, None, group=self.tp,  # (..., V'/p)
@@ -276,13 +210,13 @@ class ParallelLMHead(_VocabParallelBase):
             raise ValueError("ParallelLMHead.from_dense: the LM head must have no bias")
         layer = cls(dense.in_features, dense.out_features, group=group, device="meta",
                     dtype=dense.weight.dtype, **options)
-        layer._set_from_full(dense.weight, dense.weight)
+        load_full_params(layer, {"weight": dense.weight}, like=dense)
         return layer
 
     def to_dense(self) -> nn.Linear:
         """The full ``nn.Linear(dim, vocab, bias=False)`` (padding removed), on every rank (collective)."""
         dense = nn.Linear(self.embedding_dim, self.num_embeddings, bias=False, device="meta")
-        dense.weight = _param(self._gather_full(), self.weight)
+        dense.weight = new_param(self.gather_param("weight"), self.weight)
         return dense
 
     def extra_repr(self) -> str:

@@ -21,13 +21,13 @@ import torch
 import torch.nn as nn
 
 from .blocks import ParallelTransformerBlock, _activation_dropout, _require_rng
-from .comm import gather_from_tp
+from ..core.comm import gather_from_tp
 from .dense import DenseGPT, GPTConfig
-from .embedding import ParallelLMHead, VocabParallelEmbedding
-from .groups import GroupLike, resolve_group
-from .layers import ShardLayout, TensorParallelModule
+from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from ..core.groups import GroupLike, resolve_group
+from ..layers.base import TensorParallelModule
 from .loss import vocab_parallel_cross_entropy
-from .norm import ParallelNorm
+from ..layers.norm import ParallelNorm
 from .rng import RNGTracker
 
 __all__ = ["ParallelGPT"]
@@ -92,5 +92,3 @@ class ParallelGPT(TensorParallelModule):
         dense.blocks = nn.ModuleList(b.to_dense() for b in self.blocks)
         return dense
 
-    def param_layouts(self) -> Dict[str, ShardLayout]:
-        return {}

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import GroupLike, TPGroup, resolve_group
+from .placement import Placement
 
 __all__ = [
     "copy_to_tp",
@@ -34,6 +35,7 @@ __all__ = [
     "all_gather_tensor",
     "all_reduce_tensor",
     "broadcast_tensor",
+    "gather_placed",
     "Pending",
 ]
 
@@ -360,3 +362,13 @@ def broadcast_tensor(x: torch.Tensor, src_rank: int, *, group: GroupLike) -> tor
         src = dist.get_global_rank(g.process_group, src_rank) if g.process_group is not None else src_rank
         dist.broadcast(buf, src=src, group=g.process_group)
         return buf
+
+
+def gather_placed(local: torch.Tensor, placement: Placement, *, group: GroupLike) -> torch.Tensor:
+    """The dense tensor of ``placement`` rebuilt on every rank from each rank's ``local`` (no
+    autograd). A replicated placement returns ``local`` itself: no communication."""
+    if not placement.is_sharded:
+        return local.detach()
+    g = resolve_group(group)
+    gathered = all_gather_tensor(local.contiguous(), placement.dim, group=g)
+    return placement.unshard(gathered.chunk(g.size, dim=placement.dim))

@@ -24,10 +24,12 @@ from einops import rearrange
 
 from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, apply_rotary,
                     attention_core, check_heads, normalize_attn_mask, rotary_cos_sin)
-from .fused import FusedColumnParallelLinear
-from .groups import GroupLike, TPGroup, resolve_group
-from .layers import ColumnParallelLinear, RowParallelLinear, ShardLayout, TensorParallelModule, require_divisible
-from .norm import ParallelNorm
+from ..layers.fused import FusedColumnParallelLinear
+from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..core.placement import kv_shards as placement_kv_shards, require_divisible
+from ..layers.base import TensorParallelModule
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.norm import ParallelNorm
 from .rng import PARALLEL, REPLICATED, RNGTracker, dropout_context
 
 __all__ = ["ParallelMLP", "ParallelAttention", "ParallelTransformerBlock"]
@@ -69,7 +71,7 @@ class ParallelMLP(TensorParallelModule):
         if activation not in ACTIVATIONS:
             raise ValueError(f"ParallelMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.tp = resolve_group(group)
-        require_divisible(ffn_hidden, self.tp, "ParallelMLP", "ffn_hidden")
+        require_divisible(ffn_hidden, self.tp.size, "ParallelMLP", "ffn_hidden")
         self.hidden, self.ffn_hidden, self.activation = hidden, ffn_hidden, activation
         self.sequence_parallel = sequence_parallel
         common = dict(group=self.tp, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm,
@@ -114,8 +116,6 @@ class ParallelMLP(TensorParallelModule):
         dense.fc1, dense.fc2 = self.fc1.to_dense(), self.fc2.to_dense()
         return dense
 
-    def param_layouts(self) -> Dict[str, ShardLayout]:
-        return {}  # no direct parameters: fc1 and fc2 carry their own layouts
 
 
 # ---------------------------------------------------------------------------- attention
@@ -146,15 +146,8 @@ class ParallelAttention(TensorParallelModule):
         name = "ParallelAttention"
         self.tp = tp = resolve_group(group)
         self.n_kv_heads, self.head_dim = check_heads(hidden, n_heads, n_kv_heads, head_dim, name)
-        require_divisible(n_heads, tp, name, "n_heads")
-        if self.n_kv_heads >= tp.size:
-            require_divisible(self.n_kv_heads, tp, name, "n_kv_heads")
-            kv_shards = tp.size
-        elif tp.size % self.n_kv_heads:
-            raise ValueError(f"{name}: n_kv_heads={self.n_kv_heads} is fewer than the TP degree {tp.size} "
-                             "and does not divide it, so KV heads cannot be replicated evenly")
-        else:
-            kv_shards = self.n_kv_heads
+        require_divisible(n_heads, tp.size, name, "n_heads")
+        kv_shards = placement_kv_shards(self.n_kv_heads, tp.size, name)
         if rotary and self.head_dim % 2:
             raise ValueError(f"{name}: rotary embeddings need an even head_dim, got {self.head_dim}")
         _require_rng(rng, tp, name, "attn_dropout", attn_dropout)
@@ -208,8 +201,6 @@ class ParallelAttention(TensorParallelModule):
         dense.qkv, dense.proj = self.qkv.to_dense(), self.proj.to_dense()
         return dense
 
-    def param_layouts(self) -> Dict[str, ShardLayout]:
-        return {}  # qkv and proj carry their own layouts
 
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
@@ -274,5 +265,3 @@ class ParallelTransformerBlock(TensorParallelModule):
         dense.mlp_norm, dense.mlp = self.mlp_norm.to_dense(), self.mlp.to_dense()
         return dense
 
-    def param_layouts(self) -> Dict[str, ShardLayout]:
-        return {}  # every parameter lives in a child TP module with its own layout

@@ -40,12 +40,14 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .comm import all_reduce_tensor, gather_from_sequence, scatter_to_sequence
-from .groups import GroupLike, TPGroup, resolve_group
-from .embedding import ParallelLMHead, VocabParallelEmbedding
-from .fused import FusedColumnParallelLinear
-from .layers import ColumnParallelLinear, RowParallelLinear, ShardLayout, TensorParallelModule
-from .sharding import conv1d_to_linear_weight, linear_to_conv1d_weight
+from ..core.comm import all_reduce_tensor, gather_from_sequence, scatter_to_sequence
+from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from ..layers.fused import FusedColumnParallelLinear
+from ..core.placement import Placement
+from ..layers.base import TensorParallelModule
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 
 __all__ = [
     "parallelize",
@@ -81,59 +83,6 @@ def _part_sizes(parts: Union[int, Sequence[int]], out_features: int, where: str)
     if sum(sizes) != out_features:
         raise ValueError(f"{where}: part sizes {sizes} sum to {sum(sizes)}, out_features={out_features}")
     return sizes
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """A GPT-2 style ``Conv1D``: ``weight`` of shape ``(nx, nf)``, i.e. ``nn.Linear``'s transposed."""
-    return (type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
-            and tuple(module.weight.shape) == (module.nx, module.nf))
-
-
-def _conv1d_as_linear(conv: nn.Module) -> nn.Linear:
-    """An ``nn.Linear`` with the same function as a ``Conv1D`` (weight transposed into a copy)."""
-    lin = nn.Linear(conv.nx, conv.nf, bias=conv.bias is not None, device="meta")
-    lin.weight = nn.Parameter(conv1d_to_linear_weight(conv.weight.detach()), requires_grad=conv.weight.requires_grad)
-    if conv.bias is not None:
-        lin.bias = nn.Parameter(conv.bias.detach(), requires_grad=conv.bias.requires_grad)
-    return lin
-
-
-class _Conv1DDense:
-    """Mixin: this TP layer was built from a ``Conv1D``; ``to_dense()`` gives one back.
-
-    Parameters keep ``nn.Linear`` orientation locally (``dense_transposed`` tells checkpoint
-    export to transpose the weight back to the ``(in, out)`` the original model stores).
-    """
-
-    dense_transposed = True
-    conv1d_cls: type
-
-    def to_dense(self) -> nn.Module:
-        lin = super().to_dense()  # type: ignore[misc]
-        with torch.device("meta"):
-            conv = self.conv1d_cls(lin.out_features, lin.in_features)
-        conv.weight = nn.Parameter(linear_to_conv1d_weight(lin.weight.detach()), requires_grad=lin.weight.requires_grad)
-        conv.bias = nn.Parameter(lin.bias.detach(), requires_grad=lin.bias.requires_grad)
-        return conv
-
-    @classmethod
-    def from_conv1d(cls, conv: nn.Module, *, group: GroupLike, **options: Any) -> Any:
-        layer = cls.from_dense(_conv1d_as_linear(conv), group=group, **options)  # type: ignore[attr-defined]
-        layer.conv1d_cls = type(conv)
-        return layer
-
-
-class ColumnParallelConv1D(_Conv1DDense, ColumnParallelLinear):
-    """ColumnParallelLinear built from (and converting back to) a GPT-2 ``Conv1D``."""
-
-
-class RowParallelConv1D(_Conv1DDense, RowParallelLinear):
-    """RowParallelLinear built from (and converting back to) a GPT-2 ``Conv1D``."""
-
-
-class FusedColumnParallelConv1D(_Conv1DDense, FusedColumnParallelLinear):
-    """:class:`~tplayers.fused.FusedColumnParallelLinear` built from (and converting back to) a
-    GPT-2 ``Conv1D`` (``c_attn``: q, k, v fused, each split by heads)."""
 
 
 # ---------------------------------------------------------------------------- styles
@@ -619,9 +568,9 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     return model
 
 
-def _layout_of(module: nn.Module, pname: str) -> Optional[ShardLayout]:
+def _layout_of(module: nn.Module, pname: str) -> Optional[Placement]:
     if isinstance(module, TensorParallelModule):
-        return module.param_layouts().get(pname)
+        return module.param_placements().get(pname)
     return None
 
 

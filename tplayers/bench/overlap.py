@@ -30,12 +30,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .blocks import ParallelTransformerBlock
-from .comm import _all_gather, _all_reduce, _reduce_scatter, all_gather_tensor, all_reduce_tensor, broadcast_tensor
-from .dense import BlockConfig, DenseTransformerBlock
-from .functional import SEQ_DIM
-from .groups import GroupLike, TPGroup, resolve_group
-from .layers import ColumnParallelLinear, RowParallelLinear
+from ..models.blocks import ParallelTransformerBlock
+from ..core.comm import _all_gather, _all_reduce, _reduce_scatter, all_gather_tensor, all_reduce_tensor, broadcast_tensor
+from ..models.dense import BlockConfig, DenseTransformerBlock
+from ..core.functional import SEQ_DIM
+from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
     "BenchConfig",
@@ -442,7 +442,7 @@ def _profile(steps: Dict[str, Callable[[], None]], cfg: BenchConfig, g: TPGroup,
 
 
 def _environment(tp: int, backend: str, cfg: BenchConfig) -> Dict[str, Any]:
-    from . import __version__
+    from .. import __version__
 
     return {
         "torch": torch.__version__,

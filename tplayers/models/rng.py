@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 import torch.utils.checkpoint
 
-from .groups import GroupLike, resolve_group
+from ..core.groups import GroupLike, resolve_group
 
 __all__ = ["RNGTracker", "PARALLEL", "REPLICATED"]
 

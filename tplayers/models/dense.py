@@ -17,6 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
+from ..layers.norm import NORMS, make_norm
+
 __all__ = [
     "BlockConfig",
     "GPTConfig",
@@ -32,7 +34,6 @@ __all__ = [
 ]
 
 ACTIVATIONS = ("gelu", "swiglu")
-NORMS = ("layernorm", "rmsnorm")
 
 
 @dataclass
@@ -68,14 +69,6 @@ class GPTConfig(BlockConfig):
 def _check_choice(value: str, choices: Tuple[str, ...], what: str) -> None:
     if value not in choices:
         raise ValueError(f"{what} must be one of {choices}, got {value!r}")
-
-
-def make_norm(kind: str, hidden: int, eps: float, bias: bool, device: Any = None, dtype: Any = None) -> nn.Module:
-    """``nn.LayerNorm`` or ``nn.RMSNorm`` (elementwise affine; LayerNorm bias iff ``bias``)."""
-    _check_choice(kind, NORMS, "norm")
-    if kind == "layernorm":
-        return nn.LayerNorm(hidden, eps=eps, bias=bias, device=device, dtype=dtype)
-    return nn.RMSNorm(hidden, eps=eps, device=device, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------- MLP

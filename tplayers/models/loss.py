@@ -15,9 +15,9 @@ from typing import Optional
 
 import torch
 
-from .comm import all_reduce_tensor
-from .embedding import padded_vocab_size
-from .groups import GroupLike, TPGroup, resolve_group
+from ..core.comm import all_reduce_tensor
+from ..core.placement import padded_size
+from ..core.groups import GroupLike, TPGroup, resolve_group
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -111,10 +111,10 @@ def vocab_parallel_cross_entropy(
     n_local = logits_shard.shape[-1]
     if vocab_size is None:
         vocab_size = n_local * g.size
-    if padded_vocab_size(vocab_size, g.size) != n_local * g.size:
+    if padded_size(vocab_size, g.size) != n_local * g.size:
         raise ValueError(
             f"vocab_parallel_cross_entropy: vocab_size={vocab_size} padded to a multiple of the TP "
-            f"degree {g.size} is {padded_vocab_size(vocab_size, g.size)}, but the logits shard has "
+            f"degree {g.size} is {padded_size(vocab_size, g.size)}, but the logits shard has "
             f"{n_local} columns per rank ({n_local * g.size} in all)")
     if logits_shard.device != target.device:
         raise ValueError(f"vocab_parallel_cross_entropy: logits on {logits_shard.device}, target on {target.device}")

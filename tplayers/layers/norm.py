@@ -14,12 +14,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import copy_to_tp
-from .dense import NORMS, make_norm
-from .groups import GroupLike, resolve_group
-from .layers import ShardLayout, TensorParallelModule
+from ..core.comm import copy_to_tp
+from ..core.groups import GroupLike, resolve_group
+from ..core.placement import Placement, Replicated
+from .base import TensorParallelModule
 
-__all__ = ["ParallelNorm"]
+__all__ = ["ParallelNorm", "make_norm", "NORMS"]
+
+NORMS = ("layernorm", "rmsnorm")
+
+
+def make_norm(kind: str, hidden: int, eps: float, bias: bool, device: Any = None, dtype: Any = None) -> nn.Module:
+    """``nn.LayerNorm`` or ``nn.RMSNorm`` (elementwise affine; LayerNorm bias iff ``bias``)."""
+    if kind not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
+    if kind == "layernorm":
+        return nn.LayerNorm(hidden, eps=eps, bias=bias, device=device, dtype=dtype)
+    return nn.RMSNorm(hidden, eps=eps, device=device, dtype=dtype)
 
 
 def _copy_params(src: nn.Module, dst: nn.Module) -> None:
@@ -89,8 +100,10 @@ class ParallelNorm(TensorParallelModule):
         _copy_params(self, dense)
         return dense
 
-    def param_layouts(self) -> Dict[str, ShardLayout]:
-        return {name: ShardLayout.replicated() for name, _ in self.named_parameters(recurse=False)}
+    def param_placements(self) -> Dict[str, Placement]:
+        # under sequence parallelism each rank normalizes its own tokens: partial gradients, summed
+        placement = Replicated(partial_grad=self.sequence_parallel and self.tp.size > 1)
+        return {name: placement for name, _ in self.named_parameters(recurse=False)}
 
     def extra_repr(self) -> str:
         return (f"{self.hidden}, kind={self.kind}, eps={self.eps}, bias={self.bias is not None}, "

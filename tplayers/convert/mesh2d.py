@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .groups import TPGroup, resolve_group
+from ..core.groups import TPGroup, resolve_group
 
 __all__ = ["Mesh2D", "make_2d_mesh"]
 

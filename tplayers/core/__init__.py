@@ -1,0 +1,1 @@
+"""Floor 1, core: groups, the placement contract, differentiable collectives, fused linear ops."""

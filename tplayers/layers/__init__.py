@@ -1,0 +1,10 @@
+"""Floor 2, layers: nn.Modules over the core ops (linear, fused, vocabulary, norm, GPT-2 Conv1D)."""
+from ..core.placement import require_divisible
+from .base import TensorParallelModule, model_placements, set_overlap_comm
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .fused import FusedColumnParallelLinear
+from .vocab import ParallelLMHead, VocabParallelEmbedding
+from .norm import ParallelNorm
+
+__all__ = ["TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",
+           "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "model_placements", "set_overlap_comm", "require_divisible"]

@@ -1,0 +1,143 @@
+"""What every tplayers module shares: its TP group, dense conversion, and its parameters' placements.
+
+A :class:`TensorParallelModule` declares, for each direct parameter, its
+:class:`~tplayers.core.placement.Placement`; :func:`model_placements` reads them for a whole model
+(plus any placement a ``parallelize`` style recorded on a foreign module), and everything that moves
+weights between dense and sharded form reads that map.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..core.comm import gather_placed
+from ..core.groups import GroupLike, TPGroup
+from ..core.placement import Placement
+
+__all__ = ["TensorParallelModule", "model_placements", "placements_of", "set_overlap_comm", "PLACEMENTS_ATTR",
+           "dense_linear_init", "new_param", "load_full_params", "linear_to_dense", "check_dense_linear"]
+
+# A module that is not a TensorParallelModule (a Hugging Face norm under sequence parallelism) carries
+# its parameters' placements in this attribute, set by the parallelize style that changed how it runs.
+PLACEMENTS_ATTR = "_tplayers_placements"
+
+
+class TensorParallelModule(nn.Module):
+    """Base of every tplayers module: it knows its TP group and converts to and from dense.
+
+    ``to_dense()`` is collective (every rank of the group must call it) and returns a plain
+    ``torch.nn`` module computing the same function, on every rank.
+    """
+
+    tp: TPGroup
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "TensorParallelModule":
+        raise NotImplementedError
+
+    def to_dense(self) -> nn.Module:
+        raise NotImplementedError
+
+    def param_placements(self) -> Dict[str, Placement]:
+        """Each direct parameter's :class:`~tplayers.core.placement.Placement`. A container module
+        (its parameters all live in child TP modules) has none; a module with direct parameters
+        must say how each one is placed."""
+        direct = [name for name, _ in self.named_parameters(recurse=False)]
+        if direct:
+            raise NotImplementedError(f"{type(self).__name__} has parameters {direct} but does not define "
+                                      "param_placements()")
+        return {}
+
+    def param_layouts(self) -> Dict[str, Placement]:
+        """Deprecated name of :meth:`param_placements`."""
+        warnings.warn("param_layouts() is deprecated: use param_placements()", DeprecationWarning, stacklevel=2)
+        return self.param_placements()
+
+    def gather_param(self, name: str) -> torch.Tensor:
+        """The dense tensor of direct parameter ``name``, on every rank (collective; no autograd)."""
+        return gather_placed(getattr(self, name), self.param_placements()[name], group=self.tp)
+
+
+def placements_of(module: nn.Module) -> Dict[str, Placement]:
+    """The placements of ``module``'s direct parameters that differ from plain replication."""
+    if isinstance(module, TensorParallelModule):
+        return module.param_placements()
+    return dict(getattr(module, PLACEMENTS_ATTR, {}))
+
+
+def model_placements(model: nn.Module) -> Dict[str, Placement]:
+    """``{parameter name: Placement}`` for every parameter of ``model`` with a declared placement
+    (names absent from it are replicated with a complete gradient). Pure: no communication."""
+    out: Dict[str, Placement] = {}
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for pname, placement in placements_of(mod).items():
+            out[prefix + pname] = placement
+    return out
+
+
+def set_overlap_comm(model: nn.Module, enabled: bool) -> int:
+    """Switch the backward overlap of every TP layer in ``model`` on or off; returns how many
+    layers it set. Off gives the same ops with blocking collectives (bit-identical results),
+    e.g. for benchmarks or a ``torch.compile(fullgraph=True)`` graph."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, TensorParallelModule) and hasattr(module, "overlap_comm"):
+            module.overlap_comm = bool(enabled)
+            count += 1
+    return count
+
+
+def dense_linear_init(
+    in_features: int, out_features: int, bias: bool, device: Any, dtype: Any
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The full weight and bias ``nn.Linear(in_features, out_features)`` would draw (same RNG calls)."""
+    weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    b = torch.empty(out_features, device=device, dtype=dtype) if bias else None
+    if weight.device.type != "meta":
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        if b is not None:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+            nn.init.uniform_(b, -bound, bound)
+    return weight, b
+
+
+def new_param(t: torch.Tensor, like: Optional[nn.Parameter] = None) -> nn.Parameter:
+    """A parameter holding a copy of ``t``, with ``like``'s ``requires_grad`` (frozen stays frozen)."""
+    requires_grad = True if like is None else like.requires_grad
+    return nn.Parameter(t.detach().clone(), requires_grad=requires_grad)
+
+
+def load_full_params(layer: TensorParallelModule, full: Dict[str, Optional[torch.Tensor]],
+                     like: Optional[nn.Module] = None) -> None:
+    """Set each named parameter of ``layer`` to this rank's shard of the dense tensor in ``full``
+    (through the parameter's placement); ``like``: the dense module whose ``requires_grad`` to keep."""
+    placements = layer.param_placements()
+    for name, t in full.items():
+        if t is None:
+            continue
+        local = placements[name].shard(t, layer.tp.rank, layer.tp.size)
+        if like is not None:
+            setattr(layer, name, new_param(local, getattr(like, name)))
+        elif getattr(layer, name).device.type != "meta":  # a meta layer stays uninitialized
+            with torch.no_grad():
+                getattr(layer, name).copy_(local)
+
+
+def linear_to_dense(layer: TensorParallelModule) -> nn.Linear:
+    """The full ``nn.Linear`` of a Column/Row/fused layer, gathered on every rank (collective)."""
+    dense = nn.Linear(layer.in_features, layer.out_features, layer.bias is not None, device="meta")
+    dense.weight = new_param(layer.gather_param("weight"), layer.weight)
+    if layer.bias is not None:
+        dense.bias = new_param(layer.gather_param("bias"), layer.bias)
+    return dense
+
+
+def check_dense_linear(linear: nn.Module, cls: type) -> None:
+    """Refuse anything but an ``nn.Linear`` in ``cls.from_dense``."""
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"{cls.__name__}.from_dense expects an nn.Linear, got {type(linear).__name__}")

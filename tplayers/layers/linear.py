@@ -1,0 +1,164 @@
+"""nn.Modules over the fused ops: ColumnParallelLinear and RowParallelLinear.
+
+Both keep ``nn.Linear``'s names (``weight``, ``bias``) and initialization: built under the same
+RNG state as ``nn.Linear(in_features, out_features)``, rank r holds exactly the r-th chunk of
+the weight that ``nn.Linear`` would have drawn (the full matrix is drawn on every rank, then
+sliced; use ``device="meta"`` plus ``from_dense`` or a checkpoint to skip that).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..core.comm import gather_from_tp
+from ..core.functional import column_parallel_linear, row_parallel_linear
+from ..core.groups import GroupLike, resolve_group
+from ..core.placement import Placement, Replicated, Sharded, require_divisible
+from .base import TensorParallelModule, check_dense_linear, dense_linear_init, linear_to_dense, load_full_params
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+class ColumnParallelLinear(TensorParallelModule):
+    """``nn.Linear`` with the output features split across the TP group.
+
+    Input ``(..., in)`` replicated (``(..., seq/p, in)`` with ``sequence_parallel``). Output
+    ``(..., out/p)``, or ``(..., out)`` on every rank with ``gather_output=True``.
+    Rank r holds rows ``[r*out/p, (r+1)*out/p)`` of the dense weight, and that slice of bias.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: GroupLike,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        overlap_comm: bool = True,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.tp = resolve_group(group)
+        self.out_features_per_rank = require_divisible(out_features, self.tp.size, "ColumnParallelLinear", "out_features")
+        if gather_output and sequence_parallel:
+            raise ValueError(
+                "ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True "
+                "(the output would be gathered on the hidden dim while the sequence stays gathered)"
+            )
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel, self.overlap_comm = gather_output, sequence_parallel, overlap_comm
+        self.weight = nn.Parameter(torch.empty(self.out_features_per_rank, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.out_features_per_rank, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Redraw the full ``nn.Linear`` init and keep this rank's rows."""
+        w, b = dense_linear_init(self.in_features, self.out_features, self.bias is not None,
+                                  self.weight.device, self.weight.dtype)
+        load_full_params(self, {"weight": w, "bias": b})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # a world of one is nn.Linear exactly (autocast, errors and all)
+            return F.linear(x, self.weight, self.bias)
+        out = column_parallel_linear(x, self.weight, self.bias, group=self.tp,
+                                     sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
+        return gather_from_tp(out, group=self.tp) if self.gather_output else out  # (..., out) | (..., out/p)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ColumnParallelLinear":
+        """This rank's shard of an existing ``nn.Linear`` (the dense layer is left untouched)."""
+        check_dense_linear(dense, cls)
+        layer = cls(dense.in_features, dense.out_features, dense.bias is not None, group=group,
+                    device="meta", dtype=dense.weight.dtype, **options)
+        load_full_params(layer, {"weight": dense.weight, "bias": dense.bias}, like=dense)
+        return layer
+
+    def to_dense(self) -> nn.Linear:
+        """The full ``nn.Linear``, gathered on every rank (collective)."""
+        return linear_to_dense(self)
+
+    def param_placements(self) -> Dict[str, Placement]:
+        rows = Sharded.split(0, self.out_features, self.tp.size)
+        return {"weight": rows, "bias": rows} if self.bias is not None else {"weight": rows}
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, tp_size={self.tp.size}, tp_rank={self.tp.rank}, "
+                f"out_features_per_rank={self.out_features_per_rank}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(TensorParallelModule):
+    """``nn.Linear`` with the input features split across the TP group.
+
+    Input ``(..., in/p)`` (``input_is_parallel=True``) or ``(..., in)`` replicated. Output
+    ``(..., out)`` on every rank (``(..., seq/p, out)`` with ``sequence_parallel``).
+    Rank r holds columns ``[r*in/p, (r+1)*in/p)`` of the dense weight and the full bias.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: GroupLike,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        overlap_comm: bool = True,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.tp = resolve_group(group)
+        self.in_features_per_rank = require_divisible(in_features, self.tp.size, "RowParallelLinear", "in_features")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel, self.overlap_comm = input_is_parallel, sequence_parallel, overlap_comm
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Redraw the full ``nn.Linear`` init and keep this rank's columns (and the full bias)."""
+        w, b = dense_linear_init(self.in_features, self.out_features, self.bias is not None,
+                                  self.weight.device, self.weight.dtype)
+        load_full_params(self, {"weight": w, "bias": b})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # a world of one is nn.Linear exactly (autocast, errors and all)
+            return F.linear(x, self.weight, self.bias)
+        return row_parallel_linear(x, self.weight, self.bias, group=self.tp,  # (..., out)
+                                   input_is_parallel=self.input_is_parallel,
+                                   sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "RowParallelLinear":
+        """This rank's shard of an existing ``nn.Linear`` (the dense layer is left untouched)."""
+        check_dense_linear(dense, cls)
+        layer = cls(dense.in_features, dense.out_features, dense.bias is not None, group=group,
+                    device="meta", dtype=dense.weight.dtype, **options)
+        load_full_params(layer, {"weight": dense.weight, "bias": dense.bias}, like=dense)
+        return layer
+
+    def to_dense(self) -> nn.Linear:
+        """The full ``nn.Linear``, gathered on every rank (collective)."""
+        return linear_to_dense(self)
+
+    def param_placements(self) -> Dict[str, Placement]:
+        columns = Sharded.split(1, self.in_features, self.tp.size)
+        return {"weight": columns, "bias": Replicated()} if self.bias is not None else {"weight": columns}
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, tp_size={self.tp.size}, tp_rank={self.tp.rank}, "
+                f"in_features_per_rank={self.in_features_per_rank}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
