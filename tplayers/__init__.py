@@ -33,7 +33,7 @@ from .io import state_dict as sharding
 from .io import load_checkpoint, load_dense, save_checkpoint, save_dense
 from . import testing
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # Module paths of tplayers 0.1 (a flat package): they keep importing, as the module now in their place.
 _OLD_PATHS = {

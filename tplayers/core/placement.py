@@ -24,7 +24,7 @@ weights between dense and sharded form (``from_dense``/``to_dense``, checkpoints
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -274,4 +274,3 @@ def qkv_placement(num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int
                          names=["q", "k", "v"])
 
 
-PlacementLike = Union[Replicated, Sharded]

@@ -25,32 +25,14 @@ from einops import rearrange
 from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, apply_rotary,
                     attention_core, check_heads, normalize_attn_mask, rotary_cos_sin)
 from ..layers.fused import FusedColumnParallelLinear
-from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..core.groups import GroupLike, resolve_group
 from ..core.placement import kv_shards as placement_kv_shards, require_divisible
 from ..layers.base import TensorParallelModule
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.norm import ParallelNorm
-from .rng import PARALLEL, REPLICATED, RNGTracker, dropout_context
+from .rng import PARALLEL, RNGTracker, activation_dropout, dropout_context, require_rng
 
 __all__ = ["ParallelMLP", "ParallelAttention", "ParallelTransformerBlock"]
-
-
-def _require_rng(rng: Optional[RNGTracker], tp: TPGroup, layer: str, what: str, p: float) -> None:
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"{layer}: {what}={p} must be in [0, 1)")
-    if p > 0 and tp.size > 1 and rng is None:
-        raise ValueError(f"{layer}: {what}={p} at TP degree {tp.size} needs rng=tplayers.RNGTracker(seed, group=...) "
-                         "so that dropout masks differ across shards and agree across replicas")
-
-
-def _activation_dropout(x: torch.Tensor, p: float, rng: Optional[RNGTracker], sequence_parallel: bool) -> torch.Tensor:
-    """Dropout on an activation between TP regions: the same mask on every rank when it is
-    replicated, per-rank masks when it is a sequence shard (``sequence_parallel``)."""
-    if p == 0:
-        return x
-    region = PARALLEL if sequence_parallel else REPLICATED
-    with dropout_context(rng, region, x.device):
-        return F.dropout(x, p)
 
 
 # ---------------------------------------------------------------------------- MLP
@@ -150,7 +132,7 @@ class ParallelAttention(TensorParallelModule):
         kv_shards = placement_kv_shards(self.n_kv_heads, tp.size, name)
         if rotary and self.head_dim % 2:
             raise ValueError(f"{name}: rotary embeddings need an even head_dim, got {self.head_dim}")
-        _require_rng(rng, tp, name, "attn_dropout", attn_dropout)
+        require_rng(rng, tp, name, "attn_dropout", attn_dropout)
         self.hidden, self.n_heads = hidden, n_heads
         self.local_heads, self.local_kv_heads = n_heads // tp.size, self.n_kv_heads // kv_shards
         self.causal, self.rotary, self.rope_theta, self.attn_dropout = causal, rotary, rope_theta, attn_dropout
@@ -227,7 +209,7 @@ class ParallelTransformerBlock(TensorParallelModule):
         super().__init__()
         c = self.config = config
         self.tp = tp = resolve_group(group)
-        _require_rng(rng, tp, "ParallelTransformerBlock", "dropout", c.dropout)
+        require_rng(rng, tp, "ParallelTransformerBlock", "dropout", c.dropout)
         self.rng, self.sequence_parallel = rng, sequence_parallel
         norm = dict(group=tp, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         linear = dict(group=tp, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm, device=device, dtype=dtype)
@@ -239,7 +221,7 @@ class ParallelTransformerBlock(TensorParallelModule):
         self.mlp = ParallelMLP(c.hidden, c.ffn_hidden, c.activation, c.bias, **linear)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return _activation_dropout(x, self.config.dropout if self.training else 0.0, self.rng, self.sequence_parallel)
+        return activation_dropout(x, self.config.dropout if self.training else 0.0, self.rng, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x + self._dropout(self.attn(self.attn_norm(x), attn_mask))  # (b, s | s/p, h)

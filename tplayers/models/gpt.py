@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn as nn
 
-from .blocks import ParallelTransformerBlock, _activation_dropout, _require_rng
+from .blocks import ParallelTransformerBlock
 from ..core.comm import gather_from_tp
 from .dense import DenseGPT, GPTConfig
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -28,7 +28,7 @@ from ..core.groups import GroupLike, resolve_group
 from ..layers.base import TensorParallelModule
 from .loss import vocab_parallel_cross_entropy
 from ..layers.norm import ParallelNorm
-from .rng import RNGTracker
+from .rng import RNGTracker, activation_dropout, require_rng
 
 __all__ = ["ParallelGPT"]
 
@@ -44,7 +44,7 @@ class ParallelGPT(TensorParallelModule):
         super().__init__()
         c = self.config = config
         self.tp = tp = resolve_group(group)
-        _require_rng(rng, tp, "ParallelGPT", "dropout", c.dropout)
+        require_rng(rng, tp, "ParallelGPT", "dropout", c.dropout)
         self.rng, self.sequence_parallel = rng, sequence_parallel
         sp = dict(group=tp, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         self.embed = VocabParallelEmbedding(c.vocab_size, c.hidden, **sp)
@@ -55,7 +55,7 @@ class ParallelGPT(TensorParallelModule):
 
     def forward(self, ids: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = self.embed(ids)  # (b, s, h) | (b, s/p, h)
-        x = _activation_dropout(x, self.config.dropout if self.training else 0.0, self.rng, self.sequence_parallel)
+        x = activation_dropout(x, self.config.dropout if self.training else 0.0, self.rng, self.sequence_parallel)
         for block in self.blocks:
             x = block(x, attn_mask)
         return self.head(self.norm(x))  # (b, s, V'/p): the whole sequence, this rank's vocabulary

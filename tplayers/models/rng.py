@@ -24,11 +24,12 @@ import contextlib
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..core.groups import GroupLike, resolve_group
+from ..core.groups import GroupLike, TPGroup, resolve_group
 
-__all__ = ["RNGTracker", "PARALLEL", "REPLICATED"]
+__all__ = ["RNGTracker", "PARALLEL", "REPLICATED", "dropout_context", "require_rng", "activation_dropout"]
 
 PARALLEL = "parallel"
 REPLICATED = "replicated"
@@ -121,3 +122,22 @@ class RNGTracker:
 def dropout_context(rng: Optional[RNGTracker], region: str, device: Any):
     """``rng.fork(region, device)``, or a no-op without a tracker (a world of one)."""
     return contextlib.nullcontext() if rng is None else rng.fork(region, device)
+
+
+def require_rng(rng: Optional[RNGTracker], tp: TPGroup, layer: str, what: str, p: float) -> None:
+    """Refuse a dropout probability outside [0, 1), or dropout at TP > 1 without a tracker."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{layer}: {what}={p} must be in [0, 1)")
+    if p > 0 and tp.size > 1 and rng is None:
+        raise ValueError(f"{layer}: {what}={p} at TP degree {tp.size} needs rng=tplayers.RNGTracker(seed, group=...) "
+                         "so that dropout masks differ across shards and agree across replicas")
+
+
+def activation_dropout(x: torch.Tensor, p: float, rng: Optional[RNGTracker], sequence_parallel: bool) -> torch.Tensor:
+    """Dropout on an activation between TP regions: the same mask on every rank when it is
+    replicated, per-rank masks when it is a sequence shard (``sequence_parallel``)."""
+    if p == 0:
+        return x
+    region = PARALLEL if sequence_parallel else REPLICATED
+    with dropout_context(rng, region, x.device):
+        return F.dropout(x, p)

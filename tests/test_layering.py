@@ -1,0 +1,130 @@
+"""The package's floors are checked, not promised: no module imports from a floor above its own, and
+only core/comm and core/functional issue torch.distributed collectives. Parses source; no processes."""
+import ast
+import pathlib
+from typing import List
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "tplayers"
+FLOORS = ["core", "layers", "models", "convert", "io", "testing", "bench", "cli"]  # bottom to top (README)
+LEAVES = {"_version"}  # modules with no tplayers imports that any floor may use
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "barrier", "monitored_barrier", "send",
+               "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all", "all_to_all_single", "gather", "scatter",
+               "all_gather_object", "broadcast_object_list", "reduce"}
+COMM_MODULES = {"core/comm.py", "core/functional.py"}
+
+
+def _imported_modules(path: pathlib.Path, root: pathlib.Path) -> List[str]:
+    """Absolute dotted names of everything ``path`` imports (relative imports resolved)."""
+    package = ["tplayers"] + list(path.relative_to(root).parent.parts)
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            out += [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+    return out
+
+
+def upward_imports(root: pathlib.Path) -> List[str]:
+    """``"file: imports module (floor a above floor b)"`` for every import from a higher floor."""
+    errors = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if len(rel.parts) < 2:  # the package root (tplayers/__init__.py re-exports every floor)
+            continue
+        own = FLOORS.index(rel.parts[0])
+        for module in _imported_modules(path, root):
+            parts = module.split(".")
+            if parts[0] != "tplayers":
+                continue
+            target = parts[1] if len(parts) > 1 else "tplayers"
+            if target in LEAVES:
+                continue
+            if target not in FLOORS:
+                errors.append(f"{rel}: imports {module} (the package root, above every floor)")
+            elif FLOORS.index(target) > own:
+                errors.append(f"{rel}: imports {module} (floor '{target}' is above '{rel.parts[0]}')")
+    return errors
+
+
+def private_imports_across_floors(root: pathlib.Path) -> List[str]:
+    """``"file: from module import _name"`` for each private name imported from another floor."""
+    errors = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if len(rel.parts) < 2:
+            continue
+        package = ["tplayers"] + list(rel.parent.parts)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            base = package[: len(package) - node.level + 1] if node.level else []
+            parts = (base + [node.module]) if node.level else node.module.split(".")
+            if parts[0] != "tplayers" or len(parts) < 2 or parts[1] == rel.parts[0]:
+                continue
+            errors += [f"{rel}: from {'.'.join(parts)} import {a.name}" for a in node.names
+                       if a.name.startswith("_") and not a.name.startswith("__")]
+    return errors
+
+
+def collectives_outside_comm(root: pathlib.Path) -> List[str]:
+    """``"file:line dist.op"`` for each torch.distributed collective called outside core/comm, core/functional."""
+    errors = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in COMM_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
+                    and ast.unparse(node.func.value) in ("dist", "torch.distributed")):
+                errors.append(f"{rel}:{node.lineno} {ast.unparse(node.func)}")
+    return errors
+
+
+def test_every_package_folder_is_a_floor():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(FLOORS)
+
+
+def test_no_floor_imports_from_above():
+    assert upward_imports(PACKAGE) == []
+
+
+def test_no_private_names_cross_floors():
+    assert private_imports_across_floors(PACKAGE) == []
+
+
+def test_collectives_are_issued_only_from_core_comm():
+    assert collectives_outside_comm(PACKAGE) == []
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("from ..io.checkpoint import save_checkpoint\n", "floor 'io' is above 'layers'"),
+    ("import tplayers.cli\n", "floor 'cli' is above 'layers'"),
+    ("from .. import parallelize\n", "the package root"),
+])
+def test_the_floor_check_catches_an_upward_import(tmp_path, line, expected):
+    """The check can fail: a copy of the package with one deliberate upward import is refused."""
+    import shutil
+
+    copy = tmp_path / "tplayers"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    linear = copy / "layers" / "linear.py"
+    linear.write_text(linear.read_text() + line)
+    errors = upward_imports(copy)
+    assert len(errors) == 1 and errors[0].startswith("layers/linear.py") and expected in errors[0], errors
+
+
+def test_the_collective_check_catches_a_stray_collective(tmp_path):
+    import shutil
+
+    copy = tmp_path / "tplayers"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    vocab = copy / "layers" / "vocab.py"
+    vocab.write_text(vocab.read_text() + "\ndist.all_reduce(x)\n")
+    assert [e.split(" ")[1] for e in collectives_outside_comm(copy)] == ["dist.all_reduce"]
