@@ -30,7 +30,7 @@ def _check_embedding(group, vocab, dim, shape, sequence_parallel, padding_idx, s
     # the table round-trips, padding stripped; the layout shards exactly what the module holds
     back = tp.to_dense()
     assert torch.equal(back.weight, dense.weight) and back.padding_idx == dense.padding_idx
-    layout = tp.param_layouts()["weight"]
+    layout = tp.param_placements()["weight"]
     assert torch.equal(layout.shard(dense.weight, g.rank, g.size), tp.weight)
     locals_ = list(all_gather_tensor(tp.weight, 0, group=group).chunk(g.size))
     assert torch.equal(layout.unshard(locals_), dense.weight)
