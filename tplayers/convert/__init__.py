@@ -1,6 +1,25 @@
-"""Floor 4, convert: parallelize an existing model from a plan; TP x DP meshes."""
-from .parallelize import *  # noqa: F401,F403
-from .parallelize import __all__ as _parallelize_all
-from .mesh2d import Mesh2D, make_2d_mesh
+"""Floor 4, convert: ``parallelize`` an existing model from a plan; TP x DP meshes.
 
-__all__ = list(_parallelize_all) + ["Mesh2D", "make_2d_mesh"]
+    styles.py       the style contract (build(module, ctx) -> Built) and the layer-swapping styles
+    sequence.py     sequence-parallel styles (scatter, gather, norms) and their hooks
+    plan.py         Plan (patterns -> styles, head-count attributes), style names, the SP variant
+    plans/          one file per model family (llama, gpt2) and the registry
+    parallelize.py  the engine: match -> check -> swap -> hooks
+    mesh2d.py       make_2d_mesh: (dp, tp) DeviceMesh for TP x DDP / FSDP2
+"""
+from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
+from .mesh2d import Mesh2D, make_2d_mesh
+from .parallelize import parallelize
+from .plan import STYLE_NAMES, Plan, sequence_parallel_variant
+from .plans import PLANS, SP_PLANS, get_plan
+from .sequence import GatherSequence, ScatterSequence, SequenceParallelNorm
+from .styles import BuildContext, Built, Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead
+
+__all__ = [
+    "parallelize", "Plan", "Style", "BuildContext", "Built", "STYLE_NAMES", "sequence_parallel_variant",
+    "Column", "KVColumn", "Row", "VocabEmbedding", "VocabHead", "Replicate",
+    "SequenceParallelNorm", "ScatterSequence", "GatherSequence",
+    "SP_PLANS", "PLANS", "get_plan",
+    "ColumnParallelConv1D", "RowParallelConv1D", "FusedColumnParallelConv1D", "is_conv1d",
+    "Mesh2D", "make_2d_mesh",
+]

@@ -1,0 +1,84 @@
+"""Plans as data: module-name patterns -> styles, plus the attributes that follow the local head count.
+
+A pattern is an ``fnmatch`` pattern over qualified module names (``*`` also matches dots); the first
+pattern that matches a module decides its style. Styles are given by name (the table below) or as
+style objects (:mod:`tplayers.convert.styles`, :mod:`tplayers.convert.sequence`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Sequence, Tuple, Union
+
+import torch.nn as nn
+
+from .sequence import GatherSequence, ScatterSequence, SequenceParallelNorm
+from .styles import Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead
+
+__all__ = ["Plan", "STYLE_NAMES", "resolve_style", "sequence_parallel_variant"]
+
+STYLE_NAMES: Dict[str, Style] = {
+    "column": Column(),
+    "column_gather": Column(gather_output=True),
+    "fused_qkv": Column(parts=3),
+    "row": Row(),
+    "kv_column": KVColumn(),
+    "vocab_embedding": VocabEmbedding(),
+    "vocab_head": VocabHead(),
+    "replicate": Replicate(),
+    "sequence_parallel_norm": SequenceParallelNorm(),
+    "scatter_sequence": ScatterSequence(),
+    "gather_sequence": GatherSequence(),
+}
+
+
+def resolve_style(value: Union[str, Style], pattern: str) -> Style:
+    """The style object a plan entry names, or an error naming the pattern."""
+    if isinstance(value, str):
+        if value not in STYLE_NAMES:
+            raise ValueError(f"parallelize: unknown style '{value}' for pattern '{pattern}'; "
+                             f"known: {sorted(STYLE_NAMES)} or a style object with build(module, ctx)")
+        return STYLE_NAMES[value]
+    if not isinstance(value, Style):
+        raise TypeError(f"parallelize: style for pattern '{pattern}' must be a name or a style object, got {value!r}")
+    return value
+
+
+@dataclass
+class Plan:
+    """Module-name patterns -> styles, plus the attributes that must follow the local head count.
+
+    ``divide_attrs``: pattern -> attribute names on the matched modules to divide by the TP
+    degree (``num_heads``, ``split_size``); a trailing ``?`` makes an attribute optional (absent
+    in some library versions). ``require_divisible``: pattern -> dotted attribute paths (e.g.
+    ``config.num_key_value_heads``) that must divide by the TP degree but are left unchanged.
+    ``set_attrs``: pattern -> ``fn(module, tp_size) -> {attr: value}`` for what a division cannot express.
+    """
+
+    layers: Dict[str, Union[str, Style]]
+    divide_attrs: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+    require_divisible: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+    name: str = "custom"
+    set_attrs: Dict[str, Callable[[nn.Module, int], Dict[str, Any]]] = field(default_factory=dict)
+
+
+def sequence_parallel_variant(plan: Plan, first_block: Sequence[str], norms: Sequence[str], final_norm: Sequence[str],
+                              gather_inputs: Sequence[str] = (), keep: Sequence[str] = ()) -> Plan:
+    """The same plan with the residual stream split along the sequence between the TP layers
+    (Korthikanti et al.): column/row layers become sequence-parallel, the first block scatters its
+    input, ``norms`` run on s/p tokens, ``final_norm`` gathers. ``gather_inputs``: modules that get
+    the full sequence (their column layers, named in ``keep``, stay non-sequence-parallel)."""
+    layers: Dict[str, Union[str, Style]] = {}
+    for pat, value in plan.layers.items():
+        style = resolve_style(value, pat)
+        if pat not in keep:
+            if isinstance(style, Column) and not style.gather_output:
+                style = Column(parts=style.parts, sequence_parallel=True)
+            elif isinstance(style, Row):
+                style = Row(input_is_parallel=style.input_is_parallel, sequence_parallel=True)
+        layers[pat] = style
+    layers.update({pat: ScatterSequence() for pat in first_block})
+    layers.update({pat: SequenceParallelNorm() for pat in norms})
+    layers.update({pat: SequenceParallelNorm(gather_output=True) for pat in final_norm})
+    layers.update({pat: GatherSequence() for pat in gather_inputs})
+    return Plan(layers=layers, divide_attrs=dict(plan.divide_attrs), require_divisible=dict(plan.require_divisible),
+                name=plan.name + "+sp", set_attrs=dict(plan.set_attrs))

@@ -1,0 +1,34 @@
+"""Shipped plans, one file per model family: ``PLAN`` and its sequence-parallel ``SP_PLAN``.
+
+A new family: add ``plans/<family>.py`` defining ``PLAN`` (and ``SP_PLAN`` with
+:func:`~tplayers.convert.plan.sequence_parallel_variant`), then one line in each table below.
+"""
+from __future__ import annotations
+
+from typing import Dict, Mapping, Union
+
+from ..plan import Plan
+from ..styles import Style
+from . import gpt2, llama
+
+__all__ = ["PLANS", "SP_PLANS", "get_plan"]
+
+PLANS: Dict[str, Plan] = {"llama": llama.PLAN, "gpt2": gpt2.PLAN}
+SP_PLANS: Dict[str, Plan] = {"llama": llama.SP_PLAN, "gpt2": gpt2.SP_PLAN}
+
+
+def get_plan(plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *, sequence_parallel: bool = False) -> Plan:
+    """A :class:`Plan` from a shipped plan's name, a Plan, or a ``{pattern: style}`` dict."""
+    if sequence_parallel and not isinstance(plan, str):
+        raise ValueError("parallelize: sequence_parallel=True selects a shipped plan's sequence-parallel variant; "
+                         "in your own plan use Column/Row(sequence_parallel=True), 'scatter_sequence' and "
+                         "'sequence_parallel_norm' styles")
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, str):
+        if plan not in PLANS:
+            raise ValueError(f"parallelize: unknown plan '{plan}'; shipped plans: {sorted(PLANS)}")
+        return SP_PLANS[plan] if sequence_parallel else PLANS[plan]
+    if isinstance(plan, Mapping):
+        return Plan(layers=dict(plan))
+    raise TypeError(f"parallelize: plan must be a plan name, a Plan or a dict, got {type(plan).__name__}")

@@ -1,0 +1,145 @@
+"""Sequence-parallel styles: enter the split residual stream, leave it, and run norms inside it.
+
+Under sequence parallelism the activations between the TP layers are ``(b, s/p, h)``. These styles
+keep the module and attach forward hooks (in ``Built.finish``, after every check of the plan passed).
+A norm inside the region runs on this rank's tokens, so its replicated parameters get partial
+gradients: they enter its forward through ``copy_to_tp`` (identity forward, all-reduce of the
+gradient backward), the same mechanism as :class:`~tplayers.layers.norm.ParallelNorm`, and carry the
+placement ``Replicated(partial_grad=True)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..core.comm import copy_to_tp, gather_from_sequence, scatter_to_sequence
+from ..core.groups import TPGroup
+from ..core.placement import Replicated
+from ..layers.base import PLACEMENTS_ATTR
+from .styles import BuildContext, Built
+
+__all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "map_first_input", "route_params_through",
+           "check_sequence_region"]
+
+_MARK = "_tplayers_styles"  # the sequence styles already applied to a module (refuse stacking a second set)
+
+
+def map_first_input(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], key: str = "hidden_states") -> None:
+    """A forward pre-hook replacing the module's first input (positional or ``key=``) by ``fn`` of it."""
+
+    def pre_hook(m: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        if args:
+            return (fn(args[0]),) + tuple(args[1:]), kwargs
+        if key in kwargs:
+            return args, {**kwargs, key: fn(kwargs[key])}
+        raise TypeError(f"parallelize: expected the module's input as the first argument or '{key}='")
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+def route_params_through(module: nn.Module, names: Tuple[str, ...], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """During each forward, ``module.<name>`` reads as ``fn(parameter)`` for each of ``names``.
+
+    The pre-hook puts ``fn(param)`` in the instance ``__dict__``, which attribute lookup finds before
+    ``nn.Module.__getattr__`` reads ``_parameters``; the forward hook (also called when forward
+    raises) removes it. The parameter is read anew each forward, so replacing it (``to_empty``,
+    loading) keeps the routing; state-dict names do not change."""
+
+    def pre_hook(m: nn.Module, args: tuple) -> None:
+        for name in names:
+            param = m._parameters.get(name)
+            if param is not None:
+                m.__dict__[name] = fn(param)
+
+    def post_hook(m: nn.Module, args: tuple, out: object) -> None:
+        for name in names:
+            m.__dict__.pop(name, None)
+
+    module.register_forward_pre_hook(pre_hook)
+    module.register_forward_hook(post_hook, always_call=True)
+
+
+@dataclass(frozen=True)
+class _SequenceStyle:
+    """Shared check (not applied twice to one module) and marking of the sequence styles."""
+
+    style_name = ""
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if self.style_name in getattr(module, _MARK, ()):
+            raise ValueError(f"parallelize: module '{ctx.name}' already has the {self.style_name} hooks of an "
+                             "earlier parallelize call")
+        return Built(module, finish=lambda: self._apply(module, ctx.group), region=self._region())
+
+    def _region(self) -> Optional[str]:
+        return None
+
+    def _apply(self, module: nn.Module, tp: TPGroup) -> None:
+        setattr(module, _MARK, getattr(module, _MARK, ()) + (self.style_name,))
+        if tp.size > 1:
+            self._attach(module, tp)
+
+    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SequenceParallelNorm(_SequenceStyle):
+    """A norm (or any replicated module) inside a sequence-parallel region: it runs on this rank's
+    sequence chunk, so its parameters' gradients are summed over the TP group (see the module
+    docstring). ``gather_output=True`` also all-gathers its output along the sequence (the last
+    norm, before a head that takes the full sequence)."""
+
+    gather_output: bool = False
+    style_name = "sequence_parallel_norm"
+
+    def _region(self) -> Optional[str]:
+        return "leave_sequence" if self.gather_output else None
+
+    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
+        names = tuple(n for n, p in module.named_parameters(recurse=False))
+        route_params_through(module, names, lambda p: copy_to_tp(p, group=tp))
+        setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n in names})
+        if self.gather_output:
+            # the head after it all-reduces its input gradient, so the gradient here is complete: split it
+            module.register_forward_hook(lambda m, args, out: gather_from_sequence(out, group=tp, grad_is_partial=False))
+
+
+@dataclass(frozen=True)
+class GatherSequence(_SequenceStyle):
+    """Leave the sequence-parallel region for one module whose code needs the whole sequence
+    (HF Llama attention reshapes with its input's shape): its first input (``hidden_states``) is
+    all-gathered along the sequence. Its TP layers inside are plain (non-sequence-parallel)
+    column layers, whose backward all-reduces the input gradient, so this one splits it."""
+
+    style_name = "gather_sequence"
+
+    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
+        map_first_input(module, lambda x: gather_from_sequence(x, group=tp, grad_is_partial=False))
+
+
+@dataclass(frozen=True)
+class ScatterSequence(_SequenceStyle):
+    """Enter the sequence-parallel region: the module's first input (``hidden_states``) is cut to
+    this rank's sequence chunk (``(b, s, h) -> (b, s/p, h)``); its gradient is all-gathered."""
+
+    style_name = "scatter_sequence"
+
+    def _region(self) -> Optional[str]:
+        return "enter_sequence"
+
+    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
+        map_first_input(module, lambda x: scatter_to_sequence(x, group=tp))
+
+
+def check_sequence_region(plan_name: str, regions: Dict[str, Optional[str]]) -> None:
+    """A plan that enters sequence parallelism (``scatter_sequence``) must leave it (a gathering final
+    norm) and the other way round; ``regions``: module name -> ``Built.region``."""
+    enters = [n for n, r in regions.items() if r == "enter_sequence"]
+    leaves = [n for n, r in regions.items() if r == "leave_sequence"]
+    if bool(enters) != bool(leaves):
+        raise ValueError(f"parallelize: plan '{plan_name}' enters sequence parallelism at {enters} but leaves it at "
+                         f"{leaves}: it needs both a 'scatter_sequence' module and a gathering final norm")

@@ -1,0 +1,177 @@
+"""Parallel styles: what ``parallelize`` does to one module a plan names. One contract for all.
+
+Every style is an object with ``build(module, ctx) -> Built``. ``build`` only checks and prepares
+(it may construct the TP replacement, which reads but never changes the dense module); nothing in
+the model changes until every style of the plan has built. Then the engine puts each
+``Built.module`` in place of the original (when it differs) and calls each ``Built.finish`` (hooks
+on modules that stay). So an error anywhere leaves the model untouched, and the engine never needs
+to know which style it is running.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
+
+import torch.nn as nn
+
+from ..core.groups import TPGroup
+from ..core.placement import kv_shards
+from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
+from ..layers.fused import FusedColumnParallelLinear
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+__all__ = ["BuildContext", "Built", "Style", "Column", "KVColumn", "Row", "VocabEmbedding", "VocabHead", "Replicate",
+           "getattr_path"]
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """Where a style is applied: the module's qualified name, its parent, the TP group."""
+
+    name: str
+    group: TPGroup
+    parent: Optional[nn.Module] = None
+
+
+@dataclass
+class Built:
+    """What a style made of a module: its replacement (the module itself if it stays) and, for a
+    module that stays, what to do to it once every check of the plan has passed."""
+
+    module: nn.Module
+    finish: Optional[Callable[[], None]] = None
+    region: Optional[str] = None  # "enter_sequence" / "leave_sequence": where a sequence-parallel region starts, ends
+
+
+@runtime_checkable
+class Style(Protocol):
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built: ...
+
+
+def getattr_path(obj: Any, path: str) -> Any:
+    """``obj.a.b.c`` for ``path="a.b.c"``, or an AttributeError naming the missing part."""
+    value = obj
+    for part in path.split("."):
+        if not hasattr(value, part):
+            raise AttributeError(f"{type(obj).__name__} has no attribute path '{path}' (no '{part}')")
+        value = getattr(value, part)
+    return value
+
+
+def _check_linear_like(module: nn.Module, ctx: BuildContext, style: str) -> None:
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+        raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style '{style}' "
+                        "needs an nn.Linear or a GPT-2 Conv1D")
+
+
+def _from(module: nn.Module, linear_cls: type, conv_cls: type, ctx: BuildContext, **options: Any) -> nn.Module:
+    """The TP layer of ``module`` (an nn.Linear, or a Conv1D through its Conv1D twin class)."""
+    if is_conv1d(module):
+        return conv_cls.from_conv1d(module, group=ctx.group, **options)
+    return linear_cls.from_dense(module, group=ctx.group, **options)
+
+
+def _part_sizes(parts: Union[int, Sequence[int]], out_features: int) -> Tuple[int, ...]:
+    if isinstance(parts, int):
+        if parts < 1 or out_features % parts:
+            raise ValueError(f"Column: out_features={out_features} does not split into {parts} equal parts")
+        return (out_features // parts,) * parts
+    sizes = tuple(int(s) for s in parts)
+    if sum(sizes) != out_features:
+        raise ValueError(f"Column: part sizes {sizes} sum to {sum(sizes)}, out_features={out_features}")
+    return sizes
+
+
+@dataclass(frozen=True)
+class Column:
+    """Split output features. ``parts``: fused projection (int = equal parts, or part sizes)."""
+
+    gather_output: bool = False
+    parts: Union[None, int, Tuple[int, ...]] = None
+    sequence_parallel: bool = False
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        _check_linear_like(module, ctx, "column")
+        if self.parts is None:
+            return Built(_from(module, ColumnParallelLinear, ColumnParallelConv1D, ctx,
+                               gather_output=self.gather_output, sequence_parallel=self.sequence_parallel))
+        if self.gather_output:
+            raise ValueError("Column(parts=..., gather_output=True): gathering a fused projection would "
+                             "interleave its parts' shards ([q_0 k_0 v_0 q_1 ...]); keep the output sharded")
+        parts = _part_sizes(self.parts, module.nf if is_conv1d(module) else module.out_features)
+        return Built(_from(module, FusedColumnParallelLinear, FusedColumnParallelConv1D, ctx, parts=parts,
+                           sequence_parallel=self.sequence_parallel))
+
+
+@dataclass(frozen=True)
+class KVColumn:
+    """A K or V projection of grouped-query attention, cut by the KV-head rule
+    (:func:`~tplayers.core.placement.kv_shards`): split by KV heads when they divide the TP degree,
+    else each KV head is held by ``p / num_kv_heads`` consecutive ranks (replicas whose gradients
+    are summed). ``kv_heads`` is read from the parent module (the attention) by this dotted path."""
+
+    kv_heads: str = "config.num_key_value_heads"
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style 'kv_column' "
+                            "needs an nn.Linear")
+        shards = kv_shards(getattr_path(ctx.parent, self.kv_heads), ctx.group.size, "kv_column", self.kv_heads)
+        if shards == ctx.group.size:
+            return Built(ColumnParallelLinear.from_dense(module, group=ctx.group))
+        return Built(FusedColumnParallelLinear.from_dense(module, group=ctx.group, parts=[module.out_features],
+                                                          part_shards=[shards]))
+
+
+@dataclass(frozen=True)
+class Row:
+    """Split input features; the input arrives sharded (``input_is_parallel``) or full."""
+
+    input_is_parallel: bool = True
+    sequence_parallel: bool = False
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        _check_linear_like(module, ctx, "row")
+        return Built(_from(module, RowParallelLinear, RowParallelConv1D, ctx,
+                           input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel))
+
+
+@dataclass(frozen=True)
+class VocabEmbedding:
+    """Split an ``nn.Embedding``'s rows (the vocabulary, padded to the TP degree) across ranks."""
+
+    sequence_parallel: bool = False
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style "
+                            "'vocab_embedding' needs an nn.Embedding")
+        return Built(VocabParallelEmbedding.from_dense(module, group=ctx.group, sequence_parallel=self.sequence_parallel))
+
+
+@dataclass(frozen=True)
+class VocabHead:
+    """An LM head ``nn.Linear(dim, vocab, bias=False)`` split along the (padded) vocabulary.
+
+    ``gather_output=True`` (default) returns full logits, so a model computing its own loss keeps
+    working; False keeps this rank's shard for ``vocab_parallel_cross_entropy``. Same placement as
+    :class:`VocabEmbedding`, so a head tied to the embedding stays tied.
+    """
+
+    gather_output: bool = True
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style "
+                            "'vocab_head' needs an nn.Linear")
+        return Built(ParallelLMHead.from_dense(module, group=ctx.group, gather_output=self.gather_output))
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Keep the module as it is on every rank (documents intent; matching it stops later patterns)."""
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        return Built(module)
+
