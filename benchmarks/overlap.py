@@ -1,7 +1,7 @@
 """The first comm-overlap microbenchmark: Column -> GELU -> Row MLP forward+backward with the
 overlapped backward and with blocking collectives, and the collectives alone.
 
-A thin wrapper over ``tplayers bench`` (tplayers/bench.py holds the code); every option of
+A thin wrapper over ``tplayers bench`` (tplayers/bench/ holds the code); every option of
 ``tplayers bench`` works here, e.g.::
 
     python benchmarks/overlap.py --shape comm-heavy --iters 200 --json

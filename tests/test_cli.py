@@ -246,18 +246,14 @@ def test_bench_block_collectives_alone(monkeypatch, sp, expect_all, expect_bwd):
 
     calls = []
 
-    class _Done:
-        def wait(self):
-            return None
-
     def fake(name):
-        def collective(t, *args):
+        def collective(t, *args, group):
             calls.append(name)
             assert t.shape[-1] == 16 and t.shape[-2] in (8, 4)  # (b, s, h) or (b, s/p, h)
-            return _Done()
+            return t
         return collective
 
-    for fn, name in (("_all_reduce", "ar"), ("_all_gather", "ag"), ("_reduce_scatter", "rs")):
+    for fn, name in (("all_reduce_", "ar"), ("all_gather_tensor", "ag"), ("reduce_scatter_tensor", "rs")):
         monkeypatch.setattr(B, fn, fake(name))
     cfg = B.BenchConfig(module="block", batch=1, seq=8, hidden=16, ffn=32, heads=2, sequence_parallel=sp)
     everything, bwd = B._comm_steps(cfg, TPGroup(object(), 0, 2), torch.float32, torch.device("cpu"))

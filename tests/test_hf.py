@@ -91,7 +91,7 @@ def test_gpt2_vocab_not_divisible_by_tp_is_padded_and_stays_tied():
 def _kv_heads_do_not_fit(group):
     model = _llama(kv_heads=3, heads=12)
     with pytest.raises(ValueError, match=r"module 'model.layers.0.self_attn.k_proj'.*config.num_key_value_heads=3 "
-                                         r"neither divides nor is divisible by the TP degree 4"):
+                                         r"is fewer than the TP degree 4 and does not divide it"):
         tplayers.parallelize(model, "llama", group=group)
     model = _llama(kv_heads=2, heads=6)
     with pytest.raises(ValueError, match=r"module 'model.layers.0.self_attn': config.num_attention_heads=6 "

@@ -1,2 +1,7 @@
-"""Floor 7, bench: timing over ranks and the overlap microbenchmark."""
-from .overlap import *  # noqa: F401,F403
+"""Floor 7, bench: timing over ranks (timing.py), the overlap microbenchmark (overlap.py), its report (report.py)."""
+from .overlap import MODE_LABELS, MODES, SHAPES, BenchConfig, run_overlap_bench
+from .report import SCHEMA, summarize
+from .timing import Timing, barrier, fwd_bwd_step, time_steps
+
+__all__ = ["BenchConfig", "MODES", "MODE_LABELS", "SHAPES", "SCHEMA", "Timing", "barrier", "time_steps",
+           "fwd_bwd_step", "run_overlap_bench", "summarize"]

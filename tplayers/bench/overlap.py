@@ -1,10 +1,7 @@
-"""Measure what tensor parallelism costs and what comm/compute overlap hides.
+"""The comm-overlap microbenchmark: what tensor parallelism costs and what comm/compute overlap hides.
 
-Timing runs on every rank of a TP group (inside `tplayers.testing.World.run` or under
-torchrun). Each timed iteration starts after a barrier; its time is the SLOWEST rank's (a TP
-step is as slow as its slowest rank), and we report the min and median over iterations.
-Modes are interleaved iteration by iteration (in a rotating order), so background load on a
-shared machine hits them alike and their ratios stay meaningful.
+Runs on every rank of a TP group (inside `tplayers.testing.World.run` or under torchrun), timed by
+:mod:`tplayers.bench.timing`, reported by :mod:`tplayers.bench.report`.
 
 `run_overlap_bench` is the comm-overlap microbenchmark behind ``tplayers bench``: for one
 module (Column -> GELU -> Row MLP, a lone ColumnParallelLinear, or a whole
@@ -15,42 +12,26 @@ rank 1), and derives how much of the backward communication the overlap hides.
 """
 from __future__ import annotations
 
-import datetime as _dt
 import functools
 import os
-import platform
-import socket
-import statistics
-import sys
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models.blocks import ParallelTransformerBlock
-from ..core.comm import _all_gather, _all_reduce, _reduce_scatter, all_gather_tensor, all_reduce_tensor, broadcast_tensor
-from ..models.dense import BlockConfig, DenseTransformerBlock
+from ..core.comm import all_gather_tensor, all_reduce_, broadcast_tensor, reduce_scatter_tensor
+from ..core.dtypes import DTYPES
 from ..core.functional import SEQ_DIM
 from ..core.groups import GroupLike, TPGroup, resolve_group
-from ..layers.linear import ColumnParallelLinear, RowParallelLinear
+from ..layers import ColumnParallelLinear, RowParallelLinear, set_overlap_comm
+from ..models.blocks import ParallelTransformerBlock
+from ..models.dense import BlockConfig, DenseTransformerBlock
+from .report import SCHEMA, backend_name, summarize
+from .timing import Timing, barrier, fwd_bwd_step, leaf, sync, time_steps
 
-__all__ = [
-    "BenchConfig",
-    "MODES",
-    "MODE_LABELS",
-    "SHAPES",
-    "SCHEMA",
-    "Timing",
-    "barrier",
-    "time_steps",
-    "run_overlap_bench",
-    "summarize",
-]
-
-SCHEMA = "tplayers-bench/1"
+__all__ = ["BenchConfig", "MODES", "MODE_LABELS", "SHAPES", "run_overlap_bench"]
 
 MODES: Tuple[str, ...] = ("tp", "tp_blocking", "comm", "comm_bwd", "compute", "dense", "naive")
 MODE_LABELS: Dict[str, str] = {
@@ -69,9 +50,6 @@ SHAPES: Dict[str, Dict[str, int]] = {
     "large": dict(batch=4, seq=256, hidden=512, ffn=2048),
     "comm-heavy": dict(batch=8, seq=1024, hidden=64, ffn=256),
 }
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -98,8 +76,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.module not in _MODULES:
             raise ValueError(f"bench: unknown module {self.module!r} (choose from {sorted(_MODULES)})")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"bench: unknown dtype {self.dtype!r} (choose from {sorted(_DTYPES)})")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"bench: unknown dtype {self.dtype!r} (choose from {sorted(DTYPES)})")
         unknown = [m for m in self.modes if m not in MODES]
         if unknown:
             raise ValueError(f"bench: unknown modes {unknown} (choose from {list(MODES)})")
@@ -121,127 +99,7 @@ class BenchConfig:
             raise ValueError(f"bench: seq={self.seq} is not divisible by the TP degree {tp} (sequence parallel)")
 
 
-@dataclass
-class Timing:
-    """Per-iteration times (seconds, slowest rank) of one mode."""
-
-    times: List[float] = field(default_factory=list)
-
-    @property
-    def min_ms(self) -> float:
-        return 1e3 * min(self.times)
-
-    @property
-    def median_ms(self) -> float:
-        return 1e3 * statistics.median(self.times)
-
-    def as_dict(self) -> Dict[str, float]:
-        return {"min_ms": self.min_ms, "median_ms": self.median_ms,
-                "mean_ms": 1e3 * statistics.fmean(self.times), "n": len(self.times)}
-
-
-# ---------------------------------------------------------------------------- timing
-
-
-def barrier(group: GroupLike) -> None:
-    """Every rank of the group reaches this point before any leaves (a 1-element all-reduce)."""
-    g = resolve_group(group)
-    if g.size > 1:
-        all_reduce_tensor(torch.zeros(1, device=_group_device(g)), group=g)
-
-
-def _group_device(g: TPGroup) -> torch.device:
-    import torch.distributed as dist
-
-    if g.process_group is not None and dist.get_backend(g.process_group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _Progress:
-    """A one-line progress bar on stderr (rank 0 only)."""
-
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.total, self.label, self.enabled, self.done = total, label, enabled, 0
-        self.start = time.perf_counter()
-
-    def step(self, n: int = 1) -> None:
-        if not self.enabled:
-            return
-        self.done += n
-        frac = self.done / max(1, self.total)
-        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
-        sys.stderr.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s eta {eta:5.1f}s")
-        if self.done >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-def time_steps(
-    steps: Dict[str, Callable[[], None]],
-    *,
-    group: GroupLike,
-    iters: int,
-    warmup: int,
-    device: torch.device = torch.device("cpu"),
-    progress: bool = False,
-    label: str = "bench",
-) -> Dict[str, Timing]:
-    """Time each step ``iters`` times, interleaved; per iteration the slowest rank's time.
-
-    Collective: every rank of ``group`` must call it with the same step names.
-    """
-    g = resolve_group(group)
-    names = list(steps)
-    for name in names:
-        for _ in range(warmup):
-            steps[name]()
-        _sync(device)
-    local = torch.zeros(len(names), iters, dtype=torch.float64)
-    bar = _Progress(iters, label, progress and g.rank == 0)
-    for i in range(iters):
-        for k in range(len(names)):
-            j = (i + k) % len(names)  # rotate the order: no mode always follows the same one
-            name = names[j]
-            barrier(g)
-            t0 = time.perf_counter()
-            steps[name]()
-            _sync(device)
-            local[j, i] = time.perf_counter() - t0
-        bar.step()
-    if g.size > 1:
-        dev = _group_device(g)
-        slowest = all_gather_tensor(local.to(dev)[None], 0, group=g).amax(0).cpu()  # (modes, iters)
-    else:
-        slowest = local
-    return {name: Timing(slowest[j].tolist()) for j, name in enumerate(names)}
-
-
 # ---------------------------------------------------------------------------- the benchmark
-
-
-def _leaf(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().clone().requires_grad_(True)
-
-
-def fwd_bwd_step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
-    """A step timing one forward+backward of ``model`` on the leaf ``x`` with output grad ``grad``."""
-    params = [p for p in model.parameters()]
-
-    def step() -> None:
-        x.grad = None
-        for p in params:
-            p.grad = None
-        model(x).backward(grad)
-
-    return step
 
 
 def _linear_shard(lin: nn.Linear, dim: int, g: TPGroup) -> nn.Linear:
@@ -306,9 +164,7 @@ _MODULES: Dict[str, _Module] = {
 def _tp_model(dense: nn.Module, cfg: BenchConfig, g: TPGroup, overlap: bool) -> nn.Module:
     """The TP twin of ``dense`` with ``overlap_comm`` set on every submodule that has it."""
     model = _MODULES[cfg.module].tp(dense, g, cfg.sequence_parallel)
-    for m in model.modules():
-        if hasattr(m, "overlap_comm"):
-            m.overlap_comm = overlap
+    set_overlap_comm(model, overlap)
     return model
 
 
@@ -329,11 +185,11 @@ def _comm_steps(cfg: BenchConfig, g: TPGroup, dtype: torch.dtype, device: torch.
     full = torch.zeros(b, s, h, dtype=dtype, device=device)  # (b, s, h)
     if cfg.sequence_parallel:
         shard = torch.zeros(b, s // g.size, h, dtype=dtype, device=device)  # (b, s/p, h)
-        gather = lambda: _all_gather(shard, SEQ_DIM, g).wait()  # noqa: E731
-        scatter = lambda: _reduce_scatter(full, SEQ_DIM, g).wait()  # noqa: E731
+        gather = lambda: all_gather_tensor(shard, SEQ_DIM, group=g)  # noqa: E731
+        scatter = lambda: reduce_scatter_tensor(full, SEQ_DIM, group=g)  # noqa: E731
         col_fwd, row_fwd, row_bwd, col_bwd = [gather], [scatter], [gather], [gather, scatter]  # col bwd: re-gather x
     else:
-        reduce = lambda: _all_reduce(full, g).wait()  # noqa: E731
+        reduce = lambda: all_reduce_(full, group=g)  # noqa: E731
         col_fwd, row_fwd, row_bwd, col_bwd = [], [reduce], [], [reduce]
     if not spec.has_row:
         row_fwd = row_bwd = []
@@ -369,7 +225,7 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
     """The comm-overlap microbenchmark, on every rank; returns the JSON-able report (same on all ranks)."""
     g = resolve_group(group)
     cfg.check_tp(g.size)
-    dtype = _DTYPES[cfg.dtype]
+    dtype = DTYPES[cfg.dtype]
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
     dense = _MODULES[cfg.module].dense(cfg).to(device, dtype)
@@ -388,37 +244,29 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
     skipped: Dict[str, str] = {}
     for mode in cfg.modes:
         if mode == "tp":
-            steps[mode] = fwd_bwd_step(_tp_model(dense, cfg, g, True), _leaf(x_tp), grad_tp.contiguous())
+            steps[mode] = fwd_bwd_step(_tp_model(dense, cfg, g, True), leaf(x_tp), grad_tp.contiguous())
         elif mode == "tp_blocking":
-            steps[mode] = fwd_bwd_step(_tp_model(dense, cfg, g, False), _leaf(x_tp), grad_tp.contiguous())
+            steps[mode] = fwd_bwd_step(_tp_model(dense, cfg, g, False), leaf(x_tp), grad_tp.contiguous())
         elif mode in ("comm", "comm_bwd"):
             comm_all, comm_bwd = _comm_steps(cfg, g, dtype, device)
             steps[mode] = comm_all if mode == "comm" else comm_bwd
         elif mode == "compute":
             local_grad = g.shard(grad_full, -1).contiguous() if cfg.module == "column" else grad_full
-            steps[mode] = fwd_bwd_step(_MODULES[cfg.module].local(dense, cfg, g), _leaf(x_full), local_grad)
+            steps[mode] = fwd_bwd_step(_MODULES[cfg.module].local(dense, cfg, g), leaf(x_full), local_grad)
         elif mode == "dense":
-            steps[mode] = fwd_bwd_step(dense, _leaf(x_full), grad_full)
+            steps[mode] = fwd_bwd_step(dense, leaf(x_full), grad_full)
         elif mode == "naive":
             if g.size != 2 or cfg.module != "mlp":
                 skipped[mode] = "needs --tp 2 and --module mlp (fc1 on rank 0, fc2 on rank 1)"
                 continue
-            steps[mode] = _naive_step(dense, cfg, g, _leaf(x_full), grad_full)
+            steps[mode] = _naive_step(dense, cfg, g, leaf(x_full), grad_full)
 
     timings = time_steps(steps, group=g, iters=cfg.iters, warmup=cfg.warmup, device=device,
                          progress=cfg.progress, label=f"bench {cfg.module} tp={g.size}")
-    report = summarize(cfg, g.size, timings, skipped, backend=_backend_name(g, device))
+    report = summarize(cfg, g.size, timings, skipped, backend=backend_name(g, device))
     if cfg.trace_dir:
         report["trace"] = _profile(steps, cfg, g, device)
     return report
-
-
-def _backend_name(g: TPGroup, device: torch.device) -> str:
-    if g.process_group is None:
-        return "none"
-    import torch.distributed as dist
-
-    return str(dist.get_backend(g.process_group))
 
 
 def _profile(steps: Dict[str, Callable[[], None]], cfg: BenchConfig, g: TPGroup, device: torch.device) -> str:
@@ -436,62 +284,8 @@ def _profile(steps: Dict[str, Callable[[], None]], cfg: BenchConfig, g: TPGroup,
                 barrier(g)
                 with record_function(f"{MODE_LABELS[name]} #{i}"):
                     steps[name]()
-                    _sync(device)
+                    sync(device)
     prof.export_chrome_trace(path)
     return os.path.abspath(path)
 
 
-def _environment(tp: int, backend: str, cfg: BenchConfig) -> Dict[str, Any]:
-    from .. import __version__
-
-    return {
-        "torch": torch.__version__,
-        "tplayers": __version__,
-        "python": platform.python_version(),
-        "host": socket.gethostname(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "threads_per_rank": torch.get_num_threads(),
-        "tp": tp,
-        "backend": backend,
-        "device": cfg.device if cfg.device == "cpu" else torch.cuda.get_device_name(),
-        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
-
-
-def summarize(cfg: BenchConfig, tp: int, timings: Dict[str, Timing], skipped: Optional[Dict[str, str]] = None,
-              backend: str = "gloo") -> Dict[str, Any]:
-    """The JSON report: config, environment, per-mode min/median, and the derived overlap figures.
-
-    ``hidden_fraction``: of the backward collectives' own time (``comm_bwd``, median), the share
-    the overlap saves, from the per-iteration paired difference (blocking - overlapped), median.
-    ``hidden_fraction_min``: the same from the minima (blocking min - overlapped min) / comm min.
-    Either can leave [0, 1] through noise: they are reported as measured, not clamped.
-    """
-    summary: Dict[str, Any] = {}
-    t = timings
-    if "tp" in t and "tp_blocking" in t:
-        saved = [b - a for a, b in zip(t["tp"].times, t["tp_blocking"].times)]
-        summary["overlap_saving_ms"] = 1e3 * statistics.median(saved)
-        if "comm_bwd" in t and tp > 1 and t["comm_bwd"].median_ms > 0:
-            summary["comm_bwd_ms"] = t["comm_bwd"].median_ms
-            summary["hidden_fraction"] = summary["overlap_saving_ms"] / t["comm_bwd"].median_ms
-            # the same from the best iterations (least disturbed by other load)
-            summary["hidden_fraction_min"] = (t["tp_blocking"].min_ms - t["tp"].min_ms) / max(t["comm_bwd"].min_ms, 1e-9)
-        else:
-            summary["hidden_fraction"] = None
-    if "tp" in t and "compute" in t:
-        summary["exposed_comm_ms"] = t["tp"].median_ms - t["compute"].median_ms
-    for other in ("dense", "naive"):
-        if "tp" in t and other in t:
-            summary[f"speedup_vs_{other}"] = t[other].median_ms / t["tp"].median_ms
-    return {
-        "schema": SCHEMA,
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()
-                   if k not in ("progress", "trace_dir", "trace_iters")},
-        "environment": _environment(tp, backend, cfg),
-        "timings": {name: timing.as_dict() for name, timing in t.items()},
-        "skipped": dict(skipped or {}),
-        "summary": summary,
-    }

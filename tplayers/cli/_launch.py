@@ -9,7 +9,8 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..testing.world import World
+from ..core.comm import barrier
+from ..testing import World
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -75,5 +76,11 @@ def run_on_ranks(
 
 
 def finish_torchrun() -> None:
+    """Leave the process group this command joined: every rank first waits for the others (so no
+    rank tears down its gloo pairs or the store rank 0 hosts while a peer still uses them), then
+    destroys it while the interpreter is fully alive."""
     if under_torchrun() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            barrier(dist.group.WORLD)
+        finally:
+            dist.destroy_process_group()

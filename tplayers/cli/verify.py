@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..core.dtypes import DTYPES
 from ..models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from ..core.comm import all_gather_tensor
 from ..models.dense import BlockConfig, DenseAttention, DenseGPT, DenseMLP, DenseTransformerBlock, GPTConfig
@@ -29,12 +30,11 @@ from ..models.gpt import ParallelGPT
 from ..core.groups import TPGroup, resolve_group
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..models.loss import vocab_parallel_cross_entropy
-from ..testing.world import MatchReport, assert_matches_dense, default_tolerance
+from ..testing import MatchReport, assert_matches_dense, default_tolerance
 
 __all__ = ["VerifyConfig", "Check", "CheckResult", "CHECKS", "register", "select_checks", "run_checks", "tolerance",
            "merge_rank_results", "format_table", "report_json", "exit_code"]
 
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class VerifyConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     def torch_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")

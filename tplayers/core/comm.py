@@ -20,7 +20,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .groups import GroupLike, TPGroup, resolve_group
+from .groups import GroupLike, TPGroup, collective_device, resolve_group
 from .placement import Placement
 
 __all__ = [
@@ -35,6 +35,9 @@ __all__ = [
     "all_gather_tensor",
     "all_reduce_tensor",
     "broadcast_tensor",
+    "barrier",
+    "reduce_scatter_tensor",
+    "all_reduce_",
     "gather_placed",
     "Pending",
 ]
@@ -350,6 +353,33 @@ def all_reduce_tensor(x: torch.Tensor, *, group: GroupLike, op: str = "sum") -> 
     with torch.no_grad():
         g = resolve_group(group)
         return x.detach() if g.size == 1 else _all_reduce(_owned_copy(x.detach()), g, op=op).wait()
+
+
+def barrier(group: GroupLike) -> None:
+    """Every rank of the group reaches this point before any leaves (a 1-element all-reduce, so it
+    runs on any backend and honours the group's timeout)."""
+    g = resolve_group(group)
+    if g.size > 1:
+        all_reduce_tensor(torch.zeros(1, device=collective_device(g.process_group)), group=g)
+
+
+def reduce_scatter_tensor(x: torch.Tensor, dim: int, *, group: GroupLike) -> torch.Tensor:
+    """This rank's chunk (along ``dim``) of the sum of every rank's ``x``, as a new tensor (no autograd)."""
+    with torch.no_grad():
+        g = resolve_group(group)
+        return x.detach() if g.size == 1 else _reduce_scatter(x.detach(), dim, g).wait()
+
+
+def all_reduce_(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
+    """Sum ``x`` over the group IN PLACE and return it (no autograd, no copy). Only for a buffer the
+    caller owns outright (benchmarks timing the bare collective); everything else uses the copying ops."""
+    g = resolve_group(group)
+    if g.size == 1:
+        return x
+    if not x.is_contiguous():
+        raise ValueError("all_reduce_: the buffer must be contiguous (a reduction into a copy would be lost)")
+    with torch.no_grad():
+        return _all_reduce(x, g).wait()
 
 
 def broadcast_tensor(x: torch.Tensor, src_rank: int, *, group: GroupLike) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-__all__ = ["TPGroup", "GroupLike", "resolve_group"]
+__all__ = ["TPGroup", "GroupLike", "resolve_group", "collective_device"]
 
 
 @dataclass(frozen=True)
@@ -118,3 +118,11 @@ def resolve_group(group: GroupLike) -> TPGroup:
         f"group must be a torch.distributed ProcessGroup, a DeviceMesh, a TPGroup or None, "
         f"got {type(group).__name__}"
     )
+
+
+def collective_device(process_group: Any) -> torch.device:
+    """Where small coordination tensors for ``process_group`` must live: a group whose backend is
+    NCCL only has no CPU path, so its tensors go to the current CUDA device; else the CPU."""
+    if process_group is not None and dist.get_backend(process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

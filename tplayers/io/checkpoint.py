@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..core.comm import broadcast_tensor, gather_placed
-from ..core.groups import TPGroup
+from ..core.groups import TPGroup, collective_device
 from ..core.placement import Sharded
 from ..layers.base import TensorParallelModule, placements_of
 
@@ -227,18 +227,11 @@ def _coord_group(process_group: Any) -> Tuple[Any, int]:
     return pg, dist.get_rank(pg)
 
 
-def _coord_device(pg: Any) -> torch.device:
-    """Where the small coordination tensors live: a group created with only NCCL has no CPU backend."""
-    if pg is not None and dist.get_backend(pg) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _agree_token(pg: Any, rank: int) -> str:
     """A random token drawn on rank 0 and broadcast (all ranks name the same temporary dir)."""
     token = torch.tensor([uuid.uuid4().int % (2**62) if rank == 0 else 0], dtype=torch.int64)
     if pg is not None:
-        token = broadcast_tensor(token.to(_coord_device(pg)), 0, group=pg).cpu()
+        token = broadcast_tensor(token.to(collective_device(pg)), 0, group=pg).cpu()
     return f"{int(token.item()):016x}"
 
 
@@ -262,7 +255,7 @@ def _on_rank0(pg: Any, rank: int, fn: Any) -> None:
     if error is not None:
         text = f"{type(error).__name__}: {error}".encode()[:1023] or b"?"
         msg[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-    msg = broadcast_tensor(msg.to(_coord_device(pg)), 0, group=pg).cpu()
+    msg = broadcast_tensor(msg.to(collective_device(pg)), 0, group=pg).cpu()
     if error is not None:
         raise error
     if msg[0]:

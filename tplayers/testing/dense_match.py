@@ -1,0 +1,184 @@
+"""`assert_matches_dense`: check, on every rank, that a TP module computes what its dense module computes.
+
+Runs inside `tplayers.testing.World.run` or under torchrun: outputs, input gradients and every
+parameter gradient (sharded ones gathered through their placement).
+
+    def check(group, seed):
+        torch.manual_seed(seed)
+        dense = nn.Linear(16, 32, dtype=torch.float64)
+        tp = ColumnParallelLinear.from_dense(dense, group=group, gather_output=True)
+        return assert_matches_dense(tp, dense, torch.randn(4, 16, dtype=torch.float64), group=group)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from ..core.comm import all_gather_tensor, gather_placed
+from ..core.groups import GroupLike, resolve_group
+from ..layers.base import placements_of
+
+__all__ = ["assert_matches_dense", "MatchReport", "dense_parameters", "default_tolerance"]
+
+
+def default_tolerance(dtype: torch.dtype) -> Tuple[float, float]:
+    """(rtol, atol) for comparing a TP result with its dense reference.
+
+    TP changes only the order of the sums, so float64 matches to ~1e-12; low precision is
+    bounded by its rounding of the partial sums.
+    """
+    return {
+        torch.float64: (1e-9, 1e-9),
+        torch.float32: (1e-4, 1e-5),
+        torch.bfloat16: (2e-2, 2e-2),
+        torch.float16: (5e-3, 1e-3),
+    }.get(dtype, (1e-4, 1e-5))
+
+
+def dense_parameters(module: nn.Module, *, grads: bool = False) -> Dict[str, torch.Tensor]:
+    """Every parameter (or its gradient) of ``module`` as the dense model would name and shape it.
+
+    Sharded parameters are gathered through their placement (collective: call on every rank);
+    replicated ones are taken as they are. A GPT-2 ``Conv1D`` layer's weight is transposed back to
+    the ``(in, out)`` its dense module stores.
+    """
+    out: Dict[str, torch.Tensor] = {}
+    placements = placements_of(module)
+    for name, p in module.named_parameters(recurse=False):
+        value = p.grad if grads else p
+        value = (torch.zeros_like(p) if value is None else value).detach()
+        placement = placements.get(name)
+        if placement is not None and placement.is_sharded:
+            value = gather_placed(value, placement, group=module.tp)
+        if name == "weight" and getattr(module, "dense_transposed", False):
+            value = value.t()
+        out[name] = value
+    for child_name, child in module.named_children():
+        for name, t in dense_parameters(child, grads=grads).items():
+            out[f"{child_name}.{name}"] = t
+    return out
+
+
+@dataclass
+class MatchReport:
+    """Largest absolute differences found, by what was compared (per rank)."""
+
+    output_error: float = 0.0
+    input_grad_error: float = 0.0
+    param_grad_error: float = 0.0
+    errors: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def grad_error(self) -> float:
+        return max(self.input_grad_error, self.param_grad_error)
+
+
+def _compare(name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float,
+             rank: int) -> Tuple[float, Optional[str]]:
+    """(max abs error, None) when within tolerance, else (max abs error, what differs)."""
+    if actual.shape != expected.shape:
+        return math.inf, f"rank {rank}: {name} has shape {tuple(actual.shape)}, dense has {tuple(expected.shape)}"
+    a, e = actual.detach().to(torch.float64).cpu(), expected.detach().to(torch.float64).cpu()
+    err = (a - e).abs()
+    max_err = float(err.nan_to_num(nan=float("inf")).max()) if err.numel() else 0.0
+    bad = ~torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True)  # a NaN only matches a NaN
+    if bool(bad.any()):
+        return max_err, (f"rank {rank}: {name} differs from the dense reference: max abs error {max_err:.3e}, "
+                         f"{int(bad.sum())} of {bad.numel()} elements outside atol={atol:g} rtol={rtol:g}")
+    return max_err, None
+
+
+def assert_matches_dense(
+    tp_module: nn.Module,
+    dense_module: nn.Module,
+    inputs: Union[torch.Tensor, Sequence[torch.Tensor]],
+    *,
+    group: GroupLike,
+    input_shard_dims: Optional[Sequence[Optional[int]]] = None,
+    output_shard_dim: Optional[int] = None,
+    rtol: Optional[float] = None,
+    atol: Optional[float] = None,
+    seed: int = 0,
+) -> MatchReport:
+    """Check on every rank that ``tp_module`` computes what ``dense_module`` computes.
+
+    ``inputs`` are the full dense inputs, identical on every rank. ``input_shard_dims[i]`` says
+    how the TP module takes input i: None (the full tensor) or a dim (this rank's chunk of it).
+    ``output_shard_dim`` is None when the TP output is already full, or the dim its shards are
+    gathered along. Compares the output, the gradient of every floating input, and every
+    parameter gradient (sharded ones gathered through their placement) after backpropagating the same
+    random output gradient through both. Raises AssertionError naming the first mismatch.
+    """
+    g = resolve_group(group)
+    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    shard_dims = list(input_shard_dims) if input_shard_dims is not None else [None] * len(inputs)
+    if len(shard_dims) != len(inputs):
+        raise ValueError(f"input_shard_dims has {len(shard_dims)} entries for {len(inputs)} inputs")
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        return t.requires_grad_(t.is_floating_point())
+
+    dense_in = [leaf(t) for t in inputs]
+    tp_in = [leaf(t if d is None else g.shard(t, d, what=f"input {i}")) for i, (t, d) in enumerate(zip(inputs, shard_dims))]
+    dense_module.zero_grad(set_to_none=True)
+    tp_module.zero_grad(set_to_none=True)
+
+    dense_out = dense_module(*dense_in)
+    tp_out = tp_module(*tp_in)
+    if not isinstance(dense_out, torch.Tensor) or not isinstance(tp_out, torch.Tensor):
+        raise TypeError("assert_matches_dense compares modules that return one tensor")
+    tp_full = tp_out if output_shard_dim is None else all_gather_tensor(tp_out, output_shard_dim, group=g)
+    d_rtol, d_atol = default_tolerance(dense_out.dtype)
+    rtol = d_rtol if rtol is None else rtol
+    atol = d_atol if atol is None else atol
+
+    # A mismatch is raised only after every collective below: it may show on some ranks only
+    # (a replicated output), and a rank leaving early would leave the others waiting.
+    failures: List[str] = []
+
+    def compare(name: str, actual: torch.Tensor, expected: torch.Tensor) -> float:
+        err, failure = _compare(name, actual, expected, rtol, atol, g.rank)
+        if failure is not None:
+            failures.append(failure)
+        return err
+
+    report = MatchReport()
+    report.output_error = compare("output", tp_full, dense_out)
+    report.errors["output"] = report.output_error
+
+    gen = torch.Generator().manual_seed(seed)
+    grad_out = torch.randn(dense_out.shape, generator=gen, dtype=torch.float64).to(dense_out.dtype).to(dense_out.device)
+    dense_out.backward(grad_out)
+    tp_grad = grad_out if output_shard_dim is None else g.shard(grad_out, output_shard_dim).contiguous()
+    tp_out.backward(tp_grad)
+
+    for i, (d_in, t_in, dim) in enumerate(zip(dense_in, tp_in, shard_dims)):
+        if not d_in.requires_grad:
+            continue
+        expected = d_in.grad if d_in.grad is not None else torch.zeros_like(d_in)
+        actual = t_in.grad if t_in.grad is not None else torch.zeros_like(t_in)
+        if dim is not None:
+            actual = all_gather_tensor(actual, dim, group=g)
+        err = compare(f"gradient of input {i}", actual, expected)
+        report.errors[f"input{i}.grad"] = err
+        report.input_grad_error = max(report.input_grad_error, err)
+
+    tp_grads = dense_parameters(tp_module, grads=True)
+    dense_grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in dense_module.named_parameters()}
+    if set(tp_grads) != set(dense_grads):
+        raise AssertionError(
+            f"rank {g.rank}: parameter names differ: only in TP {sorted(set(tp_grads) - set(dense_grads))}, "
+            f"only in dense {sorted(set(dense_grads) - set(tp_grads))}"
+        )
+    for name in sorted(dense_grads):
+        err = compare(f"gradient of parameter '{name}'", tp_grads[name], dense_grads[name])
+        report.errors[f"{name}.grad"] = err
+        report.param_grad_error = max(report.param_grad_error, err)
+    if failures:
+        raise AssertionError(failures[0])
+    return report
