@@ -271,9 +271,12 @@ def test_load_refuses_non_tensor_entries(tmp_path):
 
     path = str(tmp_path / "ckpt")
     tplayers.save_checkpoint(_single(1), path)
-    state, _ = tplayers.checkpoint._dcp_state(_single(1), for_save=True)
+    from tplayers.io.dcp import _dcp_state
+    from tplayers.io.publish import quiet
+
+    state, _ = _dcp_state(_single(1), for_save=True)
     state["step"] = "not a tensor"  # stored by DCP as pickled bytes
-    with tplayers.checkpoint._quiet():
+    with quiet():
         dcp.save(state, storage_writer=FileSystemWriter(path, overwrite=True), no_dist=True)
     with pytest.raises(CheckpointError, match="'step' is not a tensor"):
         tplayers.load_checkpoint(_single(2), path)
@@ -281,12 +284,13 @@ def test_load_refuses_non_tensor_entries(tmp_path):
 
 def _save_with_rank0_failure(group, path: str, what: str):
     """Rank 0 alone fails while finishing the save: every rank must raise, none may wait forever."""
-    import tplayers.checkpoint as ck
+    import tplayers.io.dcp
+    import tplayers.io.safetensors
 
     def fail(*args, **kwargs):
         raise OSError("read-only file system (simulated)")
 
-    name = "_write_json" if what == "checkpoint" else "_fsync_dir"
+    ck, name = (tplayers.io.dcp, "write_json") if what == "checkpoint" else (tplayers.io.safetensors, "fsync_dir")
     saved = getattr(ck, name)
     if resolve_group(group).rank == 0:
         setattr(ck, name, fail)
@@ -322,3 +326,24 @@ def test_loading_into_meta_tensors_is_refused(tmp_path):
         tplayers.save_dense(_single(1), str(tmp_path / "dense.safetensors"))
         with pytest.raises(CheckpointError, match=r"meta device \[.*'emb.weight'"):
             tplayers.load_dense(model, str(tmp_path / "dense.safetensors"))
+
+
+def _save_with_deprecated_keyword(group, path):
+    import warnings
+
+    model = _build(group, seed=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tplayers.save_checkpoint(model, path, process_group=group)
+    deprecated = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    fresh = _build(group, seed=4)
+    tplayers.load_checkpoint(fresh, path, group=group)
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    with pytest.raises(TypeError, match="pass group= only"):
+        tplayers.save_checkpoint(model, path, group=group, process_group=group)
+    return deprecated, same
+
+
+def test_process_group_keyword_still_works_with_a_deprecation_warning(tmp_path):
+    for deprecated, same in get_world(2).run(_save_with_deprecated_keyword, str(tmp_path / "ck")):
+        assert same and any("process_group= is deprecated, pass group=" in m for m in deprecated)

@@ -40,7 +40,7 @@ _OLD_PATHS = {
     "groups": "core.groups", "comm": "core.comm", "functional": "core.functional",
     "embedding": "layers.vocab", "fused": "layers.fused", "norm": "layers.norm",
     "dense": "models.dense", "rng": "models.rng", "loss": "models.loss", "blocks": "models.blocks", "gpt": "models.gpt",
-    "plan": "convert", "parallel2d": "convert.mesh2d", "checkpoint": "io.checkpoint", "sharding": "io.state_dict",
+    "plan": "convert", "parallel2d": "convert.mesh2d", "checkpoint": "io", "sharding": "io.state_dict",
 }
 for _old, _new in _OLD_PATHS.items():
     _sys.modules[f"{__name__}.{_old}"] = globals()[_old] = _importlib.import_module(f".{_new}", __name__)

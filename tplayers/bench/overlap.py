@@ -28,8 +28,8 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..layers import ColumnParallelLinear, RowParallelLinear, set_overlap_comm
 from ..models.blocks import ParallelTransformerBlock
 from ..models.dense import BlockConfig, DenseTransformerBlock
-from .report import SCHEMA, backend_name, summarize
-from .timing import Timing, barrier, fwd_bwd_step, leaf, sync, time_steps
+from .report import backend_name, summarize
+from .timing import barrier, fwd_bwd_step, leaf, sync, time_steps
 
 __all__ = ["BenchConfig", "MODES", "MODE_LABELS", "SHAPES", "run_overlap_bench"]
 

@@ -15,7 +15,7 @@ Every module converts both ways with its plain-torch twin in `tplayers.dense`
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from ..layers.norm import NORMS, make_norm
+from ..layers.norm import make_norm
 
 __all__ = [
     "BlockConfig",

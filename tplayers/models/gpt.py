@@ -15,7 +15,7 @@ shards one, ``to_dense`` gathers it back.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn

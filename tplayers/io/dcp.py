@@ -1,0 +1,219 @@
+"""Sharded checkpoints of TP models that load at any TP size (DCP).
+
+Sharded (``save_checkpoint`` / ``load_checkpoint``): a ``torch.distributed.checkpoint`` (DCP)
+directory. Every TP parameter is stored as its *full* (dense) tensor, described to DCP as a
+``DTensor`` sharded over the TP group, so each rank writes only its own shard, identical shards
+of data-parallel replicas are written once, and a load at another TP size reads exactly the
+bytes each rank needs (DCP's own resharding). Fused parameters (q/k/v, gate/up) are stored per
+part (``<name>.__part<i>``), so a shard is always one contiguous block of one part. A small JSON
+manifest (``tplayers.json``) records every tensor's full shape and layout; loading compares it
+with the model first and reports mismatches by parameter name.
+
+Safety: a save writes into ``<path>.tmp-<token>`` and renames it to ``<path>`` only after every
+rank finished, so an interrupted save never leaves a partial directory at ``<path>`` (and a
+directory without the manifest, written last, is refused). Replacing an existing checkpoint
+takes two renames (old aside to ``<path>.old-<token>``, new into place; directories cannot be
+swapped atomically): a crash between them leaves no ``<path>``, the old one under that name. Loading never unpickles arbitrary objects: DCP's
+pickled metadata is read with an unpickler that only admits DCP's own metadata classes, any
+non-tensor entry (which DCP would ``torch.load`` with ``weights_only=False``) is refused, and
+tensor data is read by DCP with ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..core.comm import gather_placed
+from ..core.groups import TPGroup
+from ..core.placement import Sharded
+from .publish import agree_token, coord_group, fsync_dir, on_rank0, quiet, write_json
+from .unpickle import safe_reader
+from .walk import CheckpointError, Entry, entries, parts_of, refuse_meta
+
+__all__ = ["save_checkpoint", "load_checkpoint"]
+
+MANIFEST = "tplayers.json"
+FORMAT = "tplayers-dcp"
+VERSION = 1
+
+
+def _layout_record(e: Entry) -> Optional[Dict[str, Any]]:
+    if e.layout is None:
+        return None
+    return {"dim": e.layout.dim, "parts": [part.size for part in e.layout.parts]}
+
+
+def _mesh(tp: TPGroup, device: torch.device, cache: Dict[int, Any]) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = id(tp.process_group)
+    if key not in cache:
+        cache[key] = DeviceMesh.from_group(tp.process_group, device_type=device.type)
+    return cache[key]
+
+
+def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """The DCP state dict of ``model`` and, for loading, (buffer, destination) copies to do after.
+
+    Each part of a sharded parameter is a DTensor ``Shard(dim)`` over the TP group whose local
+    tensor is this rank's piece (views of the parameters when loading, so DCP writes straight into
+    them): a placement's piece of a part cut into p shards is exactly DTensor's chunk, padded
+    vocabularies included. A part with replicas (fewer shards than ranks) is saved as the rank's
+    sub-chunk when it divides, else as the full gathered part; it is loaded in full.
+    """
+    state: Dict[str, Any] = {}
+    post: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    meshes: Dict[int, Any] = {}
+    for e in entries(model):
+        t = e.tensor.detach()
+        if e.layout is None:
+            state[e.name] = t.clone() if for_save else t
+            continue
+        assert e.tp is not None
+        p, r, d = e.tp.size, e.tp.rank, e.layout.dim
+        for key, full_off, part, piece in parts_of(e):
+            local = t.narrow(d, piece.local_start, piece.length)
+            shape = list(t.shape)
+            shape[d] = part.size
+            shape_t = tuple(shape)
+            if p == 1:
+                state[key] = local.clone() if for_save else local
+            elif part.shards == p:
+                chunk = local.contiguous().clone() if for_save else local
+                state[key] = _dtensor(chunk, e.tp, d, shape_t, meshes)
+            elif for_save and part.size % p == 0:
+                sub = local.chunk(p // part.shards, dim=d)[r % (p // part.shards)].contiguous().clone()
+                state[key] = _dtensor(sub, e.tp, d, shape_t, meshes)
+            elif for_save:
+                state[key] = gather_placed(local, Sharded.split(d, part.size, part.shards), group=e.tp)
+            else:
+                full = torch.empty(shape_t, dtype=t.dtype, device=t.device)
+                state[key] = full
+                post.append((full.narrow(d, piece.start - full_off, piece.length), local))
+    return state, post
+
+
+def _dtensor(local: torch.Tensor, tp: TPGroup, dim: int, shape: Tuple[int, ...], meshes: Dict[int, Any]) -> Any:
+    """``local`` as this rank's ``Shard(dim)`` chunk of a DTensor of ``shape`` over the TP group."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(local, _mesh(tp, local.device, meshes), [Shard(dim)], run_check=False,
+                              shape=shape, stride=_contiguous_stride(shape))
+
+
+def _manifest(model: nn.Module) -> Dict[str, Any]:
+    tp_sizes = {e.tp.size for e in entries(model) if e.tp is not None}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "tp_size": max(tp_sizes) if tp_sizes else 1,
+        "tensors": {e.name: {"shape": list(e.full_shape()), "dtype": str(e.tensor.dtype).replace("torch.", ""),
+                             "layout": _layout_record(e), "aliases": list(e.aliases)}
+                    for e in entries(model)},
+    }
+
+
+def save_checkpoint(model: nn.Module, path: str, *, group: Any = None, process_group: Any = None) -> None:
+    """Save ``model`` (TP or not, any TP size) as a DCP checkpoint directory at ``path``.
+
+    Collective: every rank of ``group`` calls it: the ranks that write this checkpoint together
+    (default: the whole world, e.g. every TP and data-parallel rank), not the TP group.
+    ``process_group=`` is the deprecated name of ``group=``. Replaces an existing checkpoint at
+    ``path`` only once the new one is complete.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    path = os.path.abspath(os.fspath(path))
+    pg, rank = coord_group(group, process_group, "save_checkpoint")
+    tmp = f"{path}.tmp-{agree_token(pg, rank)}"
+    state, _ = _dcp_state(model, for_save=True)
+    manifest = _manifest(model)
+    with quiet():
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=pg, no_dist=pg is None)
+
+    def publish() -> None:
+        write_json(os.path.join(tmp, MANIFEST), manifest)
+        fsync_dir(tmp)
+        old = f"{path}.old-{os.path.basename(tmp)[-16:]}"
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+        fsync_dir(os.path.dirname(path))
+        shutil.rmtree(old, ignore_errors=True)
+
+    on_rank0(pg, rank, publish)
+
+
+def _read_manifest(path: str) -> Dict[str, Any]:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mpath) or not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"{path} is not a complete tplayers checkpoint (no {MANIFEST} or .metadata)")
+    with open(mpath) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
+    return manifest
+
+
+def _check_against(manifest: Dict[str, Any], model: nn.Module, path: str) -> None:
+    saved = manifest["tensors"]
+    mine = _manifest(model)["tensors"]
+    missing = sorted(set(mine) - set(saved))
+    unexpected = sorted(set(saved) - set(mine))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: checkpoint and model hold different tensors: missing from the checkpoint "
+                              f"{missing}, not in the model {unexpected}")
+    for name, want in mine.items():
+        have = saved[name]
+        if have["shape"] != want["shape"]:
+            raise CheckpointError(f"{path}: '{name}' has full shape {tuple(have['shape'])} in the checkpoint, "
+                                  f"the model expects {tuple(want['shape'])}")
+        lh, lw = have["layout"], want["layout"]
+        parts_h = lh["parts"] if lh else [None]
+        parts_w = lw["parts"] if lw else [None]
+        if (len(parts_h) > 1 or len(parts_w) > 1) and lh != lw:
+            raise CheckpointError(f"{path}: '{name}' was saved with TP layout {lh} (fused parts along dim), "
+                                  f"the model's layer has {lw}")
+
+
+def load_checkpoint(model: nn.Module, path: str, *, group: Any = None, process_group: Any = None) -> None:
+    """Load a :func:`save_checkpoint` directory into ``model`` at any TP size (bit-exact).
+
+    Collective over ``group`` (as in :func:`save_checkpoint`; default: the whole world;
+    ``process_group=`` is its deprecated name). Raises :class:`CheckpointError`
+    naming the tensor when names, full shapes or fused layouts differ.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.abspath(os.fspath(path))
+    _check_against(_read_manifest(path), model, path)
+    refuse_meta(entries(model), path)
+    reader = safe_reader(path)
+    try:
+        reader.read_metadata()  # refuse a tampered .metadata here, with a clear error, before DCP reads it
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: refusing to load .metadata: {e}") from None
+    pg, _ = coord_group(group, process_group, "load_checkpoint")
+    state, post = _dcp_state(model, for_save=False)
+    with torch.no_grad():
+        with quiet():
+            dcp.load(state, storage_reader=reader, process_group=pg, no_dist=pg is None)
+        for src, dst in post:
+            dst.copy_(src)

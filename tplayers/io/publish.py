@@ -1,0 +1,109 @@
+"""Coordinating the ranks that write one checkpoint: the group, a shared temporary name, work done on
+rank 0 only with its failure raised on every rank (no rank left waiting), and durable writes."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+import warnings
+from typing import Any, Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..core.comm import broadcast_tensor
+from ..core.groups import collective_device
+from .walk import CheckpointError
+
+__all__ = ["quiet", "coord_group", "agree_token", "on_rank0", "fsync_dir", "write_json"]
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """DCP warns that it runs single-process when torch.distributed is not initialized: intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def coord_group(group: Any, process_group: Any, caller: str) -> Tuple[Any, int]:
+    """(the process group of every rank taking part in a collective save/load, this rank in it);
+    (None, 0) without torch.distributed. ``group=None`` is the whole world; ``process_group`` is
+    the deprecated name of ``group``."""
+    if process_group is not None:
+        if group is not None:
+            raise TypeError(f"{caller}: pass group= only (process_group= is its deprecated name)")
+        warnings.warn(f"{caller}: process_group= is deprecated, pass group=", DeprecationWarning, stacklevel=3)
+        group = process_group
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 0
+    if group is None:
+        group = dist.group.WORLD
+    elif not isinstance(group, dist.ProcessGroup):
+        mesh_dims = getattr(group, "ndim", None)
+        if mesh_dims != 1:
+            raise TypeError(f"{caller}: group must be None (every rank of the world), a ProcessGroup or a 1-D "
+                            f"DeviceMesh of every rank that takes part, got {type(group).__name__}"
+                            + (f" with {mesh_dims} dims (pass None for the whole mesh)" if mesh_dims else ""))
+        group = group.get_group()
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{caller}: this process (global rank {dist.get_rank()}) is not a member of the group")
+    return group, rank
+
+
+def agree_token(pg: Any, rank: int) -> str:
+    """A random token drawn on rank 0 and broadcast (all ranks name the same temporary dir)."""
+    token = torch.tensor([uuid.uuid4().int % (2**62) if rank == 0 else 0], dtype=torch.int64)
+    if pg is not None:
+        token = broadcast_tensor(token.to(collective_device(pg)), 0, group=pg).cpu()
+    return f"{int(token.item()):016x}"
+
+
+def on_rank0(pg: Any, rank: int, fn: Any) -> None:
+    """Run ``fn`` on rank 0 only, then make every rank raise if it failed (no rank left waiting).
+
+    Rank 0 re-raises its own exception; the others raise :class:`CheckpointError` carrying its
+    message (broadcast as bytes), so an error on rank 0 alone never hangs the rest in a collective.
+    """
+    error: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (re-raised below, after the others heard of it)
+            error = e
+    if pg is None:
+        if error is not None:
+            raise error
+        return
+    msg = torch.zeros(1024, dtype=torch.uint8)
+    if error is not None:
+        text = f"{type(error).__name__}: {error}".encode()[:1023] or b"?"
+        msg[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    msg = broadcast_tensor(msg.to(collective_device(pg)), 0, group=pg).cpu()
+    if error is not None:
+        raise error
+    if msg[0]:
+        text = bytes(msg[msg.nonzero().flatten()].tolist()).decode(errors="replace")
+        raise CheckpointError(f"rank 0 failed to finish the save: {text}")
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,164 @@
+"""Dense, unsharded safetensors in Hugging Face's layout: ``save_dense`` (rank 0 writes one file) and
+``load_dense`` (a file, or an HF model directory sharded with an index or not; each rank reads only its
+own slices with ``safe_open(...).get_slice``). GPT-2 ``Conv1D`` weights are stored ``(in, out)``."""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .publish import coord_group, fsync_dir, on_rank0
+from .walk import CheckpointError, Entry, dense_state_dict, entries, parts_of, refuse_meta
+
+__all__ = ["save_dense", "load_dense"]
+
+
+def _safetensors() -> None:
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        raise ImportError("save_dense / load_dense need safetensors: pip install safetensors "
+                          "(or tplayers[hf])") from None
+
+
+def save_dense(model: nn.Module, path: str, *, group: Any = None, metadata: Optional[Dict[str, str]] = None,
+               process_group: Any = None) -> None:
+    """Write the unsharded state dict of ``model`` to one safetensors file (atomically, rank 0).
+
+    Collective: every rank of ``group`` calls it (default: the whole world; the TP modules gather
+    over their own TP groups, then rank 0 of ``group`` writes; ``process_group=`` is the deprecated
+    name of ``group=``). The file is what the dense model's ``save_pretrained`` would write (Conv1D
+    weights ``(in, out)``, tied weights once), so Hugging Face loads it.
+    """
+    _safetensors()
+    from safetensors.torch import save_file
+
+    path = os.path.abspath(os.fspath(path))
+    state = dense_state_dict(model)
+    pg, rank = coord_group(group, process_group, "save_dense")
+
+    def write() -> None:
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:16]}"
+        save_file({k: v.cpu() for k, v in state.items()}, tmp, metadata={"format": "pt", **(metadata or {})})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
+
+    on_rank0(pg, rank, write)
+
+
+def _dense_files(path: str) -> Dict[str, str]:
+    """{tensor name: file} for a safetensors file or a (possibly sharded) Hugging Face directory."""
+    if os.path.isfile(path):
+        files = [path]
+    elif os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            return {k: os.path.join(path, v) for k, v in weight_map.items()}
+        if not os.path.isfile(single):
+            raise CheckpointError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
+        files = [single]
+    else:
+        raise CheckpointError(f"no safetensors file or directory at {path}")
+    from safetensors import safe_open
+
+    out = {}
+    for fpath in files:
+        with safe_open(fpath, framework="pt") as f:
+            for k in f.keys():
+                out[k] = fpath
+    return out
+
+
+def _lookup(names: Tuple[str, ...], files: Mapping[str, str], prefix: Optional[str]) -> Optional[str]:
+    for n in names:
+        candidates = [n]
+        if prefix:
+            candidates += [n[len(prefix) + 1:]] if n.startswith(prefix + ".") else [f"{prefix}.{n}"]
+        for c in candidates:
+            if c in files:
+                return c
+    return None
+
+
+def _read_local(f: Any, key: str, e: Entry) -> torch.Tensor:
+    """This rank's local tensor for entry ``e``, read slice by slice from the open file ``f``."""
+    sl = f.get_slice(key)
+    shape = tuple(sl.get_shape())
+    full = e.full_shape()
+    want = tuple(reversed(full)) if e.transposed else full
+    if shape != want:
+        raise CheckpointError(f"'{e.name}': the dense checkpoint has shape {shape} (key '{key}'), "
+                              f"the model expects {want}")
+    if e.layout is None:
+        t = f.get_tensor(key)
+        return t.t() if e.transposed else t
+    assert e.tp is not None
+    d = e.layout.dim
+    file_dim = (1 - d) if e.transposed else d
+    pieces = []
+    for _, _, part, piece in parts_of(e):  # this rank's rows of each part, then the part's zero padding
+        index = [slice(None)] * len(shape)
+        index[file_dim] = slice(piece.start, piece.start + piece.length)
+        rows = sl[tuple(index)]
+        if piece.length < part.local_size:
+            pad_shape = list(rows.shape)
+            pad_shape[file_dim] = part.local_size - piece.length
+            rows = torch.cat([rows, rows.new_zeros(pad_shape)], dim=file_dim)
+        pieces.append(rows)
+    t = torch.cat(pieces, dim=file_dim) if len(pieces) > 1 else pieces[0]
+    return t.t() if e.transposed else t
+
+
+def load_dense(model: nn.Module, path: str, *, strict: bool = True) -> Tuple[List[str], List[str]]:
+    """Load an unsharded safetensors checkpoint (a file, or a Hugging Face model directory) into a
+    TP (or dense) model; each rank reads only its own slices. No communication, so it is not
+    collective and takes no ``group``: each rank may call it on its own.
+
+    Returns ``(missing, unexpected)`` names; with ``strict`` a missing tensor raises. Names may
+    differ by the model's ``base_model_prefix`` (``transformer.``, ``model.``) as in HF files.
+    """
+    _safetensors()
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    files = _dense_files(path)
+    prefix = getattr(model, "base_model_prefix", None) or None
+    walked = entries(model)
+    refuse_meta(walked, path)
+    missing, used = [], set()
+    handles: Dict[str, Any] = {}
+    try:
+        plan = []
+        for e in walked:
+            key = _lookup((e.name,) + e.aliases, files, prefix)
+            if key is None:
+                missing.append(e.name)
+                continue
+            plan.append((e, key))
+            used.add(key)
+        if strict and missing:
+            raise CheckpointError(f"{path}: the dense checkpoint has no tensor for {missing}")
+        with torch.no_grad():
+            for e, key in plan:
+                fpath = files[key]
+                if fpath not in handles:
+                    handles[fpath] = safe_open(fpath, framework="pt").__enter__()
+                local = _read_local(handles[fpath], key, e)
+                if local.shape != e.tensor.shape:
+                    raise CheckpointError(f"'{e.name}': local shard has shape {tuple(local.shape)}, "
+                                          f"the model's is {tuple(e.tensor.shape)}")
+                e.tensor.copy_(local)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    unexpected = sorted(set(files) - used)
+    return missing, unexpected
