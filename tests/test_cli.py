@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from tplayers.bench import MODES, SCHEMA
 from tplayers.cli import main
+from tplayers.cli import checks as C
 from tplayers.cli import verify as V
 from tplayers.cli.bench_cmd import format_report, plot_report
 from tplayers.layers import ColumnParallelLinear, RowParallelLinear
@@ -88,8 +89,9 @@ def test_verify_under_torchrun_env():
 def broken_check(monkeypatch):
     """A check whose TP module deliberately differs from its dense reference (tests only)."""
     check = V.Check("BrokenColumn", "", _broken_column)
-    monkeypatch.setattr(V, "CHECKS", V.CHECKS + [check])
-    return check
+    V.CHECKS.append(check)  # the registry's list itself: select_checks and run_checks both read it
+    yield check
+    V.CHECKS.remove(check)
 
 
 def _broken_column(g, cfg):
@@ -97,7 +99,7 @@ def _broken_column(g, cfg):
     tp = ColumnParallelLinear.from_dense(dense, group=g)
     with torch.no_grad():
         tp.bias.add_(0.5)  # wrong by 0.5 in the output, right in the gradients
-    return V._match(tp, dense, torch.randn(2, 8, dtype=torch.float64), g, cfg, output_shard_dim=-1)
+    return C._match(tp, dense, torch.randn(2, 8, dtype=torch.float64), g, cfg, output_shard_dim=-1)
 
 
 def test_failing_check_is_reported_and_exits_nonzero(broken_check):
@@ -118,7 +120,7 @@ def _broken_on_rank1(g, cfg):
     if g.rank == 1:
         with torch.no_grad():
             tp.bias.add_(0.5)  # the replicated output is wrong on rank 1 only
-    return V._match(tp, dense, torch.randn(2, 8, dtype=torch.float64), g, cfg, input_shard_dims=[-1])
+    return C._match(tp, dense, torch.randn(2, 8, dtype=torch.float64), g, cfg, input_shard_dims=[-1])
 
 
 def _run_with_check_failing_on_one_rank(group):

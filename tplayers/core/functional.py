@@ -38,7 +38,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .comm import _all_gather, _all_reduce, _reduce_scatter, scatter_to_tp
+from .collectives import _all_gather, _all_reduce, _reduce_scatter
+from .comm import scatter_to_tp
 from .groups import GroupLike, TPGroup, resolve_group
 
 __all__ = ["column_parallel_linear", "row_parallel_linear", "SEQ_DIM"]

@@ -100,11 +100,3 @@ def dense_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     Collective over the model's TP groups. Tied tensors appear once, under their first name.
     """
     return {e.name: _full_tensor(e) for e in entries(model)}
-
-
-def dense_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The unsharded state dict of a TP model, as the dense model would name and shape it.
-
-    Collective over the model's TP groups. Tied tensors appear once, under their first name.
-    """
-    return {e.name: _full_tensor(e) for e in entries(model)}

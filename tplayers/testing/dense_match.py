@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -118,67 +118,70 @@ def assert_matches_dense(
     shard_dims = list(input_shard_dims) if input_shard_dims is not None else [None] * len(inputs)
     if len(shard_dims) != len(inputs):
         raise ValueError(f"input_shard_dims has {len(shard_dims)} entries for {len(inputs)} inputs")
-
-    def leaf(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().clone()
-        return t.requires_grad_(t.is_floating_point())
-
-    dense_in = [leaf(t) for t in inputs]
-    tp_in = [leaf(t if d is None else g.shard(t, d, what=f"input {i}")) for i, (t, d) in enumerate(zip(inputs, shard_dims))]
+    dense_in = [_leaf(t) for t in inputs]
+    tp_in = [_leaf(t if d is None else g.shard(t, d, what=f"input {i}")) for i, (t, d) in enumerate(zip(inputs, shard_dims))]
     dense_module.zero_grad(set_to_none=True)
     tp_module.zero_grad(set_to_none=True)
-
-    dense_out = dense_module(*dense_in)
-    tp_out = tp_module(*tp_in)
+    dense_out, tp_out = dense_module(*dense_in), tp_module(*tp_in)
     if not isinstance(dense_out, torch.Tensor) or not isinstance(tp_out, torch.Tensor):
         raise TypeError("assert_matches_dense compares modules that return one tensor")
-    tp_full = tp_out if output_shard_dim is None else all_gather_tensor(tp_out, output_shard_dim, group=g)
     d_rtol, d_atol = default_tolerance(dense_out.dtype)
-    rtol = d_rtol if rtol is None else rtol
-    atol = d_atol if atol is None else atol
-
     # A mismatch is raised only after every collective below: it may show on some ranks only
     # (a replicated output), and a rank leaving early would leave the others waiting.
-    failures: List[str] = []
-
-    def compare(name: str, actual: torch.Tensor, expected: torch.Tensor) -> float:
-        err, failure = _compare(name, actual, expected, rtol, atol, g.rank)
-        if failure is not None:
-            failures.append(failure)
-        return err
-
+    check = _Checker(g.rank, d_rtol if rtol is None else rtol, d_atol if atol is None else atol)
     report = MatchReport()
-    report.output_error = compare("output", tp_full, dense_out)
-    report.errors["output"] = report.output_error
+    tp_full = tp_out if output_shard_dim is None else all_gather_tensor(tp_out, output_shard_dim, group=g)
+    report.output_error = report.errors["output"] = check("output", tp_full, dense_out)
 
     gen = torch.Generator().manual_seed(seed)
     grad_out = torch.randn(dense_out.shape, generator=gen, dtype=torch.float64).to(dense_out.dtype).to(dense_out.device)
     dense_out.backward(grad_out)
-    tp_grad = grad_out if output_shard_dim is None else g.shard(grad_out, output_shard_dim).contiguous()
-    tp_out.backward(tp_grad)
+    tp_out.backward(grad_out if output_shard_dim is None else g.shard(grad_out, output_shard_dim).contiguous())
 
     for i, (d_in, t_in, dim) in enumerate(zip(dense_in, tp_in, shard_dims)):
-        if not d_in.requires_grad:
-            continue
-        expected = d_in.grad if d_in.grad is not None else torch.zeros_like(d_in)
-        actual = t_in.grad if t_in.grad is not None else torch.zeros_like(t_in)
-        if dim is not None:
-            actual = all_gather_tensor(actual, dim, group=g)
-        err = compare(f"gradient of input {i}", actual, expected)
-        report.errors[f"input{i}.grad"] = err
-        report.input_grad_error = max(report.input_grad_error, err)
+        if d_in.requires_grad:
+            actual = _grad_or_zeros(t_in)
+            actual = actual if dim is None else all_gather_tensor(actual, dim, group=g)
+            err = report.errors[f"input{i}.grad"] = check(f"gradient of input {i}", actual, _grad_or_zeros(d_in))
+            report.input_grad_error = max(report.input_grad_error, err)
+    _compare_param_grads(tp_module, dense_module, check, report, g.rank)
+    if check.failures:
+        raise AssertionError(check.failures[0])
+    return report
 
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().clone()
+    return t.requires_grad_(t.is_floating_point())
+
+
+def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+class _Checker:
+    """Compares and records failures instead of raising (see the note in assert_matches_dense)."""
+
+    def __init__(self, rank: int, rtol: float, atol: float) -> None:
+        self.rank, self.rtol, self.atol, self.failures = rank, rtol, atol, []
+
+    def __call__(self, name: str, actual: torch.Tensor, expected: torch.Tensor) -> float:
+        err, failure = _compare(name, actual, expected, self.rtol, self.atol, self.rank)
+        if failure is not None:
+            self.failures.append(failure)
+        return err
+
+
+def _compare_param_grads(tp_module: nn.Module, dense_module: nn.Module, check: _Checker, report: MatchReport,
+                         rank: int) -> None:
+    """Every parameter gradient of the TP module (gathered to dense form) against the dense one."""
     tp_grads = dense_parameters(tp_module, grads=True)
-    dense_grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in dense_module.named_parameters()}
+    dense_grads = {n: _grad_or_zeros(p) for n, p in dense_module.named_parameters()}
     if set(tp_grads) != set(dense_grads):
         raise AssertionError(
-            f"rank {g.rank}: parameter names differ: only in TP {sorted(set(tp_grads) - set(dense_grads))}, "
+            f"rank {rank}: parameter names differ: only in TP {sorted(set(tp_grads) - set(dense_grads))}, "
             f"only in dense {sorted(set(dense_grads) - set(tp_grads))}"
         )
     for name in sorted(dense_grads):
-        err = compare(f"gradient of parameter '{name}'", tp_grads[name], dense_grads[name])
-        report.errors[f"{name}.grad"] = err
+        err = report.errors[f"{name}.grad"] = check(f"gradient of parameter '{name}'", tp_grads[name], dense_grads[name])
         report.param_grad_error = max(report.param_grad_error, err)
-    if failures:
-        raise AssertionError(failures[0])
-    return report

@@ -1,0 +1,278 @@
+"""The ``tplayers verify`` checks: every TP module against its dense reference built from the same
+seeded full weights, through :func:`tplayers.testing.assert_matches_dense` (outputs, input gradients,
+gathered parameter gradients).
+
+Shapes scale with the TP degree p (hidden 16p, ffn 32p, seq 4p, 2p heads of 8, vocab 8p or
+8p+3 for the padded embedding) so every check fits every p. A new TP module adds its check here.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..core.groups import TPGroup
+from ..layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from ..models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
+from ..models.dense import BlockConfig, DenseAttention, DenseGPT, DenseMLP, DenseTransformerBlock, GPTConfig
+from ..models.gpt import ParallelGPT
+from ..models.loss import vocab_parallel_cross_entropy
+from ..testing import MatchReport, assert_matches_dense
+from .registry import VerifyConfig, register, tolerance, variant
+
+# ---------------------------------------------------------------------------- shapes and helpers
+
+
+def _dims(g: TPGroup) -> Dict[str, int]:
+    p = g.size
+    return dict(seq=4 * p, hidden=16 * p, ffn=32 * p)
+
+
+def _input(cfg: VerifyConfig, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64).to(cfg.torch_device(), cfg.torch_dtype)
+
+
+def _dense(module: nn.Module, cfg: VerifyConfig) -> nn.Module:
+    return module.to(cfg.torch_device(), cfg.torch_dtype)
+
+
+def _match(tp: nn.Module, dense: nn.Module, x: Any, g: TPGroup, cfg: VerifyConfig, **kw: Any) -> MatchReport:
+    rtol, atol = tolerance(cfg)
+    return assert_matches_dense(tp, dense, x, group=g, rtol=rtol, atol=atol, seed=cfg.seed, **kw)
+
+
+def _seq_shards(sp: bool) -> Dict[str, Any]:
+    """assert_matches_dense's shard dims for a module whose input and output are (b, s | s/p, h)."""
+    return dict(input_shard_dims=[-2] if sp else None, output_shard_dim=-2 if sp else None)
+
+
+# ---------------------------------------------------------------------------- the checks: linears
+
+
+def _column(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
+    d = _dims(g)
+    dense = _dense(nn.Linear(d["hidden"], d["ffn"]), cfg)
+    tp = ColumnParallelLinear.from_dense(dense, group=g, **options)
+    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                  input_shard_dims=[-2] if options.get("sequence_parallel") else None,
+                  output_shard_dim=None if options.get("gather_output") else -1)
+
+
+def _row(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
+    d = _dims(g)
+    dense = _dense(nn.Linear(d["ffn"], d["hidden"]), cfg)
+    tp = RowParallelLinear.from_dense(dense, group=g, **options)
+    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["ffn"]), g, cfg,
+                  input_shard_dims=[-1] if options.get("input_is_parallel", True) else None,
+                  output_shard_dim=-2 if options.get("sequence_parallel") else None)
+
+
+def _mlp_pair(g: TPGroup, cfg: VerifyConfig, act: bool, **options: Any) -> MatchReport:
+    d = _dims(g)
+    layers = [nn.Linear(d["hidden"], d["ffn"]), nn.GELU(), nn.Linear(d["ffn"], d["hidden"])]
+    dense = _dense(nn.Sequential(*(layers if act else [layers[0], layers[2]])), cfg)
+    fc1, fc2 = dense[0], dense[-1]
+    middle = [nn.GELU()] if act else []
+    tp = nn.Sequential(ColumnParallelLinear.from_dense(fc1, group=g, **options), *middle,
+                       RowParallelLinear.from_dense(fc2, group=g, **options))
+    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                  **_seq_shards(options.get("sequence_parallel", False)))
+
+
+variant("ColumnParallelLinear", "gather_output=False", _column)
+variant("ColumnParallelLinear", "gather_output=True", _column, gather_output=True)
+variant("ColumnParallelLinear", "overlap_comm=False", _column, overlap_comm=False)
+variant("ColumnParallelLinear", "sequence_parallel=True", _column, sequence_parallel=True)
+variant("RowParallelLinear", "input_is_parallel=True", _row)
+variant("RowParallelLinear", "input_is_parallel=False", _row, input_is_parallel=False)
+variant("RowParallelLinear", "sequence_parallel=True", _row, sequence_parallel=True)
+variant("Column->Row", "sequence_parallel=True", _mlp_pair, tol_scale=2, act=False, sequence_parallel=True)
+variant("Column->GELU->Row MLP", "", _mlp_pair, tol_scale=2, act=True)
+variant("Column->GELU->Row MLP", "overlap_comm=False", _mlp_pair, tol_scale=2, act=True, overlap_comm=False)
+variant("Column->GELU->Row MLP", "sequence_parallel=True", _mlp_pair, tol_scale=2, act=True, sequence_parallel=True)
+
+
+# ---------------------------------------------------------------------------- the checks: vocab, blocks
+
+
+class _CrossEntropy(nn.Module):
+    """Dense reference: F.cross_entropy over full logits ``(b, s, V)`` for fixed targets ``(b, s)``."""
+
+    def __init__(self, target: torch.Tensor, **options: Any) -> None:
+        super().__init__()
+        self.target, self.options = target, options
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.flatten(0, -2), self.target.flatten(), **self.options)
+        return loss.view(self.target.shape) if self.options.get("reduction") == "none" else loss
+
+
+class _VocabParallelCrossEntropy(nn.Module):
+    """vocab_parallel_cross_entropy on this rank's logits shard ``(b, s, V/p)``."""
+
+    def __init__(self, target: torch.Tensor, g: TPGroup, **options: Any) -> None:
+        super().__init__()
+        self.target, self.g, self.options = target, g, options
+
+    def forward(self, logits_shard: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits_shard, self.target, group=self.g, **self.options)
+
+
+def _cross_entropy(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
+    d = _dims(g)
+    vocab = 8 * g.size
+    logits = _input(cfg, cfg.batch, d["seq"], vocab) * 3  # (b, s, V)
+    target = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
+    if "ignore_index" in options:
+        target[0, 0] = options["ignore_index"]
+    return _match(_VocabParallelCrossEntropy(target, g, **options), _CrossEntropy(target, **options), logits, g, cfg,
+                  input_shard_dims=[-1])
+
+
+variant("vocab_parallel_cross_entropy", "reduction='none'", _cross_entropy, reduction="none")
+variant("vocab_parallel_cross_entropy", "mean, label_smoothing=0.1, ignore_index", _cross_entropy,
+         reduction="mean", label_smoothing=0.1, ignore_index=-100)
+
+
+def _embedding(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
+    d = _dims(g)
+    vocab = 8 * g.size + 3  # not divisible by p > 1: exercises the padded last shard
+    dense = _dense(nn.Embedding(vocab, d["hidden"]), cfg)
+    tp = VocabParallelEmbedding.from_dense(dense, group=g, **options)
+    ids = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
+    sp = options.get("sequence_parallel", False)
+    return _match(tp, dense, ids, g, cfg, output_shard_dim=-2 if sp else None)
+
+
+variant("VocabParallelEmbedding", "vocab=8p+3", _embedding)
+variant("VocabParallelEmbedding", "vocab=8p+3, sequence_parallel=True", _embedding, sequence_parallel=True)
+
+
+def _lm_head(g: TPGroup, cfg: VerifyConfig, padded: bool, sp: bool, **options: Any) -> MatchReport:
+    d = _dims(g)
+    vocab = 8 * g.size + (3 if padded else 0)  # without padding the gathered shards are the dense logits
+    dense = _dense(nn.Linear(d["hidden"], vocab, bias=False), cfg)
+    tp = ParallelLMHead.from_dense(dense, group=g, sequence_parallel=sp, **options)
+    gathered = options.get("gather_output", False)
+    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                  input_shard_dims=[-2] if sp else None, output_shard_dim=None if gathered else -1)
+
+
+variant("ParallelLMHead", "vocab=8p+3, gather_output=True", _lm_head, padded=True, sp=False, gather_output=True)
+variant("ParallelLMHead", "vocab=8p, logits shard, sequence_parallel=True", _lm_head, padded=False, sp=True)
+
+
+class _TiedLM(nn.Module):
+    """``head(tanh(embed(ids)))`` with ``head.weight`` tied to ``embed.weight``. The head is kept out
+    of the module tree so the one shared parameter is named ``embed.weight`` in both the dense
+    and the TP model (its gradient holds both uses)."""
+
+    def __init__(self, embed: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.embed = embed
+        head.weight = embed.weight
+        object.__setattr__(self, "head", head)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)))  # (b, s, V)
+
+
+@register("VocabParallelEmbedding+ParallelLMHead", "tied weight, vocab=8p+3", tol_scale=2)
+def check_tied_embedding(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    d = _dims(g)
+    vocab = 8 * g.size + 3
+    dense = _TiedLM(_dense(nn.Embedding(vocab, d["hidden"]), cfg), _dense(nn.Linear(d["hidden"], vocab, bias=False), cfg))
+    tp = _TiedLM(VocabParallelEmbedding.from_dense(dense.embed, group=g),
+                 ParallelLMHead.from_dense(dense.head, group=g, gather_output=True))
+    if tp.head.weight is not tp.embed.weight:
+        raise AssertionError("the TP head and embedding do not share one weight")
+    ids = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
+    return _match(tp, dense, ids, g, cfg)
+
+
+def _parallel_mlp(g: TPGroup, cfg: VerifyConfig, activation: str, sp: bool) -> MatchReport:
+    d = _dims(g)
+    dense = _dense(DenseMLP(d["hidden"], d["ffn"], activation), cfg)
+    tp = ParallelMLP.from_dense(dense, group=g, sequence_parallel=sp)
+    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                  **_seq_shards(sp))
+
+
+variant("ParallelMLP", "gelu", _parallel_mlp, tol_scale=2, activation="gelu", sp=False)
+variant("ParallelMLP", "swiglu", _parallel_mlp, tol_scale=2, activation="swiglu", sp=False)
+variant("ParallelMLP", "swiglu, sequence_parallel=True", _parallel_mlp, tol_scale=2, activation="swiglu", sp=True)
+
+
+def _heads(g: TPGroup) -> Dict[str, int]:
+    # 2 query heads per rank, head_dim 8; GQA: half as many KV heads as ranks (replicated KV heads)
+    return dict(n_heads=2 * g.size, n_kv_heads=max(1, g.size // 2))
+
+
+def _attention(g: TPGroup, cfg: VerifyConfig, gqa: bool, sp: bool, rotary: bool) -> MatchReport:
+    d, h = _dims(g), _heads(g)
+    dense = _dense(DenseAttention(d["hidden"], h["n_heads"], h["n_kv_heads"] if gqa else None,
+                                  causal=True, rotary=rotary), cfg)
+    tp = ParallelAttention.from_dense(dense, group=g, sequence_parallel=sp)
+    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                  **_seq_shards(sp))
+
+
+variant("ParallelAttention", "MHA, causal", _attention, tol_scale=8, gqa=False, sp=False, rotary=False)
+variant("ParallelAttention", "GQA (kv heads = p/2), causal, rotary", _attention, tol_scale=8,
+         gqa=True, sp=False, rotary=True)
+variant("ParallelAttention", "GQA, rotary, sequence_parallel=True", _attention, tol_scale=8,
+         gqa=True, sp=True, rotary=True)
+
+
+def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool) -> MatchReport:
+    d, h = _dims(g), _heads(g)
+    config = BlockConfig(hidden=d["hidden"], n_heads=h["n_heads"], ffn_hidden=d["ffn"],
+                         n_kv_heads=h["n_kv_heads"] if llama else None, activation="swiglu" if llama else "gelu",
+                         norm="rmsnorm" if llama else "layernorm", bias=not llama, rotary=llama)
+    dense = _dense(DenseTransformerBlock(config), cfg)
+    with torch.no_grad():  # non-trivial norm weights, so their gradients are checked for real
+        for name, p in dense.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    tp = ParallelTransformerBlock.from_dense(dense, group=g, sequence_parallel=sp)
+    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                  **_seq_shards(sp))
+
+
+variant("ParallelTransformerBlock", "GPT: gelu, layernorm, MHA", _block, tol_scale=16, sp=False, llama=False)
+variant("ParallelTransformerBlock", "GPT, sequence_parallel=True", _block, tol_scale=16, sp=True, llama=False)
+variant("ParallelTransformerBlock", "Llama: swiglu, rmsnorm, GQA, rotary", _block, tol_scale=16, sp=False, llama=True)
+variant("ParallelTransformerBlock", "Llama, sequence_parallel=True", _block, tol_scale=16, sp=True, llama=True)
+
+
+class _Call(nn.Module):
+    """``model.<method>(ids, *args)`` as a module (names its parameters ``model.*`` on both sides)."""
+
+    def __init__(self, model: nn.Module, method: str, *args: Any) -> None:
+        super().__init__()
+        self.model, self.method, self.args = model, method, args
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return getattr(self.model, self.method)(ids, *self.args)
+
+
+def _gpt(g: TPGroup, cfg: VerifyConfig, what: str, sp: bool) -> MatchReport:
+    d, h = _dims(g), _heads(g)
+    vocab = 8 * g.size + 3  # padded vocabulary: the loss must keep the padding out
+    config = GPTConfig(hidden=d["hidden"], n_heads=h["n_heads"], ffn_hidden=d["ffn"], n_kv_heads=h["n_kv_heads"],
+                       vocab_size=vocab, n_layers=2)
+    dense = _dense(DenseGPT(config), cfg)
+    tp = ParallelGPT.from_dense(dense, group=g, sequence_parallel=sp)
+    ids = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
+    if what == "logits":  # the full (b, s, V) logits, gathered from the vocabulary shards
+        return _match(_Call(tp, "logits"), _Call(dense, "forward"), ids, g, cfg)
+    targets = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=ids.device)  # (b, s)
+    targets[0, 0] = -100  # ignored
+    return _match(_Call(tp, "loss", targets), _Call(dense, "loss", targets), ids, g, cfg)
+
+
+variant("ParallelGPT", "logits, GQA, rotary, vocab=8p+3", _gpt, tol_scale=32, what="logits", sp=False)
+variant("ParallelGPT", "loss (vocab-parallel cross-entropy)", _gpt, tol_scale=32, what="loss", sp=False)
+variant("ParallelGPT", "loss, sequence_parallel=True", _gpt, tol_scale=32, what="loss", sp=True)

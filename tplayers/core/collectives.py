@@ -1,0 +1,186 @@
+"""The collectives under everything: private primitives that return `Pending` handles (so callers can
+overlap them with compute), and public non-differentiable helpers (rebuilding dense weights,
+coordination, benchmarks). The differentiable ops built on the primitives are in :mod:`.comm`.
+
+Ownership rule: a primitive that works in place only ever touches a buffer its caller allocated for
+it; the public helpers copy (``all_reduce_`` is the one explicit in-place exception).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .groups import GroupLike, TPGroup, collective_device, resolve_group
+from .placement import Placement
+
+__all__ = ["Pending", "all_gather_tensor", "all_reduce_tensor", "broadcast_tensor", "barrier", "reduce_scatter_tensor",
+           "all_reduce_", "gather_placed"]
+
+# torch 2.13 renamed the single-tensor collectives; 2.4-2.12 only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Pending:
+    """A collective in flight. ``wait()`` blocks until it is done and returns its result."""
+
+    __slots__ = ("_work", "_finish", "_result")
+
+    def __init__(self, work: Optional[object], finish: Callable[[], torch.Tensor]) -> None:
+        self._work = work
+        self._finish = finish
+        self._result: Optional[torch.Tensor] = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._finish()
+        return self._result
+
+
+def _done(t: torch.Tensor) -> Pending:
+    return Pending(None, lambda: t)
+
+
+def _check_divisible(size: int, g: TPGroup, what: str) -> None:
+    if size % g.size != 0:
+        raise ValueError(f"{what} of size {size} is not divisible by the TP degree {g.size}")
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str = "sum") -> Pending:
+    """Sum (or ``op="max"``) ``buf`` over the group, in place. ``buf`` must be a contiguous
+    tensor the caller owns."""
+    if g.size == 1:
+        return _done(buf)
+    assert buf.is_contiguous(), "all-reduce needs an owned contiguous buffer"
+    work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op)
+    return Pending(work, lambda: buf)
+
+
+def _all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False) -> Pending:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
+    if g.size == 1:
+        return _done(x)
+    dim = dim % x.dim()
+    src = x.contiguous()
+    out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
+    work = _all_gather_single(out, src, group=g.process_group, async_op=async_op)
+    if dim == 0:
+        return Pending(work, lambda: out)
+
+    def finish() -> torch.Tensor:
+        # (p*d0, ...) -> (p, d0, ..., d_dim, ...) -> (d0, ..., p, d_dim, ...) -> merge p into dim
+        parts = out.view((g.size,) + tuple(src.shape)).movedim(0, dim)
+        shape = list(src.shape)
+        shape[dim] *= g.size
+        return parts.reshape(shape)
+
+    return Pending(work, finish)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False) -> Pending:
+    """Sum over the group, then keep this rank's chunk along ``dim``. Never modifies ``x``."""
+    if g.size == 1:
+        return _done(x)
+    dim = dim % x.dim()
+    _check_divisible(x.shape[dim], g, f"dim {dim} of a reduce-scatter input")
+    if dim == 0:
+        src = x.contiguous()
+    else:  # bring the p chunks of `dim` to the front so each rank's chunk is contiguous
+        shape = list(x.shape)
+        shape[dim : dim + 1] = [g.size, shape[dim] // g.size]
+        src = x.reshape(shape).movedim(dim, 0).contiguous()
+    out_shape = list(x.shape)
+    out_shape[dim] //= g.size
+    if dim == 0:
+        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+        work = _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op)
+        return Pending(work, lambda: out)
+    chunk_shape = list(src.shape[1:])
+    src = src.reshape([g.size * chunk_shape[0]] + chunk_shape[1:])  # the collective splits dim 0
+    out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
+    work = _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op)
+    return Pending(work, lambda: out.reshape(out_shape))
+
+
+def _split(x: torch.Tensor, dim: int, g: TPGroup) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim`` (torch.chunk order), as an owned contiguous tensor."""
+    if g.size == 1:
+        return x
+    _check_divisible(x.shape[dim], g, f"dim {dim} of a tensor split across the TP group")
+    return x.chunk(g.size, dim=dim)[g.rank].contiguous()
+
+
+def _owned_copy(x: torch.Tensor) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def all_gather_tensor(x: torch.Tensor, dim: int, *, group: GroupLike) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (no autograd). Used to rebuild dense weights."""
+    with torch.no_grad():
+        return _all_gather(x.detach(), dim, resolve_group(group)).wait()
+
+
+def all_reduce_tensor(x: torch.Tensor, *, group: GroupLike, op: str = "sum") -> torch.Tensor:
+    """Sum (``op="sum"``) or maximum (``op="max"``) of ``x`` over the group as a new tensor
+    (no autograd); ``x`` is left untouched."""
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce_tensor: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+    with torch.no_grad():
+        g = resolve_group(group)
+        return x.detach() if g.size == 1 else _all_reduce(_owned_copy(x.detach()), g, op=op).wait()
+
+
+def barrier(group: GroupLike) -> None:
+    """Every rank of the group reaches this point before any leaves (a 1-element all-reduce, so it
+    runs on any backend and honours the group's timeout)."""
+    g = resolve_group(group)
+    if g.size > 1:
+        all_reduce_tensor(torch.zeros(1, device=collective_device(g.process_group)), group=g)
+
+
+def reduce_scatter_tensor(x: torch.Tensor, dim: int, *, group: GroupLike) -> torch.Tensor:
+    """This rank's chunk (along ``dim``) of the sum of every rank's ``x``, as a new tensor (no autograd)."""
+    with torch.no_grad():
+        g = resolve_group(group)
+        return x.detach() if g.size == 1 else _reduce_scatter(x.detach(), dim, g).wait()
+
+
+def all_reduce_(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
+    """Sum ``x`` over the group IN PLACE and return it (no autograd, no copy). Only for a buffer the
+    caller owns outright (benchmarks timing the bare collective); everything else uses the copying ops."""
+    g = resolve_group(group)
+    if g.size == 1:
+        return x
+    if not x.is_contiguous():
+        raise ValueError("all_reduce_: the buffer must be contiguous (a reduction into a copy would be lost)")
+    with torch.no_grad():
+        return _all_reduce(x, g).wait()
+
+
+def broadcast_tensor(x: torch.Tensor, src_rank: int, *, group: GroupLike) -> torch.Tensor:
+    """``x`` of group rank ``src_rank``, on every rank, as a new tensor (no autograd)."""
+    with torch.no_grad():
+        g = resolve_group(group)
+        if g.size == 1:
+            return x.detach()
+        buf = _owned_copy(x.detach())
+        src = dist.get_global_rank(g.process_group, src_rank) if g.process_group is not None else src_rank
+        dist.broadcast(buf, src=src, group=g.process_group)
+        return buf
+
+
+def gather_placed(local: torch.Tensor, placement: Placement, *, group: GroupLike) -> torch.Tensor:
+    """The dense tensor of ``placement`` rebuilt on every rank from each rank's ``local`` (no
+    autograd). A replicated placement returns ``local`` itself: no communication."""
+    if not placement.is_sharded:
+        return local.detach()
+    g = resolve_group(group)
+    gathered = all_gather_tensor(local.contiguous(), placement.dim, group=g)
+    return placement.unshard(gathered.chunk(g.size, dim=placement.dim))
