@@ -42,7 +42,9 @@ __all__ = [
 
 
 def require_divisible(size: int, tp_size: int, layer: str, what: str) -> int:
-    """``size // tp_size``, or a ValueError naming the size, the TP degree and the layer."""
+    """``size // tp_size``, or a ValueError naming the size, the TP degree and the layer.
+    (``tp_size`` may also be a TPGroup, as 0.1 callers pass it.)"""
+    tp_size = getattr(tp_size, "size", tp_size)
     if size < 1:
         raise ValueError(f"{layer}: {what}={size} must be positive")
     if size % tp_size != 0:

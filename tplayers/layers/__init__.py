@@ -5,6 +5,7 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 from .fused import FusedColumnParallelLinear
 from .vocab import ParallelLMHead, VocabParallelEmbedding
 from .norm import ParallelNorm
+from .compat import ShardLayout  # deprecated 0.1 name
 
 __all__ = ["TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",
            "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "model_placements", "set_overlap_comm", "require_divisible"]

@@ -19,7 +19,7 @@ from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 
 __all__ = ["TensorParallelModule", "model_placements", "placements_of", "set_overlap_comm", "PLACEMENTS_ATTR",
-           "dense_linear_init", "new_param", "load_full_params", "linear_to_dense", "check_dense_linear"]
+           "dense_linear_init", "new_param", "load_full_params", "reset_linear_params", "linear_to_dense", "check_dense_linear"]
 
 # A module that is not a TensorParallelModule (a Hugging Face norm under sequence parallelism) carries
 # its parameters' placements in this attribute, set by the parallelize style that changed how it runs.
@@ -126,6 +126,14 @@ def load_full_params(layer: TensorParallelModule, full: Dict[str, Optional[torch
         elif getattr(layer, name).device.type != "meta":  # a meta layer stays uninitialized
             with torch.no_grad():
                 getattr(layer, name).copy_(local)
+
+
+def reset_linear_params(layer: TensorParallelModule) -> None:
+    """Redraw the full ``nn.Linear(in_features, out_features)`` init (the same RNG calls) and keep
+    this rank's part of it, through each parameter's placement."""
+    w, b = dense_linear_init(layer.in_features, layer.out_features, layer.bias is not None,
+                             layer.weight.device, layer.weight.dtype)
+    load_full_params(layer, {"weight": w, "bias": b})
 
 
 def linear_to_dense(layer: TensorParallelModule) -> nn.Linear:

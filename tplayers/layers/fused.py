@@ -19,7 +19,7 @@ from ..core.comm import sum_over_replicas
 from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Sharded
-from .base import TensorParallelModule, check_dense_linear, dense_linear_init, linear_to_dense, load_full_params
+from .base import TensorParallelModule, check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 
 __all__ = ["FusedColumnParallelLinear"]
 
@@ -62,9 +62,7 @@ class FusedColumnParallelLinear(TensorParallelModule):
 
     def reset_parameters(self) -> None:
         """Redraw the full ``nn.Linear(in, sum(parts))`` init and keep this rank's pieces."""
-        w, b = dense_linear_init(self.in_features, self.out_features, self.bias is not None,
-                                 self.weight.device, self.weight.dtype)
-        load_full_params(self, {"weight": w, "bias": b})
+        reset_linear_params(self)
 
     def _with_replica_grads(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a view of it: no copy) whose replicated components' gradients are summed over

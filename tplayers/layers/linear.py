@@ -17,7 +17,7 @@ from ..core.comm import gather_from_tp
 from ..core.functional import column_parallel_linear, row_parallel_linear
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Replicated, Sharded, require_divisible
-from .base import TensorParallelModule, check_dense_linear, dense_linear_init, linear_to_dense, load_full_params
+from .base import TensorParallelModule, check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -59,9 +59,7 @@ class ColumnParallelLinear(TensorParallelModule):
 
     def reset_parameters(self) -> None:
         """Redraw the full ``nn.Linear`` init and keep this rank's rows."""
-        w, b = dense_linear_init(self.in_features, self.out_features, self.bias is not None,
-                                  self.weight.device, self.weight.dtype)
-        load_full_params(self, {"weight": w, "bias": b})
+        reset_linear_params(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # a world of one is nn.Linear exactly (autocast, errors and all)
@@ -128,9 +126,7 @@ class RowParallelLinear(TensorParallelModule):
 
     def reset_parameters(self) -> None:
         """Redraw the full ``nn.Linear`` init and keep this rank's columns (and the full bias)."""
-        w, b = dense_linear_init(self.in_features, self.out_features, self.bias is not None,
-                                  self.weight.device, self.weight.dtype)
-        load_full_params(self, {"weight": w, "bias": b})
+        reset_linear_params(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # a world of one is nn.Linear exactly (autocast, errors and all)

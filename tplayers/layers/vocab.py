@@ -26,6 +26,7 @@ from ..core.functional import SEQ_DIM, column_parallel_linear
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import Placement, Sharded
 from .base import TensorParallelModule, dense_linear_init, load_full_params, new_param
+from .compat import PaddedShardLayout, padded_vocab_size, vocab_range  # noqa: F401  (0.1 names, deprecated)
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead"]
 
