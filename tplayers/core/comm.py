@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .collectives import (Pending, _all_gather, _all_reduce, _owned_copy, _reduce_scatter, _split,
                           all_gather_tensor, all_reduce_, all_reduce_tensor, barrier, broadcast_tensor, gather_placed,
@@ -56,6 +57,7 @@ class _CopyToTP(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         return _all_reduce(_owned_copy(grad), ctx.g).wait(), None
 
@@ -68,6 +70,7 @@ class _ReduceFromTP(torch.autograd.Function):
         return _all_reduce(_owned_copy(x), g).wait()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         return grad, None
 
@@ -81,6 +84,7 @@ class _ScatterToTP(torch.autograd.Function):
         return _split(x, -1, g)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         return _all_gather(grad, -1, ctx.g).wait(), None
 
@@ -94,6 +98,7 @@ class _GatherFromTP(torch.autograd.Function):
         return _all_gather(x, -1, g).wait()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         return _split(grad, -1, ctx.g), None
 
@@ -107,6 +112,7 @@ class _ScatterToSequence(torch.autograd.Function):
         return _split(x, dim, g)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         return _all_gather(grad, ctx.dim, ctx.g).wait(), None, None
 
@@ -121,6 +127,7 @@ class _GatherFromSequence(torch.autograd.Function):
         return _all_gather(x, dim, g).wait()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         if ctx.partial:
             return _reduce_scatter(grad, ctx.dim, ctx.g).wait(), None, None, None
@@ -136,6 +143,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _reduce_scatter(x, dim, g).wait()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         return _all_gather(grad, ctx.dim, ctx.g).wait(), None, None
 
@@ -155,6 +163,7 @@ class _SumOverReplicas(torch.autograd.Function):
         return x.view_as(x)  # a view: no copy of x is made or saved
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         g, n, (start, stop) = ctx.g, ctx.num_shards, ctx.rows
         slot = g.rank // (g.size // n)

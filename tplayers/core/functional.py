@@ -36,6 +36,7 @@ import warnings
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 
 from .collectives import _all_gather, _all_reduce, _reduce_scatter
@@ -122,6 +123,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         return F.linear(x_full, weight, bias)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         g, sp, overlap = ctx.g, ctx.sequence_parallel, ctx.overlap
@@ -166,6 +168,7 @@ class _RowParallelLinearFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

@@ -25,6 +25,7 @@ from ..core.comm import gather_from_tp, reduce_from_tp, reduce_scatter_to_sequen
 from ..core.functional import SEQ_DIM, column_parallel_linear
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import Placement, Sharded
+from ..core.validate import check_index_range
 from .base import TensorParallelModule, dense_linear_init, load_full_params, new_param
 from .compat import PaddedShardLayout, padded_vocab_size, vocab_range  # noqa: F401  (0.1 names, deprecated)
 
@@ -103,8 +104,10 @@ class VocabParallelEmbedding(_VocabParallelBase):
         load_full_params(self, {"weight": full})
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.is_floating_point() or ids.is_complex():
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise TypeError(f"VocabParallelEmbedding: ids must be an integer tensor, got {ids.dtype}")
+        # ids on the padding rows of an uneven vocabulary would silently embed to zeros
+        check_index_range(ids, self.num_embeddings, f"VocabParallelEmbedding(vocab={self.num_embeddings})")
         if self.sequence_parallel and self.tp.size > 1:
             if ids.dim() < 1 or ids.shape[-1] % self.tp.size != 0:
                 raise ValueError(

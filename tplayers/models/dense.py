@@ -121,6 +121,10 @@ def normalize_attn_mask(mask: Optional[torch.Tensor], batch: int, seq: int, n_he
     over the queries). Bool: True = attend; float: added to scores."""
     if mask is None:
         return None
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        # an integer 0/1 mask would be added to the scores as a bias: SDPA refuses it, and so do we
+        raise TypeError(f"{layer}: attn_mask must be bool (True = attend) or floating point (added to the "
+                        f"scores), got {mask.dtype}")
     if mask.dim() == 2:
         mask = mask[None, None]
     elif mask.dim() == 3:

@@ -14,9 +14,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..core.comm import all_reduce_tensor
 from ..core.placement import padded_size
+from ..core.validate import check_index_range
 from ..core.groups import GroupLike, TPGroup, resolve_group
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -62,6 +64,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss  # in the compute dtype (>= float32): the caller reduces it, then casts once
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss):
         probs, local_t, in_shard, valid, real = ctx.saved_tensors
         eps = ctx.smoothing
@@ -93,7 +96,8 @@ def vocab_parallel_cross_entropy(
     not divide the TP degree); the padding never enters the loss. Defaults to ``p * V'/p``.
     ``ignore_index``, ``label_smoothing`` and ``reduction`` ("mean" | "sum" | "none") follow
     ``F.cross_entropy``; "mean" averages over non-ignored targets. Targets outside
-    ``[0, vocab_size)`` other than ``ignore_index`` are not checked (that would sync the device).
+    ``[0, vocab_size)`` other than ``ignore_index`` raise IndexError, as in ``F.cross_entropy``
+    (checked locally on every rank: no collective; on CUDA a device-side assert, no host sync).
     """
     g = resolve_group(group)
     if reduction not in ("mean", "sum", "none"):
@@ -102,7 +106,7 @@ def vocab_parallel_cross_entropy(
         raise ValueError(f"vocab_parallel_cross_entropy: label_smoothing={label_smoothing} must be in [0, 1]")
     if not logits_shard.is_floating_point():
         raise TypeError(f"vocab_parallel_cross_entropy: logits must be floating point, got {logits_shard.dtype}")
-    if target.is_floating_point() or target.is_complex():
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
         raise TypeError(f"vocab_parallel_cross_entropy: target must hold integer class ids, got {target.dtype}")
     if logits_shard.dim() < 1 or tuple(logits_shard.shape[:-1]) != tuple(target.shape):
         raise ValueError(
@@ -118,6 +122,9 @@ def vocab_parallel_cross_entropy(
             f"{n_local} columns per rank ({n_local * g.size} in all)")
     if logits_shard.device != target.device:
         raise ValueError(f"vocab_parallel_cross_entropy: logits on {logits_shard.device}, target on {target.device}")
+    # a target on a padding column (or past the vocabulary) would otherwise give a finite, wrong loss
+    check_index_range(target, vocab_size, f"vocab_parallel_cross_entropy(vocab_size={vocab_size}) target",
+                      ignore_index=ignore_index)
 
     loss = _VocabParallelCrossEntropy.apply(  # int64 ids: gather/scatter take no narrower index (uint8, int16)
         logits_shard.reshape(-1, n_local), target.reshape(-1).long(), g, vocab_size, ignore_index,

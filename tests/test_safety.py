@@ -1,0 +1,92 @@
+"""No silent wrong answers (part of the no-silent-wrong issue): out-of-range ids and targets, integer
+attention masks, and second-order gradients through the fused autograd Functions. Each case used to
+return a number (zeros, a finite loss, a wrong second derivative); now it raises on every rank."""
+import pytest
+import torch
+import torch.nn as nn
+
+import tplayers
+from tplayers.dense import DenseAttention
+from tplayers.testing import get_world
+
+TP_SIZES = [2, 4]
+
+
+def _embedding_ids(group, bad):
+    p = tplayers.resolve_group(group).size
+    vocab = 8 * p + 3  # padded to 8p + p: ids vocab .. 9p-1 land on zero padding rows
+    bad_id = {"first_padding_row": lambda v: v, "past_padding": lambda v: 100 * v, "negative": lambda v: -1}[bad]
+    emb = tplayers.VocabParallelEmbedding(vocab, 4, group=group)
+    emb(torch.tensor([[0, vocab - 1]]))  # the edges are fine
+    with pytest.raises(IndexError, match=rf"VocabParallelEmbedding\(vocab={vocab}\): index {bad_id(vocab)} is out of range"):
+        emb(torch.tensor([[1, bad_id(vocab)]]))
+    return True
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("bad", ["first_padding_row", "past_padding", "negative"])
+def test_embedding_refuses_out_of_range_ids_on_every_rank(tp, bad):
+    assert all(get_world(tp).run(_embedding_ids, bad))
+
+
+def _cross_entropy_targets(group):
+    g = tplayers.resolve_group(group)
+    vocab = 8 * g.size + 3
+    local = (vocab + g.size - 1) // g.size
+    logits = torch.randn(3, local, dtype=torch.float64)
+    ok = torch.tensor([0, vocab - 1, -100])  # -100: the default ignore_index
+    tplayers.vocab_parallel_cross_entropy(logits, ok, group=group, vocab_size=vocab)
+    for bad in (vocab, -1):
+        with pytest.raises(IndexError, match=rf"target: index {bad} is out of range: it must be in \[0, {vocab}\) "
+                                             r"or ignore_index=-100"):
+            tplayers.vocab_parallel_cross_entropy(logits, torch.tensor([1, bad, 2]), group=group, vocab_size=vocab)
+    return True
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_cross_entropy_refuses_out_of_range_targets_on_every_rank(tp):
+    assert all(get_world(tp).run(_cross_entropy_targets))
+
+
+def test_integer_attention_masks_are_refused_by_tp_and_dense_attention():
+    mask = torch.ones(4, 4, dtype=torch.int64)  # 0/1 ints would be added to the scores as a bias
+    x = torch.randn(1, 4, 8)
+    for attn in (DenseAttention(8, 2), tplayers.ParallelAttention(8, 2, group=None)):
+        with pytest.raises(TypeError, match=r"attn_mask must be bool .* or floating point .*, got torch.int64"):
+            attn(x, attn_mask=mask)
+
+
+def _double_backward(group, which):
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    if which == "column":
+        layer = tplayers.ColumnParallelLinear(8, 8, group=group, gather_output=True, dtype=torch.float64)
+    elif which == "row":
+        layer = tplayers.RowParallelLinear(8, 8, group=group, input_is_parallel=False, dtype=torch.float64)
+    else:
+        layer = lambda t: tplayers.comm.copy_to_tp(t, group=group) ** 2  # noqa: E731
+    (gx,) = torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.pow(2).sum().backward()  # a second derivative through the fused Function
+    return True
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("which", ["column", "row", "copy_to_tp"])
+def test_double_backward_raises_instead_of_a_wrong_second_derivative(tp, which):
+    assert all(get_world(tp).run(_double_backward, which))
+
+
+def _first_order_with_create_graph(group):
+    torch.manual_seed(0)
+    dense = nn.Linear(8, 8, dtype=torch.float64)
+    tp = tplayers.ColumnParallelLinear.from_dense(dense, group=group, gather_output=True)
+    x = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    (g_tp,) = torch.autograd.grad(tp(x).pow(2).sum(), x, create_graph=True)
+    (g_dense,) = torch.autograd.grad(dense(x).pow(2).sum(), x)
+    return float((g_tp - g_dense).abs().max())
+
+
+def test_first_order_create_graph_still_matches_dense():
+    """create_graph=True on its own (no second backward) still gives the first-order gradient."""
+    assert max(get_world(2).run(_first_order_with_create_graph)) < 1e-12
