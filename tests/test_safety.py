@@ -90,3 +90,72 @@ def _first_order_with_create_graph(group):
 def test_first_order_create_graph_still_matches_dense():
     """create_graph=True on its own (no second backward) still gives the first-order gradient."""
     assert max(get_world(2).run(_first_order_with_create_graph)) < 1e-12
+
+
+# ------------------------------------------------------------------ gradient norm and replicas
+
+
+def _gpt(group, seed=0, sequence_parallel=False):
+    """A 2-layer GPT with a padded vocabulary and one KV head (replicated on every rank at TP > 1)."""
+    torch.manual_seed(seed)
+    config = tplayers.GPTConfig(vocab_size=8 * 4 + 3, hidden=32, n_heads=4, n_kv_heads=1, ffn_hidden=64, n_layers=2,
+                                activation="swiglu", norm="rmsnorm")
+    dense = tplayers.dense.DenseGPT(config).double()
+    tp = tplayers.ParallelGPT.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
+    ids = torch.randint(0, config.vocab_size, (2, 8))
+    dense.loss(ids, ids).backward()
+    tp.loss(ids, ids).backward()
+    return dense, tp
+
+
+def _clip(group, norm_type):
+    dense, tp = _gpt(group)
+    want = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.1, norm_type=norm_type)
+    got = tplayers.clip_grad_norm_(tp, 0.1, norm_type=norm_type)
+    clipped = tplayers.testing.dense_parameters(tp, grads=True)
+    grad_err = max(float((clipped[n] - p.grad).abs().max()) for n, p in dense.named_parameters())
+    return float(abs(got - want)), grad_err, float(want)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_equals_dense(tp, norm_type):
+    """Each shard counted once, the replicated KV head once (not p times), replicated norms once."""
+    for norm_err, grad_err, norm in get_world(tp).run(_clip, norm_type):
+        assert norm > 0.1  # the clip acted
+        assert norm_err < 1e-12 * max(1.0, norm) and grad_err < 1e-12
+
+
+def _replicas(group, fault):
+    dense, tp = _gpt(group, sequence_parallel=True)
+    rank = tplayers.resolve_group(group).rank
+    compared = tplayers.check_replicas(tp)
+    if fault == "value" and rank == 1:
+        with torch.no_grad():
+            tp.blocks[0].attn_norm.weight.add_(1e-7)  # one rank's replica drifts
+    elif fault == "grad" and rank == 1:
+        tp.norm.weight.grad[0] += 1e-9  # a replicated gradient that was not (or wrongly) reduced
+    elif fault == "kv_replica" and rank == 1:
+        with torch.no_grad():
+            attn = tp.blocks[1].attn
+            q_rows = attn.local_heads * attn.head_dim  # then the one (shared) K head, then V
+            attn.qkv.weight[q_rows + 1, 0] += 1.0  # rank 1's copy of the shared K head
+    if fault == "none":
+        return compared, None
+    with pytest.raises(AssertionError, match="check_replicas: ") as info:
+        tplayers.check_replicas(tp)
+    return compared, str(info.value)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("fault", ["none", "value", "grad", "kv_replica"])
+def test_check_replicas_passes_a_correct_model_and_names_a_drifted_replica(tp, fault):
+    for compared, message in get_world(tp).run(_replicas, fault):
+        assert compared > 0
+        if fault == "none":
+            assert message is None
+            continue
+        expected = {"value": "'blocks.0.attn_norm.weight' value differs between rank 0 and rank(s) [1]",
+                    "grad": "'norm.weight' gradient differs between rank 0 and rank(s) [1]",
+                    "kv_replica": "'blocks.1.attn.qkv.weight' value (part 1, a piece held by"}[fault]
+        assert expected in message, message

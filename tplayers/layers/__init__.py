@@ -6,6 +6,8 @@ from .fused import FusedColumnParallelLinear
 from .vocab import ParallelLMHead, VocabParallelEmbedding
 from .norm import ParallelNorm
 from .compat import ShardLayout  # deprecated 0.1 name
+from .gradients import check_replicas, clip_grad_norm_
 
 __all__ = ["TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",
-           "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "model_placements", "set_overlap_comm", "require_divisible"]
+           "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "model_placements", "set_overlap_comm", "require_divisible", "ShardLayout",
+           "clip_grad_norm_", "check_replicas"]

@@ -1,0 +1,140 @@
+"""Whole-model gradient utilities that read the placement contract: the global gradient norm (and
+clipping) of a TP model, and an audit that replicated parameters and their gradients agree across ranks.
+
+A parameter's placement says how to count it: a shard once per distinct piece (replicas of a KV head
+counted once, not ``p / num_kv_heads`` times), a replicated parameter once (every rank holds all of
+it). Parameters no TP module declares are replicated.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..core.collectives import all_gather_tensor, all_reduce_tensor
+from ..core.groups import GroupLike, TPGroup, collective_device, resolve_group
+from ..core.placement import Placement, Sharded
+from .base import TensorParallelModule, model_placements
+
+__all__ = ["clip_grad_norm_", "check_replicas"]
+
+
+def _model_group(model: nn.Module, group: GroupLike) -> TPGroup:
+    """``group`` if given, else the one TP group every TP module of ``model`` uses."""
+    if group is not None:
+        return resolve_group(group)
+    groups = {id(m.tp.process_group): m.tp for m in model.modules() if isinstance(m, TensorParallelModule)}
+    if len(groups) > 1:
+        raise ValueError(f"the model's TP modules use {len(groups)} different TP groups: pass group=")
+    return next(iter(groups.values())) if groups else resolve_group(None)
+
+
+def _owned_pieces(t: torch.Tensor, placement: Placement, tp: TPGroup) -> Iterator[torch.Tensor]:
+    """The pieces of the local tensor ``t`` of a sharded parameter that this rank counts: a piece
+    held by several ranks (replicated KV heads) only on the first of them."""
+    assert isinstance(placement, Sharded)
+    for part, piece in zip(placement.parts, placement.pieces(tp.rank, tp.size)):
+        if tp.rank % (tp.size // part.shards) == 0:
+            yield t.narrow(placement.dim, piece.local_start, piece.length)
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
+                    group: GroupLike = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` of the dense model, on a TP model: the global norm of every
+    gradient (each shard and each replicated parameter counted once), then every gradient scaled by
+    ``min(1, max_norm / (norm + 1e-6))``. Returns the norm before clipping, on every rank.
+
+    Collective over the TP group (one all-reduce of one number). Under TP x DP (DDP, FSDP2 over the
+    dp dim) the data-parallel gradients are already averaged, so the TP group is the right one."""
+    tp = _model_group(model, group)
+    placements = model_placements(model)
+    grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    device = grads[0][1].device
+    inf = math.isinf(norm_type)
+
+    def norm(t: torch.Tensor) -> torch.Tensor:  # sum |g|^q, or max |g|
+        t = t.detach().to(torch.float64)
+        return t.abs().max() if inf else t.abs().pow(norm_type).sum()
+
+    sharded, replicated = [torch.zeros((), dtype=torch.float64, device=device)], [torch.zeros((), dtype=torch.float64, device=device)]
+    for name, g in grads:
+        placement = placements.get(name)
+        if placement is not None and placement.is_sharded:
+            sharded += [norm(t) for t in _owned_pieces(g, placement, tp) if t.numel()]
+        else:
+            replicated.append(norm(g))
+    combine = (lambda ts: torch.stack(ts).max()) if inf else (lambda ts: torch.stack(ts).sum())
+    local = combine(sharded).to(collective_device(tp.process_group))
+    total = all_reduce_tensor(local, group=tp, op="max" if inf else "sum").to(device)
+    total = combine([total, combine(replicated)])
+    total_norm = total if inf else total.pow(1.0 / norm_type)
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    for _, g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total_norm.to(grads[0][1].dtype)
+
+
+def _bit_hash(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 hashes of ``t``'s bits (a plain and a position-weighted wrapping sum): equal tensors
+    hash equal; a difference in any bit changes them (but for astronomically unlikely collisions)."""
+    t = t.detach().contiguous().flatten()
+    if t.is_floating_point():
+        t = t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
+    bits = t.to(torch.int64)
+    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+    return torch.stack([bits.sum(), (bits * weights).sum()]).cpu()
+
+
+def _replica_items(model: nn.Module, tp: TPGroup, grads: bool) -> List[Tuple[str, torch.Tensor, int]]:
+    """(label, tensor, replica set) of everything that must be bitwise equal across some ranks; the
+    replica set is a stride: ranks with equal ``rank // stride`` hold the same thing (p: all ranks)."""
+    placements: Dict[str, Placement] = model_placements(model)
+    items = []
+    for name, p in model.named_parameters():
+        placement = placements.get(name)
+        kinds = [("value", p)] + ([("gradient", p.grad)] if grads and p.grad is not None else [])
+        for kind, t in kinds:
+            if placement is None or not placement.is_sharded:
+                items.append((f"'{name}' {kind}", t, tp.size))
+                continue
+            for i, (part, piece) in enumerate(zip(placement.parts, placement.pieces(tp.rank, tp.size))):
+                if part.shards < tp.size:  # replicas of one piece on size // shards consecutive ranks
+                    items.append((f"'{name}' {kind} (part {i}, a piece held by {tp.size // part.shards} ranks)",
+                                  t.narrow(placement.dim, piece.local_start, piece.length), tp.size // part.shards))
+    return items
+
+
+@torch.no_grad()
+def check_replicas(model: nn.Module, *, group: GroupLike = None, grads: bool = True) -> int:
+    """Assert that every replicated parameter (and its gradient) is bitwise equal on every rank of the
+    TP group, and every replicated piece of a sharded one (KV heads held by several ranks) on the ranks
+    holding it. Returns how many tensors it compared; raises AssertionError on every rank otherwise.
+
+    Collective over the TP group: one all-gather of two int64 hashes per tensor. Meant for a training
+    loop's occasional audit (after backward, before the optimizer step): replicas drift apart silently
+    when ranks start from different weights or seeds, see different batches, or a parameter applied to
+    sharded activations (a norm under sequence parallelism) misses its gradient all-reduce."""
+    tp = _model_group(model, group)
+    items = _replica_items(model, tp, grads)
+    if tp.size == 1 or not items:
+        return len(items)
+    local = torch.stack([_bit_hash(t) for _, t, _ in items])  # (n, 2)
+    every = all_gather_tensor(local[None].to(collective_device(tp.process_group)), 0, group=tp).cpu()  # (p, n, 2)
+    for j, (label, _, stride) in enumerate(items):
+        for start in range(0, tp.size, stride):
+            ranks = list(range(start, start + stride))
+            differ = [r for r in ranks if not torch.equal(every[r, j], every[ranks[0], j])]
+            if differ:
+                hint = ("its gradient is a partial sum: a replicated parameter applied to sharded activations "
+                        "(a norm under sequence parallelism) needs its gradient all-reduced (ParallelNorm or the "
+                        "'sequence_parallel_norm' style)" if "gradient" in label else
+                        "the ranks hold different values: build the model under the same seed on every rank, "
+                        "or load the same checkpoint; TP ranks must also see the same batch")
+                raise AssertionError(f"check_replicas: {label} differs between rank {ranks[0]} and rank(s) {differ} "
+                                     f"of the TP group; {hint}")
+    return len(items)
