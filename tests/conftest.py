@@ -15,15 +15,25 @@ from tplayers.testing import shutdown_worlds
 # failing hypothesis example is back in a fraction of a second.
 testing.FORKSERVER_PRELOAD.extend(["pytest", "hypothesis", "einops"])
 
-# Cross-process calls take milliseconds to seconds: no per-example deadline. Example counts are
-# set per test. CI is derandomized so a red run reproduces; locally every run explores anew.
-settings.register_profile(
-    "default", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
-)
-settings.register_profile(
-    "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True, derandomize=True
-)
-settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "default"))
+# Cross-process calls take milliseconds to seconds: no per-example deadline. Each property test
+# states its base example count with examples(n); the profile scales it:
+#   ci (the default, what CI runs)  x5, derandomized: a red run reproduces; ~1200 examples in all
+#   explore                         x5, a new random draw every run
+#   dev                             x1, randomized: quick local iterations
+#   deep                            x50 (10x ci), randomized: an occasional long local run
+PROFILES = {"ci": (5, True), "explore": (5, False), "dev": (1, False), "deep": (50, False)}
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+if PROFILE not in PROFILES:
+    raise pytest.UsageError(f"HYPOTHESIS_PROFILE={PROFILE!r}: choose one of {sorted(PROFILES)}")
+for _name, (_scale, _derandomize) in PROFILES.items():
+    settings.register_profile(_name, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True,
+                              derandomize=_derandomize)
+settings.load_profile(PROFILE)
+
+
+def examples(base: int) -> int:
+    """The example count of a property test whose base count is ``base``, under the active profile."""
+    return base * PROFILES[PROFILE][0]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -4,6 +4,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
+
+from conftest import examples
 from hypothesis import strategies as st
 
 from tplayers import (BlockConfig, VocabParallelEmbedding, GPTConfig, ParallelAttention, ParallelGPT, ParallelMLP, ParallelTransformerBlock,
@@ -68,7 +70,7 @@ def _check_mlp(group, hidden, ffn, activation, bias, batch, seq, sequence_parall
     return assert_matches_dense(tp, dense, x, group=group, **_io_dims(sequence_parallel)).grad_error
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(hidden=st.integers(1, 8), ffn_per_rank=st.integers(1, 3), activation=st.sampled_from(["gelu", "swiglu"]),
        bias=st.booleans(), batch=st.integers(1, 2), seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(),
        seed=st.integers(0, 2**16))
@@ -114,7 +116,7 @@ def test_attention_key_padding_mask_broadcasts_over_queries():
                 get_world(tp).run(_check_key_padding_mask, kind, causal, tp == 2)
 
 
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(hidden=st.integers(1, 8), heads=heads, head_dim=st.sampled_from([2, 4]), causal=st.booleans(),
        rotary=st.booleans(), mask_kind=st.sampled_from(["none", "bool", "float"]), batch=st.integers(1, 2),
        seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
@@ -175,7 +177,7 @@ configs = st.builds(
 )
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(config=configs, batch=st.integers(1, 2), seq=st.sampled_from([4, 8]),
        mask_kind=st.sampled_from(["none", "bool"]), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
 def test_block_matches_dense(config, batch, seq, mask_kind, sequence_parallel, seed):
@@ -236,7 +238,7 @@ def _check_gpt(group, config, batch, seq, sequence_parallel, seed):
     return float(loss.detach())
 
 
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 @given(vocab=st.integers(3, 13), activation=st.sampled_from(["gelu", "swiglu"]),
        norm=st.sampled_from(["layernorm", "rmsnorm"]), n_kv=st.sampled_from([1, 2, 4]), batch=st.integers(1, 2),
        sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))

@@ -7,6 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from conftest import examples
+
 from tplayers import comm
 from tplayers.testing import get_world
 
@@ -91,7 +93,7 @@ OPS = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "scatt
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("op", OPS)
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 @given(
     seed=st.integers(0, 2**16),
     lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),

@@ -5,6 +5,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+from conftest import examples
+
 import tplayers
 from tplayers import ColumnParallelLinear, RowParallelLinear
 from tplayers.testing import assert_matches_dense, get_world
@@ -98,7 +100,7 @@ leads = st.lists(st.integers(1, 3), min_size=0, max_size=2)
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(seed=st.integers(0, 2**16), lead=leads, in_f=st.integers(1, 9), out_mult=st.integers(1, 3),
        bias=st.booleans(), gather_output=st.booleans(), overlap=st.booleans())
 def test_column_parallel_matches_dense(tp, seed, lead, in_f, out_mult, bias, gather_output, overlap):
@@ -106,7 +108,7 @@ def test_column_parallel_matches_dense(tp, seed, lead, in_f, out_mult, bias, gat
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(seed=st.integers(0, 2**16), lead=leads, in_mult=st.integers(1, 3), out_f=st.integers(1, 9),
        bias=st.booleans(), input_is_parallel=st.booleans(), overlap=st.booleans())
 def test_row_parallel_matches_dense(tp, seed, lead, in_mult, out_f, bias, input_is_parallel, overlap):
@@ -114,7 +116,7 @@ def test_row_parallel_matches_dense(tp, seed, lead, in_mult, out_f, bias, input_
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(seed=st.integers(0, 2**16), batch=st.integers(1, 2), seq_mult=st.integers(1, 2),
        hidden_mult=st.integers(1, 3), ffn_mult=st.integers(1, 3), bias=st.booleans(),
        sequence_parallel=st.booleans(), overlap=st.booleans())

@@ -8,6 +8,8 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import examples
+
 import tplayers
 from tplayers.fused import FusedColumnParallelLinear
 from tplayers.plan import Column, Plan
@@ -52,7 +54,7 @@ def _check_net(group, hidden, ffn, bias, seed):
     return assert_matches_dense(tp, dense, x, group=group).grad_error
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(hidden=st.sampled_from([4, 8]), ffn=st.sampled_from([4, 8, 16]), bias=st.booleans(),
        seed=st.integers(0, 2**16), tp=st.sampled_from([1, 2, 4]))
 def test_dict_plan_matches_dense(hidden, ffn, bias, seed, tp):

@@ -159,3 +159,20 @@ def test_check_replicas_passes_a_correct_model_and_names_a_drifted_replica(tp, f
                     "grad": "'norm.weight' gradient differs between rank 0 and rank(s) [1]",
                     "kv_replica": "'blocks.1.attn.qkv.weight' value (part 1, a piece held by"}[fault]
         assert expected in message, message
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: tplayers.ColumnParallelLinear(0, 8, group=None), "ColumnParallelLinear: in_features=0 must be positive"),
+    (lambda: tplayers.ColumnParallelLinear(8, 0, group=None), "ColumnParallelLinear: out_features=0 must be positive"),
+    (lambda: tplayers.RowParallelLinear(8, 0, group=None), "RowParallelLinear: out_features=0 must be positive"),
+    (lambda: tplayers.RowParallelLinear(0, 8, group=None), "RowParallelLinear: in_features=0 must be positive"),
+    (lambda: tplayers.FusedColumnParallelLinear(8, [8, 0], group=None), "part 1 size=0 must be positive"),
+    (lambda: tplayers.FusedColumnParallelLinear(0, [8, 8], group=None), "in_features=0 must be positive"),
+    (lambda: tplayers.VocabParallelEmbedding(0, 4, group=None), "num_embeddings=0 and embedding_dim=4 must be positive"),
+    (lambda: tplayers.ParallelLMHead(0, 16, group=None), "ParallelLMHead: embedding_dim=0 must be positive"),
+    (lambda: tplayers.ParallelMLP(0, 16, group=None), "ParallelMLP: hidden=0 must be positive"),
+    (lambda: tplayers.ParallelMLP(8, 0, group=None), "ParallelMLP: ffn_hidden=0 must be positive"),
+])
+def test_zero_size_layers_are_refused(build, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build()

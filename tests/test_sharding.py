@@ -3,6 +3,8 @@ replicated-KV layouts, Conv1D transposition. No processes: fast."""
 import pytest
 import torch
 from hypothesis import given, settings
+
+from conftest import examples
 from hypothesis import strategies as st
 
 from tplayers.core.placement import Replicated, Sharded
@@ -44,7 +46,7 @@ def _full(heads: int, kv_heads: int, head_dim: int, hidden: int, seed: int):
 gqa = st.sampled_from([(4, 4), (4, 2), (4, 1), (8, 2)])  # (heads, kv_heads)
 
 
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(gqa=gqa, head_dim=st.sampled_from([2, 4]), src=st.sampled_from([1, 2, 4]), dst=st.sampled_from([1, 2, 4]),
        seed=st.integers(0, 2**16))
 def test_reshard_round_trips_exactly(gqa, head_dim, src, dst, seed):

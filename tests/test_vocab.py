@@ -4,6 +4,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
+
+from conftest import examples
 from hypothesis import strategies as st
 
 from tplayers import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -37,7 +39,7 @@ def _check_embedding(group, vocab, dim, shape, sequence_parallel, padding_idx, s
     return report.output_error
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(
     vocab=st.integers(1, 13),
     dim=st.integers(1, 6),
@@ -120,7 +122,7 @@ def _check_lm_head(group, vocab, dim, batch, seq, sequence_parallel, seed):
     assert not full[..., vocab:].any(), "padding logits must be zero"
 
 
-@settings(max_examples=5)
+@settings(max_examples=examples(5))
 @given(vocab=st.integers(1, 11), dim=st.integers(1, 5), batch=st.integers(1, 2),
        seq_per_rank=st.integers(1, 2), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
 def test_lm_head_matches_dense(vocab, dim, batch, seq_per_rank, sequence_parallel, seed):
@@ -170,7 +172,7 @@ def _check_cross_entropy(group, shape, vocab, ignore_frac, smoothing, reduction,
     return float(loss.detach().sum())
 
 
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(
     shape=st.lists(st.integers(1, 4), min_size=1, max_size=2).map(tuple),
     vocab=st.integers(1, 13),

@@ -35,6 +35,7 @@ __all__ = [
     "Part",
     "Piece",
     "require_divisible",
+    "require_positive",
     "kv_shards",
     "padded_size",
     "qkv_placement",
@@ -45,11 +46,17 @@ def require_divisible(size: int, tp_size: int, layer: str, what: str) -> int:
     """``size // tp_size``, or a ValueError naming the size, the TP degree and the layer.
     (``tp_size`` may also be a TPGroup, as 0.1 callers pass it.)"""
     tp_size = getattr(tp_size, "size", tp_size)
-    if size < 1:
-        raise ValueError(f"{layer}: {what}={size} must be positive")
+    require_positive(size, layer, what)
     if size % tp_size != 0:
         raise ValueError(f"{layer}: {what}={size} is not divisible by the TP degree {tp_size}")
     return size // tp_size
+
+
+def require_positive(value: int, layer: str, what: str) -> int:
+    """``value``, or a ValueError naming the layer and the argument when it is below 1."""
+    if value < 1:
+        raise ValueError(f"{layer}: {what}={value} must be positive")
+    return value
 
 
 def kv_shards(num_kv_heads: int, tp_size: int, layer: str = "attention", what: str = "n_kv_heads") -> int:
@@ -189,6 +196,7 @@ class Sharded(Placement):
             raise ValueError(f"{layer}: parts={list(sizes)}, part_shards={shards} and part_names={names} must be "
                              "non-empty and of equal length")
         for size, n, name in zip(sizes, shards, names):
+            require_positive(size, layer, f"{name} size")
             if n < 1 or tp_size % n or size % n:
                 raise ValueError(f"{layer}: {name} of size {size} cannot be cut into {n} shards at TP degree "
                                  f"{tp_size} (the shard count must divide both)")

@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..core.comm import sum_over_replicas
 from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, resolve_group
-from ..core.placement import Placement, Sharded
+from ..core.placement import Placement, Sharded, require_positive
 from .base import TensorParallelModule, check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 
 __all__ = ["FusedColumnParallelLinear"]
@@ -50,6 +50,7 @@ class FusedColumnParallelLinear(TensorParallelModule):
         super().__init__()
         self.tp = tp = resolve_group(group)
         parts = [int(n) for n in parts]
+        require_positive(in_features, layer, "in_features")
         self.placement = Sharded.fused(0, parts, tp.size, part_shards, layer=layer, names=part_names)
         self.in_features, self.parts = in_features, parts
         self.part_shards = [part.shards for part in self.placement.parts]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ..core.comm import gather_from_tp
 from ..core.functional import column_parallel_linear, row_parallel_linear
 from ..core.groups import GroupLike, resolve_group
-from ..core.placement import Placement, Replicated, Sharded, require_divisible
+from ..core.placement import Placement, Replicated, Sharded, require_divisible, require_positive
 from .base import TensorParallelModule, check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -45,6 +45,7 @@ class ColumnParallelLinear(TensorParallelModule):
     ) -> None:
         super().__init__()
         self.tp = resolve_group(group)
+        require_positive(in_features, "ColumnParallelLinear", "in_features")
         self.out_features_per_rank = require_divisible(out_features, self.tp.size, "ColumnParallelLinear", "out_features")
         if gather_output and sequence_parallel:
             raise ValueError(
@@ -115,6 +116,7 @@ class RowParallelLinear(TensorParallelModule):
     ) -> None:
         super().__init__()
         self.tp = resolve_group(group)
+        require_positive(out_features, "RowParallelLinear", "out_features")
         self.in_features_per_rank = require_divisible(in_features, self.tp.size, "RowParallelLinear", "in_features")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..core.comm import gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence
 from ..core.functional import SEQ_DIM, column_parallel_linear
 from ..core.groups import GroupLike, TPGroup, resolve_group
-from ..core.placement import Placement, Sharded
+from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range
 from .base import TensorParallelModule, dense_linear_init, load_full_params, new_param
 from .compat import PaddedShardLayout, padded_vocab_size, vocab_range  # noqa: F401  (0.1 names, deprecated)
@@ -179,6 +179,8 @@ class ParallelLMHead(_VocabParallelBase):
         super().__init__()
         if gather_output and sequence_parallel:
             raise ValueError("ParallelLMHead: gather_output=True cannot be combined with sequence_parallel=True")
+        require_positive(embedding_dim, "ParallelLMHead", "embedding_dim")
+        require_positive(num_embeddings, "ParallelLMHead", "num_embeddings")
         self._init_vocab(num_embeddings, resolve_group(group))
         self.embedding_dim, self.gather_output = embedding_dim, gather_output
         self.sequence_parallel, self.overlap_comm = sequence_parallel, overlap_comm

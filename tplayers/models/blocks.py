@@ -26,7 +26,7 @@ from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTra
                     attention_core, check_heads, normalize_attn_mask, rotary_cos_sin)
 from ..layers.fused import FusedColumnParallelLinear
 from ..core.groups import GroupLike, resolve_group
-from ..core.placement import kv_shards as placement_kv_shards, require_divisible
+from ..core.placement import kv_shards as placement_kv_shards, require_divisible, require_positive
 from ..layers.base import TensorParallelModule
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.norm import ParallelNorm
@@ -53,6 +53,7 @@ class ParallelMLP(TensorParallelModule):
         if activation not in ACTIVATIONS:
             raise ValueError(f"ParallelMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.tp = resolve_group(group)
+        require_positive(hidden, "ParallelMLP", "hidden")
         require_divisible(ffn_hidden, self.tp.size, "ParallelMLP", "ffn_hidden")
         self.hidden, self.ffn_hidden, self.activation = hidden, ffn_hidden, activation
         self.sequence_parallel = sequence_parallel
