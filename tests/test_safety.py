@@ -176,3 +176,38 @@ def test_check_replicas_passes_a_correct_model_and_names_a_drifted_replica(tp, f
 def test_zero_size_layers_are_refused(build, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         build()
+
+
+# ------------------------------------------------------------------ ranks that disagree
+
+
+def _parallelize_different_models(group, check):
+    rank = tplayers.resolve_group(group).rank
+    torch.manual_seed(0 if rank == 0 else 1)  # rank 1 forgot to seed like rank 0
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    if not check:
+        tplayers.parallelize(model, {"0": "column", "2": "row"}, group=group, check_consistency=False)
+        return "skipped"
+    with pytest.raises(ValueError, match=r"parallelize: '0.weight' differs between rank 0 and rank 1 of the TP group"):
+        tplayers.parallelize(model, {"0": "column", "2": "row"}, group=group)
+    assert isinstance(model[0], nn.Linear)  # refused before anything changed
+    return "refused"
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_parallelize_refuses_ranks_with_different_dense_models(tp):
+    assert get_world(tp).run(_parallelize_different_models, True) == ["refused"] * tp
+    assert get_world(tp).run(_parallelize_different_models, False) == ["skipped"] * tp
+
+
+def _tracker_seeds(group):
+    rank = tplayers.resolve_group(group).rank
+    tplayers.RNGTracker(1234, group=group)  # the same seed everywhere: fine
+    with pytest.raises(ValueError, match=r"RNGTracker: seed=.* rank\(s\) \[1\] .* passed a different one than rank 0"):
+        tplayers.RNGTracker(1234 + (rank == 1), group=group)
+    return True
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_rng_tracker_refuses_per_rank_seeds(tp):
+    assert all(get_world(tp).run(_tracker_seeds))

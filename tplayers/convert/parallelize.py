@@ -35,8 +35,10 @@ import fnmatch
 import warnings
 from typing import Dict, List, Mapping, Tuple, Union
 
+import torch
 import torch.nn as nn
 
+from ..core.collectives import bit_hash, ranks_that_differ
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..layers.base import TensorParallelModule, placements_of
 from .plan import Plan, resolve_style
@@ -165,8 +167,25 @@ def _warn_or_refuse_unmatched(model: nn.Module, modules: Dict[str, nn.Module], b
                       "(or only modules an earlier pattern took); those modules stay as they are", stacklevel=3)
 
 
+def _check_same_dense_model(model: nn.Module, tp: TPGroup) -> None:
+    """Every rank must hold the same dense weights: each shards its own copy, so copies that differ
+    would be stitched into a model no rank ever had. One all-gather of two hashes per tensor."""
+    tp_owned = {f"{m}." for m, mod in model.named_modules() if isinstance(mod, TensorParallelModule) and m}
+    tensors = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+               if t.device.type != "meta"  # a meta model gets its weights later (load_dense)
+               and not any(n.startswith(prefix) for prefix in tp_owned)]  # already sharded: differ by design
+    if tp.size == 1 or not tensors:
+        return
+    differ = ranks_that_differ(torch.stack([bit_hash(t) for _, t in tensors]), group=tp)  # (p, n)
+    if differ.any():
+        ranks, index = differ.nonzero()[0].tolist()
+        raise ValueError(f"parallelize: '{tensors[index][0]}' differs between rank 0 and rank {ranks} of the TP group: "
+                         "every rank must start from the same dense model (build it under the same seed, or load "
+                         "the same checkpoint, on every rank); check_consistency=False skips this check")
+
+
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
-                group: GroupLike, sequence_parallel: bool = False) -> nn.Module:
+                group: GroupLike, sequence_parallel: bool = False, check_consistency: bool = True) -> nn.Module:
     """Swap, in place, the modules ``plan`` names for TP layers holding this rank's shard.
 
     Every rank of ``group`` calls it on an identical dense model (same weights). Returns
@@ -174,9 +193,13 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     module is swapped; errors name the module. Tied parameters (GPT-2's ``lm_head.weight`` and
     ``wte.weight``) stay tied when both modules are swapped with the same placement.
     ``sequence_parallel=True`` (shipped plans): activations between the TP layers are split along
-    the sequence (its length must divide by the TP degree).
+    the sequence (its length must divide by the TP degree). ``check_consistency`` (default on):
+    first verify that every rank holds the same dense model (one all-gather of two int64 hashes per
+    tensor, and a pass over the weights to hash them, once), refusing a model that differs.
     """
     tp = resolve_group(group)
+    if check_consistency:  # first: a rank whose model differs may fail differently in the checks below
+        _check_same_dense_model(model, tp)
     p = get_plan(plan, sequence_parallel=sequence_parallel)
     styles = {pat: resolve_style(v, pat) for pat, v in p.layers.items()}
     modules = dict(model.named_modules())

@@ -16,7 +16,7 @@ from .groups import GroupLike, TPGroup, collective_device, resolve_group
 from .placement import Placement
 
 __all__ = ["Pending", "all_gather_tensor", "all_reduce_tensor", "broadcast_tensor", "barrier", "reduce_scatter_tensor",
-           "all_reduce_", "gather_placed"]
+           "all_reduce_", "gather_placed", "bit_hash", "ranks_that_differ"]
 
 # torch 2.13 renamed the single-tensor collectives; 2.4-2.12 only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -184,3 +184,24 @@ def gather_placed(local: torch.Tensor, placement: Placement, *, group: GroupLike
     g = resolve_group(group)
     gathered = all_gather_tensor(local.contiguous(), placement.dim, group=g)
     return placement.unshard(gathered.chunk(g.size, dim=placement.dim))
+
+
+def bit_hash(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 hashes of ``t``'s bits (a plain and a position-weighted wrapping sum), on the CPU:
+    equal tensors hash equal; a difference in any bit changes them (but for astronomically rare collisions)."""
+    t = t.detach().contiguous().flatten()
+    if t.is_floating_point():
+        t = t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
+    bits = t.to(torch.int64)
+    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+    return torch.stack([bits.sum(), (bits * weights).sum()]).cpu()
+
+
+def ranks_that_differ(hashes: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
+    """Every rank's ``hashes`` (n, k) gathered (one all-gather): ``(p, n)`` bool, True where a rank's
+    row differs from rank 0's. The same answer on every rank, so all raise together."""
+    g = resolve_group(group)
+    if g.size == 1:
+        return torch.zeros(1, hashes.shape[0], dtype=torch.bool)
+    every = all_gather_tensor(hashes[None].to(collective_device(g.process_group)), 0, group=g).cpu()  # (p, n, k)
+    return (every != every[:1]).any(-1)

@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.collectives import all_gather_tensor, all_reduce_tensor
+from ..core.collectives import all_gather_tensor, all_reduce_tensor, bit_hash
 from ..core.groups import GroupLike, TPGroup, collective_device, resolve_group
 from ..core.placement import Placement, Sharded
 from .base import TensorParallelModule, model_placements
@@ -79,17 +79,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     return total_norm.to(grads[0][1].dtype)
 
 
-def _bit_hash(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 hashes of ``t``'s bits (a plain and a position-weighted wrapping sum): equal tensors
-    hash equal; a difference in any bit changes them (but for astronomically unlikely collisions)."""
-    t = t.detach().contiguous().flatten()
-    if t.is_floating_point():
-        t = t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
-    bits = t.to(torch.int64)
-    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
-    return torch.stack([bits.sum(), (bits * weights).sum()]).cpu()
-
-
 def _replica_items(model: nn.Module, tp: TPGroup, grads: bool) -> List[Tuple[str, torch.Tensor, int]]:
     """(label, tensor, replica set) of everything that must be bitwise equal across some ranks; the
     replica set is a stride: ranks with equal ``rank // stride`` hold the same thing (p: all ranks)."""
@@ -123,7 +112,7 @@ def check_replicas(model: nn.Module, *, group: GroupLike = None, grads: bool = T
     items = _replica_items(model, tp, grads)
     if tp.size == 1 or not items:
         return len(items)
-    local = torch.stack([_bit_hash(t) for _, t, _ in items])  # (n, 2)
+    local = torch.stack([bit_hash(t) for _, t, _ in items])  # (n, 2)
     every = all_gather_tensor(local[None].to(collective_device(tp.process_group)), 0, group=tp).cpu()  # (p, n, 2)
     for j, (label, _, stride) in enumerate(items):
         for start in range(0, tp.size, stride):

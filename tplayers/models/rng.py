@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from ..core.collectives import ranks_that_differ
 from ..core.groups import GroupLike, TPGroup, resolve_group
 
 __all__ = ["RNGTracker", "PARALLEL", "REPLICATED", "dropout_context", "require_rng", "activation_dropout"]
@@ -53,6 +54,15 @@ class RNGTracker:
     def __init__(self, seed: int, *, group: GroupLike, parallel_offset: int = 2718) -> None:
         self.tp = resolve_group(group)
         self.seed = int(seed)
+        # Collective (one tiny all-gather): a seed that differs across ranks would give replicated
+        # activations different dropout masks on each rank, silently.
+        seeds = torch.tensor([[self.seed, parallel_offset]], dtype=torch.int64)
+        differ = ranks_that_differ(seeds, group=self.tp)[:, 0]
+        if differ.any():
+            raise ValueError(f"RNGTracker: seed={self.seed}, parallel_offset={parallel_offset} on rank {self.tp.rank}, "
+                             f"but rank(s) {differ.nonzero().flatten().tolist()} of the TP group passed a different "
+                             "one than rank 0: pass the same seed on every rank (the tracker derives the per-rank "
+                             "streams itself)")
         self.seeds = {REPLICATED: self.seed, PARALLEL: self.seed + parallel_offset + self.tp.rank}
         self._states: Dict[_Key, torch.Tensor] = {}
 
