@@ -347,3 +347,20 @@ def _save_with_deprecated_keyword(group, path):
 def test_process_group_keyword_still_works_with_a_deprecation_warning(tmp_path):
     for deprecated, same in get_world(2).run(_save_with_deprecated_keyword, str(tmp_path / "ck")):
         assert same and any("process_group= is deprecated, pass group=" in m for m in deprecated)
+
+
+def _save_to_per_rank_paths(group, root):
+    rank = resolve_group(group).rank
+    model = _build(group, seed=5)
+    path = os.path.join(root, f"node{rank}", "ck")  # node-local paths: rank 0's directory would miss rank 1's shards
+    errors = []
+    for call in (lambda: tplayers.save_checkpoint(model, path), lambda: tplayers.load_checkpoint(model, path)):
+        with pytest.raises(CheckpointError, match=r"passed a different path than rank 0"):
+            call()
+        errors.append(True)
+    return errors, os.path.exists(path)
+
+
+def test_checkpoint_paths_that_differ_across_ranks_are_refused(tmp_path):
+    for errors, written in get_world(2).run(_save_to_per_rank_paths, str(tmp_path)):
+        assert errors == [True, True] and not written

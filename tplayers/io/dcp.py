@@ -32,7 +32,7 @@ import torch.nn as nn
 from ..core.comm import gather_placed
 from ..core.groups import TPGroup
 from ..core.placement import Sharded
-from .publish import agree_token, coord_group, fsync_dir, on_rank0, quiet, write_json
+from .publish import agree_token, coord_group, fsync_dir, on_rank0, quiet, require_same_path, write_json
 from .unpickle import safe_reader
 from .walk import CheckpointError, Entry, entries, parts_of, refuse_meta
 
@@ -140,6 +140,7 @@ def save_checkpoint(model: nn.Module, path: str, *, group: Any = None, process_g
 
     path = os.path.abspath(os.fspath(path))
     pg, rank = coord_group(group, process_group, "save_checkpoint")
+    require_same_path(pg, path, "save_checkpoint")
     tmp = f"{path}.tmp-{agree_token(pg, rank)}"
     state, _ = _dcp_state(model, for_save=True)
     manifest = _manifest(model)
@@ -203,6 +204,8 @@ def load_checkpoint(model: nn.Module, path: str, *, group: Any = None, process_g
     import torch.distributed.checkpoint as dcp
 
     path = os.path.abspath(os.fspath(path))
+    pg, _ = coord_group(group, process_group, "load_checkpoint")
+    require_same_path(pg, path, "load_checkpoint")
     _check_against(_read_manifest(path), model, path)
     refuse_meta(entries(model), path)
     reader = safe_reader(path)
@@ -210,7 +213,6 @@ def load_checkpoint(model: nn.Module, path: str, *, group: Any = None, process_g
         reader.read_metadata()  # refuse a tampered .metadata here, with a clear error, before DCP reads it
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path}: refusing to load .metadata: {e}") from None
-    pg, _ = coord_group(group, process_group, "load_checkpoint")
     state, post = _dcp_state(model, for_save=False)
     with torch.no_grad():
         with quiet():

@@ -12,11 +12,11 @@ from typing import Any, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..core.comm import broadcast_tensor
+from ..core.collectives import bit_hash, broadcast_tensor, ranks_that_differ
 from ..core.groups import collective_device
 from .walk import CheckpointError
 
-__all__ = ["quiet", "coord_group", "agree_token", "on_rank0", "fsync_dir", "write_json"]
+__all__ = ["quiet", "coord_group", "require_same_path", "agree_token", "on_rank0", "fsync_dir", "write_json"]
 
 
 @contextlib.contextmanager
@@ -51,6 +51,19 @@ def coord_group(group: Any, process_group: Any, caller: str) -> Tuple[Any, int]:
     if rank < 0:
         raise ValueError(f"{caller}: this process (global rank {dist.get_rank()}) is not a member of the group")
     return group, rank
+
+
+def require_same_path(pg: Any, path: str, caller: str) -> None:
+    """Refuse, on every rank, a collective save/load given different paths on different ranks (a
+    checkpoint missing some ranks' shards, or a model loaded from two checkpoints)."""
+    if pg is None:
+        return
+    text = torch.tensor(list(os.fsencode(path)) or [0], dtype=torch.uint8)
+    differ = ranks_that_differ(bit_hash(text)[None], group=pg)[:, 0]
+    if differ.any():
+        raise CheckpointError(f"{caller}: rank(s) {differ.nonzero().flatten().tolist()} passed a different path than "
+                              f"rank 0 (this rank: {path}); every rank must pass the same path (on a shared "
+                              "file system for a multi-node save)")
 
 
 def agree_token(pg: Any, rank: int) -> str:

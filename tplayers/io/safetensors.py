@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .publish import coord_group, fsync_dir, on_rank0
+from .publish import coord_group, fsync_dir, on_rank0, require_same_path
 from .walk import CheckpointError, Entry, dense_state_dict, entries, parts_of, refuse_meta
 
 __all__ = ["save_dense", "load_dense"]
@@ -40,6 +40,7 @@ def save_dense(model: nn.Module, path: str, *, group: Any = None, metadata: Opti
     path = os.path.abspath(os.fspath(path))
     state = dense_state_dict(model)
     pg, rank = coord_group(group, process_group, "save_dense")
+    require_same_path(pg, path, "save_dense")
 
     def write() -> None:
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:16]}"
