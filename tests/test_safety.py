@@ -211,3 +211,44 @@ def _tracker_seeds(group):
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_rng_tracker_refuses_per_rank_seeds(tp):
     assert all(get_world(tp).run(_tracker_seeds))
+
+
+# ------------------------------------------------------------------ modules that only look known
+
+
+class _ScaledEmbedding(nn.Embedding):  # e.g. Gemma's: the output is multiplied by sqrt(hidden)
+    def forward(self, ids):
+        return super().forward(ids) * 4.0
+
+
+class _LoRALinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) + 0.5 * x.sum(-1, keepdim=True)
+
+
+class _PlainSubclass(nn.Linear):  # no forward of its own: swapping it loses nothing
+    pass
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.up, self.down, self.head = _ScaledEmbedding(16, 8), _LoRALinear(8, 16), _PlainSubclass(16, 8), nn.Linear(8, 16, bias=False)
+
+
+@pytest.mark.parametrize("plan, message", [
+    ({"emb": "vocab_embedding"}, "module 'emb' is a _ScaledEmbedding, a subclass of nn.Embedding whose forward "
+                                 "(_ScaledEmbedding.forward) differs from it; style 'vocab_embedding'"),
+    ({"up": "column"}, "module 'up' is a _LoRALinear, a subclass of nn.Linear whose forward"),
+    ({"up": "kv_column"}, "module 'up' is a _LoRALinear"),
+])
+def test_subclasses_with_their_own_forward_are_refused(plan, message):
+    net = _Net()
+    with pytest.raises(TypeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tplayers.parallelize(net, plan, group=None)
+    assert type(net.emb) is _ScaledEmbedding and type(net.up) is _LoRALinear  # untouched
+
+
+def test_subclasses_without_their_own_forward_are_swapped():
+    net = tplayers.parallelize(_Net(), {"down": "row", "head": "vocab_head"}, group=None)
+    assert isinstance(net.down, tplayers.RowParallelLinear) and isinstance(net.head, tplayers.ParallelLMHead)

@@ -59,10 +59,26 @@ def getattr_path(obj: Any, path: str) -> Any:
     return value
 
 
+def _check_plain(module: nn.Module, base: type, ctx: BuildContext, style: str) -> None:
+    """A subclass of ``base`` whose ``forward`` is its own (a scaled embedding, a LoRA or quantized
+    linear) would silently lose that behaviour when swapped for a plain TP layer: refuse it."""
+    overrides = [cls.__name__ for cls in type(module).__mro__
+                 if cls is not base and issubclass(cls, base) and "forward" in vars(cls)]
+    if overrides:
+        raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}, a subclass of "
+                        f"nn.{base.__name__} "
+                        f"whose forward ({overrides[0]}.forward) differs from it; style '{style}' would swap it for a "
+                        "plain TP layer and drop that behaviour. Give it a style that knows it, or leave it out of "
+                        "the plan ('replicate')")
+
+
 def _check_linear_like(module: nn.Module, ctx: BuildContext, style: str) -> None:
-    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+    if is_conv1d(module):
+        return
+    if not isinstance(module, nn.Linear):
         raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style '{style}' "
                         "needs an nn.Linear or a GPT-2 Conv1D")
+    _check_plain(module, nn.Linear, ctx, style)
 
 
 def _from(module: nn.Module, linear_cls: type, conv_cls: type, ctx: BuildContext, **options: Any) -> nn.Module:
@@ -117,6 +133,7 @@ class KVColumn:
         if not isinstance(module, nn.Linear):
             raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style 'kv_column' "
                             "needs an nn.Linear")
+        _check_plain(module, nn.Linear, ctx, "kv_column")
         shards = kv_shards(getattr_path(ctx.parent, self.kv_heads), ctx.group.size, "kv_column", self.kv_heads)
         if shards == ctx.group.size:
             return Built(ColumnParallelLinear.from_dense(module, group=ctx.group))
@@ -147,6 +164,7 @@ class VocabEmbedding:
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style "
                             "'vocab_embedding' needs an nn.Embedding")
+        _check_plain(module, nn.Embedding, ctx, "vocab_embedding")
         return Built(VocabParallelEmbedding.from_dense(module, group=ctx.group, sequence_parallel=self.sequence_parallel))
 
 
@@ -165,6 +183,7 @@ class VocabHead:
         if not isinstance(module, nn.Linear):
             raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style "
                             "'vocab_head' needs an nn.Linear")
+        _check_plain(module, nn.Linear, ctx, "vocab_head")
         return Built(ParallelLMHead.from_dense(module, group=ctx.group, gather_output=self.gather_output))
 
 
