@@ -364,3 +364,51 @@ def _save_to_per_rank_paths(group, root):
 def test_checkpoint_paths_that_differ_across_ranks_are_refused(tmp_path):
     for errors, written in get_world(2).run(_save_to_per_rank_paths, str(tmp_path)):
         assert errors == [True, True] and not written
+
+
+def _corrupt_and_load(group, path, how):
+    import json as _json
+
+    model = _build(group, seed=6)
+    tplayers.save_checkpoint(model, path)
+    if resolve_group(group).rank == 0:
+        shard = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[-1]
+        if how == "flip_byte":
+            with open(os.path.join(path, shard), "r+b") as f:
+                f.seek(os.path.getsize(os.path.join(path, shard)) // 2)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0x01]))
+        elif how == "missing":
+            os.remove(os.path.join(path, shard))
+        elif how == "garbled_manifest":
+            with open(os.path.join(path, "tplayers.json"), "w") as f:
+                f.write('{"format": "tplayers-dcp", "tens')
+        elif how == "version1":  # a checkpoint written before per-file digests existed still loads
+            manifest = _json.load(open(os.path.join(path, "tplayers.json")))
+            manifest.pop("files")
+            manifest["version"] = 1
+            _json.dump(manifest, open(os.path.join(path, "tplayers.json"), "w"))
+    tplayers.comm.barrier(group)  # rank 0 has damaged it before anyone loads
+    fresh = _build(group, seed=7)
+    try:
+        tplayers.load_checkpoint(fresh, path)
+    except CheckpointError as e:
+        return str(e)
+    return all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
+@pytest.mark.parametrize("how, expected", [
+    ("flip_byte", r"file '__\d_0\.distcp' is missing or does not match the checksum"),
+    ("missing", r"file '__\d_0\.distcp' is missing or does not match the checksum"),
+    ("garbled_manifest", r"tplayers\.json: the checkpoint manifest is not valid JSON"),
+])
+def test_corrupted_checkpoints_fail_to_load_naming_the_file(tmp_path, how, expected):
+    import re
+
+    for result in get_world(2).run(_corrupt_and_load, str(tmp_path / "ck"), how):
+        assert isinstance(result, str) and re.search(expected, result), result
+
+
+def test_checkpoints_without_digests_still_load(tmp_path):
+    assert get_world(2).run(_corrupt_and_load, str(tmp_path / "ck"), "version1") == [True, True]

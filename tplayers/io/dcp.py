@@ -20,6 +20,7 @@ tensor data is read by DCP with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -27,10 +28,11 @@ import shutil
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from ..core.comm import gather_placed
-from ..core.groups import TPGroup
+from ..core.collectives import all_gather_tensor, gather_placed
+from ..core.groups import TPGroup, collective_device
 from ..core.placement import Sharded
 from .publish import agree_token, coord_group, fsync_dir, on_rank0, quiet, require_same_path, write_json
 from .unpickle import safe_reader
@@ -40,7 +42,7 @@ __all__ = ["save_checkpoint", "load_checkpoint"]
 
 MANIFEST = "tplayers.json"
 FORMAT = "tplayers-dcp"
-VERSION = 1
+VERSION = 2  # 2: the manifest records a sha256 per file ("files"); version 1 checkpoints still load
 
 
 def _layout_record(e: Entry) -> Optional[Dict[str, Any]]:
@@ -148,6 +150,7 @@ def save_checkpoint(model: nn.Module, path: str, *, group: Any = None, process_g
         dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=pg, no_dist=pg is None)
 
     def publish() -> None:
+        manifest["files"] = _file_digests(tmp)
         write_json(os.path.join(tmp, MANIFEST), manifest)
         fsync_dir(tmp)
         old = f"{path}.old-{os.path.basename(tmp)[-16:]}"
@@ -160,16 +163,59 @@ def save_checkpoint(model: nn.Module, path: str, *, group: Any = None, process_g
     on_rank0(pg, rank, publish)
 
 
+def _sha256(fpath: str) -> str:
+    digest = hashlib.sha256()
+    with open(fpath, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_digests(tmp: str) -> Dict[str, str]:
+    """sha256 of every file of a written checkpoint (rank 0, before publishing). Also refuses to publish
+    when a file DCP's metadata names is not visible here (ranks wrote to node-local directories)."""
+    metadata = safe_reader(tmp).read_metadata()
+    named = {str(info.relative_path) for info in metadata.storage_data.values()}
+    missing = sorted(n for n in named if not os.path.isfile(os.path.join(tmp, n)))
+    if missing:
+        raise CheckpointError(f"{tmp}: files written by other ranks are not visible to rank 0: {missing[:4]}; the "
+                              "path must be on a file system every rank shares")
+    return {n: _sha256(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp)) if n != MANIFEST}
+
+
+def _verify_files(manifest: Dict[str, Any], path: str, pg: Any, rank: int) -> None:
+    """Every file's sha256 against the manifest, each rank hashing a share of the files; the first
+    bad file is named on every rank. A version-1 manifest has no digests: nothing to verify."""
+    digests = manifest.get("files")
+    if digests is None:
+        return
+    names = sorted(digests)
+    size = 1 if pg is None else dist.get_world_size(pg)
+    bad = next((i for i in range(rank, len(names), size)
+                if not os.path.isfile(os.path.join(path, names[i]))
+                or _sha256(os.path.join(path, names[i])) != digests[names[i]]), len(names))
+    first = torch.tensor([bad], dtype=torch.int64)
+    if pg is not None:
+        first = all_gather_tensor(first.to(collective_device(pg)), 0, group=pg).min().cpu()
+    if int(first) < len(names):
+        raise CheckpointError(f"{path}: file '{names[int(first)]}' is missing or does not match the checksum the "
+                              "checkpoint recorded (corrupted or partly overwritten); refusing to load")
+
+
 def _read_manifest(path: str) -> Dict[str, Any]:
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint directory at {path}")
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isfile(mpath) or not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"{path} is not a complete tplayers checkpoint (no {MANIFEST} or .metadata)")
-    with open(mpath) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{mpath}: the checkpoint manifest is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: unknown checkpoint format "
+                              f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r}")
     return manifest
 
 
@@ -199,20 +245,23 @@ def load_checkpoint(model: nn.Module, path: str, *, group: Any = None, process_g
 
     Collective over ``group`` (as in :func:`save_checkpoint`; default: the whole world;
     ``process_group=`` is its deprecated name). Raises :class:`CheckpointError`
-    naming the tensor when names, full shapes or fused layouts differ.
+    naming the tensor when names, full shapes or fused layouts differ, and naming the file when one is
+    missing or its sha256 differs from the one recorded at save (each rank hashes a share of the files).
     """
     import torch.distributed.checkpoint as dcp
 
     path = os.path.abspath(os.fspath(path))
-    pg, _ = coord_group(group, process_group, "load_checkpoint")
+    pg, rank = coord_group(group, process_group, "load_checkpoint")
     require_same_path(pg, path, "load_checkpoint")
-    _check_against(_read_manifest(path), model, path)
+    manifest = _read_manifest(path)
+    _check_against(manifest, model, path)
     refuse_meta(entries(model), path)
     reader = safe_reader(path)
     try:
         reader.read_metadata()  # refuse a tampered .metadata here, with a clear error, before DCP reads it
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path}: refusing to load .metadata: {e}") from None
+    _verify_files(manifest, path, pg, rank)  # after the metadata check: a forged manifest must not skip it
     state, post = _dcp_state(model, for_save=False)
     with torch.no_grad():
         with quiet():
