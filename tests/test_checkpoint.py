@@ -412,3 +412,34 @@ def test_corrupted_checkpoints_fail_to_load_naming_the_file(tmp_path, how, expec
 
 def test_checkpoints_without_digests_still_load(tmp_path):
     assert get_world(2).run(_corrupt_and_load, str(tmp_path / "ck"), "version1") == [True, True]
+
+
+def test_dcp_base_exceptions_become_checkpoint_errors():
+    """DCP's CheckpointException derives from BaseException: `except Exception` in a training loop
+    would miss it, so tplayers re-raises it as a CheckpointError (an Exception) naming the path."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tplayers.io.publish import dcp_errors
+
+    with pytest.raises(CheckpointError, match=r"load_checkpoint: torch.distributed.checkpoint failed for /x/ck: "
+                                              r"CheckpointException"):
+        with dcp_errors("load_checkpoint", "/x/ck"):
+            raise CheckpointException("boom", {0: (OSError("disk"), None)})
+    with pytest.raises(KeyboardInterrupt):
+        with dcp_errors("load_checkpoint", "/x/ck"):
+            raise KeyboardInterrupt
+
+
+def test_load_dense_refuses_index_entries_outside_the_directory(tmp_path):
+    pytest.importorskip("safetensors", reason="dense import needs the hf extra (safetensors)")
+    import json
+
+    from safetensors.torch import save_file
+
+    outside = tmp_path / "elsewhere.safetensors"
+    save_file({"weight": torch.zeros(2, 2)}, str(outside))
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"weight": "../elsewhere.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"the index names files outside .*model"):
+        tplayers.load_dense(nn.Linear(2, 2, bias=False), str(model_dir))

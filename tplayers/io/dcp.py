@@ -34,7 +34,7 @@ import torch.nn as nn
 from ..core.collectives import all_gather_tensor, gather_placed
 from ..core.groups import TPGroup, collective_device
 from ..core.placement import Sharded
-from .publish import agree_token, coord_group, fsync_dir, on_rank0, quiet, require_same_path, write_json
+from .publish import agree_token, coord_group, dcp_errors, fsync_dir, on_rank0, quiet, require_same_path, write_json
 from .unpickle import safe_reader
 from .walk import CheckpointError, Entry, entries, parts_of, refuse_meta
 
@@ -146,7 +146,7 @@ def save_checkpoint(model: nn.Module, path: str, *, group: Any = None, process_g
     tmp = f"{path}.tmp-{agree_token(pg, rank)}"
     state, _ = _dcp_state(model, for_save=True)
     manifest = _manifest(model)
-    with quiet():
+    with quiet(), dcp_errors("save_checkpoint", tmp):
         dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=pg, no_dist=pg is None)
 
     def publish() -> None:
@@ -264,7 +264,7 @@ def load_checkpoint(model: nn.Module, path: str, *, group: Any = None, process_g
     _verify_files(manifest, path, pg, rank)  # after the metadata check: a forged manifest must not skip it
     state, post = _dcp_state(model, for_save=False)
     with torch.no_grad():
-        with quiet():
+        with quiet(), dcp_errors("load_checkpoint", path):
             dcp.load(state, storage_reader=reader, process_group=pg, no_dist=pg is None)
         for src, dst in post:
             dst.copy_(src)

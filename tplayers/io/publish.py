@@ -16,7 +16,22 @@ from ..core.collectives import bit_hash, broadcast_tensor, ranks_that_differ
 from ..core.groups import collective_device
 from .walk import CheckpointError
 
-__all__ = ["quiet", "coord_group", "require_same_path", "agree_token", "on_rank0", "fsync_dir", "write_json"]
+__all__ = ["dcp_errors", "quiet", "coord_group", "require_same_path", "agree_token", "on_rank0", "fsync_dir", "write_json"]
+
+
+@contextlib.contextmanager
+def dcp_errors(caller: str, path: str) -> Iterator[None]:
+    """Re-raise DCP's ``CheckpointException`` (a BaseException: ``except Exception`` would miss it)
+    as a :class:`CheckpointError` naming the call and the path."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception:
+        raise
+    except BaseException as e:  # noqa: BLE001
+        raise CheckpointError(f"{caller}: torch.distributed.checkpoint failed for {path}: "
+                              f"{type(e).__name__}: {e}") from e
 
 
 @contextlib.contextmanager

@@ -63,7 +63,12 @@ def _dense_files(path: str) -> Dict[str, str]:
         if os.path.isfile(index):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-            return {k: os.path.join(path, v) for k, v in weight_map.items()}
+            root = os.path.realpath(path)
+            files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+            outside = sorted({v for v in files.values() if os.path.commonpath([root, os.path.realpath(v)]) != root})
+            if outside:  # an index is data: it must not make us read files elsewhere on the machine
+                raise CheckpointError(f"{index}: the index names files outside {path}: {outside[:3]}")
+            return files
         if not os.path.isfile(single):
             raise CheckpointError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
         files = [single]
