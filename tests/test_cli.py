@@ -271,3 +271,33 @@ def test_bench_block_bad_heads_is_a_usage_error(capsys):
     assert "hidden=16 is not divisible by heads=3" in capsys.readouterr().err
     assert main(["bench", "--tp", "4", "--module", "block", "--hidden", "16", "--heads", "2", "--iters", "1"]) == 2
     assert "heads=2 is not divisible by the TP degree 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--save", "/no/such/dir/x.json"], "--save /no/such/dir/x.json: the directory /no/such/dir does not exist"),
+    (["bench", "--plot", "/no/such/p.png"], "--plot /no/such/p.png: the directory /no/such does not exist"),
+    (["bench", "--trace", "/no/such/dir/trace"], "--trace /no/such/dir/trace: cannot create it"),
+    (["verify", "--backend", "nccl"], "--backend nccl needs --device cuda"),
+    (["bench", "--warmup", "-1"], "warmup=-1 must be >= 0"),
+])
+def test_unusable_arguments_fail_before_anything_runs(capsys, argv, message):
+    import time
+
+    start = time.perf_counter()
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert time.perf_counter() - start < 5  # refused up front, not after a timed run
+
+
+@pytest.mark.parametrize("argv", [["verify", "--timeout", "-1"], ["verify", "--timeout", "0"], ["verify", "--tp", "0"],
+                                  ["bench", "--timeout", "nan"]])
+def test_bad_numbers_are_usage_errors(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_a_gpu_is_refused(capsys):
+    assert main(["verify", "--device", "cuda"]) == 2
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().err

@@ -7,6 +7,7 @@ MASTER_ADDR, MASTER_PORT), on the ranks torchrun started, single- or multi-node.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -36,6 +37,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes seconds, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tplayers", description="Tensor-parallel layers: verify and benchmark.")
     sub = parser.add_subparsers(dest="command", metavar="{verify,bench}")
@@ -47,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                        help="override the process-group backend (e.g. gloo for several ranks on one GPU)")
         p.add_argument("--threads", type=_positive, default=1, help="torch threads per rank (default 1)")
-        p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is abandoned")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--timeout", type=_positive_seconds, default=600.0,
+                       help="seconds before a hung run is abandoned (default 600)")
+        p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs, the same on every rank (default 0)")
 
     v = sub.add_parser("verify", help="check every TP module against its dense reference",
                        description="Check every TP module against its dense reference (outputs, input and "
@@ -182,18 +194,41 @@ def _bench(args: argparse.Namespace) -> int:
     if not reporter:
         return 0
     report = per_rank[0]
+    # the result first: a file that cannot be written afterwards must not lose the run
+    print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
     if args.save:
         with open(args.save, "w") as f:
             json.dump(report, f, indent=2)
     if args.plot:
         plot_report(report, args.plot)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(report))
-        if args.plot:
+        if not args.json:
             print(f"plot: {args.plot}")
     return 0
+
+
+def _usage_error(args: argparse.Namespace) -> Optional[str]:
+    """What makes these arguments unusable, found before anything runs (a run must never be lost
+    to an argument that could have been checked first), or None."""
+    import torch
+
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if backend == "nccl" and args.device != "cuda":
+        return "--backend nccl needs --device cuda (NCCL moves CUDA tensors only)"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return f"--device cuda{' (NCCL)' if backend == 'nccl' else ''}, but torch.cuda.is_available() is False here"
+    for flag, target in (("--save", getattr(args, "save", None)), ("--plot", getattr(args, "plot", None))):
+        if target:
+            folder = os.path.dirname(os.path.abspath(target))
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                return f"{flag} {target}: the directory {folder} does not exist or is not writable"
+    trace = getattr(args, "trace", None)
+    if trace and os.path.exists(trace) and not (os.path.isdir(trace) and os.access(trace, os.W_OK)):
+        return f"--trace {trace}: not a writable directory"
+    if trace and not os.path.exists(trace) and not os.access(os.path.dirname(os.path.abspath(trace)) or ".", os.W_OK):
+        return f"--trace {trace}: cannot create it (its parent is missing or not writable)"
+    if getattr(args, "plot", None) and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib: pip install 'tplayers[plot]'"
+    return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -201,6 +236,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from ..testing import WorldError
 
     args = build_parser().parse_args(argv)
+    problem = _usage_error(args)
+    if problem:
+        print(f"tplayers {args.command}: {problem}", file=sys.stderr)
+        return 2
     try:
         rc = _verify(args) if args.command == "verify" else _bench(args)
     except WorldError as e:
