@@ -382,7 +382,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="size 3 is not divisible by the TP degree 2"):
         scatter_to_sequence(torch.randn(1, 3, 8), group=two)
     with pytest.raises(ValueError, match="sequence length .* not divisible by the TP degree 2"):
-        VocabParallelEmbedding(8, 4, group=two, sequence_parallel=True)(torch.zeros(1, 3, dtype=torch.long))
+        VocabParallelEmbedding(8, 4, group=two, sequence_parallel=True, device="meta")(torch.zeros(1, 3, dtype=torch.long))
     attn = ParallelAttention(8, 2, group=None)
     with pytest.raises(ValueError, match="attn_mask of shape"):
         attn(torch.randn(1, 4, 8), torch.ones(3, 3, dtype=torch.bool))

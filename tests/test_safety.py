@@ -185,9 +185,10 @@ def _parallelize_different_models(group, check):
     rank = tplayers.resolve_group(group).rank
     torch.manual_seed(0 if rank == 0 else 1)  # rank 1 forgot to seed like rank 0
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-    if not check:
-        tplayers.parallelize(model, {"0": "column", "2": "row"}, group=group, check_consistency=False)
-        return "skipped"
+    if not check:  # without the model-wide check, each swapped layer still checks the dense tensors it shards
+        with pytest.raises(ValueError, match=r"ColumnParallelLinear: the dense weight differs between rank 0 and rank 1"):
+            tplayers.parallelize(model, {"0": "column", "2": "row"}, group=group, check_consistency=False)
+        return "refused by the layer"
     with pytest.raises(ValueError, match=r"parallelize: '0.weight' differs between rank 0 and rank 1 of the TP group"):
         tplayers.parallelize(model, {"0": "column", "2": "row"}, group=group)
     assert isinstance(model[0], nn.Linear)  # refused before anything changed
@@ -197,7 +198,21 @@ def _parallelize_different_models(group, check):
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_parallelize_refuses_ranks_with_different_dense_models(tp):
     assert get_world(tp).run(_parallelize_different_models, True) == ["refused"] * tp
-    assert get_world(tp).run(_parallelize_different_models, False) == ["skipped"] * tp
+    assert get_world(tp).run(_parallelize_different_models, False) == ["refused by the layer"] * tp
+
+
+def _layers_built_under_different_seeds(group):
+    torch.manual_seed(tplayers.resolve_group(group).rank)  # per-rank RNG state: every rank draws another matrix
+    with pytest.raises(ValueError, match=r"RowParallelLinear: the dense weight differs between rank 0 and rank 1"):
+        tplayers.RowParallelLinear(8, 4, group=group)
+    torch.manual_seed(0)
+    tplayers.RowParallelLinear(8, 4, group=group)  # the same seed everywhere: fine
+    return True
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_layers_built_under_per_rank_rng_states_are_refused(tp):
+    assert all(get_world(tp).run(_layers_built_under_different_seeds))
 
 
 def _tracker_seeds(group):

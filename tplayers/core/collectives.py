@@ -186,15 +186,19 @@ def gather_placed(local: torch.Tensor, placement: Placement, *, group: GroupLike
     return placement.unshard(gathered.chunk(g.size, dim=placement.dim))
 
 
-def bit_hash(t: torch.Tensor) -> torch.Tensor:
+def bit_hash(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
     """Two int64 hashes of ``t``'s bits (a plain and a position-weighted wrapping sum), on the CPU:
-    equal tensors hash equal; a difference in any bit changes them (but for astronomically rare collisions)."""
-    t = t.detach().contiguous().flatten()
-    if t.is_floating_point():
-        t = t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
-    bits = t.to(torch.int64)
-    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
-    return torch.stack([bits.sum(), (bits * weights).sum()]).cpu()
+    equal tensors hash equal; a difference in any bit changes them (but for astronomically rare
+    collisions). Works through ``chunk`` elements at a time, so memory stays small for any tensor."""
+    flat = t.detach().reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()])
+    total = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), chunk):
+        bits = flat[start:start + chunk].to(torch.int64)
+        weights = torch.arange(start + 1, start + 1 + bits.numel(), dtype=torch.int64, device=bits.device)
+        total += torch.stack([bits.sum(), (bits * weights).sum()])
+    return total.cpu()
 
 
 def ranks_that_differ(hashes: torch.Tensor, *, group: GroupLike) -> torch.Tensor:

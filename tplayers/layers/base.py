@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.comm import gather_placed
+from ..core.collectives import bit_hash, gather_placed, ranks_that_differ
 from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 
@@ -116,6 +116,7 @@ def load_full_params(layer: TensorParallelModule, full: Dict[str, Optional[torch
                      like: Optional[nn.Module] = None) -> None:
     """Set each named parameter of ``layer`` to this rank's shard of the dense tensor in ``full``
     (through the parameter's placement); ``like``: the dense module whose ``requires_grad`` to keep."""
+    _require_same_on_every_rank(layer, full)
     placements = layer.param_placements()
     for name, t in full.items():
         if t is None:
@@ -126,6 +127,21 @@ def load_full_params(layer: TensorParallelModule, full: Dict[str, Optional[torch
         elif getattr(layer, name).device.type != "meta":  # a meta layer stays uninitialized
             with torch.no_grad():
                 getattr(layer, name).copy_(local)
+
+
+def _require_same_on_every_rank(layer: TensorParallelModule, full: Dict[str, Optional[torch.Tensor]]) -> None:
+    """Every rank cuts its shard from its own copy of the dense tensors: copies that differ (layers built
+    under per-rank RNG states, or from_dense given a different module per rank) would be stitched into
+    a layer no rank ever had. One all-gather of two hashes per tensor, at construction only."""
+    named = [(n, t) for n, t in full.items() if t is not None and t.device.type != "meta"]
+    if layer.tp.size == 1 or not named:
+        return
+    differ = ranks_that_differ(torch.stack([bit_hash(t) for _, t in named]), group=layer.tp)
+    if differ.any():
+        ranks, index = differ.nonzero()[0].tolist()
+        raise ValueError(f"{type(layer).__name__}: the dense {named[index][0]} differs between rank 0 and rank {ranks} "
+                         "of the TP group: build it under the same torch.manual_seed on every rank, or pass the same "
+                         "dense module to from_dense on every rank (or build on the meta device and load a checkpoint)")
 
 
 def reset_linear_params(layer: TensorParallelModule) -> None:
