@@ -13,11 +13,13 @@ from tplayers.checkpoint import CheckpointError, dense_state_dict
 from tplayers.groups import resolve_group
 from tplayers.core.placement import Sharded
 from tplayers.layers import TensorParallelModule
+from tplayers.layers.base import placements_of
 from tplayers.plan import Column
 from tplayers.sharding import qkv_layout
 from tplayers.testing import get_world
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 1, 2  # GQA with one KV head: replicated KV shards at TP > 1
+VOCAB = 31  # divides no TP size > 1: the embedding's rows are padded
 
 
 class _GQAProj(TensorParallelModule):
@@ -38,7 +40,7 @@ class _GQAProj(TensorParallelModule):
 class Toy(nn.Module):
     def __init__(self, hidden: int = 8) -> None:
         super().__init__()
-        self.emb = nn.Embedding(30, hidden)  # vocabulary padded to the TP degree at TP 4
+        self.emb = nn.Embedding(VOCAB, hidden)  # vocabulary padded to the TP degree at TP 2 and 4
         self.qkv = nn.Linear(hidden, 3 * hidden)  # fused, equal thirds
         self.up = nn.Linear(hidden, 4 * hidden)
         self.down = nn.Linear(4 * hidden, hidden)
@@ -61,10 +63,18 @@ def _build(group, seed: int, hidden: int = 8) -> nn.Module:
     return model
 
 
+def _padded_and_replicated(model: nn.Module) -> tuple:
+    """(the vocabulary is padded, a KV part is replicated): what the reshard test must exercise."""
+    emb, gqa = placements_of(model.emb)["weight"], placements_of(model.gqa)["weight"]
+    size = model.emb.tp.size
+    return (emb.parts[0].padded and emb.parts[0].local_size * size > VOCAB,
+            any(part.shards < size for part in gqa.parts))
+
+
 def _save(group, path: str, seed: int):
     model = _build(group, seed)
     tplayers.save_checkpoint(model, path)
-    return dense_state_dict(model)
+    return dense_state_dict(model), _padded_and_replicated(model)
 
 
 def _load(group, path: str, seed: int, hidden: int = 8):
@@ -76,7 +86,8 @@ def _load(group, path: str, seed: int, hidden: int = 8):
 @pytest.mark.parametrize("save_tp", [2, 4])
 def test_checkpoint_reshards_bit_exactly(tmp_path, save_tp):
     path = str(tmp_path / "ckpt")
-    saved = get_world(save_tp).run(_save, path, seed=1)[0]
+    saved, exercised = get_world(save_tp).run(_save, path, seed=1)[0]
+    assert exercised == (True, True)  # padded vocabulary, replicated KV head
     assert set(saved) == {"emb.weight", "qkv.weight", "qkv.bias", "up.weight", "up.bias", "down.weight",
                           "down.bias", "norm.weight", "norm.bias", "gqa.weight", "step"}
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary left behind
@@ -185,19 +196,38 @@ def test_dense_safetensors_roundtrip_across_tp(tmp_path):
     on_disk = load_file(path)
     assert set(on_disk) == set(want) and all(torch.equal(on_disk[k], want[k]) for k in want)
     # the same file loads into a TP-4 model slice by slice
-    model = get_world(4).run(_load_dense_tp4, path)[3]
-    assert all(torch.equal(model[k], want[k]) for k in want)
+    results = get_world(4).run(_load_dense_tp4, path)
+    assert all(torch.equal(model[k], want[k]) for model, _ in results for k in want)
+    # the four ranks' vocabulary reads tile the 31 rows: 8, 8, 8 and the last rank's 7 (+ 1 padding row)
+    assert [rows for _, rows in results] == [(0, 8), (8, 16), (16, 24), (24, VOCAB)]
+
+
+class _RecordingSlice:
+    """A safetensors slice that records the index of every read."""
+
+    def __init__(self, key, sl, reads):
+        self._key, self._slice, self._reads = key, sl, reads
+
+    def __getitem__(self, index):
+        self._reads.append((self._key, index))
+        return self._slice[index]
+
+    def __getattr__(self, name):
+        return getattr(self._slice, name)
 
 
 class _RecordingHandle:
-    """A safetensors handle that records which tensors were read whole."""
+    """A safetensors handle that records which tensors were read whole, and which slices were read."""
 
-    def __init__(self, handle, whole):
-        self._handle, self._whole = handle, whole
+    def __init__(self, handle, whole, sliced):
+        self._handle, self._whole, self._sliced = handle, whole, sliced
 
     def get_tensor(self, key):
         self._whole.append(key)
         return self._handle.get_tensor(key)
+
+    def get_slice(self, key):
+        return _RecordingSlice(key, self._handle.get_slice(key), self._sliced)
 
     def __getattr__(self, name):
         return getattr(self._handle, name)
@@ -206,14 +236,14 @@ class _RecordingHandle:
 def _load_dense_tp4(group, path: str):
     import safetensors
 
-    whole, real_open = [], safetensors.safe_open
+    whole, sliced, real_open = [], [], safetensors.safe_open
 
     class _Open:
         def __init__(self, *args, **kwargs):
             self._ctx = real_open(*args, **kwargs)
 
         def __enter__(self):
-            return _RecordingHandle(self._ctx.__enter__(), whole)
+            return _RecordingHandle(self._ctx.__enter__(), whole, sliced)
 
         def __exit__(self, *exc):
             return self._ctx.__exit__(*exc)
@@ -226,7 +256,11 @@ def _load_dense_tp4(group, path: str):
         safetensors.safe_open = real_open
     # only replicated tensors are read whole: the padded vocabulary is read as this rank's rows
     assert "emb.weight" not in whole and "up.weight" not in whole, whole
-    return dense_state_dict(model)
+    rows = [(index[0].start, index[0].stop) for key, index in sliced if key == "emb.weight"]
+    (piece,) = placements_of(model.emb)["weight"].pieces(model.emb.tp.rank, model.emb.tp.size)
+    assert rows == [(piece.start, piece.start + piece.length)], rows
+    assert not model.emb.weight[piece.length:].any()  # the padding rows past the vocabulary stay zero
+    return dense_state_dict(model), rows[0]
 
 
 def test_fused_layout_mismatch_names_parameter(tmp_path):
@@ -328,25 +362,39 @@ def test_loading_into_meta_tensors_is_refused(tmp_path):
             tplayers.load_dense(model, str(tmp_path / "dense.safetensors"))
 
 
-def _save_with_deprecated_keyword(group, path):
+def _deprecated_keyword(group, root):
+    """Each call that had ``process_group=`` still works with it, and warns; both keywords are refused."""
     import warnings
 
-    model = _build(group, seed=3)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        tplayers.save_checkpoint(model, path, process_group=group)
-    deprecated = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
-    fresh = _build(group, seed=4)
-    tplayers.load_checkpoint(fresh, path, group=group)
+    model, fresh = _build(group, seed=3), _build(group, seed=4)
+    ckpt, dense = os.path.join(root, "ck"), os.path.join(root, "dense.safetensors")
+    calls = [(tplayers.save_checkpoint, model, ckpt), (tplayers.load_checkpoint, fresh, ckpt)]
+    if importlib.util.find_spec("safetensors") is not None:
+        calls.append((tplayers.save_dense, model, dense))
+    warned = []
+    for fn, m, path in calls:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn(m, path, process_group=group)
+        warned.append([str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)])
+        with pytest.raises(TypeError, match="pass group= only"):
+            fn(m, path, group=group, process_group=group)
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
-    with pytest.raises(TypeError, match="pass group= only"):
-        tplayers.save_checkpoint(model, path, group=group, process_group=group)
-    return deprecated, same
+    if len(calls) == 3:  # load_dense takes group= too (checked only: it needs no communication)
+        other = _build(group, seed=5)
+        assert tplayers.load_dense(other, dense, group=group) == ([], [])
+        same = same and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                              other.state_dict().values()))
+        with pytest.raises(TypeError, match="load_dense: group must be None"):
+            tplayers.load_dense(other, dense, group="world")
+    return [fn.__name__ for fn, _, _ in calls], warned, same
 
 
 def test_process_group_keyword_still_works_with_a_deprecation_warning(tmp_path):
-    for deprecated, same in get_world(2).run(_save_with_deprecated_keyword, str(tmp_path / "ck")):
-        assert same and any("process_group= is deprecated, pass group=" in m for m in deprecated)
+    for names, warned, same in get_world(2).run(_deprecated_keyword, str(tmp_path)):
+        assert same
+        for name, messages in zip(names, warned):
+            assert f"{name}: process_group= is deprecated, pass group=" in messages, (name, messages)
 
 
 def _save_to_per_rank_paths(group, root):

@@ -124,10 +124,14 @@ def _read_local(f: Any, key: str, e: Entry) -> torch.Tensor:
     return t.t() if e.transposed else t
 
 
-def load_dense(model: nn.Module, path: str, *, strict: bool = True) -> Tuple[List[str], List[str]]:
+def load_dense(model: nn.Module, path: str, *, strict: bool = True,
+               group: Any = None) -> Tuple[List[str], List[str]]:
     """Load an unsharded safetensors checkpoint (a file, or a Hugging Face model directory) into a
-    TP (or dense) model; each rank reads only its own slices. No communication, so it is not
-    collective and takes no ``group``: each rank may call it on its own.
+    TP (or dense) model; each rank reads only its own slices.
+
+    Not collective: no communication, so each rank may call it on its own. ``group`` is accepted so
+    that the four save/load calls share a signature; it is only checked (a ProcessGroup, a 1-D
+    DeviceMesh or None, with this rank a member), never communicated over.
 
     Returns ``(missing, unexpected)`` names; with ``strict`` a missing tensor raises. Names may
     differ by the model's ``base_model_prefix`` (``transformer.``, ``model.``) as in HF files.
@@ -135,6 +139,7 @@ def load_dense(model: nn.Module, path: str, *, strict: bool = True) -> Tuple[Lis
     _safetensors()
     from safetensors import safe_open
 
+    coord_group(group, None, "load_dense")
     path = os.fspath(path)
     files = _dense_files(path)
     prefix = getattr(model, "base_model_prefix", None) or None
