@@ -183,6 +183,12 @@ def _check_sp_norm_survives_param_replacement(group):
     model.norm.weight = nn.Parameter(model.norm.weight.detach().clone())
     model.norm.bias = nn.Parameter(model.norm.bias.detach().clone())
     errors.append(assert_matches_dense(model, dense, x, group=group).grad_error)
+    # to_empty re-creates every parameter; reloading the weights must keep the reduction too
+    saved = copy.deepcopy(model.state_dict())
+    model.to_empty(device="cpu")
+    model.load_state_dict(saved)
+    assert list(model.state_dict()) == list(dense.state_dict())
+    errors.append(assert_matches_dense(model, dense, x, group=group).grad_error)
     return errors
 
 

@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from ..core.collectives import bit_hash, ranks_that_differ
 from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, placements_of
 from .plan import Plan, resolve_style
 from .plans import get_plan
@@ -100,9 +101,7 @@ def _attr_changes(modules: Dict[str, nn.Module], plan: Plan, tp: TPGroup) -> Lis
                         value = getattr_path(module, path)
                     except AttributeError as e:
                         raise AttributeError(f"parallelize: module '{name}' ({pat!r}): {e}") from None
-                    if value % tp.size:
-                        raise ValueError(f"parallelize: module '{name}': {path}={value} is not divisible by the "
-                                         f"TP degree {tp.size}")
+                    require_divisible(value, tp.size, f"parallelize: module '{name}'", path)
         for pat, fn in plan.set_attrs.items():
             if fnmatch.fnmatchcase(name, pat):
                 changes.extend((module, attr, value) for attr, value in fn(module, tp.size).items())
@@ -122,9 +121,9 @@ def _divided(module: nn.Module, name: str, attrs: Tuple[str, ...], plan_name: st
             raise AttributeError(f"parallelize: module '{name}' ({type(module).__name__}) has no attribute "
                                  f"'{attr}' that plan '{plan_name}' divides by the TP degree")
         value = getattr(module, attr)
-        if not isinstance(value, int) or value % tp_size:
+        if not isinstance(value, int):
             raise ValueError(f"parallelize: module '{name}': {attr}={value} is not divisible by the TP degree {tp_size}")
-        changes.append((module, attr, value // tp_size))
+        changes.append((module, attr, require_divisible(value, tp_size, f"parallelize: module '{name}'", attr)))
     return changes
 
 

@@ -46,6 +46,9 @@ class Built:
 
 @runtime_checkable
 class Style(Protocol):
+    """``build(module, ctx) -> Built``: check ``module`` and return its replacement, or the module
+    itself with a ``finish`` to run once the whole plan has built. It must not change the model."""
+
     def build(self, module: nn.Module, ctx: BuildContext) -> Built: ...
 
 
