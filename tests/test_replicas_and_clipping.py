@@ -66,3 +66,27 @@ def test_bare_parameters_are_refused(fn):
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match=r"pass the model \(an nn.Module\), not generator"):
         fn(model.parameters(), 1.0)
+
+
+# ------------------------------------------------------------------ bad arguments
+
+
+def _mesh_without_this_rank(group):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh("cpu", [0, 1])
+    if dist.get_rank() < 2:
+        return tplayers.ColumnParallelLinear(4, 8, group=mesh).tp.size
+    with pytest.raises(ValueError, match=rf"global rank {dist.get_rank()}\) is not part of the DeviceMesh it was "
+                                         r"given \(ranks \[0, 1\]\)"):
+        tplayers.ColumnParallelLinear(4, 8, group=mesh)  # used to be an IndexError from inside torch
+    return None
+
+
+def test_a_device_mesh_without_this_rank_is_refused():
+    assert get_world(4).run(_mesh_without_this_rank) == [2, 2, None, None]
+
+
+def test_a_zero_size_norm_is_refused():
+    with pytest.raises(ValueError, match="ParallelNorm: hidden=0 must be positive"):
+        tplayers.ParallelNorm(0, "rmsnorm", group=None)
