@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .collectives import (Pending, _all_gather, _all_reduce, _owned_copy, _reduce_scatter, _split,
                           all_gather_tensor, all_reduce_, all_reduce_tensor, barrier, broadcast_tensor, gather_placed,
@@ -46,6 +45,10 @@ __all__ = [
 ]
 
 # ---------------------------------------------------------------- autograd Functions
+#
+# Conjugate pairs (f and g, split and gather, ...): each backward is its partner's ``apply``, itself
+# differentiable, so second derivatives (``create_graph=True``, e.g. a gradient penalty) are right.
+# Under plain backward, grad mode is off and ``apply`` records nothing: the same one collective.
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -57,9 +60,8 @@ class _CopyToTP(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(_owned_copy(grad), ctx.g).wait(), None
+        return _ReduceFromTP.apply(grad, ctx.g), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -67,12 +69,12 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+        ctx.g = g
         return _all_reduce(_owned_copy(x), g).wait()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        return _CopyToTP.apply(grad, ctx.g), None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -84,9 +86,8 @@ class _ScatterToTP(torch.autograd.Function):
         return _split(x, -1, g)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, -1, ctx.g).wait(), None
+        return _GatherFromTP.apply(grad, ctx.g), None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -98,9 +99,8 @@ class _GatherFromTP(torch.autograd.Function):
         return _all_gather(x, -1, g).wait()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        return _split(grad, -1, ctx.g), None
+        return _ScatterToTP.apply(grad, ctx.g), None
 
 
 class _ScatterToSequence(torch.autograd.Function):
@@ -112,9 +112,8 @@ class _ScatterToSequence(torch.autograd.Function):
         return _split(x, dim, g)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, ctx.dim, ctx.g).wait(), None, None
+        return _GatherFromSequence.apply(grad, ctx.g, ctx.dim, False), None, None
 
 
 class _GatherFromSequence(torch.autograd.Function):
@@ -127,11 +126,10 @@ class _GatherFromSequence(torch.autograd.Function):
         return _all_gather(x, dim, g).wait()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         if ctx.partial:
-            return _reduce_scatter(grad, ctx.dim, ctx.g).wait(), None, None, None
-        return _split(grad, ctx.dim, ctx.g), None, None, None
+            return _ReduceScatterToSequence.apply(grad, ctx.g, ctx.dim), None, None, None
+        return _ScatterToSequence.apply(grad, ctx.g, ctx.dim), None, None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -143,9 +141,8 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _reduce_scatter(x, dim, g).wait()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, ctx.dim, ctx.g).wait(), None, None
+        return _GatherFromSequence.apply(grad, ctx.g, ctx.dim, True), None, None
 
 
 class _SumOverReplicas(torch.autograd.Function):
@@ -163,18 +160,30 @@ class _SumOverReplicas(torch.autograd.Function):
         return x.view_as(x)  # a view: no copy of x is made or saved
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        g, n, (start, stop) = ctx.g, ctx.num_shards, ctx.rows
-        slot = g.rank // (g.size // n)
-        buf = grad.new_zeros((n, stop - start) + tuple(grad.shape[1:]))
+        return _ReduceOverReplicas.apply(grad, ctx.g, ctx.num_shards, *ctx.rows), None, None, None, None
+
+
+class _ReduceOverReplicas(torch.autograd.Function):
+    """The conjugate of `_SumOverReplicas`: rows ``[start, stop)`` summed over the ranks holding
+    the same replica of them forward (the other rows pass through); identity backward."""
+
+    @staticmethod
+    def forward(ctx, grad: torch.Tensor, g: TPGroup, num_shards: int, start: int, stop: int) -> torch.Tensor:
+        ctx.g, ctx.num_shards, ctx.rows = g, num_shards, (start, stop)
+        slot = g.rank // (g.size // num_shards)
+        buf = grad.new_zeros((num_shards, stop - start) + tuple(grad.shape[1:]))
         buf[slot].copy_(grad[start:stop])
         summed = _all_reduce(buf, g).wait()[slot]
         if start == 0 and stop == grad.shape[0]:
-            return summed, None, None, None, None
+            return summed
         out = grad.clone(memory_format=torch.contiguous_format)  # never write into autograd's grad
         out[start:stop] = summed
-        return out, None, None, None, None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _SumOverReplicas.apply(grad, ctx.g, ctx.num_shards, *ctx.rows), None, None, None, None
 
 
 # ---------------------------------------------------------------- public wrappers

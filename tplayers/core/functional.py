@@ -36,11 +36,10 @@ import warnings
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 
 from .collectives import _all_gather, _all_reduce, _reduce_scatter
-from .comm import scatter_to_tp
+from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
 from .groups import GroupLike, TPGroup, resolve_group
 
 __all__ = ["column_parallel_linear", "row_parallel_linear", "SEQ_DIM"]
@@ -123,8 +122,9 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         return F.linear(x_full, weight, bias)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: the backward must itself be differentiable
+            return _column_backward_graph(ctx, grad_out)
         x, weight = ctx.saved_tensors
         g, sp, overlap = ctx.g, ctx.sequence_parallel, ctx.overlap
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -168,8 +168,9 @@ class _RowParallelLinearFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: the backward must itself be differentiable
+            return _row_backward_graph(ctx, grad_out)
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # Under sequence parallelism each rank holds the gradient of its sequence chunk; the
@@ -184,6 +185,43 @@ class _RowParallelLinearFn(torch.autograd.Function):
             if need_b and ctx.has_bias:
                 grad_b = grad_flat.sum(0)
         return grad_x, grad_w, grad_b, None, None
+
+
+# Under create_graph=True (a gradient penalty, a Hessian-vector product) the backward is built from
+# the differentiable collectives of `comm` instead: the same numbers, without the overlap, and a graph
+# that autograd can differentiate again. Plain training never takes these paths.
+
+
+def _column_backward_graph(ctx, grad_out):
+    x, weight = ctx.saved_tensors
+    g, sp = ctx.g, ctx.sequence_parallel
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_x = grad_w = grad_b = None
+    if need_x:  # partial sums of the input gradient, one per rank
+        partial = grad_out @ weight
+        grad_x = (reduce_scatter_to_sequence(partial, group=g, seq_dim=SEQ_DIM) if sp
+                  else reduce_from_tp(partial, group=g))
+    if need_w:
+        x_full = gather_from_sequence(x, group=g, seq_dim=SEQ_DIM) if sp else x
+        grad_w = _flat(grad_out).t() @ _flat(x_full)
+    if need_b and ctx.has_bias:
+        grad_b = _flat(grad_out).sum(0)
+    return grad_x, grad_w, grad_b, None, None, None
+
+
+def _row_backward_graph(ctx, grad_out):
+    x, weight = ctx.saved_tensors
+    g, sp = ctx.g, ctx.sequence_parallel
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    # the (replicated or sequence-sharded) output gradient enters this rank's shard of the matmuls
+    grad_in = gather_from_sequence(grad_out, group=g, seq_dim=SEQ_DIM) if sp else copy_to_tp(grad_out, group=g)
+    grad_x = grad_in @ weight if need_x else None
+    grad_w = _flat(grad_in).t() @ _flat(x) if need_w else None
+    grad_b = None
+    if need_b and ctx.has_bias:  # the bias is replicated: under sequence parallelism sum the chunks' sums
+        grad_b = _flat(grad_out).sum(0)
+        grad_b = reduce_from_tp(grad_b, group=g) if sp else grad_b
+    return grad_x, grad_w, grad_b, None, None
 
 
 def column_parallel_linear(

@@ -67,6 +67,10 @@ def _is_device_mesh(obj: Any) -> bool:
 
 
 def _from_mesh(mesh: Any) -> TPGroup:
+    if mesh.get_coordinate() is None:  # else torch fails deep inside get_group with an IndexError
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not part of the DeviceMesh it was given "
+            f"(ranks {mesh.mesh.flatten().tolist()}); every rank must pass a mesh it belongs to")
     names = mesh.mesh_dim_names
     if mesh.ndim == 1:
         pg = mesh.get_group()

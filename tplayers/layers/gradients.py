@@ -8,7 +8,7 @@ it). Parameters no TP module declares are replicated.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,14 @@ def _owned_pieces(t: torch.Tensor, placement: Placement, tp: TPGroup) -> Iterato
             yield t.narrow(placement.dim, piece.local_start, piece.length)
 
 
+def _require_module(model: object, fn: str) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}: pass the model (an nn.Module), not {type(model).__name__}: whether a parameter is a "
+                        "shard or a replica is read from the module that declares it, so bare parameters cannot be "
+                        "counted right")
+    return model
+
+
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
                     group: GroupLike = None) -> torch.Tensor:
@@ -47,55 +55,85 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     gradient (each shard and each replicated parameter counted once), then every gradient scaled by
     ``min(1, max_norm / (norm + 1e-6))``. Returns the norm before clipping, on every rank.
 
-    Collective over the TP group (one all-reduce of one number). Under TP x DP (DDP, FSDP2 over the
-    dp dim) the data-parallel gradients are already averaged, so the TP group is the right one."""
+    Collective over the TP group (one all-reduce of one number), on every rank even where this rank
+    has no gradient; every rank gets the same norm. Under TP x DP (DDP, FSDP2 over the dp dim) the
+    data-parallel gradients are already averaged, so the TP group is the right one."""
+    model = _require_module(model, "clip_grad_norm_")
     tp = _model_group(model, group)
     placements = model_placements(model)
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    device = grads[0][1].device
+    device = grads[0][1].device if grads else collective_device(tp.process_group)
     inf = math.isinf(norm_type)
 
     def norm(t: torch.Tensor) -> torch.Tensor:  # sum |g|^q, or max |g|
         t = t.detach().to(torch.float64)
         return t.abs().max() if inf else t.abs().pow(norm_type).sum()
 
-    sharded, replicated = [torch.zeros((), dtype=torch.float64, device=device)], [torch.zeros((), dtype=torch.float64, device=device)]
+    # Replicated gradients enter the one all-reduce as their average over the ranks (the max, for the inf
+    # norm): the same value where the replicas agree, and where they do not (check_replicas finds that),
+    # still one norm, so no two ranks clip by different factors.
+    parts = [torch.zeros((), dtype=torch.float64, device=device)]
     for name, g in grads:
         placement = placements.get(name)
         if placement is not None and placement.is_sharded:
-            sharded += [norm(t) for t in _owned_pieces(g, placement, tp) if t.numel()]
+            parts += [norm(t) for t in _owned_pieces(g, placement, tp) if t.numel()]
         else:
-            replicated.append(norm(g))
-    combine = (lambda ts: torch.stack(ts).max()) if inf else (lambda ts: torch.stack(ts).sum())
-    local = combine(sharded).to(collective_device(tp.process_group))
-    total = all_reduce_tensor(local, group=tp, op="max" if inf else "sum").to(device)
-    total = combine([total, combine(replicated)])
+            parts.append(norm(g) if inf else norm(g) / tp.size)
+    local = torch.stack(parts).max() if inf else torch.stack(parts).sum()
+    # the collective runs on every rank, gradients or not: a rank skipping it would hang the others
+    total = all_reduce_tensor(local.to(collective_device(tp.process_group)), group=tp,
+                              op="max" if inf else "sum").to(device)
     total_norm = total if inf else total.pow(1.0 / norm_type)
     coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     for _, g in grads:
         g.mul_(coef.to(g.dtype))
-    return total_norm.to(grads[0][1].dtype)
+    return total_norm.to(grads[0][1].dtype if grads else torch.get_default_dtype())
 
 
-def _replica_items(model: nn.Module, tp: TPGroup, grads: bool) -> List[Tuple[str, torch.Tensor, int]]:
-    """(label, tensor, replica set) of everything that must be bitwise equal across some ranks; the
-    replica set is a stride: ranks with equal ``rank // stride`` hold the same thing (p: all ranks)."""
+def _replica_items(model: nn.Module, tp: TPGroup, grads: bool) -> List[Tuple[str, Optional[torch.Tensor], int]]:
+    """(label, tensor or None, replica set) of everything that must be bitwise equal across some ranks;
+    the replica set is a stride: ranks with equal ``rank // stride`` hold the same thing (p: all ranks).
+    A gradient gets its entry even when it is None, so every rank lists the same items."""
     placements: Dict[str, Placement] = model_placements(model)
     items = []
     for name, p in model.named_parameters():
         placement = placements.get(name)
-        kinds = [("value", p)] + ([("gradient", p.grad)] if grads and p.grad is not None else [])
+        kinds = [("value", p)] + ([("gradient", p.grad)] if grads else [])
         for kind, t in kinds:
             if placement is None or not placement.is_sharded:
                 items.append((f"'{name}' {kind}", t, tp.size))
                 continue
             for i, (part, piece) in enumerate(zip(placement.parts, placement.pieces(tp.rank, tp.size))):
                 if part.shards < tp.size:  # replicas of one piece on size // shards consecutive ranks
+                    local = None if t is None else t.narrow(placement.dim, piece.local_start, piece.length)
                     items.append((f"'{name}' {kind} (part {i}, a piece held by {tp.size // part.shards} ranks)",
-                                  t.narrow(placement.dim, piece.local_start, piece.length), tp.size // part.shards))
+                                  local, tp.size // part.shards))
     return items
+
+
+def _fingerprint(t: Optional[torch.Tensor]) -> torch.Tensor:
+    """(present, hash, hash) of a tensor; (0, 0, 0) for a missing gradient."""
+    if t is None:
+        return torch.zeros(3, dtype=torch.int64)
+    return torch.cat([torch.ones(1, dtype=torch.int64), bit_hash(t)])
+
+
+def _mismatch(label: str, ranks: List[int], every: torch.Tensor, j: int) -> Optional[str]:
+    """The message for item ``j`` if it differs among ``ranks``, else None."""
+    differ = [r for r in ranks if not torch.equal(every[r, j], every[ranks[0], j])]
+    if not differ:
+        return None
+    where = f"between rank {ranks[0]} and rank(s) {differ} of the TP group"
+    missing = [r for r in ranks if int(every[r, j, 0]) == 0]
+    if missing:
+        return (f"{label} is missing (None) on rank(s) {missing} but not on the others {where}: a rank skipped the "
+                "backward through this parameter, or zeroed its gradients differently")
+    if "gradient" in label:
+        return (f"{label} differs {where}; its gradient is a partial sum: a replicated parameter applied to sharded "
+                "activations (a norm under sequence parallelism) needs its gradient all-reduced (ParallelNorm or "
+                "the 'sequence_parallel_norm' style)")
+    return (f"{label} differs {where}; the ranks hold different values: build the model under the same seed on "
+            "every rank, or load the same checkpoint; TP ranks must also see the same batch")
 
 
 @torch.no_grad()
@@ -104,26 +142,20 @@ def check_replicas(model: nn.Module, *, group: GroupLike = None, grads: bool = T
     TP group, and every replicated piece of a sharded one (KV heads held by several ranks) on the ranks
     holding it. Returns how many tensors it compared; raises AssertionError on every rank otherwise.
 
-    Collective over the TP group: one all-gather of two int64 hashes per tensor. Meant for a training
+    Collective over the TP group: one all-gather of three int64 per tensor. Meant for a training
     loop's occasional audit (after backward, before the optimizer step): replicas drift apart silently
     when ranks start from different weights or seeds, see different batches, or a parameter applied to
     sharded activations (a norm under sequence parallelism) misses its gradient all-reduce."""
+    model = _require_module(model, "check_replicas")
     tp = _model_group(model, group)
     items = _replica_items(model, tp, grads)
     if tp.size == 1 or not items:
         return len(items)
-    local = torch.stack([bit_hash(t) for _, t, _ in items])  # (n, 2)
-    every = all_gather_tensor(local[None].to(collective_device(tp.process_group)), 0, group=tp).cpu()  # (p, n, 2)
+    local = torch.stack([_fingerprint(t) for _, t, _ in items])  # (n, 3)
+    every = all_gather_tensor(local[None].to(collective_device(tp.process_group)), 0, group=tp).cpu()  # (p, n, 3)
     for j, (label, _, stride) in enumerate(items):
         for start in range(0, tp.size, stride):
-            ranks = list(range(start, start + stride))
-            differ = [r for r in ranks if not torch.equal(every[r, j], every[ranks[0], j])]
-            if differ:
-                hint = ("its gradient is a partial sum: a replicated parameter applied to sharded activations "
-                        "(a norm under sequence parallelism) needs its gradient all-reduced (ParallelNorm or the "
-                        "'sequence_parallel_norm' style)" if "gradient" in label else
-                        "the ranks hold different values: build the model under the same seed on every rank, "
-                        "or load the same checkpoint; TP ranks must also see the same batch")
-                raise AssertionError(f"check_replicas: {label} differs between rank {ranks[0]} and rank(s) {differ} "
-                                     f"of the TP group; {hint}")
+            message = _mismatch(label, list(range(start, start + stride)), every, j)
+            if message is not None:
+                raise AssertionError(f"check_replicas: {message}")
     return len(items)

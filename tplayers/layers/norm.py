@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..core.comm import copy_to_tp
 from ..core.groups import GroupLike, resolve_group
-from ..core.placement import Placement, Replicated
+from ..core.placement import Placement, Replicated, require_positive
 from .base import TensorParallelModule
 
 __all__ = ["ParallelNorm", "make_norm", "NORMS"]
@@ -57,6 +57,7 @@ class ParallelNorm(TensorParallelModule):
             raise ValueError(f"ParallelNorm: kind must be one of {NORMS}, got {kind!r}")
         if eps is None and kind != "rmsnorm":
             raise ValueError("ParallelNorm: eps=None (the input dtype's epsilon) exists only for kind='rmsnorm'")
+        require_positive(hidden, "ParallelNorm", "hidden")
         self.tp = resolve_group(group)
         self.hidden, self.kind, self.eps, self.sequence_parallel = hidden, kind, eps, sequence_parallel
         self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch._C import _functions as _autograd_functions
 
 from ..core.comm import all_reduce_tensor
 from ..core.placement import padded_size
@@ -64,8 +64,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss  # in the compute dtype (>= float32): the caller reduces it, then casts once
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss):
+        with torch.no_grad():
+            grad = _VocabParallelCrossEntropy._grad_logits(ctx, grad_loss)
+        return _refuse_second_backward(grad), None, None, None, None, None
+
+    @staticmethod
+    def _grad_logits(ctx, grad_loss):
         probs, local_t, in_shard, valid, real = ctx.saved_tensors
         eps = ctx.smoothing
         grad = probs.clone()  # d loss / d z = softmax - (1 - eps) * onehot - eps / V
@@ -75,7 +80,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             if real is not None:
                 grad.masked_fill_(~real, 0.0)
         scale = grad_loss.to(grad.dtype).masked_fill(~valid, 0.0).unsqueeze(-1)  # ignored: no gradient (even 1/0)
-        return (grad * scale).to(ctx.in_dtype), None, None, None, None, None
+        return (grad * scale).to(ctx.in_dtype)
+
+
+def _refuse_second_backward(grad: torch.Tensor) -> torch.Tensor:
+    """``grad``, made to raise if autograd ever differentiates through it (create_graph=True).
+
+    The saved softmax is a constant to autograd, so a second derivative through this loss would be
+    wrong. ``once_differentiable`` is not enough: it marks the gradient only when the incoming
+    gradient requires grad, which ``loss.backward()``'s constant 1 does not, and the second
+    derivative is then silently missing its softmax term. Here the mark is unconditional."""
+    if not torch.is_grad_enabled():  # plain backward: nothing will differentiate this
+        return grad
+    err = _autograd_functions.DelayedError(
+        "vocab_parallel_cross_entropy does not support double backward (create_graph=True, e.g. a gradient "
+        "penalty through the loss): its second derivative would need the softmax recomputed", 1)
+    return err(grad.detach().requires_grad_())
 
 
 def vocab_parallel_cross_entropy(

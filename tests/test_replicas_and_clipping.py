@@ -1,0 +1,93 @@
+"""check_replicas and clip_grad_norm_ when ranks disagree about gradients: every rank raises (or gets
+the same norm) instead of one rank crashing or hanging in a collective the others never enter."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tplayers
+from tplayers.testing import get_world
+
+TP_SIZES = [2, 4]
+
+
+def _model(group):
+    torch.manual_seed(0)
+    return nn.Sequential(tplayers.ColumnParallelLinear(4, 8, group=group), nn.LayerNorm(8))
+
+
+def _grad_on_one_rank(group):
+    model = _model(group)
+    if tplayers.resolve_group(group).rank == 0:  # e.g. a rank whose batch skipped this branch
+        model[1].weight.grad = torch.ones(8)
+    with pytest.raises(AssertionError, match=r"check_replicas: '1.weight' gradient is missing \(None\) on rank\(s\) "):
+        tplayers.check_replicas(model)  # used to abort the process: the ranks gathered different sizes
+    return True
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_check_replicas_names_a_gradient_missing_on_some_ranks(tp):
+    assert all(get_world(tp).run(_grad_on_one_rank))
+
+
+def _norm_gradient_not_reduced(group):
+    g = tplayers.resolve_group(group)
+    torch.manual_seed(0)
+    norm = tplayers.ParallelNorm(8, "rmsnorm", group=group, sequence_parallel=True)
+    x = torch.randn(2, 3, 8) + g.rank  # this rank's sequence shard
+    F.rms_norm(x, (8,), norm.weight, norm.eps).sum().backward()  # the norm's own forward bypassed: no all-reduce
+    with pytest.raises(AssertionError, match=r"'weight' gradient differs between rank 0 and rank\(s\) .*partial sum"):
+        tplayers.check_replicas(norm)
+    norm.weight.grad = None
+    norm(x).sum().backward()  # through ParallelNorm: reduced, equal everywhere
+    return tplayers.check_replicas(norm)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_check_replicas_catches_a_sequence_parallel_norm_gradient_that_was_not_reduced(tp):
+    assert get_world(tp).run(_norm_gradient_not_reduced) == [2] * tp  # weight value and gradient
+
+
+def _clip_with_grads_on_one_rank(group):
+    model = _model(group)
+    if tplayers.resolve_group(group).rank == 0:
+        model[1].weight.grad = torch.ones(8)
+    return float(tplayers.clip_grad_norm_(model, 1.0))  # used to hang: only rank 0 entered the all-reduce
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_clip_grad_norm_with_gradients_on_some_ranks_gives_every_rank_one_norm(tp):
+    norms = get_world(tp).run(_clip_with_grads_on_one_rank)
+    assert len(set(norms)) == 1 and norms[0] > 0, norms
+
+
+@pytest.mark.parametrize("fn", [tplayers.clip_grad_norm_, lambda params, _: tplayers.check_replicas(params)])
+def test_bare_parameters_are_refused(fn):
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"pass the model \(an nn.Module\), not generator"):
+        fn(model.parameters(), 1.0)
+
+
+# ------------------------------------------------------------------ bad arguments
+
+
+def _mesh_without_this_rank(group):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh("cpu", [0, 1])
+    if dist.get_rank() < 2:
+        with torch.random.fork_rng():  # only these ranks draw: keep the world's RNG states in step for later tests
+            return tplayers.ColumnParallelLinear(4, 8, group=mesh).tp.size
+    with pytest.raises(ValueError, match=rf"global rank {dist.get_rank()}\) is not part of the DeviceMesh it was "
+                                         r"given \(ranks \[0, 1\]\)"):
+        tplayers.ColumnParallelLinear(4, 8, group=mesh)  # used to be an IndexError from inside torch
+    return None
+
+
+def test_a_device_mesh_without_this_rank_is_refused():
+    assert get_world(4).run(_mesh_without_this_rank) == [2, 2, None, None]
+
+
+def test_a_zero_size_norm_is_refused():
+    with pytest.raises(ValueError, match="ParallelNorm: hidden=0 must be positive"):
+        tplayers.ParallelNorm(0, "rmsnorm", group=None)
