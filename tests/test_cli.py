@@ -37,6 +37,7 @@ def test_verify_in_process_tp1_and_2(capsys):
     rc = main(["verify", "--tp", "1,2", "-k", "RowParallelLinear", "-k", "MLP(sequence"])
     out = capsys.readouterr().out
     assert rc == 0, out
+    assert out.startswith("tplayers verify: 4 checks x 2 TP sizes = 8, dtype=float64"), out  # what the footer counts
     rows = [line for line in out.splitlines() if line.startswith(("RowParallelLinear", "Column->GELU"))]
     assert len(rows) == 2 * 4, out  # 3 row variants + the SP MLP, at TP 1 and 2
     for line in rows:
@@ -157,6 +158,48 @@ def test_verify_json_is_strict_json_when_an_error_is_unmeasured():
     report = json.loads(text)
     assert report["results"][0]["forward_error"] is None and report["results"][1]["grad_error"] == 1e-16
     assert report["passed"] is False
+
+
+def test_verify_low_precision_table_shows_each_checks_tolerance(capsys):
+    checks = V.select_checks(["RowParallelLinear(input_is_parallel=True)", "ParallelGPT(loss, seq*"])
+    assert [c.tol_scale for c in checks] == [1, 32]  # two different scales
+    assert main(["verify", "--tp", "1", "--dtype", "bfloat16"] + [a for c in checks for a in ("-k", c.name)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("tplayers verify: 2 checks, dtype=bfloat16")  # one TP size: no "x"
+    assert lines[1].split()[-2:] == ["rtol/atol", "result"]
+    for check, line in zip(checks, lines[3:5]):
+        rtol, atol = V.tolerance(V.VerifyConfig(dtype="bfloat16", tol_scale=check.tol_scale))
+        assert line.startswith(check.name) and line.split()[-2:] == [f"{rtol:g}/{atol:g}", "PASS"], line
+    # float32/float64 use one unscaled tolerance (the header says which): no column
+    assert "rtol/atol" not in V.format_table([V.CheckResult("m", 1, 0.0, 0.0, True, "", 1e-9, 1e-9)])
+
+
+def test_verify_json_schema_2_only_adds_the_tolerances():
+    v1_keys = {"name", "tp", "forward_error", "grad_error", "passed", "message"}
+    cfg = V.VerifyConfig(dtype="float16", tol_scale=8)
+    report = V.report_json([V.CheckResult("m", 2, 0.0, 1e-3, True, "", *V.tolerance(cfg))], "float16", "cpu")
+    assert report["schema"] == V.SCHEMA == "tplayers-verify/2"
+    assert set(report) == {"schema", "dtype", "device", "results", "passed"}
+    (row,) = report["results"]
+    assert set(row) == v1_keys | {"rtol", "atol"} and (row["rtol"], row["atol"]) == pytest.approx((4e-2, 8e-3))
+    assert '"schema": "tplayers-verify/2"' in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("read_first_line", [False, True])
+def test_verify_json_into_a_closed_pipe_is_quiet(read_first_line):
+    """`tplayers verify --json | head -1`: the reader leaving early is no error (no traceback, exit 0)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tplayers", "verify", "--tp", "1", "-k", "RowParallel", "--json"],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        if read_first_line:  # like head -1: whether the rest is written before the close is a race
+            assert proc.stdout.readline() == b"{\n"
+        proc.stdout.close()  # without reading: every write gets EPIPE
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert err == ""
 
 
 def test_verify_usage_errors(capsys):
@@ -285,8 +328,70 @@ def test_unusable_arguments_fail_before_anything_runs(capsys, argv, message):
 
     start = time.perf_counter()
     assert main(argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1  # one line
     assert time.perf_counter() - start < 5  # refused up front, not after a timed run
+
+
+def test_bench_outputs_that_cannot_be_written_are_refused_first(capsys, tmp_path, monkeypatch):
+    for flag in ("--save", "--plot"):  # an existing directory instead of a file name
+        assert main(["bench", flag, str(tmp_path)]) == 2
+        assert f"{flag} {tmp_path}: is a directory" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if tplayers[plot] were not installed
+    assert main(["bench", "--plot", str(tmp_path / "p.png")]) == 2
+    assert capsys.readouterr().err == "tplayers bench: --plot needs matplotlib: pip install 'tplayers[plot]'\n"
+
+
+def test_bench_save_into_a_missing_directory_fails_fast_in_one_line():
+    import time
+
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "tplayers", "bench", "--save", "/no/such/dir/x.json"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=60)
+    assert time.perf_counter() - start < 5
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["tplayers bench: --save /no/such/dir/x.json: the directory /no/such/dir "
+                                        "does not exist or is not writable"]
+
+
+def test_bench_prints_its_result_before_a_write_that_fails(capsys, tmp_path, monkeypatch):
+    import shutil
+
+    import tplayers.cli as cli
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    run = cli.run_on_ranks
+
+    def run_then_lose_the_directory(*args, **kwargs):
+        result = run(*args, **kwargs)
+        shutil.rmtree(out_dir)  # valid when checked, gone when written
+        return result
+
+    monkeypatch.setattr(cli, "run_on_ranks", run_then_lose_the_directory)
+    rc = main(["bench", "--tp", "1", "--module", "column", "--batch", "1", "--seq", "4", "--hidden", "8", "--iters", "1",
+               "--warmup", "0", "--modes", "tp,dense", "--no-progress", "--save", str(out_dir / "b.json")])
+    captured = capsys.readouterr()
+    assert rc == 1 and "TP fwd+bwd, overlap on" in captured.out  # the result is not lost
+    assert captured.err.startswith("tplayers bench: could not write the result (printed above): ")
+    assert captured.err.count("\n") == 1
+
+
+def test_every_option_has_help_and_the_readme_names_the_default_shape():
+    from tplayers.bench.overlap import SHAPES
+    from tplayers.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.choices and "verify" in a.choices).choices
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            assert action.help, f"tplayers {name} {action.option_strings}: no help text"
+    bench_default = subparsers["bench"].get_default("shape")
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `--shape"))
+    assert f"default {bench_default}" in row
+    for name, dims in SHAPES.items():  # each named shape with its dimensions
+        assert f"{name} [{dims['batch']}, {dims['seq']}, {dims['hidden']}] ffn {dims['ffn']}" in row, row
 
 
 @pytest.mark.parametrize("argv", [["verify", "--timeout", "-1"], ["verify", "--timeout", "0"], ["verify", "--tp", "0"],

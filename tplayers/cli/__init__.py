@@ -19,6 +19,28 @@ from ._launch import finish_torchrun, run_on_ranks, under_torchrun
 __all__ = ["main", "build_parser"]
 
 
+def _stdout_gone() -> None:
+    """The reader of stdout went away (``tplayers verify --json | head -1``): as CLIs do, say nothing
+    more there. Later writes, and the interpreter's final flush, go to /dev/null instead of raising."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_gone()
+
+
+def _print(text: str) -> None:
+    """``print`` for the command's output: a closed stdout is not an error (the run's exit status stands)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        _stdout_gone()
+
 
 def _tp_list(text: str) -> List[int]:
     try:
@@ -113,8 +135,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     checks = V.select_checks(args.only)
     if args.list:
-        for c in V.CHECKS:
-            print(c.name)
+        _print("\n".join(c.name for c in V.CHECKS))
         return 0
     if not checks:
         print(f"tplayers verify: no check matches {args.only}; see tplayers verify --list", file=sys.stderr)
@@ -135,13 +156,16 @@ def _verify(args: argparse.Namespace) -> int:
         results = _merge_over_world(results, args.device)
     if reporter:
         if args.json:
-            print(json.dumps(V.report_json(results, args.dtype, args.device), indent=2, allow_nan=False))
+            _print(json.dumps(V.report_json(results, args.dtype, args.device), indent=2, allow_nan=False))
         else:
+            low_precision = DTYPES[args.dtype] in V.LOW_PRECISION  # per-check tolerances: a column
             tol = ("--rtol/--atol" if args.rtol is not None or args.atol is not None else
-                   "default_tolerance(dtype)" + (" x per-check scale" if args.dtype in ("bfloat16", "float16") else ""))
-            print(f"tplayers verify: {len(names)} checks, dtype={args.dtype}, device={args.device}, "
-                  f"tolerance {tol}; reference: dense torch.nn, same weights")
-            print(V.format_table(results))
+                   "default_tolerance(dtype)" + (" x per-check scale" if low_precision else ""))
+            count = f"{len(names)} checks" + (f" x {len(sizes)} TP sizes = {len(names) * len(sizes)}"
+                                               if len(sizes) > 1 else "")
+            _print(f"tplayers verify: {count}, dtype={args.dtype}, device={args.device}, "
+                   f"tolerance {tol}; reference: dense torch.nn, same weights")
+            _print(V.format_table(results, tolerances=low_precision))
     return V.exit_code(results)
 
 
@@ -195,14 +219,18 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     report = per_rank[0]
     # the result first: a file that cannot be written afterwards must not lose the run
-    print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
-    if args.save:
-        with open(args.save, "w") as f:
-            json.dump(report, f, indent=2)
-    if args.plot:
-        plot_report(report, args.plot)
-        if not args.json:
-            print(f"plot: {args.plot}")
+    _print(json.dumps(report, indent=2) if args.json else format_report(report))
+    try:
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump(report, f, indent=2)
+        if args.plot:
+            plot_report(report, args.plot)
+            if not args.json:
+                _print(f"plot: {args.plot}")
+    except OSError as e:  # checked before the run, but the place can go away or fill up meanwhile
+        print(f"tplayers bench: could not write the result (printed above): {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -221,6 +249,10 @@ def _usage_error(args: argparse.Namespace) -> Optional[str]:
             folder = os.path.dirname(os.path.abspath(target))
             if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
                 return f"{flag} {target}: the directory {folder} does not exist or is not writable"
+            if os.path.isdir(target):
+                return f"{flag} {target}: is a directory (give a file name)"
+            if os.path.exists(target) and not os.access(target, os.W_OK):
+                return f"{flag} {target}: the file exists and is not writable"
     trace = getattr(args, "trace", None)
     if trace and os.path.exists(trace) and not (os.path.isdir(trace) and os.access(trace, os.W_OK)):
         return f"--trace {trace}: not a writable directory"
@@ -235,7 +267,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``tplayers`` console script; returns the exit status."""
     from ..testing import WorldError
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit:  # --help, or a usage error: argparse printed it
+        _flush_stdout()
+        raise
     problem = _usage_error(args)
     if problem:
         print(f"tplayers {args.command}: {problem}", file=sys.stderr)
@@ -252,7 +288,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # machine ("terminate called without an active exception", exit 134) even after a barrier and
         # destroy_process_group: a torch/gloo teardown race. The result is printed and every
         # collective is done, so leave without finalization and keep the exit status.
-        sys.stdout.flush()
+        _flush_stdout()
         sys.stderr.flush()
         os._exit(rc)
     return rc

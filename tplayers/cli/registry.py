@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -58,6 +59,8 @@ class CheckResult:
     grad_error: float
     passed: bool
     message: str = ""
+    rtol: float = math.nan  # the tolerances the comparison used (tolerance(cfg) of this check)
+    atol: float = math.nan
 
 
 CHECKS: List[Check] = []

@@ -14,10 +14,12 @@ import torch
 from ..core.comm import all_gather_tensor
 from ..core.groups import TPGroup, resolve_group
 from . import checks  # noqa: F401  (registers every check)
-from .registry import CHECKS, Check, CheckResult, VerifyConfig, register, select_checks, tolerance
+from .registry import CHECKS, LOW_PRECISION, Check, CheckResult, VerifyConfig, register, select_checks, tolerance
 
 __all__ = ["VerifyConfig", "Check", "CheckResult", "CHECKS", "register", "select_checks", "run_checks", "tolerance",
-           "merge_rank_results", "format_table", "report_json", "exit_code"]
+           "LOW_PRECISION", "merge_rank_results", "format_table", "report_json", "exit_code", "SCHEMA"]
+
+SCHEMA = "tplayers-verify/2"  # /2 added rtol and atol to each result; every /1 key is unchanged
 
 
 def _agree(g: TPGroup, values: List[float], device: torch.device) -> List[float]:
@@ -48,6 +50,7 @@ def run_checks(group: Any, names: Sequence[str], cfg: VerifyConfig) -> List[Chec
     for name in names:
         check = by_name[name]
         cfg = replace(cfg, tol_scale=check.tol_scale)
+        rtol, atol = tolerance(cfg)  # what the check compares with (checks._match)
         fwd, grad, message = _attempt(check, g, cfg)
         failed = 1.0 if message else 0.0
         fwd, grad, any_failed = _agree(g, [fwd, grad, failed], device)
@@ -57,7 +60,7 @@ def run_checks(group: Any, names: Sequence[str], cfg: VerifyConfig) -> List[Chec
             fwd, grad, _ = _agree(g, [m_fwd, m_grad, 0.0], device)
             if not message:
                 message = "failed on another rank"
-        results.append(CheckResult(name, g.size, fwd, grad, not any_failed, message))
+        results.append(CheckResult(name, g.size, fwd, grad, not any_failed, message, rtol, atol))
     return results
 
 
@@ -75,7 +78,7 @@ def merge_rank_results(per_rank: Sequence[Sequence[CheckResult]]) -> List[CheckR
         message = next((r.message for r in bad if r.message and r.message != "failed on another rank"),
                        bad[0].message if bad else "")
         merged.append(CheckResult(first.name, first.tp, _worst(r.forward_error for r in rows),
-                                  _worst(r.grad_error for r in rows), not bad, message))
+                                  _worst(r.grad_error for r in rows), not bad, message, first.rtol, first.atol))
     return merged
 
 
@@ -83,13 +86,19 @@ def _fmt_err(x: float) -> str:
     return "n/a" if math.isnan(x) else f"{x:.2e}"
 
 
-def format_table(results: Sequence[CheckResult]) -> str:
-    """The verify table: check, TP size, max forward error, max gradient error, PASS/FAIL."""
-    header = ("module", "TP", "max fwd err", "max grad err", "result")
-    rows = [(r.name, str(r.tp), _fmt_err(r.forward_error), _fmt_err(r.grad_error), "PASS" if r.passed else "FAIL")
+def _fmt_tol(r: CheckResult) -> str:
+    return "n/a" if math.isnan(r.rtol) or math.isnan(r.atol) else f"{r.rtol:g}/{r.atol:g}"
+
+
+def format_table(results: Sequence[CheckResult], tolerances: bool = False) -> str:
+    """The verify table: check, TP size, max forward error, max gradient error, PASS/FAIL; with
+    ``tolerances`` (bfloat16/float16, where each check scales them) also the rtol/atol each check used."""
+    header = ("module", "TP", "max fwd err", "max grad err") + (("rtol/atol",) if tolerances else ()) + ("result",)
+    rows = [(r.name, str(r.tp), _fmt_err(r.forward_error), _fmt_err(r.grad_error))
+            + ((_fmt_tol(r),) if tolerances else ()) + ("PASS" if r.passed else "FAIL",)
             for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
-    align = ["<", ">", ">", ">", "<"]
+    align = ["<"] + [">"] * (len(header) - 2) + ["<"]
     line = lambda cells: "  ".join(f"{c:{a}{w}}" for c, a, w in zip(cells, align, widths)).rstrip()  # noqa: E731
     out = [line(header), line(["-" * w for w in widths])] + [line(r) for r in rows]
     failures = [r for r in results if not r.passed]
@@ -102,9 +111,11 @@ def format_table(results: Sequence[CheckResult]) -> str:
 
 
 def report_json(results: Sequence[CheckResult], dtype: str, device: str) -> Dict[str, Any]:
-    """The ``--json`` report. An error that could not be measured (NaN) is ``null``: strict JSON."""
+    """The ``--json`` report. An error that could not be measured (NaN) is ``null``: strict JSON.
+
+    Schema ``tplayers-verify/2``: /1's keys plus ``rtol`` and ``atol`` per result."""
     rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in vars(r).items()} for r in results]
-    return {"schema": "tplayers-verify/1", "dtype": dtype, "device": device, "results": rows,
+    return {"schema": SCHEMA, "dtype": dtype, "device": device, "results": rows,
             "passed": exit_code(results) == 0}
 
 
