@@ -28,13 +28,30 @@ class MLPNet(nn.Module):
 PLAN = {"fc1": "column", "fc2": "row"}
 
 
-def _train(model, batches, lr=1e-2):
+class AttnNet(nn.Module):
+    """GQA with one KV head at tp 2: the KV rows are a piece replicated on both TP ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = tplayers.dense.DenseAttention(HIDDEN, n_heads=2, n_kv_heads=1)
+        self.head = nn.Linear(HIDDEN, 5)
+
+    def forward(self, x):  # (b, s, h)
+        return self.head(x + self.attn(x))
+
+
+def _train(model, batches, clip=None, lr=1e-2):
+    """Train; ``clip(model) -> norm`` runs between backward and step. Returns the norms."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    norms = []
     for x, y in batches:
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
+        if clip is not None:
+            norms.append(float(clip(model)))
         opt.step()
+    return norms
 
 
 def _data(seed):
@@ -43,27 +60,39 @@ def _data(seed):
              torch.randint(0, 5, (GLOBAL_BATCH, SEQ), generator=g)) for _ in range(STEPS)]
 
 
-def _check_2d(group, wrap: str, seed: int):
+def _check_2d(group, wrap: str, seed: int, norm_type=None, net="mlp"):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     mesh = tplayers.make_2d_mesh(dp=2, tp=2)
     torch.manual_seed(seed)
-    dense = MLPNet().double()
-    model = tplayers.parallelize(copy.deepcopy(dense), PLAN, group=mesh.mesh)  # the mesh's "tp" dim
+    if net == "mlp":
+        dense = MLPNet().double()
+        model = tplayers.parallelize(copy.deepcopy(dense), PLAN, group=mesh.mesh)  # the mesh's "tp" dim
+    else:
+        dense = AttnNet().double()
+        model = copy.deepcopy(dense)
+        model.attn = tplayers.ParallelAttention.from_dense(dense.attn, group=mesh.mesh)
     data = _data(seed)
     dp_rank, dp = mesh.dp_rank, mesh.dp_size
     local = [(x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]) for x, y in data]  # this replica's half of the batch
     if wrap == "ddp":
         trained = DDP(model, process_group=mesh.dp_group)
     else:
-        for m in (model.fc1, model.fc2):
+        for m in ((model.fc1, model.fc2) if net == "mlp" else (model.attn,)):
             fully_shard(m, mesh=mesh.dp_mesh)
         trained = fully_shard(model, mesh=mesh.dp_mesh)
-        local_rows = model.fc1.weight.to_local().shape[0]  # FSDP2 shards the TP shard again, over dp
-        assert local_rows == 4 * HIDDEN // 2 // 2, local_rows
-    _train(trained, local)
-    _train(dense, data)
+        if net == "mlp":
+            local_rows = model.fc1.weight.to_local().shape[0]  # FSDP2 shards the TP shard again, over dp
+            assert local_rows == 4 * HIDDEN // 2 // 2, local_rows
+    tp_clip = dense_clip = None
+    if norm_type is not None:  # a max_norm well below the gradients' norm: every step clips
+        tp_clip = lambda m: tplayers.clip_grad_norm_(model, 0.05, norm_type, group=mesh.mesh)  # noqa: E731
+        dense_clip = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05, norm_type)  # noqa: E731
+    tp_norms = _train(trained, local, tp_clip)
+    dense_norms = _train(dense, data, dense_clip)
+    torch.testing.assert_close(tp_norms, dense_norms, rtol=1e-9, atol=0)
+    assert norm_type is None or min(dense_norms) > 0.05
 
     # compare this rank's TP shards with the dense result cut the same way
     want = shard_state_dict(dense.state_dict(), model_layouts(model), mesh.tp.rank, mesh.tp.size)
@@ -78,6 +107,15 @@ def _check_2d(group, wrap: str, seed: int):
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
 def test_tp_with_data_parallel_matches_dense_training(wrap):
     errs = get_world(4).run(_check_2d, wrap, seed=0)
+    assert max(errs) < 1e-9
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("norm_type, net", [(2.0, "mlp"), (float("inf"), "mlp"), (2.0, "gqa"), (3.0, "gqa")])
+def test_clip_grad_norm_on_a_tp_x_dp_mesh_equals_dense_clipping(wrap, norm_type, net):
+    # the norm at every step and the clipped training both equal torch's clip on the dense model;
+    # "gqa": one KV head at tp 2, a replicated piece that must be counted once (FSDP2: gathered first)
+    errs = get_world(4).run(_check_2d, wrap, seed=1, norm_type=norm_type, net=net)
     assert max(errs) < 1e-9
 
 

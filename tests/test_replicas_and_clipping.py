@@ -30,6 +30,21 @@ def test_check_replicas_names_a_gradient_missing_on_some_ranks(tp):
     assert all(get_world(tp).run(_grad_on_one_rank))
 
 
+def _different_models(group):
+    model = _model(group)
+    if tplayers.resolve_group(group).rank == 1:  # one rank built an extra replicated layer
+        model.append(nn.Linear(8, 8))
+    with pytest.raises(AssertionError, match=r"check_replicas: rank\(s\) \[1\] of the TP group list different "
+                                             r"parameters than rank 0"):
+        tplayers.check_replicas(model)  # without the listing check: an all-gather of (n, 3) tensors of different n
+    return True
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_check_replicas_refuses_ranks_with_different_parameter_lists(tp):
+    assert all(get_world(tp).run(_different_models))
+
+
 def _norm_gradient_not_reduced(group):
     g = tplayers.resolve_group(group)
     torch.manual_seed(0)

@@ -1,6 +1,8 @@
 """No silent wrong answers (part of the no-silent-wrong issue): out-of-range ids and targets, integer
 attention masks, ranks that disagree. Each case used to return a number (zeros, a finite loss); now it
 raises on every rank. Second derivatives are in test_higher_order.py."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -232,8 +234,8 @@ class _Net(nn.Module):
 
 
 @pytest.mark.parametrize("plan, message", [
-    ({"emb": "vocab_embedding"}, "module 'emb' is a _ScaledEmbedding, a subclass of nn.Embedding whose forward "
-                                 "(_ScaledEmbedding.forward) differs from it; style 'vocab_embedding'"),
+    ({"emb": "vocab_embedding"}, "module 'emb' (style 'vocab_embedding'): _ScaledEmbedding is a subclass of "
+                                 "nn.Embedding with its own forward and no 'embed_scale'"),
     ({"up": "column"}, "module 'up' is a _LoRALinear, a subclass of nn.Linear whose forward"),
     ({"up": "kv_column"}, "module 'up' is a _LoRALinear"),
 ])
@@ -242,6 +244,55 @@ def test_subclasses_with_their_own_forward_are_refused(plan, message):
     with pytest.raises(TypeError, match=message.replace("(", r"\(").replace(")", r"\)")):
         tplayers.parallelize(net, plan, group=None)
     assert type(net.emb) is _ScaledEmbedding and type(net.up) is _LoRALinear  # untouched
+
+
+class _GemmaEmbedding(nn.Embedding):  # the form of HF's *ScaledWordEmbedding: explicitly supported
+    def __init__(self, num, dim, padding_idx=None, embed_scale=1.0):
+        super().__init__(num, dim, padding_idx)
+        self.scalar_embed_scale = embed_scale
+        self.embed_scale = nn.Buffer(torch.tensor(embed_scale), persistent=False)  # float32, as HF's
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class _AlmostScaled(_GemmaEmbedding):  # has embed_scale, but its forward adds a shift
+    def forward(self, ids):
+        return super().forward(ids) + 1.0
+
+
+def test_scaled_embedding_with_another_forward_is_refused():
+    net = nn.Sequential(_AlmostScaled(10, 4, embed_scale=2.0))
+    with pytest.raises(TypeError, match=r"module '0' .*_AlmostScaled: its forward is not embedding\(ids\) \* embed_scale"):
+        tplayers.parallelize(net, {"0": "vocab_embedding"}, group=None)
+    with pytest.raises(TypeError, match="_AlmostScaled: its forward is not"):
+        tplayers.VocabParallelEmbedding.from_dense(net[0], group=None)
+    with pytest.raises(TypeError, match=r"RowParallelLinear.from_dense: _LoRALinear has its own forward"):
+        tplayers.RowParallelLinear.from_dense(_LoRALinear(4, 4), group=None)
+
+
+def _scaled_embedding_matches_dense(group, vocab):
+    torch.manual_seed(0)
+    dense = nn.Sequential(_GemmaEmbedding(vocab, 8, padding_idx=1, embed_scale=8 ** 0.5), nn.Linear(8, 12)).double()
+    tp = tplayers.parallelize(copy.deepcopy(dense), {"0": "vocab_embedding", "1": "column"}, group=group)
+    emb = tp[0]
+    assert isinstance(emb, tplayers.VocabParallelEmbedding) and emb.embed_scale.dtype == dense[0].embed_scale.dtype
+    assert "embed_scale" not in tp.state_dict()  # non-persistent, like HF's buffer
+    ids = torch.randint(0, vocab, (3, 7))
+    tplayers.testing.assert_matches_dense(tp, dense, ids, group=group, output_shard_dim=-1)
+    back = emb.to_dense()  # the dense twin keeps the scale and equals the original module
+    assert isinstance(back, tplayers.layers.vocab.ScaledEmbedding)
+    assert torch.equal(back(ids), dense[0](ids))
+    # meta: the buffer's value is unknown, HF's scalar_embed_scale supplies it
+    with torch.device("meta"):
+        meta = _GemmaEmbedding(vocab, 8, embed_scale=3.0)
+    assert float(tplayers.VocabParallelEmbedding.from_dense(meta, group=group).embed_scale) == 3.0
+    return True
+
+
+@pytest.mark.parametrize("tp, vocab", [(1, 13), (2, 13), (4, 13), (4, 16)])
+def test_scaled_embedding_is_supported_and_matches_dense(tp, vocab):
+    assert all(get_world(tp).run(_scaled_embedding_matches_dense, vocab))
 
 
 def test_subclasses_without_their_own_forward_are_swapped():

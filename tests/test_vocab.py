@@ -1,4 +1,5 @@
 """VocabParallelEmbedding, ParallelLMHead and vocab_parallel_cross_entropy vs dense torch."""
+import warnings
 import pytest
 import torch
 import torch.nn as nn
@@ -196,7 +197,7 @@ def test_cross_entropy_float32_large_logits_is_stable():
 
 def _ce_all_ignored(group):
     shard = torch.zeros(3, 2, dtype=torch.float64, requires_grad=True)
-    loss = vocab_parallel_cross_entropy(shard, torch.full((3,), -100), group=group)
+    loss = vocab_parallel_cross_entropy(shard, torch.full((3,), -100), group=group, vocab_size=4)
     loss.backward()
     return bool(torch.isnan(loss)), float(shard.grad.abs().sum())
 
@@ -217,6 +218,23 @@ def test_cross_entropy_errors():
         vocab_parallel_cross_entropy(logits, torch.zeros(2, 3, dtype=torch.long), group=None, vocab_size=7)
     with pytest.raises(TypeError, match="integer"):
         vocab_parallel_cross_entropy(logits, torch.zeros(2, 3), group=None)
+
+
+def _ce_without_vocab_size(group):
+    # a head whose vocabulary (5) does not divide p pads it: only vocab_size= can keep the padding
+    # columns out of the softmax, and the logits cannot say they carry any; so the loss warns
+    shard = torch.zeros(3, 4 // resolve_group(group).size + 1, dtype=torch.float64)
+    with pytest.warns(FutureWarning, match="no vocab_size given; assuming the .* columns carry no padding"):
+        vocab_parallel_cross_entropy(shard, torch.tensor([0, 1, 2]), group=group)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        vocab_parallel_cross_entropy(shard, torch.tensor([0, 1, 2]), group=group, vocab_size=5)
+    return True
+
+
+def test_cross_entropy_without_vocab_size_warns_at_tp_above_one():
+    assert all(get_world(2).run(_ce_without_vocab_size))
+    assert all(get_world(4).run(_ce_without_vocab_size))
 
 
 class _TiedLM(nn.Module):
@@ -261,7 +279,7 @@ def _ce_narrow_target(group, dtype):
     full = torch.randn(6, 8, generator=gen, dtype=torch.float64)
     target = torch.randint(0, 8, (6,), generator=gen)
     expected = F.cross_entropy(full, target)
-    loss = vocab_parallel_cross_entropy(full.chunk(g.size, -1)[g.rank], target.to(dtype), group=group)
+    loss = vocab_parallel_cross_entropy(full.chunk(g.size, -1)[g.rank], target.to(dtype), group=group, vocab_size=8)
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -280,7 +298,8 @@ def _ce_bf16_reduced(group, seed):
     errors = []
     for reduction in ("mean", "sum"):
         exact = F.cross_entropy(full.double(), target, reduction=reduction)
-        loss = vocab_parallel_cross_entropy(full.chunk(g.size, -1)[g.rank], target, group=group, reduction=reduction)
+        loss = vocab_parallel_cross_entropy(full.chunk(g.size, -1)[g.rank], target, group=group, reduction=reduction,
+                                            vocab_size=32)
         assert loss.dtype == torch.bfloat16
         errors.append(float((loss.double() - exact).abs() / exact))
     return max(errors)

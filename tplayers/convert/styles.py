@@ -19,7 +19,8 @@ from ..core.placement import kv_shards
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
-from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from ..layers.base import own_forward
+from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding, embedding_scale
 
 __all__ = ["BuildContext", "Built", "Style", "Column", "KVColumn", "Row", "VocabEmbedding", "VocabHead", "Replicate",
            "getattr_path"]
@@ -63,14 +64,13 @@ def getattr_path(obj: Any, path: str) -> Any:
 
 
 def _check_plain(module: nn.Module, base: type, ctx: BuildContext, style: str) -> None:
-    """A subclass of ``base`` whose ``forward`` is its own (a scaled embedding, a LoRA or quantized
-    linear) would silently lose that behaviour when swapped for a plain TP layer: refuse it."""
-    overrides = [cls.__name__ for cls in type(module).__mro__
-                 if cls is not base and issubclass(cls, base) and "forward" in vars(cls)]
-    if overrides:
+    """A subclass of ``base`` whose ``forward`` is its own (a LoRA or quantized linear) would silently
+    lose that behaviour when swapped for a plain TP layer: refuse it."""
+    override = own_forward(module, base)
+    if override is not None:
         raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}, a subclass of "
                         f"nn.{base.__name__} "
-                        f"whose forward ({overrides[0]}.forward) differs from it; style '{style}' would swap it for a "
+                        f"whose forward ({override}.forward) differs from it; style '{style}' would swap it for a "
                         "plain TP layer and drop that behaviour. Give it a style that knows it, or leave it out of "
                         "the plan ('replicate')")
 
@@ -159,7 +159,8 @@ class Row:
 
 @dataclass(frozen=True)
 class VocabEmbedding:
-    """Split an ``nn.Embedding``'s rows (the vocabulary, padded to the TP degree) across ranks."""
+    """Split an ``nn.Embedding``'s rows (the vocabulary, padded to the TP degree) across ranks.
+    A scaled embedding (``forward = embedding(ids) * embed_scale``, Gemma's) keeps its scale."""
 
     sequence_parallel: bool = False
 
@@ -167,7 +168,11 @@ class VocabEmbedding:
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style "
                             "'vocab_embedding' needs an nn.Embedding")
-        _check_plain(module, nn.Embedding, ctx, "vocab_embedding")
+        try:  # a scaled embedding (Gemma's) keeps its scale; any other own forward is refused
+            embedding_scale(module)
+        except TypeError as e:
+            raise TypeError(f"parallelize: module '{ctx.name}' (style 'vocab_embedding'): {e}. Leave it out of "
+                            "the plan ('replicate') to keep it dense") from None
         return Built(VocabParallelEmbedding.from_dense(module, group=ctx.group, sequence_parallel=self.sequence_parallel))
 
 

@@ -19,7 +19,7 @@ from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 
 __all__ = ["TensorParallelModule", "model_placements", "placements_of", "set_overlap_comm", "PLACEMENTS_ATTR",
-           "dense_linear_init", "new_param", "load_full_params", "reset_linear_params", "linear_to_dense", "check_dense_linear"]
+           "dense_linear_init", "new_param", "load_full_params", "reset_linear_params", "linear_to_dense", "check_dense_linear", "own_forward"]
 
 # A module that is not a TensorParallelModule (a Hugging Face norm under sequence parallelism) carries
 # its parameters' placements in this attribute, set by the parallelize style that changed how it runs.
@@ -161,7 +161,22 @@ def linear_to_dense(layer: TensorParallelModule) -> nn.Linear:
     return dense
 
 
+def own_forward(module: nn.Module, base: type) -> Optional[str]:
+    """The name of the first class between ``type(module)`` and ``base`` that defines its own
+    ``forward`` (a scaled embedding, a LoRA or quantized linear), None when it inherits base's."""
+    for cls in type(module).__mro__:
+        if cls is base:
+            return None
+        if issubclass(cls, base) and "forward" in vars(cls):
+            return cls.__name__
+    return None
+
+
 def check_dense_linear(linear: nn.Module, cls: type) -> None:
-    """Refuse anything but an ``nn.Linear`` in ``cls.from_dense``."""
+    """Refuse anything but an ``nn.Linear`` (or a subclass keeping its forward) in ``cls.from_dense``."""
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"{cls.__name__}.from_dense expects an nn.Linear, got {type(linear).__name__}")
+    override = own_forward(linear, nn.Linear)
+    if override is not None:
+        raise TypeError(f"{cls.__name__}.from_dense: {type(linear).__name__} has its own forward "
+                        f"({override}.forward); a plain TP layer would drop that behaviour")

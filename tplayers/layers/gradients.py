@@ -13,12 +13,14 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.collectives import all_gather_tensor, all_reduce_tensor, bit_hash
+from ..core.collectives import all_gather_tensor, all_reduce_tensor, bit_hash, ranks_that_differ
 from ..core.groups import GroupLike, TPGroup, collective_device, resolve_group
 from ..core.placement import Placement, Sharded
 from .base import TensorParallelModule, model_placements
 
 __all__ = ["clip_grad_norm_", "check_replicas"]
+
+_CHUNK = 1 << 24  # elements per float64 chunk of a gradient norm (128 MiB)
 
 
 def _model_group(model: nn.Module, group: GroupLike) -> TPGroup:
@@ -48,6 +50,18 @@ def _require_module(model: object, fn: str) -> nn.Module:
     return model
 
 
+def _local_grad(name: str, g: torch.Tensor) -> Tuple[torch.Tensor, Optional[object]]:
+    """(this rank's tensor of ``g``, the data-parallel mesh its norm must also be summed over).
+    A plain gradient is its own local tensor; FSDP2's is a DTensor sharded over a 1-D dp mesh."""
+    if not hasattr(g, "to_local"):
+        return g, None
+    if g.device_mesh.ndim != 1 or any(pl.is_partial() for pl in g.placements):
+        raise ValueError(f"clip_grad_norm_: the gradient of '{name}' is a DTensor with placements {g.placements} "
+                         f"on a {g.device_mesh.ndim}-D mesh; only FSDP2's (Shard or Replicate over one dp "
+                         "dim) is understood")
+    return g.to_local(), (g.device_mesh if any(pl.is_shard() for pl in g.placements) else None)
+
+
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
                     group: GroupLike = None) -> torch.Tensor:
@@ -56,37 +70,62 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     ``min(1, max_norm / (norm + 1e-6))``. Returns the norm before clipping, on every rank.
 
     Collective over the TP group (one all-reduce of one number), on every rank even where this rank
-    has no gradient; every rank gets the same norm. Under TP x DP (DDP, FSDP2 over the dp dim) the
-    data-parallel gradients are already averaged, so the TP group is the right one."""
+    has no gradient; every rank gets the same norm. Under TP x DP with DDP the data-parallel
+    gradients are already averaged, so the TP group is the whole story; with FSDP2 over the dp dim
+    the gradients are DTensors sharded over dp, and their part of the norm is first summed over the
+    dp mesh (one more all-reduce of one number per dp mesh). Equal to the dense clip in both cases
+    (tests/test_parallel2d.py)."""
     model = _require_module(model, "clip_grad_norm_")
     tp = _model_group(model, group)
     placements = model_placements(model)
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
-    device = grads[0][1].device if grads else collective_device(tp.process_group)
+    device = _local_grad(*grads[0])[0].device if grads else collective_device(tp.process_group)
     inf = math.isinf(norm_type)
+    op = "max" if inf else "sum"
 
-    def norm(t: torch.Tensor) -> torch.Tensor:  # sum |g|^q, or max |g|
-        t = t.detach().to(torch.float64)
-        return t.abs().max() if inf else t.abs().pow(norm_type).sum()
+    def norm(t: torch.Tensor) -> torch.Tensor:  # sum |g|^q, or max |g| (0 for an empty dp shard)
+        # in float64, _CHUNK elements at a time: a whole float64 copy of a big bf16 embedding's
+        # gradient would take 4x its memory
+        flat, acc = t.detach().reshape(-1), torch.zeros((), dtype=torch.float64, device=t.device)
+        for start in range(0, flat.numel(), _CHUNK):
+            piece = flat[start:start + _CHUNK].to(torch.float64).abs()  # never in place: .to may alias the grad
+            acc = torch.maximum(acc, piece.max()) if inf else acc + piece.pow(norm_type).sum()
+        return acc
 
     # Replicated gradients enter the one all-reduce as their average over the ranks (the max, for the inf
     # norm): the same value where the replicas agree, and where they do not (check_replicas finds that),
     # still one norm, so no two ranks clip by different factors.
-    parts = [torch.zeros((), dtype=torch.float64, device=device)]
+    by_mesh: Dict[Optional[object], List[torch.Tensor]] = {None: [torch.zeros((), dtype=torch.float64, device=device)]}
     for name, g in grads:
         placement = placements.get(name)
+        local, dp_mesh = _local_grad(name, g)
         if placement is not None and placement.is_sharded:
-            parts += [norm(t) for t in _owned_pieces(g, placement, tp) if t.numel()]
+            if dp_mesh is None:
+                contributions = [norm(t) for t in _owned_pieces(local, placement, tp)]
+            elif all(part.shards == tp.size for part in placement.parts):
+                contributions = [norm(local)]  # no piece is replicated over TP: the whole dp shard counts
+            else:  # replicated KV pieces: gather the dp shards (this one parameter), then cut the pieces
+                local, dp_mesh = g.full_tensor(), None
+                contributions = [norm(t) for t in _owned_pieces(local, placement, tp)]
         else:
-            parts.append(norm(g) if inf else norm(g) / tp.size)
-    local = torch.stack(parts).max() if inf else torch.stack(parts).sum()
+            contributions = [norm(local) if inf else norm(local) / tp.size]
+        by_mesh.setdefault(dp_mesh, []).extend(contributions)
+
+    def combine(ts: List[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(ts).max() if inf else torch.stack(ts).sum()
+
+    local_total = combine(by_mesh.pop(None))
+    for dp_mesh, ts in by_mesh.items():  # FSDP2: the dp shards' parts, summed over the dp mesh first
+        dp_group = dp_mesh.get_group()  # type: ignore[attr-defined]
+        part = all_reduce_tensor(combine(ts).to(collective_device(dp_group)), group=dp_group, op=op)
+        local_total = combine([local_total, part.to(device)])
     # the collective runs on every rank, gradients or not: a rank skipping it would hang the others
-    total = all_reduce_tensor(local.to(collective_device(tp.process_group)), group=tp,
-                              op="max" if inf else "sum").to(device)
+    total = all_reduce_tensor(local_total.to(collective_device(tp.process_group)), group=tp, op=op).to(device)
     total_norm = total if inf else total.pow(1.0 / norm_type)
     coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    for _, g in grads:
-        g.mul_(coef.to(g.dtype))
+    for name, g in grads:
+        local = _local_grad(name, g)[0]
+        local.mul_(coef.to(local.dtype))
     return total_norm.to(grads[0][1].dtype if grads else torch.get_default_dtype())
 
 
@@ -142,15 +181,28 @@ def check_replicas(model: nn.Module, *, group: GroupLike = None, grads: bool = T
     TP group, and every replicated piece of a sharded one (KV heads held by several ranks) on the ranks
     holding it. Returns how many tensors it compared; raises AssertionError on every rank otherwise.
 
-    Collective over the TP group: one all-gather of three int64 per tensor. Meant for a training
+    Collective over the TP group: one all-gather of three int64 per tensor (after one of three int64
+    proving that every rank lists the same parameters). Meant for a training
     loop's occasional audit (after backward, before the optimizer step): replicas drift apart silently
     when ranks start from different weights or seeds, see different batches, or a parameter applied to
     sharded activations (a norm under sequence parallelism) misses its gradient all-reduce."""
     model = _require_module(model, "check_replicas")
     tp = _model_group(model, group)
     items = _replica_items(model, tp, grads)
-    if tp.size == 1 or not items:
+    if tp.size == 1:
         return len(items)
+    # the fingerprints are gathered as one (n, 3) tensor: first make sure every rank lists the same
+    # items (a model built differently on one rank would otherwise make the gather's shapes disagree)
+    labels = "\n".join(label for label, _, _ in items).encode()
+    listing = torch.cat([torch.tensor([len(items)]), bit_hash(torch.frombuffer(bytearray(labels) or bytearray(1),
+                                                                                 dtype=torch.uint8))])
+    differ = ranks_that_differ(listing[None], group=tp)[:, 0]
+    if differ.any():
+        raise AssertionError(f"check_replicas: rank(s) {differ.nonzero()[:, 0].tolist()} of the TP group list different "
+                             f"parameters than rank 0 ({len(items)} replicated tensors to compare on this rank): "
+                             "every rank must hold the same model, built the same way")
+    if not items:
+        return 0
     local = torch.stack([_fingerprint(t) for _, t, _ in items])  # (n, 3)
     every = all_gather_tensor(local[None].to(collective_device(tp.process_group)), 0, group=tp).cpu()  # (p, n, 3)
     for j, (label, _, stride) in enumerate(items):

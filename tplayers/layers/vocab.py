@@ -7,7 +7,8 @@ and `vocab_parallel_cross_entropy(..., vocab_size=V)` keeps them out of the loss
 
 `VocabParallelEmbedding`: every rank looks up only the ids in its vocabulary range (the others
 give zeros), then the partial embeddings are all-reduced (reduce-scattered along the sequence
-dim under sequence parallelism).
+dim under sequence parallelism). ``scale=`` multiplies the output by a constant, the scaled
+embeddings of Gemma-style models (`ScaledEmbedding` is its dense twin).
 
 `ParallelLMHead`: ``x @ W.T`` with the vocabulary (output features) split across ranks; its
 output is this rank's logits shard, fed to `vocab_parallel_cross_entropy` without ever
@@ -15,7 +16,8 @@ gathering the full logits (``gather_output=True`` gathers them, padding removed)
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import math
+from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -26,10 +28,79 @@ from ..core.functional import SEQ_DIM, column_parallel_linear
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range
-from .base import TensorParallelModule, dense_linear_init, load_full_params, new_param
+from .base import TensorParallelModule, dense_linear_init, load_full_params, new_param, own_forward
 from .compat import PaddedShardLayout, padded_vocab_size, vocab_range  # noqa: F401  (0.1 names, deprecated)
 
-__all__ = ["VocabParallelEmbedding", "ParallelLMHead"]
+__all__ = ["VocabParallelEmbedding", "ParallelLMHead", "ScaledEmbedding", "embedding_scale"]
+
+ScaleLike = Union[None, float, torch.Tensor]
+
+
+class ScaledEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose output is multiplied by ``embed_scale`` (cast to the weight's dtype
+    first, as Hugging Face's ``*ScaledWordEmbedding`` classes do). The dense twin of
+    ``VocabParallelEmbedding(scale=...)``; the scale is a non-persistent buffer (not in state_dict)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
+                 scale: Union[float, torch.Tensor], **kwargs: Any) -> None:
+        super().__init__(num_embeddings, embedding_dim, padding_idx, **kwargs)
+        self.register_buffer("embed_scale", _scale_tensor(scale, self.weight.device), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+
+def _scale_tensor(scale: Union[float, torch.Tensor], device: Any) -> torch.Tensor:
+    """A 0-d tensor of ``scale``: a tensor keeps its dtype (HF's float32 buffer), a number is float64."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"embedding scale must be a single number, got a tensor of shape {tuple(scale.shape)}")
+        return scale.detach().reshape(()).clone().to(device)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"embedding scale must be a finite number, got {scale!r}")
+    return torch.tensor(float(scale), dtype=torch.float64, device=device)
+
+
+def embedding_scale(dense: nn.Embedding) -> Optional[torch.Tensor]:
+    """The scale of a scaled embedding, None for a plain one; refuses any other ``forward``.
+
+    A subclass of ``nn.Embedding`` with its own ``forward`` is accepted only when it has an
+    ``embed_scale`` (tensor or number; Hugging Face's ``*ScaledWordEmbedding``) and its forward is
+    exactly ``embedding(ids) * embed_scale.to(weight.dtype)``: checked bitwise on a small probe
+    table (swapped in for the call, so meta modules and huge vocabularies cost nothing; a local
+    generator, so no RNG stream moves). Anything else is a TypeError naming the class.
+    """
+    if not own_forward(dense, nn.Embedding):
+        return None
+    name = type(dense).__name__
+    scale = getattr(dense, "embed_scale", None)
+    if scale is None:
+        raise TypeError(f"{name} is a subclass of nn.Embedding with its own forward and no 'embed_scale': "
+                        "tplayers supports scaled embeddings (forward = embedding(ids) * embed_scale) only; "
+                        "a plain VocabParallelEmbedding would drop that forward")
+    if isinstance(scale, torch.Tensor) and scale.device.type == "meta":
+        scalar = getattr(dense, "scalar_embed_scale", None)  # HF keeps the number beside the meta buffer
+        if scalar is None:
+            raise TypeError(f"{name}: its embed_scale is on the meta device (its value is unknown) and it has "
+                            "no scalar_embed_scale; materialize the module before converting it")
+        scale = torch.tensor(float(scalar), dtype=scale.dtype)
+    scale = _scale_tensor(scale, "cpu" if dense.weight.device.type == "meta" else dense.weight.device)
+    rows = min(dense.num_embeddings, 8)
+    gen = torch.Generator(device=scale.device).manual_seed(0)
+    probe = torch.randn(rows, dense.embedding_dim, generator=gen, device=scale.device).to(dense.weight.dtype)
+    ids = torch.arange(rows, device=scale.device).repeat(2, 1)  # (2, rows): a batch, every row
+    probe_state = {"weight": probe}
+    if isinstance(getattr(dense, "embed_scale"), torch.Tensor):
+        probe_state["embed_scale"] = scale
+    with torch.no_grad():
+        got = torch.func.functional_call(dense, probe_state, (ids,))
+    want = F.embedding(ids, probe) * scale.to(probe.dtype)
+    if not (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+            and torch.equal(got, want)):
+        raise TypeError(f"{name}: its forward is not embedding(ids) * embed_scale (checked on a probe table), "
+                        "so a VocabParallelEmbedding would compute something else; tplayers supports "
+                        "only that form of nn.Embedding subclass")
+    return scale
 
 
 class _VocabParallelBase(TensorParallelModule):
@@ -69,6 +140,7 @@ class VocabParallelEmbedding(_VocabParallelBase):
         *,
         group: GroupLike,
         sequence_parallel: bool = False,
+        scale: ScaleLike = None,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -85,6 +157,8 @@ class VocabParallelEmbedding(_VocabParallelBase):
         self._init_vocab(num_embeddings, tp)
         self.embedding_dim, self.padding_idx, self.sequence_parallel = embedding_dim, padding_idx, sequence_parallel
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim, device=device, dtype=dtype))
+        # non-persistent, like HF's: checkpoints hold the same keys as a plain embedding's
+        self.register_buffer("embed_scale", None if scale is None else _scale_tensor(scale, device), persistent=False)
         self.reset_parameters()
 
     @property
@@ -115,20 +189,34 @@ class VocabParallelEmbedding(_VocabParallelBase):
                     f"{tuple(ids.shape)}) is not divisible by the TP degree {self.tp.size} "
                     "(sequence parallelism splits it across ranks)")
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight, self._local_padding_idx)
+            return self._scaled(F.embedding(ids, self.weight, self._local_padding_idx))
         in_shard = (ids >= self.vocab_start) & (ids < self.vocab_end)  # (...)
         local_ids = (ids - self.vocab_start).masked_fill(~in_shard, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)  # (..., dim), partial
         out = out.masked_fill_(~in_shard.unsqueeze(-1), 0.0)  # ids of other ranks contribute zero
+        # scaled before the reduction: each position is nonzero on exactly one rank, so this is
+        # bitwise the dense ``embedding * scale``
+        out = self._scaled(out)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, group=self.tp, seq_dim=SEQ_DIM)  # (..., seq/p, dim)
         return reduce_from_tp(out, group=self.tp)  # (..., dim)
 
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.embed_scale is None else out * self.embed_scale.to(self.weight.dtype)
+
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "VocabParallelEmbedding":
-        """This rank's rows of an existing ``nn.Embedding`` (the dense module is left untouched)."""
+        """This rank's rows of an existing ``nn.Embedding`` (the dense module is left untouched).
+        A scaled embedding (see `embedding_scale`) keeps its scale; other subclasses with their own
+        forward are refused."""
         if not isinstance(dense, nn.Embedding):
             raise TypeError(f"VocabParallelEmbedding.from_dense expects an nn.Embedding, got {type(dense).__name__}")
+        scale = embedding_scale(dense)
+        if scale is not None:
+            if options.get("scale") is not None:
+                raise ValueError(f"VocabParallelEmbedding.from_dense: {type(dense).__name__} carries its own "
+                                 "embed_scale; do not pass scale= as well")
+            options["scale"] = scale
         unsupported = [n for n, bad in (("max_norm", dense.max_norm is not None),
                                         ("scale_grad_by_freq", dense.scale_grad_by_freq),
                                         ("sparse", dense.sparse)) if bad]
@@ -137,16 +225,25 @@ class VocabParallelEmbedding(_VocabParallelBase):
         layer = cls(dense.num_embeddings, dense.embedding_dim, dense.padding_idx, group=group,
                     device="meta", dtype=dense.weight.dtype, **options)
         load_full_params(layer, {"weight": dense.weight}, like=dense)
+        if layer.embed_scale is not None:  # built on meta above: the scale's value comes from the dense module
+            layer.embed_scale = options["scale"].clone()
         return layer
 
     def to_dense(self) -> nn.Embedding:
-        """The full ``nn.Embedding`` (padding removed), gathered on every rank (collective)."""
-        dense = nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx, device="meta")
+        """The full ``nn.Embedding`` (a `ScaledEmbedding` when scaled; padding removed), gathered on
+        every rank (collective)."""
+        if self.embed_scale is None:
+            dense = nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx, device="meta")
+        else:
+            dense = ScaledEmbedding(self.num_embeddings, self.embedding_dim, self.padding_idx, device="meta",
+                                    scale=self.embed_scale)
+            dense.embed_scale = self.embed_scale.clone()
         dense.weight = new_param(self.gather_param("weight"), self.weight)
         return dense
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
+        scale = "" if self.embed_scale is None else f", scale={self.embed_scale.item():g}"
+        return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}{scale}, "
                 f"tp_size={self.tp.size}, tp_rank={self.tp.rank}, rows=[{self.vocab_start}, {self.vocab_end}), "
                 f"sequence_parallel={self.sequence_parallel}")
 

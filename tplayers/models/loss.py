@@ -11,6 +11,8 @@ Communication per call: one ``(tokens,)`` max all-reduce and one ``(tokens, 2 or
 """
 from __future__ import annotations
 
+import warnings
+
 from typing import Optional
 
 import torch
@@ -112,8 +114,10 @@ def vocab_parallel_cross_entropy(
 
     logits_shard: ``(..., V'/p)``, rank r's ``torch.chunk`` of the (padded) vocabulary, as
     `ParallelLMHead` produces. target: ``(...)`` integer class ids, identical on every rank.
-    vocab_size: the real vocabulary when the logits carry padding columns (vocabularies that do
-    not divide the TP degree); the padding never enters the loss. Defaults to ``p * V'/p``.
+    vocab_size: the real vocabulary; the padding columns a `ParallelLMHead` adds when it does
+    not divide the TP degree never enter the loss. Pass it: the logits alone cannot say whether
+    they carry padding, so without it (at p > 1) the loss assumes none (``V = p * V'/p``) and
+    warns once (a FutureWarning: it becomes required in a later release).
     ``ignore_index``, ``label_smoothing`` and ``reduction`` ("mean" | "sum" | "none") follow
     ``F.cross_entropy``; "mean" averages over non-ignored targets. Targets outside
     ``[0, vocab_size)`` other than ``ignore_index`` raise IndexError, as in ``F.cross_entropy``
@@ -135,6 +139,11 @@ def vocab_parallel_cross_entropy(
     n_local = logits_shard.shape[-1]
     if vocab_size is None:
         vocab_size = n_local * g.size
+        if g.size > 1:  # zero padding columns would enter the softmax, undetectably: say so
+            warnings.warn(f"vocab_parallel_cross_entropy: no vocab_size given; assuming the {vocab_size} logit "
+                          "columns carry no padding. A ParallelLMHead whose vocabulary does not divide the TP "
+                          "degree pads it, and those columns would enter the loss: pass "
+                          "vocab_size=head.num_embeddings (required in a later release)", FutureWarning, stacklevel=2)
     if padded_size(vocab_size, g.size) != n_local * g.size:
         raise ValueError(
             f"vocab_parallel_cross_entropy: vocab_size={vocab_size} padded to a multiple of the TP "
