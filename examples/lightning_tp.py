@@ -5,6 +5,12 @@ the device mesh of Lightning's ``ModelParallelStrategy``. Runs on CPU with 2 pro
 
 Each rank builds the layers under the same seed, so every rank holds its shard of the weights
 that ``nn.Linear`` would have drawn: the run equals dense training (the test checks it).
+Every TP rank must also see the same batch: ``tplayers.check_same_inputs`` (on by default here,
+``--no-check-batches`` turns it off) stops the run on the first step they differ;
+``--skew-batches`` makes that mistake on purpose (rank r adds r/1000 to its batch).
+Lightning's own distributed sampler is safe here (ModelParallelStrategy splits the data over
+the data-parallel dim only, so the TP ranks get the same batches) but it shuffles; the example
+turns it off only to train on the dense reference's order.
 """
 from __future__ import annotations
 
@@ -30,9 +36,9 @@ def make_data(n: int = 12, seq: int = 3) -> TensorDataset:
 
 
 class TPClassifier(L.LightningModule):
-    def __init__(self, lr: float = 0.1) -> None:
+    def __init__(self, lr: float = 0.1, check_batches: bool = True, skew_batches: bool = False) -> None:
         super().__init__()
-        self.lr = lr
+        self.lr, self.check_batches, self.skew_batches = lr, check_batches, skew_batches
 
     def configure_model(self) -> None:
         tp_mesh = self.device_mesh["tensor_parallel"]  # a 1-D DeviceMesh: a valid tplayers group
@@ -40,12 +46,16 @@ class TPClassifier(L.LightningModule):
         self.fc1 = tplayers.ColumnParallelLinear(HIDDEN, 4 * HIDDEN, group=tp_mesh)  # (b, s, 4h/p)
         self.fc2 = tplayers.RowParallelLinear(4 * HIDDEN, HIDDEN, group=tp_mesh)     # (b, s, h)
         self.head = nn.Linear(HIDDEN, CLASSES)                                       # replicated
+        if self.check_batches:  # one all-gather of two int64 per step: TP ranks fed different batches fail loudly
+            tplayers.check_same_inputs(self, group=tp_mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(x + self.fc2(torch.nn.functional.gelu(self.fc1(x))))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.skew_batches:  # the mistake on purpose: each TP rank a different batch
+            x = x + self.global_rank / 1000
         loss = nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
         self.log("loss", loss)
         return loss
@@ -75,17 +85,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--out", default=None, help="write the trained dense weights (rank 0) as JSON")
+    ap.add_argument("--out", default=None,
+                    help="write the max |tp - dense| weight error and the parameter names (rank 0) as JSON")
+    ap.add_argument("--check-batches", action=argparse.BooleanOptionalAction, default=True,
+                    help="check every step that the TP ranks got the same batch (default: on)")
+    ap.add_argument("--skew-batches", action="store_true",
+                    help="the mistake, on purpose: feed each TP rank a slightly different batch")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    # data_parallel_size=1: every rank must see the same batches, so no distributed sampler; with
-    # data_parallel_size > 1 keep Lightning's sampler (it splits over the mesh's data-parallel dim).
+    # No distributed sampler: only so that the batches come in the dense reference's order (Lightning's
+    # sampler shuffles; under ModelParallelStrategy it splits over the data-parallel dim only, so the
+    # TP ranks would still share each batch).
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, precision="32-true", max_steps=args.steps,
         strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=args.devices),
         use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    module = TPClassifier()
+    module = TPClassifier(check_batches=args.check_batches, skew_batches=args.skew_batches)
     trainer.fit(module, DataLoader(make_data(), batch_size=4))
     weights = dense_parameters(module)  # collective: gathers the TP shards on every rank
     if trainer.global_rank == 0:

@@ -182,7 +182,7 @@ def test_verify_json_schema_2_only_adds_the_tolerances():
     assert set(report) == {"schema", "dtype", "device", "results", "passed"}
     (row,) = report["results"]
     assert set(row) == v1_keys | {"rtol", "atol"} and (row["rtol"], row["atol"]) == pytest.approx((4e-2, 8e-3))
-    assert '"schema": "tplayers-verify/2"' in (ROOT / "README.md").read_text()
+    assert '"schema": "tplayers-verify/2"' in (ROOT / "docs" / "cli.md").read_text()
 
 
 @pytest.mark.parametrize("read_first_line", [False, True])
@@ -387,7 +387,7 @@ def test_every_option_has_help_and_the_readme_names_the_default_shape():
         for action in sub._actions:
             assert action.help, f"tplayers {name} {action.option_strings}: no help text"
     bench_default = subparsers["bench"].get_default("shape")
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "cli.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `--shape"))
     assert f"default {bench_default}" in row
     for name, dims in SHAPES.items():  # each named shape with its dimensions

@@ -2,6 +2,7 @@
 "llama" and "gpt2" plans give the dense model's logits, loss and gradients at TP 2 and 4; HF
 safetensors checkpoints load straight into TP models and back out; TP checkpoints reshard."""
 import copy
+import json
 
 import pytest
 import torch
@@ -113,9 +114,7 @@ def _hf_roundtrip(group, src_dir: str, out_dir: str):
     missing, _ = tplayers.load_dense(model, src_dir)
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-9, atol=1e-9)
-    if group.rank() == 0:
-        dense.config.save_pretrained(out_dir)
-    tplayers.save_dense(model, f"{out_dir}/model.safetensors")  # collective; returns once the file is in place
+    tplayers.save_dense(model, f"{out_dir}/model.safetensors")  # collective; creates out_dir, writes config.json
     back = GPT2LMHeadModel.from_pretrained(out_dir, dtype=torch.float64).eval()
     ref = dense.state_dict()
     return missing, all(torch.equal(t, ref[k]) for k, t in back.state_dict().items())
@@ -123,9 +122,9 @@ def _hf_roundtrip(group, src_dir: str, out_dir: str):
 
 def test_hf_checkpoint_into_tp_model_and_back_out(tmp_path):
     _gpt2(seed=11).save_pretrained(tmp_path / "hf")  # HF's own safetensors: Conv1D (in, out), tied head dropped
-    (tmp_path / "out").mkdir()
-    for missing, same in get_world(2).run(_hf_roundtrip, str(tmp_path / "hf"), str(tmp_path / "out")):
-        assert missing == [] and same
+    for missing, same in get_world(2).run(_hf_roundtrip, str(tmp_path / "hf"), str(tmp_path / "out" / "new")):
+        assert missing == [] and same  # "out/new" did not exist: save_dense made it, with a config.json
+    assert json.loads((tmp_path / "out" / "new" / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
 
 
 def _meta_then_load(group, src_dir: str):

@@ -7,7 +7,7 @@ from typing import List
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "tplayers"
-FLOORS = ["core", "layers", "models", "convert", "io", "testing", "bench", "cli"]  # bottom to top (README)
+FLOORS = ["core", "layers", "models", "convert", "io", "testing", "bench", "cli"]  # bottom to top (docs/architecture.md)
 LEAVES = {"_version"}  # modules with no tplayers imports that any floor may use
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
                "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "barrier", "monitored_barrier", "send",

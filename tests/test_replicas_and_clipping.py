@@ -106,3 +106,32 @@ def test_a_device_mesh_without_this_rank_is_refused():
 def test_a_zero_size_norm_is_refused():
     with pytest.raises(ValueError, match="ParallelNorm: hidden=0 must be positive"):
         tplayers.ParallelNorm(0, "rmsnorm", group=None)
+
+
+def _inputs_audit(group):
+    g = tplayers.resolve_group(group)
+    torch.manual_seed(0)
+    model = nn.Sequential(tplayers.ColumnParallelLinear(4, 8, group=group, gather_output=True))
+    handle = tplayers.check_same_inputs(model, group=group)
+    torch.manual_seed(1)
+    x = torch.randn(3, 4)
+    model(x)  # the same batch everywhere: fine
+    with pytest.raises(ValueError, match=r"check_same_inputs: Sequential forward #2: argument 0 differs between rank 0 "
+                                         r"and rank 1 of the TP group: every TP rank must see the same batch"):
+        model(x + (g.rank == 1))  # e.g. a distributed sampler over the TP ranks
+    with pytest.raises(ValueError, match="argument 0 differs"):  # a different batch size, too
+        model(x[: 2 + (g.rank == 1)])
+    handle.remove()
+    model(x + (g.rank == 1))  # removed: no check
+    every = tplayers.check_same_inputs(model, group=group, every=2)
+    model(x)
+    model(x + g.rank)  # forward #2: not checked
+    with pytest.raises(ValueError, match="forward #3"):
+        model(x + g.rank)
+    every.remove()
+    return True
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_check_same_inputs_names_a_batch_that_differs_across_tp_ranks(tp):
+    assert all(get_world(tp).run(_inputs_audit))

@@ -2,6 +2,10 @@
 attention masks, ranks that disagree. Each case used to return a number (zeros, a finite loss); now it
 raises on every rank. Second derivatives are in test_higher_order.py."""
 import copy
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from tplayers.dense import DenseAttention
 from tplayers.testing import get_world
 
 TP_SIZES = [2, 4]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _embedding_ids(group, bad):
@@ -298,3 +303,30 @@ def test_scaled_embedding_is_supported_and_matches_dense(tp, vocab):
 def test_subclasses_without_their_own_forward_are_swapped():
     net = tplayers.parallelize(_Net(), {"down": "row", "head": "vocab_head"}, group=None)
     assert isinstance(net.down, tplayers.RowParallelLinear) and isinstance(net.head, tplayers.ParallelLMHead)
+
+
+# ------------------------------------------------------------------ clean exit
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import torch.distributed as dist
+atexit.register(lambda: print("initialized after tplayers' exit hook:", dist.is_initialized()))  # runs last (LIFO)
+import tplayers
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+layer = tplayers.ColumnParallelLinear(4, 4, group=dist.group.WORLD)
+layer.tp_keepalive = [layer]  # a reference cycle: only a gc pass frees this layer's process group
+print("ran")
+"""
+
+
+def test_a_script_that_leaves_its_gloo_group_alive_exits_cleanly(tmp_path):
+    """Root cause of the rare exit-time abort ("terminate called without an active exception"):
+    a gloo worker thread releasing its last collective during interpreter finalization. tplayers
+    destroys a gloo world left alive and collects garbage at exit, before finalization."""
+    script = tmp_path / "leave_alive.py"
+    script.write_text(_EXIT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:2] == ["ran", "initialized after tplayers' exit hook: False"], proc.stdout

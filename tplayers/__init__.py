@@ -27,7 +27,7 @@ from .models.loss import vocab_parallel_cross_entropy
 from .models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from .models.gpt import ParallelGPT
 from .convert import Plan, parallelize
-from .layers import check_replicas, clip_grad_norm_, set_overlap_comm
+from .layers import check_replicas, check_same_inputs, clip_grad_norm_, set_overlap_comm
 from .convert.mesh2d import Mesh2D, make_2d_mesh
 from .io import state_dict as sharding
 from .io import load_checkpoint, load_dense, save_checkpoint, save_dense
@@ -74,6 +74,7 @@ __all__ = [
     "set_overlap_comm",
     "clip_grad_norm_",
     "check_replicas",
+    "check_same_inputs",
     "Plan",
     "save_checkpoint",
     "load_checkpoint",

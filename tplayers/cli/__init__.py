@@ -283,12 +283,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rc = 1
     finally:
         finish_torchrun()
-    if under_torchrun():
-        # Rank processes that used gloo abort in interpreter finalization about 1 run in 15 on this
-        # machine ("terminate called without an active exception", exit 134) even after a barrier and
-        # destroy_process_group: a torch/gloo teardown race. The result is printed and every
-        # collective is done, so leave without finalization and keep the exit status.
-        _flush_stdout()
-        sys.stderr.flush()
-        os._exit(rc)
     return rc

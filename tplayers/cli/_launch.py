@@ -2,6 +2,8 @@
 else on ranks spawned here (`tplayers.testing.World`)."""
 from __future__ import annotations
 
+import gc
+
 import os
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Tuple
@@ -78,9 +80,12 @@ def run_on_ranks(
 def finish_torchrun() -> None:
     """Leave the process group this command joined: every rank first waits for the others (so no
     rank tears down its gloo pairs or the store rank 0 hosts while a peer still uses them), then
-    destroys it while the interpreter is fully alive."""
+    destroys it and collects garbage while the interpreter is fully alive: a process group kept
+    alive by a reference cycle until the finalizing gc aborts the process (see
+    ``core.groups._destroy_gloo_groups``, which does the same at exit for any script)."""
     if under_torchrun() and dist.is_initialized():
         try:
             barrier(dist.group.WORLD)
         finally:
             dist.destroy_process_group()
+            gc.collect()

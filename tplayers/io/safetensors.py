@@ -3,6 +3,7 @@
 own slices with ``safe_open(...).get_slice``). GPT-2 ``Conv1D`` weights are stored ``(in, out)``."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import uuid
@@ -32,25 +33,48 @@ def save_dense(model: nn.Module, path: str, *, group: Any = None, metadata: Opti
     Collective: every rank of ``group`` calls it (default: the whole world; the TP modules gather
     over their own TP groups, then rank 0 of ``group`` writes; ``process_group=`` is the deprecated
     name of ``group=``). The file is what the dense model's ``save_pretrained`` would write (Conv1D
-    weights ``(in, out)``, tied weights once), so Hugging Face loads it.
+    weights ``(in, out)``, tied weights once), so Hugging Face loads it. The directory is created
+    if missing (as ``save_checkpoint`` does); a model with a Hugging Face ``config`` also gets its
+    ``config.json`` beside the file, so ``from_pretrained(directory)`` loads a ``model.safetensors``.
     """
     _safetensors()
     from safetensors.torch import save_file
 
     path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        raise CheckpointError(f"save_dense: {path} is a directory; pass the file to write, e.g. {path}/model.safetensors")
     state = dense_state_dict(model)
+    config = _hf_config(model)
     pg, rank = coord_group(group, process_group, "save_dense")
     require_same_path(pg, path, "save_dense")
 
     def write() -> None:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:16]}"
         save_file({k: v.cpu() for k, v in state.items()}, tmp, metadata={"format": "pt", **(metadata or {})})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(os.path.dirname(path))
+        if config is not None:
+            tmp = os.path.join(directory, f"config.json.tmp-{uuid.uuid4().hex[:16]}")
+            config.to_json_file(tmp)
+            os.replace(tmp, os.path.join(directory, "config.json"))
+        fsync_dir(directory)
 
     on_rank0(pg, rank, write)
+
+
+def _hf_config(model: nn.Module) -> Any:
+    """A copy of ``model``'s Hugging Face config naming its class (as ``save_pretrained`` writes it),
+    or None for a model without one. Head counts stay the dense ones: plans never change the config."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_file"):
+        return None
+    config = copy.deepcopy(config)
+    if hasattr(model, "_no_split_modules") or hasattr(model, "base_model_prefix"):  # a PreTrainedModel
+        config.architectures = [type(model).__name__]
+    return config
 
 
 def _dense_files(path: str) -> Dict[str, str]:
