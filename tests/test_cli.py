@@ -228,12 +228,29 @@ def test_bench_json_schema_and_table(capsys, tmp_path):
         assert set(timing) == {"min_ms", "median_ms", "mean_ms", "n"} and timing["n"] == 3
         assert 0 < timing["min_ms"] <= timing["median_ms"]
     s = report["summary"]
-    assert {"overlap_saving_ms", "comm_bwd_ms", "hidden_fraction", "speedup_vs_dense", "speedup_vs_naive"} <= set(s)
+    assert {"overlap_saving_ms", "comm_bwd_ms", "hidden_fraction", "speedup_vs_dense", "speedup_vs_naive",
+            "overlap_saving_ci_ms", "hidden_fraction_ci", "within_noise"} <= set(s)
+    lo, hi = s["overlap_saving_ci_ms"]
+    assert lo <= s["overlap_saving_ms"] <= hi and s["within_noise"] == (lo <= 0 <= hi)
     table = format_report(report)
     assert "TP fwd+bwd, overlap on" in table and "communication hidden by overlap" in table
+    assert "95% interval" in table and (("WITHIN NOISE" in table) == s["within_noise"])
     if _has_matplotlib():
         plot_report(report, str(tmp_path / "b.png"))
         assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_median_interval_brackets_the_median_and_narrows_with_n():
+    from tplayers.bench.report import median_interval
+
+    assert median_interval([3.0]) == (3.0, 3.0)
+    assert median_interval([5.0, 1.0, 3.0]) == (1.0, 5.0)  # too few values: the whole range
+    wide = median_interval([float(i) for i in range(10)])
+    narrow = median_interval([float(i % 10) for i in range(1000)])
+    assert wide[0] <= 4.5 <= wide[1] and narrow[0] <= 4.5 <= narrow[1]
+    assert narrow[1] - narrow[0] < wide[1] - wide[0]
+    # n = 100: k = floor(50 - 9.8) = 40, the 41st and 60th values (the textbook 95% interval)
+    assert median_interval([float(i) for i in range(100)]) == (40.0, 59.0)
 
 
 def _has_matplotlib() -> bool:
@@ -406,3 +423,24 @@ def test_bad_numbers_are_usage_errors(argv):
 def test_cuda_without_a_gpu_is_refused(capsys):
     assert main(["verify", "--device", "cuda"]) == 2
     assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_bench_trace_writes_one_trace_per_rank_without_profiler_noise(tmp_path):
+    """The profiler's C++ side printed 'USDT: ... profiler_start' lines on stderr; they are kept out."""
+    proc = subprocess.run([sys.executable, "-m", "tplayers", "bench", "--tp", "2", "--batch", "1", "--seq", "8",
+                           "--hidden", "8", "--ffn", "16", "--iters", "2", "--warmup", "1", "--no-progress",
+                           "--trace", str(tmp_path / "tr")], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip() == "", proc.stderr
+    assert sorted(p.name for p in (tmp_path / "tr").iterdir()) == ["bench_trace_rank0.json", "bench_trace_rank1.json"]
+    assert "profiler trace (rank 0)" in proc.stdout
+
+
+def test_docs_verify_sample_lists_every_check():
+    """The sample output in docs/cli.md is what `tplayers verify` prints: every registered check, in order."""
+    text = (ROOT / "docs" / "cli.md").read_text()
+    sample = text[text.index("$ tplayers verify\n"): text.index("$ echo $?")]
+    rows = [line.split("  ")[0] for line in sample.splitlines() if line.endswith("PASS")]
+    assert rows == [c.name for c in V.CHECKS]
+    assert f"tplayers verify: {len(V.CHECKS)} checks," in sample and f"{len(V.CHECKS)}/{len(V.CHECKS)} checks passed" in sample

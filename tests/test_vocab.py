@@ -263,7 +263,6 @@ def _check_tied(group, vocab, dim, seed):
     assert tp.head.weight is tp.embed.weight
     # the one shared gradient holds both uses: embedding lookup and output projection
     torch.testing.assert_close(tp.embed.to_dense().weight, dense.embed.weight)
-    g = resolve_group(group)
     full_grad = gather_placed(tp.embed.weight.grad, tp.embed.param_placements()["weight"], group=group)
     torch.testing.assert_close(full_grad, dense.embed.weight.grad)
 

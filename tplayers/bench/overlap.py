@@ -12,10 +12,12 @@ rank 1), and derives how much of the backward communication the overlap hides.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sys
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -276,7 +278,10 @@ def _profile(steps: Dict[str, Callable[[], None]], cfg: BenchConfig, g: TPGroup,
     os.makedirs(cfg.trace_dir, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     path = os.path.join(cfg.trace_dir, f"bench_trace_rank{g.rank}.json")
-    with profile(activities=activities) as prof:
+    prof = profile(activities=activities)
+    with _quiet_stderr():  # the profiler's C++ side prints "USDT: ... profiler_start/stop" lines to fd 2
+        prof.start()
+    try:
         for name in ("tp", "tp_blocking"):
             if name not in steps:
                 continue
@@ -285,7 +290,24 @@ def _profile(steps: Dict[str, Callable[[], None]], cfg: BenchConfig, g: TPGroup,
                 with record_function(f"{MODE_LABELS[name]} #{i}"):
                     steps[name]()
                     sync(device)
+    finally:
+        with _quiet_stderr():
+            prof.stop()
     prof.export_chrome_trace(path)
     return os.path.abspath(path)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null for the block (C++ code writes there directly)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 

@@ -6,9 +6,10 @@ import datetime as _dt
 import os
 import platform
 import socket
+import math
 import statistics
 from dataclasses import asdict
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -16,9 +17,9 @@ from .._version import __version__
 from ..core.groups import TPGroup
 from .timing import Timing
 
-__all__ = ["SCHEMA", "summarize", "backend_name"]
+__all__ = ["SCHEMA", "summarize", "backend_name", "median_interval"]
 
-SCHEMA = "tplayers-bench/1"
+SCHEMA = "tplayers-bench/2"  # /2 added summary.overlap_saving_ci_ms, hidden_fraction_ci, within_noise
 
 
 def backend_name(g: TPGroup, device: torch.device) -> str:
@@ -28,6 +29,16 @@ def backend_name(g: TPGroup, device: torch.device) -> str:
     import torch.distributed as dist
 
     return str(dist.get_backend(g.process_group))
+
+
+def median_interval(values: List[float], z: float = 1.96) -> Tuple[float, float]:
+    """A distribution-free ~95% confidence interval for the median of ``values``: the order
+    statistics ``k`` and ``n - 1 - k`` with ``k = floor(n/2 - z*sqrt(n)/2)`` (the normal
+    approximation to Binomial(n, 1/2)); the whole range when n is too small for that."""
+    ordered = sorted(values)
+    n = len(ordered)
+    k = max(0, math.floor(n / 2 - z * math.sqrt(n) / 2))
+    return ordered[k], ordered[n - 1 - k]
 
 
 def _environment(tp: int, backend: str, cfg: Any) -> Dict[str, Any]:
@@ -53,17 +64,24 @@ def summarize(cfg: Any, tp: int, timings: Dict[str, Timing], skipped: Optional[D
 
     ``hidden_fraction``: of the backward collectives' own time (``comm_bwd``, median), the share
     the overlap saves, from the per-iteration paired difference (blocking - overlapped), median.
-    ``hidden_fraction_min``: the same from the minima (blocking min - overlapped min) / comm min.
-    Either can leave [0, 1] through noise: they are reported as measured, not clamped.
+    ``overlap_saving_ci_ms`` / ``hidden_fraction_ci``: a ~95% interval for that median
+    (`median_interval` over the paired differences); ``within_noise``: the interval holds 0, so
+    this run cannot tell overlap on from off. ``hidden_fraction_min``: the same from the minima
+    (blocking min - overlapped min) / comm min. They can leave [0, 1] through noise: reported as
+    measured, not clamped.
     """
     summary: Dict[str, Any] = {}
     t = timings
     if "tp" in t and "tp_blocking" in t:
         saved = [b - a for a, b in zip(t["tp"].times, t["tp_blocking"].times)]
         summary["overlap_saving_ms"] = 1e3 * statistics.median(saved)
+        lo, hi = median_interval(saved)
+        summary["overlap_saving_ci_ms"] = [1e3 * lo, 1e3 * hi]
+        summary["within_noise"] = lo <= 0.0 <= hi
         if "comm_bwd" in t and tp > 1 and t["comm_bwd"].median_ms > 0:
             summary["comm_bwd_ms"] = t["comm_bwd"].median_ms
             summary["hidden_fraction"] = summary["overlap_saving_ms"] / t["comm_bwd"].median_ms
+            summary["hidden_fraction_ci"] = [1e3 * lo / t["comm_bwd"].median_ms, 1e3 * hi / t["comm_bwd"].median_ms]
             # the same from the best iterations (least disturbed by other load)
             summary["hidden_fraction_min"] = (t["tp_blocking"].min_ms - t["tp"].min_ms) / max(t["comm_bwd"].min_ms, 1e-9)
         else:

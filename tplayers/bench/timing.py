@@ -15,7 +15,7 @@ import torch.nn as nn
 from ..core.comm import all_gather_tensor, barrier
 from ..core.groups import GroupLike, collective_device, resolve_group
 
-__all__ = ["Timing", "barrier", "time_steps", "fwd_bwd_step", "leaf", "sync"]
+__all__ = ["Timing", "Progress", "barrier", "time_steps", "fwd_bwd_step", "leaf", "sync"]
 
 
 @dataclass
@@ -46,14 +46,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Progress:
-    """A one-line progress bar on stderr (rank 0 only)."""
+class Progress:
+    """A one-line progress bar on stderr (enabled on one rank only)."""
 
     def __init__(self, total: int, label: str, enabled: bool) -> None:
         self.total, self.label, self.enabled, self.done = total, label, enabled, 0
         self.start = time.perf_counter()
 
-    def step(self, n: int = 1) -> None:
+    def step(self, n: int = 1, note: str = "") -> None:
         if not self.enabled:
             return
         self.done += n
@@ -61,7 +61,8 @@ class _Progress:
         bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
         elapsed = time.perf_counter() - self.start
         eta = elapsed / frac - elapsed if frac > 0 else 0.0
-        sys.stderr.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s eta {eta:5.1f}s")
+        note = f"  {note[:40]:<40}" if note else ""
+        sys.stderr.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s eta {eta:5.1f}s{note}")
         if self.done >= self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -88,7 +89,7 @@ def time_steps(
             steps[name]()
         sync(device)
     local = torch.zeros(len(names), iters, dtype=torch.float64)
-    bar = _Progress(iters, label, progress and g.rank == 0)
+    bar = Progress(iters, label, progress and g.rank == 0)
     for i in range(iters):
         for k in range(len(names)):
             j = (i + k) % len(names)  # rotate the order: no mode always follows the same one

@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=_positive_seconds, default=600.0,
                        help="seconds before a hung run is abandoned (default 600)")
         p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs, the same on every rank (default 0)")
+        prog = p.add_mutually_exclusive_group()
+        prog.add_argument("--progress", dest="progress", action="store_true", default=None,
+                          help="show a progress bar on stderr (default: when stderr is a terminal)")
+        prog.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
 
     v = sub.add_parser("verify", help="check every TP module against its dense reference",
                        description="Check every TP module against its dense reference (outputs, input and "
@@ -121,9 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--save", metavar="PATH", help="also write the JSON report to PATH")
     b.add_argument("--plot", metavar="PNG", help="bar chart of the timings (needs matplotlib: tplayers[plot])")
     b.add_argument("--trace", metavar="DIR", help="write a torch.profiler trace per rank showing the overlap")
-    prog = b.add_mutually_exclusive_group()
-    prog.add_argument("--progress", dest="progress", action="store_true", default=None, help="show a progress bar")
-    prog.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
     return parser
 
 
@@ -140,7 +141,9 @@ def _verify(args: argparse.Namespace) -> int:
     if not checks:
         print(f"tplayers verify: no check matches {args.only}; see tplayers verify --list", file=sys.stderr)
         return 2
-    cfg = V.VerifyConfig(dtype=args.dtype, device=args.device, seed=args.seed, rtol=args.rtol, atol=args.atol)
+    progress = args.progress if args.progress is not None else (sys.stderr.isatty() and not args.json)
+    cfg = V.VerifyConfig(dtype=args.dtype, device=args.device, seed=args.seed, rtol=args.rtol, atol=args.atol,
+                         progress=progress)
     names = [c.name for c in checks]
     sizes = args.tp or [None]
     if under_torchrun() and len(sizes) > 1:

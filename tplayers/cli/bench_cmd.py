@@ -36,21 +36,33 @@ def format_report(report: Dict[str, Any]) -> str:
         lines.append(f"{MODE_LABELS.get(mode, mode):<40} {'skipped':>9}  ({why})")
     lines.append("")
     hidden = s.get("hidden_fraction")
+    noise = ""
+    if s.get("within_noise"):
+        noise = ("  WITHIN NOISE: the interval holds 0, this run cannot tell overlap on from off "
+                 "(more --iters, a quieter machine)")
     if hidden is not None:
+        lo, hi = s.get("hidden_fraction_ci", (math.nan, math.nan))
         lines.append(
             f"communication hidden by overlap: {100 * hidden:.0f}% of the backward collectives "
-            f"({s['comm_bwd_ms']:.3f} ms alone; overlap saves {s['overlap_saving_ms']:.3f} ms, "
-            "median of paired iterations)"
+            f"(95% interval {100 * lo:.0f}% .. {100 * hi:.0f}%; {s['comm_bwd_ms']:.3f} ms alone; overlap saves "
+            f"{s['overlap_saving_ms']:.3f} ms, median of paired iterations)"
         )
+        if noise:
+            lines.append(noise)
         if s.get("hidden_fraction_min") is not None:
             lines.append(f"  from the minima instead: {100 * s['hidden_fraction_min']:.0f}% "
                          f"(min off {t['tp_blocking']['min_ms']:.3f} - min on {t['tp']['min_ms']:.3f}) "
                          f"/ min comm {t['comm_bwd']['min_ms']:.3f} ms")
     elif "overlap_saving_ms" in s:
         why = "no collective at TP 1" if env["tp"] == 1 else "add the comm_bwd mode for the hidden fraction"
-        lines.append(f"overlap saves {s['overlap_saving_ms']:.3f} ms per iteration ({why})")
+        lo, hi = s.get("overlap_saving_ci_ms", (math.nan, math.nan))
+        lines.append(f"overlap saves {s['overlap_saving_ms']:.3f} ms per iteration (95% interval {lo:.3f} .. "
+                     f"{hi:.3f} ms; {why})")
+        if noise:
+            lines.append(noise)
     if "exposed_comm_ms" in s:
-        lines.append(f"exposed communication (TP overlapped - matmuls alone): {s['exposed_comm_ms']:.3f} ms")
+        lines.append(f"exposed communication (TP overlapped - matmuls alone, medians of the table): "
+                     f"{s['exposed_comm_ms']:.3f} ms")
     for other, label in (("dense", "dense torch.nn"), ("naive", "naive model parallel")):
         key = f"speedup_vs_{other}"
         if key in s:
@@ -78,7 +90,13 @@ def plot_report(report: Dict[str, Any], path: str) -> None:
     mins = [t[m]["min_ms"] for m in modes]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(modes) + 1.6))
     y = list(range(len(modes)))
-    ax.barh(y, med, color=["C0" if m.startswith("tp") else "C7" if m.startswith("comm") else "C2" for m in modes])
+    kinds = {"tp": ("C0", "TP forward+backward"), "comm": ("C7", "collectives alone"),
+             "other": ("C2", "references (matmuls alone, dense, naive)")}
+    kind = ["tp" if m.startswith("tp") else "comm" if m.startswith("comm") else "other" for m in modes]
+    ax.barh(y, med, color=[kinds[k][0] for k in kind])
+    for k, (color, label) in kinds.items():  # one legend entry per colour used
+        if k in kind:
+            ax.barh([0], [0], color=color, label=f"{label} (median)")
     ax.scatter(mins, y, color="k", marker="|", s=200, label="min", zorder=3)
     ax.set_yticks(y)
     ax.set_yticklabels(labels)

@@ -112,12 +112,13 @@ class _CrossEntropy(nn.Module):
 class _VocabParallelCrossEntropy(nn.Module):
     """vocab_parallel_cross_entropy on this rank's logits shard ``(b, s, V/p)``."""
 
-    def __init__(self, target: torch.Tensor, g: TPGroup, **options: Any) -> None:
+    def __init__(self, target: torch.Tensor, g: TPGroup, vocab_size: int, **options: Any) -> None:
         super().__init__()
-        self.target, self.g, self.options = target, g, options
+        self.target, self.g, self.vocab_size, self.options = target, g, vocab_size, options
 
     def forward(self, logits_shard: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits_shard, self.target, group=self.g, **self.options)
+        return vocab_parallel_cross_entropy(logits_shard, self.target, group=self.g, vocab_size=self.vocab_size,
+                                            **self.options)
 
 
 def _cross_entropy(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
@@ -127,7 +128,7 @@ def _cross_entropy(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport
     target = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
     if "ignore_index" in options:
         target[0, 0] = options["ignore_index"]
-    return _match(_VocabParallelCrossEntropy(target, g, **options), _CrossEntropy(target, **options), logits, g, cfg,
+    return _match(_VocabParallelCrossEntropy(target, g, vocab, **options), _CrossEntropy(target, **options), logits, g, cfg,
                   input_shard_dims=[-1])
 
 

@@ -30,6 +30,7 @@ class VerifyConfig:
     rtol: Optional[float] = None  # None: tplayers.testing.default_tolerance(dtype), see LOW_PRECISION
     atol: Optional[float] = None
     tol_scale: float = 1.0  # set per check by run_checks (Check.tol_scale)
+    progress: bool = False  # a progress bar on rank 0's stderr
 
     @property
     def torch_dtype(self) -> torch.dtype:

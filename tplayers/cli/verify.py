@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterable, List, Sequence
 
 import torch
 
+from ..bench.timing import Progress
 from ..core.comm import all_gather_tensor
 from ..core.groups import TPGroup, resolve_group
 from . import checks  # noqa: F401  (registers every check)
@@ -47,7 +48,9 @@ def run_checks(group: Any, names: Sequence[str], cfg: VerifyConfig) -> List[Chec
     by_name = {c.name: c for c in CHECKS}
     device = cfg.torch_device()
     results = []
+    bar = Progress(len(names), f"verify tp={g.size}", cfg.progress and g.rank == 0)
     for name in names:
+        bar.step(0, name)
         check = by_name[name]
         cfg = replace(cfg, tol_scale=check.tol_scale)
         rtol, atol = tolerance(cfg)  # what the check compares with (checks._match)
@@ -61,6 +64,7 @@ def run_checks(group: Any, names: Sequence[str], cfg: VerifyConfig) -> List[Chec
             if not message:
                 message = "failed on another rank"
         results.append(CheckResult(name, g.size, fwd, grad, not any_failed, message, rtol, atol))
+        bar.step(1, name)
     return results
 
 
