@@ -444,3 +444,26 @@ def test_docs_verify_sample_lists_every_check():
     rows = [line.split("  ")[0] for line in sample.splitlines() if line.endswith("PASS")]
     assert rows == [c.name for c in V.CHECKS]
     assert f"tplayers verify: {len(V.CHECKS)} checks," in sample and f"{len(V.CHECKS)}/{len(V.CHECKS)} checks passed" in sample
+
+
+def test_bench_emulated_link_json_keys(capsys):
+    rc = main(["bench", "--tp", "2", "--batch", "1", "--seq", "8", "--hidden", "8", "--ffn", "16", "--iters", "3",
+               "--warmup", "1", "--json", "--no-progress", "--link", "0.5/10"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["link"] == "0.5/10"  # the spec as given
+    assert report["link"] == {"spec": "0.5/10", "bandwidth_gbps": 0.5, "latency_us": 10.0, "emulated": True}
+    s = report["summary"]
+    for key in ("hidden_fraction", "forward_hidden_fraction", "exposed_comm_ms", "exposed_comm_fwd_ms",
+                "exposed_comm_bwd_ms", "exposed_comm_estimate_ms"):
+        assert isinstance(s[key], float), key
+    # Column -> GELU -> Row MLP without SP: one all-reduce forward (fc2), one backward (fc1), (1, 8, 8) float32
+    assert s["collectives_per_step"] == {"all_reduce/backward": 1, "all_reduce/forward": 1}
+    assert s["bytes_per_step"] == {"all_reduce/backward": 256, "all_reduce/forward": 256}
+    # 256 bytes at 0.5 GB/s on 2 ranks: 0.5 us of bandwidth + 2 x 10 us of latency per all-reduce, all blocked on
+    assert s["exposed_comm_fwd_ms"] >= 0.0205
+
+
+def test_bench_bad_link_is_a_usage_error(capsys):
+    assert main(["bench", "--link", "warp-drive"]) == 2
+    assert "link 'warp-drive': expected a preset (h100-nvlink, pcie5, ib-ndr)" in capsys.readouterr().err

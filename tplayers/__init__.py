@@ -28,6 +28,8 @@ from .models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBl
 from .models.gpt import ParallelGPT
 from .convert import Plan, parallelize
 from .layers import check_replicas, check_same_inputs, clip_grad_norm_, set_overlap_comm
+from .core.accounting import CommAccounting, CommRecord, EmulatedLink, comm_accounting, emulated_link
+from .core.link import LinkModel, parse_link
 from .convert.mesh2d import Mesh2D, make_2d_mesh
 from .io import state_dict as sharding
 from .io import load_checkpoint, load_dense, save_checkpoint, save_dense
@@ -75,6 +77,13 @@ __all__ = [
     "clip_grad_norm_",
     "check_replicas",
     "check_same_inputs",
+    "comm_accounting",
+    "CommAccounting",
+    "CommRecord",
+    "emulated_link",
+    "EmulatedLink",
+    "LinkModel",
+    "parse_link",
     "Plan",
     "save_checkpoint",
     "load_checkpoint",

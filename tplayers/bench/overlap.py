@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
 import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -23,10 +24,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.comm import all_gather_tensor, all_reduce_, broadcast_tensor, reduce_scatter_tensor
+from ..core.accounting import comm_accounting, emulated_link
+from ..core.comm import all_gather_tensor, all_reduce_, all_reduce_tensor, broadcast_tensor, reduce_scatter_tensor
+from ..core.link import LinkModel, matmul_tflops, parse_link
 from ..core.dtypes import DTYPES
 from ..core.functional import SEQ_DIM
-from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..core.groups import GroupLike, TPGroup, collective_device, resolve_group
 from ..layers import ColumnParallelLinear, RowParallelLinear, set_overlap_comm
 from ..models.blocks import ParallelTransformerBlock
 from ..models.dense import BlockConfig, DenseTransformerBlock
@@ -74,6 +77,8 @@ class BenchConfig:
     progress: bool = False
     trace_dir: Optional[str] = None
     trace_iters: int = 3
+    link: Optional[str] = None  # an emulated interconnect (tplayers.core.link spec), None: the real backend
+    accounting_iters: int = 10  # overlapped iterations run again under comm_accounting (exposed comm, counts)
 
     def __post_init__(self) -> None:
         if self.module not in _MODULES:
@@ -90,6 +95,8 @@ class BenchConfig:
             raise ValueError(f"bench: warmup={self.warmup} must be >= 0")
         if self.module == "block" and self.hidden % self.heads:
             raise ValueError(f"bench: hidden={self.hidden} is not divisible by heads={self.heads} (block)")
+        if self.link is not None:
+            parse_link(self.link, tflops=1.0)  # the spec's syntax, now (match: measures later, on the ranks)
 
     def check_tp(self, tp: int) -> None:
         """Clear errors for shapes the TP degree does not divide."""
@@ -263,12 +270,50 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
                 continue
             steps[mode] = _naive_step(dense, cfg, g, leaf(x_full), grad_full)
 
-    timings = time_steps(steps, group=g, iters=cfg.iters, warmup=cfg.warmup, device=device,
-                         progress=cfg.progress, label=f"bench {cfg.module} tp={g.size}")
-    report = summarize(cfg, g.size, timings, skipped, backend=backend_name(g, device))
+    link = _resolve_link(cfg.link, g)
+    with emulated_link(link) if link is not None else contextlib.nullcontext():
+        timings = time_steps(steps, group=g, iters=cfg.iters, warmup=cfg.warmup, device=device,
+                             progress=cfg.progress, label=f"bench {cfg.module} tp={g.size}")
+        measured = _account(steps.get("tp"), cfg, g, device)
+    report = summarize(cfg, g.size, timings, skipped, backend=backend_name(g, device), measured=measured,
+                       link=link)
     if cfg.trace_dir:
         report["trace"] = _profile(steps, cfg, g, device)
     return report
+
+
+def _resolve_link(spec: Optional[str], g: TPGroup) -> Optional[LinkModel]:
+    """The link model every rank uses: for ``match:`` the SLOWEST rank's matmul throughput."""
+    if spec is None:
+        return None
+    tflops = None
+    if spec.strip().startswith("match:"):
+        local = torch.tensor([-matmul_tflops()], dtype=torch.float64)
+        tflops = -float(all_reduce_tensor(local.to(collective_device(g.process_group)), group=g, op="max"))
+    return parse_link(spec, tflops=tflops)
+
+
+def _account(step: Optional[Callable[[], None]], cfg: BenchConfig, g: TPGroup,
+             device: torch.device) -> Optional[Dict[str, Any]]:
+    """Run the overlapped step ``cfg.accounting_iters`` more times under comm_accounting: the
+    exposed (blocked) communication per step, measured, and the collectives of one step."""
+    if step is None or cfg.accounting_iters < 1 or g.size == 1:
+        return None
+    per_step, fwd, bwd = [], [], []
+    for _ in range(cfg.accounting_iters):
+        barrier(g)
+        with comm_accounting() as acct:
+            step()
+            sync(device)
+        per_step.append(acct.exposed_ms())
+        fwd.append(acct.exposed_ms("forward"))
+        bwd.append(acct.exposed_ms("backward"))
+    # the slowest rank's median, as for the timings
+    local = torch.tensor([statistics.median(per_step), statistics.median(fwd), statistics.median(bwd)],
+                         dtype=torch.float64)
+    worst = all_reduce_tensor(local.to(collective_device(g.process_group)), group=g, op="max").cpu().tolist()
+    return {"exposed_comm_ms": worst[0], "exposed_comm_fwd_ms": worst[1], "exposed_comm_bwd_ms": worst[2],
+            "collectives_per_step": acct.summary()["counts"], "bytes_per_step": acct.summary()["bytes"]}
 
 
 def _profile(steps: Dict[str, Callable[[], None]], cfg: BenchConfig, g: TPGroup, device: torch.device) -> str:

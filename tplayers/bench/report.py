@@ -19,7 +19,8 @@ from .timing import Timing
 
 __all__ = ["SCHEMA", "summarize", "backend_name", "median_interval"]
 
-SCHEMA = "tplayers-bench/2"  # /2 added summary.overlap_saving_ci_ms, hidden_fraction_ci, within_noise
+SCHEMA = "tplayers-bench/2"  # /2: summary.overlap_saving_ci_ms, hidden_fraction_ci, within_noise; config.link and
+# "link"; summary.exposed_comm_ms now MEASURED (accounting), the old estimate is exposed_comm_estimate_ms
 
 
 def backend_name(g: TPGroup, device: torch.device) -> str:
@@ -59,7 +60,7 @@ def _environment(tp: int, backend: str, cfg: Any) -> Dict[str, Any]:
 
 
 def summarize(cfg: Any, tp: int, timings: Dict[str, Timing], skipped: Optional[Dict[str, str]] = None,
-              backend: str = "gloo") -> Dict[str, Any]:
+              backend: str = "gloo", measured: Optional[Dict[str, Any]] = None, link: Any = None) -> Dict[str, Any]:
     """The JSON report: config, environment, per-mode min/median, and the derived overlap figures.
 
     ``hidden_fraction``: of the backward collectives' own time (``comm_bwd``, median), the share
@@ -68,7 +69,11 @@ def summarize(cfg: Any, tp: int, timings: Dict[str, Timing], skipped: Optional[D
     (`median_interval` over the paired differences); ``within_noise``: the interval holds 0, so
     this run cannot tell overlap on from off. ``hidden_fraction_min``: the same from the minima
     (blocking min - overlapped min) / comm min. They can leave [0, 1] through noise: reported as
-    measured, not clamped.
+    measured, not clamped. ``exposed_comm_ms``: the time callers were blocked on collectives per
+    overlapped step, measured by comm accounting (slowest rank, median; also ``_fwd_ms`` /
+    ``_bwd_ms``), beside ``exposed_comm_estimate_ms`` = overlapped - matmuls alone (medians).
+    ``forward_hidden_fraction``: the forward collectives' share not blocked on (the forward has no
+    overlap yet, so about 0).
     """
     summary: Dict[str, Any] = {}
     t = timings
@@ -87,7 +92,13 @@ def summarize(cfg: Any, tp: int, timings: Dict[str, Timing], skipped: Optional[D
         else:
             summary["hidden_fraction"] = None
     if "tp" in t and "compute" in t:
-        summary["exposed_comm_ms"] = t["tp"].median_ms - t["compute"].median_ms
+        summary["exposed_comm_estimate_ms"] = t["tp"].median_ms - t["compute"].median_ms
+    if measured is not None:
+        summary.update(measured)
+        if "comm" in t and "comm_bwd" in t:
+            comm_fwd = t["comm"].median_ms - t["comm_bwd"].median_ms
+            if comm_fwd > 0:
+                summary["forward_hidden_fraction"] = 1.0 - measured["exposed_comm_fwd_ms"] / comm_fwd
     for other in ("dense", "naive"):
         if "tp" in t and other in t:
             summary[f"speedup_vs_{other}"] = t[other].median_ms / t["tp"].median_ms
@@ -95,6 +106,8 @@ def summarize(cfg: Any, tp: int, timings: Dict[str, Timing], skipped: Optional[D
         "schema": SCHEMA,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()
                    if k not in ("progress", "trace_dir", "trace_iters")},
+        "link": None if link is None else {"spec": link.spec, "bandwidth_gbps": link.bandwidth_gbps,
+                                           "latency_us": link.latency_us, "emulated": True},
         "environment": _environment(tp, backend, cfg),
         "timings": {name: timing.as_dict() for name, timing in t.items()},
         "skipped": dict(skipped or {}),

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=5, help="untimed iterations per mode first (default 5)")
     b.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     common(b, "float32")
+    b.add_argument("--link", metavar="SPEC", default=None,
+                   help="emulate an interconnect: h100-nvlink | pcie5 | ib-ndr | GBPS[/LATENCY_US] | match:PRESET "
+                        "(collectives still move the real data; each completes no earlier than its alpha-beta time)")
     b.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     b.add_argument("--save", metavar="PATH", help="also write the JSON report to PATH")
     b.add_argument("--plot", metavar="PNG", help="bar chart of the timings (needs matplotlib: tplayers[plot])")
@@ -211,7 +214,8 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         cfg = BenchConfig(module=args.module, heads=args.heads, dtype=args.dtype, device=args.device,
                           sequence_parallel=args.sequence_parallel, iters=args.iters, warmup=args.warmup,
-                          modes=modes, seed=args.seed, progress=progress, trace_dir=args.trace, **shape)
+                          modes=modes, seed=args.seed, progress=progress, trace_dir=args.trace, link=args.link,
+                          **shape)
         cfg.check_tp(args.tp or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2))
     except ValueError as e:
         print(f"tplayers {e}", file=sys.stderr)

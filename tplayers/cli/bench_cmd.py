@@ -21,9 +21,12 @@ def format_report(report: Dict[str, Any]) -> str:
         shape += f" heads={c['heads']}"
     sp = " sequence-parallel" if c["sequence_parallel"] else ""
     load = env.get("load_average_1m")
+    link = report.get("link")
+    wire = "" if link is None else (f"  EMULATED link {link['spec']} ({link['bandwidth_gbps']:.4g} GB/s, "
+                                    f"{link['latency_us']:.3g} us/step)")
     lines = [
         f"tplayers bench: {c['module']}{sp}  {shape}  tp={env['tp']}  {c['dtype']}  "
-        f"{env['device']}/{env['backend']}  threads/rank={env['threads_per_rank']}",
+        f"{env['device']}/{env['backend']}  threads/rank={env['threads_per_rank']}{wire}",
         f"{c['iters']} iterations (+{c['warmup']} warm-up) per mode, interleaved; "
         "time = slowest rank of each iteration" + ("" if load is None else f"; load average {load:.1f}"),
         "",
@@ -61,8 +64,12 @@ def format_report(report: Dict[str, Any]) -> str:
         if noise:
             lines.append(noise)
     if "exposed_comm_ms" in s:
-        lines.append(f"exposed communication (TP overlapped - matmuls alone, medians of the table): "
-                     f"{s['exposed_comm_ms']:.3f} ms")
+        lines.append(f"exposed communication, measured (callers blocked on collectives, per overlapped step): "
+                     f"{s['exposed_comm_ms']:.3f} ms (forward {s['exposed_comm_fwd_ms']:.3f}, backward "
+                     f"{s['exposed_comm_bwd_ms']:.3f})")
+    if "exposed_comm_estimate_ms" in s:
+        lines.append(f"exposed communication, estimated (TP overlapped - matmuls alone, medians of the table): "
+                     f"{s['exposed_comm_estimate_ms']:.3f} ms")
     for other, label in (("dense", "dense torch.nn"), ("naive", "naive model parallel")):
         key = f"speedup_vs_{other}"
         if key in s:

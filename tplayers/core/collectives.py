@@ -7,11 +7,13 @@ it; the public helpers copy (``all_reduce_`` is the one explicit in-place except
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import time
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from . import accounting
 from .groups import GroupLike, TPGroup, collective_device, resolve_group
 from .placement import Placement
 
@@ -26,19 +28,37 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 class Pending:
     """A collective in flight. ``wait()`` blocks until it is done and returns its result."""
 
-    __slots__ = ("_work", "_finish", "_result")
+    __slots__ = ("_work", "_finish", "_result", "_record")
 
-    def __init__(self, work: Optional[object], finish: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, work: Optional[object], finish: Callable[[], torch.Tensor],
+                 record: Optional[accounting.CommRecord] = None) -> None:
         self._work = work
         self._finish = finish
         self._result: Optional[torch.Tensor] = None
+        self._record = record  # set only under comm_accounting / emulated_link
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
+            started = time.perf_counter() if self._record is not None else 0.0
             if self._work is not None:
                 self._work.wait()
+            if self._record is not None and self._work is not None:
+                accounting.finished(self._record, started)
             self._result = self._finish()
         return self._result
+
+
+def _launch(op: str, nbytes: int, g: TPGroup, call: Callable[[], Any]) -> "tuple[Any, Optional[accounting.CommRecord]]":
+    """Run the ``dist`` call; under accounting / an emulated link, also record it (and for a blocking
+    call, which returns no work, account its whole duration and sleep out the modeled rest now)."""
+    if not accounting.active():
+        return call(), None
+    t0 = time.perf_counter()
+    work = call()
+    record = accounting.launched(op, nbytes, g.process_group, g.size, t0)
+    if work is None:
+        accounting.finished(record, t0)
+    return work, record
 
 
 def _done(t: torch.Tensor) -> Pending:
@@ -59,8 +79,9 @@ def _all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: st
     if g.size == 1:
         return _done(buf)
     assert buf.is_contiguous(), "all-reduce needs an owned contiguous buffer"
-    work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op)
-    return Pending(work, lambda: buf)
+    work, record = _launch("all_reduce", buf.numel() * buf.element_size(), g, lambda: dist.all_reduce(
+        buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op))
+    return Pending(work, lambda: buf, record)
 
 
 def _all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False) -> Pending:
@@ -70,9 +91,10 @@ def _all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False
     dim = dim % x.dim()
     src = x.contiguous()
     out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    work = _all_gather_single(out, src, group=g.process_group, async_op=async_op)
+    work, record = _launch("all_gather", out.numel() * out.element_size(), g,
+                           lambda: _all_gather_single(out, src, group=g.process_group, async_op=async_op))
     if dim == 0:
-        return Pending(work, lambda: out)
+        return Pending(work, lambda: out, record)
 
     def finish() -> torch.Tensor:
         # (p*d0, ...) -> (p, d0, ..., d_dim, ...) -> (d0, ..., p, d_dim, ...) -> merge p into dim
@@ -81,7 +103,7 @@ def _all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False
         shape[dim] *= g.size
         return parts.reshape(shape)
 
-    return Pending(work, finish)
+    return Pending(work, finish, record)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False) -> Pending:
@@ -98,15 +120,18 @@ def _reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = F
         src = x.reshape(shape).movedim(dim, 0).contiguous()
     out_shape = list(x.shape)
     out_shape[dim] //= g.size
+    nbytes = src.numel() * src.element_size()
     if dim == 0:
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-        work = _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op)
-        return Pending(work, lambda: out)
+        work, record = _launch("reduce_scatter", nbytes, g,
+                               lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op))
+        return Pending(work, lambda: out, record)
     chunk_shape = list(src.shape[1:])
     src = src.reshape([g.size * chunk_shape[0]] + chunk_shape[1:])  # the collective splits dim 0
     out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
-    work = _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op)
-    return Pending(work, lambda: out.reshape(out_shape))
+    work, record = _launch("reduce_scatter", nbytes, g,
+                           lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op))
+    return Pending(work, lambda: out.reshape(out_shape), record)
 
 
 def _split(x: torch.Tensor, dim: int, g: TPGroup) -> torch.Tensor:
@@ -172,7 +197,7 @@ def broadcast_tensor(x: torch.Tensor, src_rank: int, *, group: GroupLike) -> tor
             return x.detach()
         buf = _owned_copy(x.detach())
         src = dist.get_global_rank(g.process_group, src_rank) if g.process_group is not None else src_rank
-        dist.broadcast(buf, src=src, group=g.process_group)
+        _launch("broadcast", buf.numel() * buf.element_size(), g, lambda: dist.broadcast(buf, src=src, group=g.process_group))
         return buf
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -114,25 +115,32 @@ def _release_groups_at_exit() -> None:
 
 
 def _destroy_gloo_groups() -> None:
-    """atexit: destroy a gloo world the script left alive, then collect garbage.
+    """atexit: destroy a gloo world the script left alive, collect garbage, and give gloo's worker
+    threads a moment to let go of their last collectives.
 
     Why: ProcessGroupGloo's worker threads stop only when the C++ process group is destroyed, and
     a worker drops its reference to the last finished collective a moment after ``wait()``
     returns. When that happens during interpreter finalization (the group still referenced by
-    torch.distributed's tables, or by a TP layer caught in a reference cycle that only the
+    torch.distributed's tables, by a module-level model, or by a reference cycle only the
     finalizing gc frees), releasing the collective's tensors needs the GIL, the finalizing
     interpreter ends the worker thread instead, and the process aborts ("terminate called without
-    an active exception", exit 134; seen in about 1 of 6 two-rank runs that end without
-    ``destroy_process_group``, core dump: ``~AsyncAllgatherWork -> decref_pyobject -> take_gil ->
-    pthread_exit``). Destroying the groups and collecting here, while the interpreter is whole,
-    joins the workers first. Only a gloo default group is destroyed (destroying NCCL communicators
-    at exit can block on peers); a script that destroys its groups itself loses nothing.
+    an active exception", exit 134; core dump: ``~AsyncAllgatherWork -> decref_pyobject ->
+    take_gil -> pthread_exit``). Here, while the interpreter is whole: a gloo default group still
+    alive is destroyed (its workers joined once nothing else holds it; destroying NCCL
+    communicators at exit can block on peers, so those are left alone), cycles are collected,
+    and a 0.1 s sleep (the GIL released) lets a worker still holding a finished collective release
+    it. A group kept alive by a module-level object past this point can still, very rarely, hit
+    the race: keep models inside a function (``main()``) and call ``destroy_process_group``.
     """
     try:
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
     finally:
         gc.collect()
+        time.sleep(_EXIT_GRACE_S)
+
+
+_EXIT_GRACE_S = 0.1
 
 
 def resolve_group(group: GroupLike) -> TPGroup:

@@ -1,0 +1,106 @@
+"""Comm accounting counts every collective a block issues (the textbook figures) and the emulated
+link makes each complete no earlier than its alpha-beta time, results unchanged."""
+import time
+
+import pytest
+import torch
+
+import tplayers
+from tplayers.core.collectives import _all_reduce, all_reduce_tensor
+from tplayers.dense import DenseTransformerBlock
+from tplayers.testing import get_world
+
+B, S, H = 2, 8, 16  # b * s * h = 256 elements per activation
+
+
+def _block_records(group, sp):
+    g = tplayers.resolve_group(group)
+    torch.manual_seed(0)
+    dense = DenseTransformerBlock(tplayers.BlockConfig(hidden=H, n_heads=4, ffn_hidden=2 * H)).double()
+    block = tplayers.ParallelTransformerBlock.from_dense(dense, group=group, sequence_parallel=sp)
+    x = torch.randn(B, S, H, dtype=torch.float64)
+    x = (g.shard(x, 1) if sp else x).requires_grad_(True)
+    with tplayers.comm_accounting(block) as acct:
+        block(x).sum().backward()
+    block(x)  # outside the context: not recorded
+    return [(r.op, r.phase, r.nbytes, r.module, r.group_size) for r in acct.records], acct.summary()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_block_without_sequence_parallelism_two_all_reduces_forward_and_two_backward(tp):
+    records, summary = get_world(tp).run(_block_records, False)[0]
+    act = B * S * H * 8  # float64 bytes of one (b, s, h) activation
+    assert [(op, phase, n) for op, phase, n, _, _ in records] == [
+        ("all_reduce", "forward", act), ("all_reduce", "forward", act),     # attention out-proj, fc2 (row)
+        ("all_reduce", "backward", act), ("all_reduce", "backward", act)]   # fc1, qkv input gradients (column)
+    assert [m for _, _, _, m, _ in records[:2]] == ["attn.proj", "mlp.fc2"]
+    assert {p for *_, p in records} == {tp}
+    assert summary["counts"] == {"all_reduce/backward": 2, "all_reduce/forward": 2}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_block_with_sequence_parallelism_same_volume_in_gathers_and_scatters(tp):
+    records, _ = get_world(tp).run(_block_records, True)[0]
+    act = B * S * H * 8
+    fwd = [(op, n, m) for op, phase, n, m, _ in records if phase == "forward"]
+    assert fwd == [("all_gather", act, "attn.qkv"), ("reduce_scatter", act, "attn.proj"),
+                   ("all_gather", act, "mlp.fc1"), ("reduce_scatter", act, "mlp.fc2")]
+    bwd = [(op, n) for op, phase, n, _, _ in records if phase == "backward"]
+    big = sorted(op for op, n in bwd if n == act)
+    # per row layer: all-gather of the output gradient; per column layer: its input re-gathered for the
+    # weight gradient and the input gradient reduce-scattered
+    assert big == ["all_gather"] * 4 + ["reduce_scatter"] * 2
+    # the norms' replicated weights and biases see only s/p tokens: their gradients are all-reduced (h each)
+    assert sorted((op, n) for op, n in bwd if n != act) == [("all_reduce", H * 8)] * 4
+    # the same wire volume as without SP: a ring all-reduce = a reduce-scatter + an all-gather
+    assert sum(n for op, n, _ in fwd) == 2 * (2 * act)
+
+
+def test_link_model_formulas():
+    link = tplayers.LinkModel(bandwidth_gbps=2.0, latency_us=10.0)
+    n, p = 4_000_000, 4  # 4 MB over 4 ranks at 2 GB/s
+    assert link.seconds("all_reduce", n, p) == pytest.approx(2 * 3 / 4 * n / 2e9 + 2 * 3 * 10e-6)
+    assert link.seconds("all_gather", n, p) == pytest.approx(3 / 4 * n / 2e9 + 3 * 10e-6)
+    assert link.seconds("reduce_scatter", n, p) == link.seconds("all_gather", n, p)
+    assert link.seconds("broadcast", n, p) == pytest.approx(n / 2e9 + 10e-6)
+    assert link.seconds("all_reduce", n, 1) == 0.0
+    with pytest.raises(ValueError, match="no model for collective 'alltoall'"):
+        link.seconds("alltoall", n, p)
+
+
+def test_parse_link_specs():
+    assert tplayers.parse_link("h100-nvlink") == tplayers.core.link.PRESETS["h100-nvlink"]
+    assert tplayers.parse_link("0.05/20") == tplayers.LinkModel(0.05, 20.0, "0.05/20")
+    assert tplayers.parse_link("3").latency_us == 0.0
+    matched = tplayers.parse_link("match:h100-nvlink", tflops=0.989)  # a machine 1000x slower than an H100
+    assert matched.bandwidth_gbps == pytest.approx(0.45) and matched.spec == "match:h100-nvlink"
+    for bad, message in [("fast", "expected a preset"), ("1/2/3", "expected a preset"), ("-1", "bandwidth must be"),
+                         ("1/-5", "latency must be"), ("match:warp", "match: needs a preset")]:
+        with pytest.raises(ValueError, match=message):
+            tplayers.parse_link(bad)
+
+
+def _emulated(group):
+    g = tplayers.resolve_group(group)
+    x = torch.arange(10_000, dtype=torch.float64) * (g.rank + 1)  # 80 kB
+    plain = all_reduce_tensor(x, group=group)
+    link = tplayers.LinkModel(0.01, 1000.0)  # 10 MB/s, 1 ms per step
+    modeled = link.seconds("all_reduce", x.numel() * 8, g.size)
+    with tplayers.emulated_link(link), tplayers.comm_accounting() as acct:
+        t0 = time.perf_counter()
+        emulated = all_reduce_tensor(x, group=group)
+        one = time.perf_counter() - t0
+        # two async collectives on one link run one after the other
+        t0 = time.perf_counter()
+        first, second = _all_reduce(x.clone(), g, async_op=True), _all_reduce(x.clone(), g, async_op=True)
+        first.wait(), second.wait()
+        two = time.perf_counter() - t0
+    after = all_reduce_tensor(x, group=group)
+    return torch.equal(plain, emulated) and torch.equal(plain, after), one, two, modeled, len(acct.records)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_emulated_collectives_take_their_modeled_time_and_stay_exact(tp):
+    for same, one, two, modeled, n in get_world(tp).run(_emulated):
+        assert same and n == 3
+        assert one >= modeled and two >= 2 * modeled  # lower bounds: sleeps, never flaky
