@@ -467,3 +467,37 @@ def test_bench_emulated_link_json_keys(capsys):
 def test_bench_bad_link_is_a_usage_error(capsys):
     assert main(["bench", "--link", "warp-drive"]) == 2
     assert "link 'warp-drive': expected a preset (h100-nvlink, pcie5, ib-ndr)" in capsys.readouterr().err
+
+
+def _simulated(capsys, tp):
+    rc = main(["bench", "--simulate", "--tp", str(tp), "--module", "block", "--batch", "2", "--seq", "16",
+               "--hidden", "32", "--ffn", "64", "--heads", "8", "--iters", "2", "--warmup", "1", "--json",
+               "--no-progress", "--link", "1/5"])
+    assert rc == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_simulate_any_tp_size_in_one_process(capsys):
+    """--simulate: one rank of TP 1, 2 or 8 on a fake process group, collectives timed by the link."""
+    reports = {tp: _simulated(capsys, tp) for tp in (1, 2, 8)}
+    for tp, report in reports.items():
+        assert report["simulation"]["tp"] == tp and report["environment"]["backend"] == "fake (simulated)"
+        assert report["config"]["link"] == "1/5" and report["summary"]["step_ms"] > 0
+        assert "dense" not in report["timings"] and "naive" not in report["timings"]
+    act = 2 * 16 * 32 * 4  # one (b, s, h) float32 activation
+    for tp in (2, 8):  # the block's textbook collectives, whatever the TP size
+        s = reports[tp]["summary"]
+        assert s["collectives_per_step"] == {"all_reduce/backward": 2, "all_reduce/forward": 2}
+        assert s["bytes_per_step"] == {"all_reduce/backward": 2 * act, "all_reduce/forward": 2 * act}
+        # each all-reduce blocks at least its latency term 2 (p-1) x 5 us in forward (no overlap there)
+        assert s["exposed_comm_fwd_ms"] >= 2 * 2 * (tp - 1) * 5e-3
+    params = [reports[tp]["simulation"]["param_bytes"] for tp in (1, 2, 8)]
+    assert params[0] > params[1] > params[2]  # sharded weights shrink with TP; norms stay replicated
+    assert "collectives_per_step" not in reports[1]["summary"]  # TP 1: no collectives at all
+
+
+def test_bench_simulate_needs_no_launcher_and_refuses_bad_input(capsys):
+    assert main(["bench", "--simulate", "--tp", "3", "--iters", "1"]) == 2  # ffn 256 does not split in 3
+    assert "not divisible by the TP degree 3" in capsys.readouterr().err
+    assert main(["bench", "--shape", "llama3-8b", "--module", "mlp"]) == 2
+    assert "--shape llama3-8b is a transformer layer" in capsys.readouterr().err

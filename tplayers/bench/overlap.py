@@ -56,6 +56,15 @@ SHAPES: Dict[str, Dict[str, int]] = {
     "comm-heavy": dict(batch=8, seq=1024, hidden=64, ffn=256),
 }
 
+# One real model layer (implies --module block): Llama-3 8B / 70B (hidden, ffn, heads, KV heads from
+# their published configs); few tokens, so one rank's compute fits this machine.
+LAYER_SHAPES: Dict[str, Dict[str, Any]] = {
+    "llama3-8b": dict(batch=1, seq=128, hidden=4096, ffn=14336, heads=32, kv_heads=8, activation="swiglu",
+                      norm="rmsnorm"),
+    "llama3-70b": dict(batch=1, seq=64, hidden=8192, ffn=28672, heads=64, kv_heads=8, activation="swiglu",
+                       norm="rmsnorm"),
+}
+
 @dataclass(frozen=True)
 class BenchConfig:
     """One benchmark: module, shape ``[batch, seq, hidden]`` (ffn for the MLP and the block; heads
@@ -67,6 +76,9 @@ class BenchConfig:
     hidden: int = 64
     ffn: int = 256
     heads: int = 4  # attention heads of the block (MHA, head_dim = hidden / heads)
+    kv_heads: Optional[int] = None  # block: grouped-query attention (None: = heads)
+    activation: str = "gelu"  # block: "gelu" | "swiglu"
+    norm: str = "layernorm"  # block: "layernorm" | "rmsnorm"
     dtype: str = "float32"
     device: str = "cpu"
     sequence_parallel: bool = False
@@ -123,7 +135,16 @@ def _linear_shard(lin: nn.Linear, dim: int, g: TPGroup) -> nn.Linear:
 
 
 def _block_config(cfg: BenchConfig) -> BlockConfig:
-    return BlockConfig(hidden=cfg.hidden, n_heads=cfg.heads, ffn_hidden=cfg.ffn)
+    return BlockConfig(hidden=cfg.hidden, n_heads=cfg.heads, ffn_hidden=cfg.ffn, n_kv_heads=cfg.kv_heads,
+                       activation=cfg.activation, norm=cfg.norm)
+
+
+def _local_block_config(cfg: BenchConfig, p: int) -> BlockConfig:
+    """One rank's shard of the block as a plain block: its heads, KV heads (one, replicated, when
+    there are fewer KV heads than ranks) and ffn slice."""
+    kv = cfg.kv_heads or cfg.heads
+    return replace(_block_config(cfg), n_heads=cfg.heads // p, n_kv_heads=max(1, kv // p), ffn_hidden=cfg.ffn // p,
+                   head_dim=cfg.hidden // cfg.heads)
 
 
 @dataclass(frozen=True)
@@ -163,9 +184,8 @@ _MODULES: Dict[str, _Module] = {
     "block": _Module(
         dense=lambda c: DenseTransformerBlock(_block_config(c)),
         tp=lambda d, g, sp: ParallelTransformerBlock.from_dense(d, group=g, sequence_parallel=sp),
-        local=lambda d, c, g: DenseTransformerBlock(replace(
-            _block_config(c), n_heads=c.heads // g.size, ffn_hidden=c.ffn // g.size,
-            head_dim=c.hidden // c.heads)).to(d.attn.qkv.weight.device, d.attn.qkv.weight.dtype),
+        local=lambda d, c, g: DenseTransformerBlock(_local_block_config(c, g.size)).to(
+            d.attn.qkv.weight.device, d.attn.qkv.weight.dtype),
         pairs=2, has_row=True),
 }
 

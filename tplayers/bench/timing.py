@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ..core.comm import all_gather_tensor, barrier
-from ..core.groups import GroupLike, collective_device, resolve_group
+from ..core.groups import GroupLike, collective_device, is_fake, resolve_group
 
 __all__ = ["Timing", "Progress", "barrier", "time_steps", "fwd_bwd_step", "leaf", "sync"]
 
@@ -100,7 +100,7 @@ def time_steps(
             sync(device)
             local[j, i] = time.perf_counter() - t0
         bar.step()
-    if g.size > 1:
+    if g.size > 1 and not is_fake(g.process_group):  # (simulated: one rank, nothing to gather)
         dev = collective_device(g.process_group)
         slowest = all_gather_tensor(local.to(dev)[None], 0, group=g).amax(0).cpu()  # (modes, iters)
     else:

@@ -101,17 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--atol", type=float, default=None, help="override the dtype's default atol")
     v.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
-    from ..bench.overlap import MODES, SHAPES
+    from ..bench.overlap import LAYER_SHAPES, MODES, SHAPES
 
     b = sub.add_parser("bench", help="comm-overlap microbenchmark",
                        description="Time forward+backward of a TP module with the overlapped backward and with "
                                    "blocking collectives, the collectives alone, the matmuls alone, dense torch.nn "
                                    "and naive model parallelism; report the share of communication hidden.")
-    b.add_argument("--module", choices=["mlp", "column", "block"], default="mlp",
+    b.add_argument("--module", choices=["mlp", "column", "block"], default=None,
                    help="mlp: Column -> GELU -> Row (default); column: one ColumnParallelLinear; "
                         "block: one ParallelTransformerBlock (attention + MLP)")
-    b.add_argument("--shape", choices=sorted(SHAPES), default="comm-heavy",
-                   help="named shape: " + "; ".join(f"{k}: {v}" for k, v in SHAPES.items()) + " (default comm-heavy)")
+    b.add_argument("--shape", choices=sorted(SHAPES) + sorted(LAYER_SHAPES), default="comm-heavy",
+                   help="named shape: " + "; ".join(f"{k}: {v}" for k, v in SHAPES.items()) + " (default comm-heavy); "
+                        "or one real layer (a block): " + ", ".join(LAYER_SHAPES))
     for dim in ("batch", "seq", "hidden", "ffn"):
         b.add_argument(f"--{dim}", type=_positive, default=None, help=f"override the shape's {dim}")
     b.add_argument("--heads", type=_positive, default=4, help="attention heads of --module block (default 4)")
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--link", metavar="SPEC", default=None,
                    help="emulate an interconnect: h100-nvlink | pcie5 | ib-ndr | GBPS[/LATENCY_US] | match:PRESET "
                         "(collectives still move the real data; each completes no earlier than its alpha-beta time)")
+    b.add_argument("--simulate", action="store_true",
+                   help="one rank of TP --tp (default 8) in this process: real compute, collectives timed by "
+                        "--link (default match:h100-nvlink); any TP size on one machine")
     b.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     b.add_argument("--save", metavar="PATH", help="also write the JSON report to PATH")
     b.add_argument("--plot", metavar="PNG", help="bar chart of the timings (needs matplotlib: tplayers[plot])")
@@ -200,10 +204,15 @@ def _merge_over_world(results: list, device: str) -> list:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ..bench.overlap import SHAPES, BenchConfig, run_overlap_bench
+    from ..bench.overlap import LAYER_SHAPES, SHAPES, BenchConfig, run_overlap_bench
     from .bench_cmd import format_report, plot_report
 
-    shape = dict(SHAPES[args.shape])
+    shape = dict(SHAPES.get(args.shape) or LAYER_SHAPES[args.shape])
+    module = args.module or ("block" if args.shape in LAYER_SHAPES else "mlp")
+    if args.shape in LAYER_SHAPES and module != "block":
+        print(f"tplayers bench: --shape {args.shape} is a transformer layer: use --module block (or leave it out)",
+              file=sys.stderr)
+        return 2
     for dim in ("batch", "seq", "hidden", "ffn"):
         if getattr(args, dim) is not None:
             shape[dim] = getattr(args, dim)
@@ -211,17 +220,29 @@ def _bench(args: argparse.Namespace) -> int:
         shape["ffn"] = 4 * args.hidden
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    shape.setdefault("heads", args.heads)
+    tp = args.tp or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else (8 if args.simulate else 2))
+    link = args.link or ("match:h100-nvlink" if args.simulate else None)
     try:
-        cfg = BenchConfig(module=args.module, heads=args.heads, dtype=args.dtype, device=args.device,
+        cfg = BenchConfig(module=module, dtype=args.dtype, device=args.device,
                           sequence_parallel=args.sequence_parallel, iters=args.iters, warmup=args.warmup,
-                          modes=modes, seed=args.seed, progress=progress, trace_dir=args.trace, link=args.link,
-                          **shape)
-        cfg.check_tp(args.tp or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2))
+                          modes=modes, seed=args.seed, progress=progress, trace_dir=args.trace, link=link, **shape)
+        cfg.check_tp(tp)
+        if args.simulate and under_torchrun():
+            raise ValueError("bench --simulate runs in one process: start it without torchrun")
     except ValueError as e:
         print(f"tplayers {e}", file=sys.stderr)
         return 2
-    per_rank, reporter = run_on_ranks(run_overlap_bench, cfg, tp=args.tp, device=args.device,
-                                      backend=args.backend, threads=args.threads, timeout_s=args.timeout)
+    if args.simulate:
+        from ..bench.simulate import simulate
+
+        import torch
+
+        torch.set_num_threads(args.threads)
+        per_rank, reporter = [simulate(cfg, tp)], True
+    else:
+        per_rank, reporter = run_on_ranks(run_overlap_bench, cfg, tp=args.tp, device=args.device,
+                                          backend=args.backend, threads=args.threads, timeout_s=args.timeout)
     if not reporter:
         return 0
     report = per_rank[0]

@@ -76,6 +76,14 @@ def format_report(report: Dict[str, Any]) -> str:
             ratio = s[key]  # median time of `other` / median time of TP
             verdict = f"{ratio:.3f}x faster" if ratio >= 1 else f"{1 / ratio:.3f}x slower"
             lines.append(f"TP (overlap on) vs {label}: {verdict} (median)")
+    if "collectives_per_step" in s:
+        per = ", ".join(f"{n} x {k} ({s['bytes_per_step'][k] / 1e6:.3g} MB)" for k, n in s["collectives_per_step"].items())
+        lines.append(f"collectives per overlapped step: {per}")
+    sim = report.get("simulation")
+    if sim is not None:
+        lines.append(f"SIMULATED: one rank of TP {sim['tp']} in one process ({sim['note']}); step "
+                     f"{s.get('step_ms', float('nan')):.3f} ms; per rank: parameters {sim['param_bytes'] / 2**20:.2f} MiB, "
+                     f"saved activations {sim['activation_bytes'] / 2**20:.2f} MiB")
     if "trace" in report:
         lines.append(f"profiler trace (rank 0): {report['trace']}  (open in chrome://tracing or ui.perfetto.dev)")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import accounting
-from .groups import GroupLike, TPGroup, collective_device, resolve_group
+from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
 from .placement import Placement
 
 __all__ = ["Pending", "all_gather_tensor", "all_reduce_tensor", "broadcast_tensor", "barrier", "reduce_scatter_tensor",
@@ -230,7 +230,7 @@ def ranks_that_differ(hashes: torch.Tensor, *, group: GroupLike) -> torch.Tensor
     """Every rank's ``hashes`` (n, k) gathered (one all-gather): ``(p, n)`` bool, True where a rank's
     row differs from rank 0's. The same answer on every rank, so all raise together."""
     g = resolve_group(group)
-    if g.size == 1:
+    if g.size == 1 or is_fake(g.process_group):  # a simulated group has no peers to disagree
         return torch.zeros(1, hashes.shape[0], dtype=torch.bool)
     every = all_gather_tensor(hashes[None].to(collective_device(g.process_group)), 0, group=g).cpu()  # (p, n, k)
     return (every != every[:1]).any(-1)

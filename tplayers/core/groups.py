@@ -168,6 +168,12 @@ def resolve_group(group: GroupLike) -> TPGroup:
     )
 
 
+def is_fake(process_group: Any) -> bool:
+    """A ``fake`` backend group (``tplayers bench --simulate``): its collectives return at once and
+    move nothing, so there are no peers to compare with or gather from."""
+    return process_group is not None and dist.get_backend(process_group) == "fake"
+
+
 def collective_device(process_group: Any) -> torch.device:
     """Where small coordination tensors for ``process_group`` must live: a group whose backend is
     NCCL only has no CPU path, so its tensors go to the current CUDA device; else the CPU."""

@@ -1,0 +1,82 @@
+"""TP at any size on one process: ``tplayers bench --simulate --tp 8``.
+
+One rank of a TP group of ``p`` runs in this process on a ``fake`` process group (torch's test
+backend: collectives return at once and move nothing). Its compute is real: the sharded module
+at one rank's shapes. Its collectives are timed by an emulated link (`tplayers.emulated_link`):
+each completes at launch (or the previous collective's end) + its alpha-beta time, so overlap and
+exposure come out as on a real rank whose peers keep pace. Outputs are meaningless (nothing is
+summed): only the times, counts, bytes and memory are. Every rank of a real TP group does the same
+work, so one rank stands for all (no stragglers, no contention between groups: see the docs).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any, Dict, Set
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..core.groups import resolve_group
+from .overlap import _MODULES, BenchConfig, _tp_model, run_overlap_bench
+
+__all__ = ["simulate", "rank_memory"]
+
+
+def rank_memory(model: nn.Module, x: torch.Tensor) -> Dict[str, int]:
+    """Bytes of ``model``'s parameters on this rank, and of the activations its forward saves for
+    backward (each storage counted once, parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: Set[int] = set()
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            saved[0] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    del out
+    return {"param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "activation_bytes": saved[0]}
+
+
+def simulate(cfg: BenchConfig, tp: int) -> Dict[str, Any]:
+    """The benchmark report of one simulated rank of TP ``tp`` (``cfg.link`` required), with
+    ``summary.step_ms`` and a ``simulation`` section (memory per rank, what was simulated)."""
+    if cfg.link is None:
+        raise ValueError("bench --simulate needs --link (the collectives' timing comes from the link model)")
+    if tp < 1:
+        raise ValueError(f"bench --simulate: --tp must be >= 1, got {tp}")
+    if dist.is_initialized():
+        raise RuntimeError("bench --simulate creates its own one-process group: run it outside torchrun")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cfg.check_tp(tp)
+    modes = tuple(m for m in cfg.modes if m not in ("naive", "dense"))  # no peers; the dense layer is not one rank's
+    cfg = replace(cfg, modes=modes)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        group = dist.group.WORLD
+        report = run_overlap_bench(group, cfg)
+        torch.manual_seed(cfg.seed)
+        dense = _MODULES[cfg.module].dense(cfg)
+        model = _tp_model(dense, cfg, resolve_group(group), True)
+        seq = cfg.seq // tp if cfg.sequence_parallel else cfg.seq
+        x = torch.randn(cfg.batch, seq, cfg.hidden, requires_grad=True)
+        memory = rank_memory(model, x)
+    finally:
+        dist.destroy_process_group()
+    t = report["timings"]
+    if "tp" in t:
+        report["summary"]["step_ms"] = t["tp"]["median_ms"]
+    report["simulation"] = {"tp": tp, "rank": 0, "backend": "fake", **memory,
+                            "note": "one rank's real compute; collectives timed by the link model"}
+    report["environment"]["backend"] = "fake (simulated)"
+    return report
