@@ -454,9 +454,10 @@ def test_bench_emulated_link_json_keys(capsys):
     assert report["config"]["link"] == "0.5/10"  # the spec as given
     assert report["link"] == {"spec": "0.5/10", "bandwidth_gbps": 0.5, "latency_us": 10.0, "emulated": True}
     s = report["summary"]
-    for key in ("hidden_fraction", "forward_hidden_fraction", "exposed_comm_ms", "exposed_comm_fwd_ms",
-                "exposed_comm_bwd_ms", "exposed_comm_estimate_ms"):
+    for key in ("hidden_fraction", "forward_hidden_fraction", "backward_hidden_fraction_measured", "exposed_comm_ms",
+                "exposed_comm_fwd_ms", "exposed_comm_bwd_ms", "exposed_comm_estimate_ms"):
         assert isinstance(s[key], float), key
+    assert abs(s["forward_hidden_fraction"]) < 0.05  # the forward all-reduce blocks: nothing hides it
     # Column -> GELU -> Row MLP without SP: one all-reduce forward (fc2), one backward (fc1), (1, 8, 8) float32
     assert s["collectives_per_step"] == {"all_reduce/backward": 1, "all_reduce/forward": 1}
     assert s["bytes_per_step"] == {"all_reduce/backward": 256, "all_reduce/forward": 256}

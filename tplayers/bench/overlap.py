@@ -319,21 +319,30 @@ def _account(step: Optional[Callable[[], None]], cfg: BenchConfig, g: TPGroup,
     exposed (blocked) communication per step, measured, and the collectives of one step."""
     if step is None or cfg.accounting_iters < 1 or g.size == 1:
         return None
-    per_step, fwd, bwd = [], [], []
+    rows = []  # per step: exposed total / fwd / bwd, and the collectives' own durations fwd / bwd (ms)
     for _ in range(cfg.accounting_iters):
         barrier(g)
         with comm_accounting() as acct:
             step()
             sync(device)
-        per_step.append(acct.exposed_ms())
-        fwd.append(acct.exposed_ms("forward"))
-        bwd.append(acct.exposed_ms("backward"))
+        rows.append([acct.exposed_ms(), acct.exposed_ms("forward"), acct.exposed_ms("backward"),
+                     _duration_ms(acct, "forward"), _duration_ms(acct, "backward")])
     # the slowest rank's median, as for the timings
-    local = torch.tensor([statistics.median(per_step), statistics.median(fwd), statistics.median(bwd)],
-                         dtype=torch.float64)
+    local = torch.tensor([statistics.median(col) for col in zip(*rows)], dtype=torch.float64)
     worst = all_reduce_tensor(local.to(collective_device(g.process_group)), group=g, op="max").cpu().tolist()
+
+    def hidden(exposed: float, duration: float) -> Optional[float]:
+        return None if duration <= 0 else 1.0 - exposed / duration
+
     return {"exposed_comm_ms": worst[0], "exposed_comm_fwd_ms": worst[1], "exposed_comm_bwd_ms": worst[2],
+            "forward_hidden_fraction": hidden(worst[1], worst[3]),
+            "backward_hidden_fraction_measured": hidden(worst[2], worst[4]),
             "collectives_per_step": acct.summary()["counts"], "bytes_per_step": acct.summary()["bytes"]}
+
+
+def _duration_ms(acct: Any, phase: str) -> float:
+    """Launch to completion of the phase's collectives, summed (ms)."""
+    return 1e3 * sum(r.completed - r.launched for r in acct.records if r.phase == phase and r.completed is not None)
 
 
 def _profile(steps: Dict[str, Callable[[], None]], cfg: BenchConfig, g: TPGroup, device: torch.device) -> str:

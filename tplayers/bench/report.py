@@ -72,8 +72,9 @@ def summarize(cfg: Any, tp: int, timings: Dict[str, Timing], skipped: Optional[D
     measured, not clamped. ``exposed_comm_ms``: the time callers were blocked on collectives per
     overlapped step, measured by comm accounting (slowest rank, median; also ``_fwd_ms`` /
     ``_bwd_ms``), beside ``exposed_comm_estimate_ms`` = overlapped - matmuls alone (medians).
-    ``forward_hidden_fraction``: the forward collectives' share not blocked on (the forward has no
-    overlap yet, so about 0).
+    ``forward_hidden_fraction`` / ``backward_hidden_fraction_measured``: from the accounting, 1 -
+    (time blocked on the phase's collectives) / (their launch-to-completion time); the forward has
+    no overlap yet, so about 0 (null when the phase has no collective).
     """
     summary: Dict[str, Any] = {}
     t = timings
@@ -95,10 +96,6 @@ def summarize(cfg: Any, tp: int, timings: Dict[str, Timing], skipped: Optional[D
         summary["exposed_comm_estimate_ms"] = t["tp"].median_ms - t["compute"].median_ms
     if measured is not None:
         summary.update(measured)
-        if "comm" in t and "comm_bwd" in t:
-            comm_fwd = t["comm"].median_ms - t["comm_bwd"].median_ms
-            if comm_fwd > 0:
-                summary["forward_hidden_fraction"] = 1.0 - measured["exposed_comm_fwd_ms"] / comm_fwd
     for other in ("dense", "naive"):
         if "tp" in t and other in t:
             summary[f"speedup_vs_{other}"] = t[other].median_ms / t["tp"].median_ms
