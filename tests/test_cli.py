@@ -458,6 +458,10 @@ def test_bench_emulated_link_json_keys(capsys):
                 "exposed_comm_fwd_ms", "exposed_comm_bwd_ms", "exposed_comm_estimate_ms"):
         assert isinstance(s[key], float), key
     assert abs(s["forward_hidden_fraction"]) < 0.05  # the forward all-reduce blocks: nothing hides it
+    for mode in ("tp", "tp_blocking"):  # one step's intervals, for the timeline plot
+        tl = report["timeline"][mode]
+        assert [(c["op"], c["phase"]) for c in tl["collectives"]] == [("all_reduce", "forward"), ("all_reduce", "backward")]
+        assert all(0 <= c["launch_ms"] <= c["wait_ms"] <= c["end_ms"] <= tl["step_ms"] for c in tl["collectives"])
     # Column -> GELU -> Row MLP without SP: one all-reduce forward (fc2), one backward (fc1), (1, 8, 8) float32
     assert s["collectives_per_step"] == {"all_reduce/backward": 1, "all_reduce/forward": 1}
     assert s["bytes_per_step"] == {"all_reduce/backward": 256, "all_reduce/forward": 256}

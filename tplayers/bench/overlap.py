@@ -17,6 +17,7 @@ import functools
 import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -295,8 +296,11 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
         timings = time_steps(steps, group=g, iters=cfg.iters, warmup=cfg.warmup, device=device,
                              progress=cfg.progress, label=f"bench {cfg.module} tp={g.size}")
         measured = _account(steps.get("tp"), cfg, g, device)
+        timeline = {mode: _timeline(steps[mode], g, device) for mode in ("tp", "tp_blocking")
+                    if mode in steps and g.size > 1}
     report = summarize(cfg, g.size, timings, skipped, backend=backend_name(g, device), measured=measured,
                        link=link)
+    report["timeline"] = timeline
     if cfg.trace_dir:
         report["trace"] = _profile(steps, cfg, g, device)
     return report
@@ -338,6 +342,24 @@ def _account(step: Optional[Callable[[], None]], cfg: BenchConfig, g: TPGroup,
             "forward_hidden_fraction": hidden(worst[1], worst[3]),
             "backward_hidden_fraction_measured": hidden(worst[2], worst[4]),
             "collectives_per_step": acct.summary()["counts"], "bytes_per_step": acct.summary()["bytes"]}
+
+
+def _timeline(step: Callable[[], None], g: TPGroup, device: torch.device) -> Dict[str, Any]:
+    """One step on this rank, as intervals (ms from the step's start): each collective's launch,
+    the caller's wait and its completion, for the timeline plot."""
+    barrier(g)
+    with comm_accounting() as acct:
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        end = time.perf_counter()
+
+    def ms(t: Optional[float]) -> Optional[float]:
+        return None if t is None else 1e3 * (t - t0)
+
+    return {"step_ms": ms(end), "collectives": [
+        {"op": r.op, "phase": r.phase, "module": r.module, "launch_ms": ms(r.launched), "wait_ms": ms(r.wait_started),
+         "end_ms": ms(r.completed)} for r in acct.records]}
 
 
 def _duration_ms(acct: Any, phase: str) -> float:

@@ -90,7 +90,9 @@ def format_report(report: Dict[str, Any]) -> str:
 
 
 def plot_report(report: Dict[str, Any], path: str) -> None:
-    """A PNG bar chart of the medians (min as a tick). Needs matplotlib (``pip install tplayers[plot]``)."""
+    """A PNG: the medians as bars (min as a tick) and, when the report has them, one step's timeline
+    with overlap on and off (rank 0: compute, time blocked on collectives, collectives in flight).
+    Needs matplotlib (``pip install tplayers[plot]``)."""
     try:
         import matplotlib
 
@@ -98,12 +100,24 @@ def plot_report(report: Dict[str, Any], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the optional extra
         raise SystemExit("tplayers bench --plot needs matplotlib: pip install 'tplayers[plot]'") from e
+    timeline = report.get("timeline") or {}
+    rows = len(report["timings"]) * 0.45 + 1.6
+    fig, axes = plt.subplots(2 if timeline else 1, 1, figsize=(9, rows + (2.8 if timeline else 0)), squeeze=False,
+                             gridspec_kw={"height_ratios": [rows, 2.8]} if timeline else None)
+    _bars(axes[0][0], report)
+    if timeline:
+        _timeline(axes[1][0], timeline)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _bars(ax: Any, report: Dict[str, Any]) -> None:
     c, env, t, s = report["config"], report["environment"], report["timings"], report["summary"]
     modes = list(t)
     labels = [MODE_LABELS.get(m, m) for m in modes]
     med = [t[m]["median_ms"] for m in modes]
     mins = [t[m]["min_ms"] for m in modes]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(modes) + 1.6))
     y = list(range(len(modes)))
     kinds = {"tp": ("C0", "TP forward+backward"), "comm": ("C7", "collectives alone"),
              "other": ("C2", "references (matmuls alone, dense, naive)")}
@@ -119,9 +133,33 @@ def plot_report(report: Dict[str, Any], path: str) -> None:
     ax.set_xlabel("ms per forward+backward (median; | = min), slowest rank")
     hidden = s.get("hidden_fraction")
     extra = "" if hidden is None or math.isnan(hidden) else f", {100 * hidden:.0f}% of bwd comm hidden"
+    link = report.get("link")
+    wire = "" if link is None else f", EMULATED link {link['spec']}"
     ax.set_title(f"{c['module']} b={c['batch']} s={c['seq']} h={c['hidden']} ffn={c['ffn']} "
-                 f"tp={env['tp']} {env['device']}/{env['backend']}{extra}", fontsize=9)
-    ax.legend(loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+                 f"tp={env['tp']} {env['device']}/{env['backend']}{wire}{extra}", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
+
+
+def _timeline(ax: Any, timeline: Dict[str, Any]) -> None:
+    """Per mode two lanes: rank 0's compute (green) with the time it was blocked on collectives (red),
+    and the collectives in flight from launch to completion (grey: forward dark, backward light)."""
+    lanes = []
+    for i, (mode, tl) in enumerate(timeline.items()):
+        top, bottom = 3 * i, 3 * i + 1  # compute lane, link lane
+        ax.broken_barh([(0, tl["step_ms"])], (top, 0.8), color="C2")
+        for r in tl["collectives"]:
+            if r["end_ms"] is None:
+                continue
+            color = "0.35" if r["phase"] == "forward" else "0.7"
+            ax.broken_barh([(r["launch_ms"], r["end_ms"] - r["launch_ms"])], (bottom, 0.8), color=color)
+            if r["wait_ms"] is not None and r["end_ms"] > r["wait_ms"]:
+                ax.broken_barh([(r["wait_ms"], r["end_ms"] - r["wait_ms"])], (top, 0.8), color="C3")
+        lanes += [(top + 0.4, f"{MODE_LABELS.get(mode, mode)}: rank 0"), (bottom + 0.4, "collectives in flight")]
+    ax.set_yticks([y for y, _ in lanes])
+    ax.set_yticklabels([label for _, label in lanes], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms into one step (rank 0)")
+    for color, label in (("C2", "computing"), ("C3", "blocked on a collective (exposed)"),
+                         ("0.35", "forward collective"), ("0.7", "backward collective")):
+        ax.broken_barh([(0, 0)], (0, 0), color=color, label=label)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize=7, ncol=4, frameon=False)

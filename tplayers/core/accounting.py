@@ -44,6 +44,7 @@ class CommRecord:
     launched: float
     modeled_end: Optional[float] = None  # under an emulated link
     completed: Optional[float] = None  # when the caller's wait() (or the blocking call) returned
+    wait_started: Optional[float] = None  # when the caller started waiting (= launched for a blocking call)
     blocked_s: float = 0.0  # time the caller spent blocked on it
 
     @property
@@ -171,6 +172,7 @@ def finished(record: CommRecord, wait_started: float) -> None:
         if left > 0:
             time.sleep(left)
     record.completed = time.perf_counter()
+    record.wait_started = wait_started
     record.blocked_s += record.completed - wait_started
 
 
