@@ -109,7 +109,10 @@ class BenchConfig:
         if self.module == "block" and self.hidden % self.heads:
             raise ValueError(f"bench: hidden={self.hidden} is not divisible by heads={self.heads} (block)")
         if self.link is not None:
-            parse_link(self.link, tflops=1.0)  # the spec's syntax, now (match: measures later, on the ranks)
+            try:  # the spec's syntax, now (match: measures later, on the ranks)
+                parse_link(self.link, tflops=1.0)
+            except ValueError as e:
+                raise ValueError(f"bench: {e}") from None
 
     def check_tp(self, tp: int) -> None:
         """Clear errors for shapes the TP degree does not divide."""
