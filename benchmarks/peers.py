@@ -9,10 +9,17 @@ modes interleaved), forward+backward, fp32.
 
     pip install -r benchmarks/requirements.txt        # megatron-core, fairscale (torch pinned)
     python benchmarks/peers.py --tp 2 --shapes small,large,comm-heavy --iters 30 [--json out.json]
+    python benchmarks/peers.py --link match:h100-nvlink ...   # every peer over the same EMULATED link
+
+``--link``: `tplayers.emulated_link(spec, everywhere=True)` around the timing, so tplayers'
+collectives and the ones DTensor (functional collectives), megatron-core and fairscale call through
+torch.distributed all complete no earlier than the same alpha-beta times (a functional collective
+blocks until then: DTensor waits on first use anyway).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -27,7 +34,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tplayers import ColumnParallelLinear, RowParallelLinear, resolve_group  # noqa: E402
+from tplayers import ColumnParallelLinear, RowParallelLinear, emulated_link, parse_link, resolve_group  # noqa: E402
+from tplayers.core.comm import all_reduce_tensor  # noqa: E402
+from tplayers.core.link import matmul_tflops  # noqa: E402
 from tplayers.bench import SHAPES, fwd_bwd_step, time_steps  # noqa: E402
 from tplayers.testing import World  # noqa: E402
 
@@ -149,7 +158,7 @@ def _check_against_dense(model: nn.Module, grads: Callable, dense: nn.Sequential
 
 
 def run_peers(group: Any, shape: Dict[str, int], peers: List[str], iters: int, warmup: int,
-              seed: int) -> Dict[str, Any]:
+              seed: int, link: Optional[str] = None) -> Dict[str, Any]:
     g = resolve_group(group)
     torch.manual_seed(seed)
     b, s, h, ffn = shape["batch"], shape["seq"], shape["hidden"], shape["ffn"]
@@ -184,9 +193,18 @@ def run_peers(group: Any, shape: Dict[str, int], peers: List[str], iters: int, w
         if bad and p in steps:
             del steps[p]
             skipped.setdefault(p, "failed on another rank")
-    timings = time_steps(steps, group=g, iters=iters, warmup=warmup)
+    model = None
+    if link is not None:  # one link model for every rank: match: uses the slowest rank's throughput
+        tflops = None
+        if link.startswith("match:"):
+            tflops = -float(all_reduce_tensor(torch.tensor([-matmul_tflops()], dtype=torch.float64), group=g, op="max"))
+        model = parse_link(link, tflops=tflops)
+    with emulated_link(model, everywhere=True) if model is not None else contextlib.nullcontext():
+        timings = time_steps(steps, group=g, iters=iters, warmup=warmup)
     return {"shape": shape, "tp": g.size, "timings": {k: v.as_dict() for k, v in timings.items()},
-            "max_abs_error_vs_dense": errors, "skipped": skipped}
+            "max_abs_error_vs_dense": errors, "skipped": skipped,
+            "link": None if model is None else {"spec": link, "bandwidth_gbps": model.bandwidth_gbps,
+                                                "latency_us": model.latency_us, "emulated": True}}
 
 
 def _versions() -> Dict[str, str]:
@@ -206,7 +224,9 @@ def format_rows(result: Dict[str, Any]) -> str:
     t = result["timings"]
     base = t.get("tplayers", {}).get("median_ms")
     sh = result["shape"]
-    lines = [f"shape b={sh['batch']} s={sh['seq']} h={sh['hidden']} ffn={sh['ffn']}  tp={result['tp']}",
+    link = result.get("link")
+    wire = "" if not link else f"  EMULATED link {link['spec']} ({link['bandwidth_gbps']:.4g} GB/s, {link['latency_us']:g} us)"
+    lines = [f"shape b={sh['batch']} s={sh['seq']} h={sh['hidden']} ffn={sh['ffn']}  tp={result['tp']}{wire}",
              f"  {'peer':<14} {'min ms':>9} {'median ms':>9} {'vs tplayers':>11} {'max err':>9}"]
     for peer, timing in t.items():
         rel = f"{timing['median_ms'] / base:10.2f}x" if base else "         -"
@@ -227,6 +247,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    ap.add_argument("--link", metavar="SPEC", default=None,
+                    help="time every peer over the same emulated link (tplayers.emulated_link(..., everywhere=True))")
     args = ap.parse_args(argv)
     peers = [p for p in args.peers.split(",") if p]
     unknown = set(peers) - set(PEERS)
@@ -237,7 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with World(args.tp, threads=1, timeout=1800) as world:
         for name in args.shapes.split(","):
             shape = dict(SHAPES[name])
-            res = world.run(run_peers, shape, peers, args.iters, args.warmup, args.seed)[0]
+            res = world.run(run_peers, shape, peers, args.iters, args.warmup, args.seed, args.link)[0]
             res["name"] = name
             results.append(res)
             print(f"[{name}] " + format_rows(res), flush=True)

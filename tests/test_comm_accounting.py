@@ -104,3 +104,35 @@ def test_emulated_collectives_take_their_modeled_time_and_stay_exact(tp):
     for same, one, two, modeled, n in get_world(tp).run(_emulated):
         assert same and n == 3
         assert one >= modeled and two >= 2 * modeled  # lower bounds: sleeps, never flaky
+
+
+def _everywhere(group):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    g = tplayers.resolve_group(group)
+    originals = (dist.all_reduce, funcol.all_reduce)
+    link = tplayers.LinkModel(0.01, 1000.0)
+    x = torch.arange(10_000, dtype=torch.float64) * (g.rank + 1)  # 80 kB
+    modeled = link.seconds("all_reduce", x.numel() * 8, g.size)
+    mesh = init_device_mesh("cpu", (g.size,))
+    with tplayers.emulated_link(link, everywhere=True):
+        t0 = time.perf_counter()
+        work = dist.all_reduce(y := x.clone(), async_op=True)  # megatron-core / fairscale style
+        work.wait()
+        plain_time = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        z = funcol.all_reduce(x, "sum", mesh)  # DTensor's functional collectives
+        z = z.wait() if hasattr(z, "wait") else z
+        functional_time = time.perf_counter() - t0
+        mine = all_reduce_tensor(x, group=group)  # tplayers' own: delayed once, not twice
+    expected = x / (g.rank + 1) * sum(range(1, g.size + 1))
+    restored = (dist.all_reduce, funcol.all_reduce) == originals
+    return (torch.equal(y, expected) and torch.equal(z, expected) and torch.equal(mine, expected), restored,
+            plain_time >= modeled, functional_time >= modeled)
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_emulated_link_everywhere_slows_other_libraries_collectives_too(tp):
+    assert get_world(tp).run(_everywhere) == [(True, True, True, True)] * tp

@@ -124,28 +124,42 @@ def comm_accounting(model: Optional[nn.Module] = None) -> CommAccounting:
 
 @dataclass
 class EmulatedLink:
-    """While active, tplayers' collectives complete no earlier than their modeled end (see module doc)."""
+    """While active, tplayers' collectives complete no earlier than their modeled end (see module doc);
+    with ``everywhere=True`` also the collectives other libraries issue through torch.distributed
+    and its functional collectives (DTensor), by wrapping those functions for the duration."""
 
     link: LinkModel
+    everywhere: bool = False
     _busy_until: Dict[int, float] = field(default_factory=dict)  # per process group: the link's queue
+    _restore: Any = None
 
     def __enter__(self) -> "EmulatedLink":
         _ACTIVE.append(self)
+        if self.everywhere:
+            from .collectives import wrap_torch_distributed  # (collectives imports this module)
+
+            self._restore = wrap_torch_distributed(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         _ACTIVE.remove(self)
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
 
     def modeled_end(self, op: str, nbytes: int, group: Any, group_size: int, launched: float) -> float:
-        start = max(launched, self._busy_until.get(id(group), 0.0))
+        key = id(group[0]) * 31 + group[1] if isinstance(group, tuple) else id(group)
+        start = max(launched, self._busy_until.get(key, 0.0))
         end = start + self.link.seconds(op, nbytes, group_size)
-        self._busy_until[id(group)] = end
+        self._busy_until[key] = end
         return end
 
 
-def emulated_link(spec: Union[str, LinkModel]) -> EmulatedLink:
-    """``with tplayers.emulated_link("h100-nvlink"): ...``: see :mod:`tplayers.core.link` for specs."""
-    return EmulatedLink(parse_link(spec))
+def emulated_link(spec: Union[str, LinkModel], *, everywhere: bool = False) -> EmulatedLink:
+    """``with tplayers.emulated_link("h100-nvlink"): ...``: see :mod:`tplayers.core.link` for specs.
+    ``everywhere=True``: other libraries' collectives too (benchmarks/peers.py: DTensor,
+    megatron-core, fairscale over the same wire)."""
+    return EmulatedLink(parse_link(spec), everywhere)
 
 
 # ---------------------------------------------------------------------------- hooks for the primitives
