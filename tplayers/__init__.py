@@ -26,7 +26,7 @@ from .models.rng import RNGTracker
 from .models.loss import vocab_parallel_cross_entropy
 from .models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from .models.gpt import ParallelGPT
-from .convert import Plan, parallelize
+from .convert import CoverageReport, Plan, coverage, parallelize
 from .layers import check_replicas, check_same_inputs, clip_grad_norm_, set_overlap_comm
 from .core.accounting import CommAccounting, CommRecord, EmulatedLink, comm_accounting, emulated_link
 from .core.link import LinkModel, parse_link
@@ -72,7 +72,7 @@ __all__ = [
     "GPTConfig",
     "dense",
     # drop-in, checkpoints, 2-D parallelism
-    "parallelize",
+    "parallelize", "coverage", "CoverageReport",
     "set_overlap_comm",
     "clip_grad_norm_",
     "check_replicas",

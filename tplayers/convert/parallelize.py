@@ -42,6 +42,8 @@ from ..core.collectives import bit_hash, ranks_that_differ
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, placements_of
+from .auto import auto_plan
+from .coverage import REPORT_ATTR, build_report
 from .plan import Plan, resolve_style
 from .plans import get_plan
 from .sequence import check_sequence_region
@@ -155,15 +157,24 @@ def _ties(model: nn.Module, modules: Dict[str, nn.Module],
     return retie
 
 
-def _warn_or_refuse_unmatched(model: nn.Module, modules: Dict[str, nn.Module], built: Dict[str, Built],
-                              styles: Dict[str, Style], used: set, plan: Plan, shipped: bool) -> None:
+def _refuse_no_match(model: nn.Module, modules: Dict[str, nn.Module], built: Dict[str, Built],
+                     styles: Dict[str, Style], plan: Plan) -> None:
     if not any(b.module is not modules[n] or b.finish is not None for n, b in built.items()):
         raise ValueError(f"parallelize: plan '{plan.name}' matched no module of {type(model).__name__} "
                          f"(patterns {list(styles)}); module names look like {list(modules)[1:6]}")
-    unmatched = [pat for pat in styles if pat not in used]
-    if unmatched and not shipped:  # shipped plans list alternatives (with/without a head, prefix)
-        warnings.warn(f"parallelize: plan pattern(s) {unmatched} matched no module of {type(model).__name__} "
-                      "(or only modules an earlier pattern took); those modules stay as they are", stacklevel=3)
+
+
+def _describe(built: Dict[str, Built], modules: Dict[str, nn.Module], styles: Dict[str, Style],
+              matched: List[Tuple[str, str]]) -> Dict[str, str]:
+    """module -> what it became, for the coverage report."""
+    style_of = dict(matched)
+    out = {}
+    for name, b in built.items():
+        if b.module is not modules[name]:
+            out[name] = type(b.module).__name__
+        elif b.finish is not None:
+            out[name] = f"{type(b.module).__name__} with {type(styles[style_of[name]]).__name__} hooks"
+    return out
 
 
 def _check_same_dense_model(model: nn.Module, tp: TPGroup) -> None:
@@ -199,14 +210,23 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     tp = resolve_group(group)
     if check_consistency:  # first: a rank whose model differs may fail differently in the checks below
         _check_same_dense_model(model, tp)
-    p = get_plan(plan, sequence_parallel=sequence_parallel)
+    unmatched_keys: List[str] = []
+    skipped: Dict[str, str] = {}
+    if isinstance(plan, str) and plan == "auto":
+        if sequence_parallel:
+            raise ValueError("parallelize(model, 'auto', sequence_parallel=True): the 'auto' plan is the plain TP "
+                             "layout; for sequence parallelism use a shipped plan ('llama', 'gpt2') or your own")
+        translated = auto_plan(model)
+        p, unmatched_keys, skipped = translated.plan, translated.unmatched, translated.skipped
+    else:
+        p = get_plan(plan, sequence_parallel=sequence_parallel)
     styles = {pat: resolve_style(v, pat) for pat, v in p.layers.items()}
     modules = dict(model.named_modules())
     # match -> check: nothing in the model changes until every check passed
     matched, used = _match(modules, styles)
     built = _build(modules, matched, styles, tp)
     check_sequence_region(p.name, {n: b.region for n, b in built.items()})
-    _warn_or_refuse_unmatched(model, modules, built, styles, used, p, isinstance(plan, str))
+    _refuse_no_match(model, modules, built, styles, p)
     changes = _attr_changes(modules, p, tp)
     retie = _ties(model, modules, built)
     # swap -> hooks
@@ -221,4 +241,24 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     for b in built.values():
         if b.finish is not None:
             b.finish()
+    _report(model, p, plan, built, modules, styles, matched, used, unmatched_keys, skipped)
     return model
+
+
+def _report(model: nn.Module, p: Plan, plan: object, built: Dict[str, Built], modules: Dict[str, nn.Module],
+            styles: Dict[str, Style], matched: List[Tuple[str, str]], used: set, unmatched_keys: List[str],
+            skipped: Dict[str, str]) -> None:
+    """Store the coverage report on the model; warn when a shipped or "auto" plan covers only part
+    of it, or when patterns of the user's own plan matched nothing."""
+    # Patterns of shipped plans list alternatives (with / without a head, a prefix): not reported.
+    unmatched = unmatched_keys if p.name == "auto" else [] if isinstance(plan, str) else [
+        pat for pat in styles if pat not in used]
+    report = build_report(model, p.name, _describe(built, modules, styles, matched), (n for n, _ in matched),
+                          unmatched, skipped)
+    object.__setattr__(model, REPORT_ATTR, report)  # a plain attribute: not a submodule, not in the state dict
+    if isinstance(plan, str) and not report.complete:
+        warnings.warn(f"parallelize: plan '{p.name}' covers only part of {type(model).__name__}; what stays dense "
+                      f"runs whole on every rank (correct, but no memory saved):\n{report}", stacklevel=3)
+    elif unmatched and not isinstance(plan, str):
+        warnings.warn(f"parallelize: plan pattern(s) {unmatched} matched no module of {type(model).__name__} "
+                      "(or only modules an earlier pattern took); those modules stay as they are", stacklevel=3)

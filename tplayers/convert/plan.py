@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Sequence, Tuple, Union
 
 import torch.nn as nn
 
-from .sequence import GatherSequence, ScatterSequence, SequenceParallelNorm
+from .sequence import GatherSequence, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
 from .styles import Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead
 
 __all__ = ["Plan", "STYLE_NAMES", "resolve_style", "sequence_parallel_variant"]
@@ -25,6 +25,7 @@ STYLE_NAMES: Dict[str, Style] = {
     "vocab_embedding": VocabEmbedding(),
     "vocab_head": VocabHead(),
     "replicate": Replicate(),
+    "replicate_reduce_grad": ReplicateReduceGrad(),
     "sequence_parallel_norm": SequenceParallelNorm(),
     "scatter_sequence": ScatterSequence(),
     "gather_sequence": GatherSequence(),

@@ -21,7 +21,7 @@ from ..core.placement import Replicated
 from ..layers.base import PLACEMENTS_ATTR
 from .styles import BuildContext, Built
 
-__all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "map_first_input", "route_params_through",
+__all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "ReplicateReduceGrad", "map_first_input", "route_params_through",
            "check_sequence_region"]
 
 _MARK = "_tplayers_styles"  # the sequence styles already applied to a module (refuse stacking a second set)
@@ -86,6 +86,26 @@ class _SequenceStyle:
         raise NotImplementedError
 
 
+def _reduce_param_grads(module: nn.Module, tp: TPGroup) -> None:
+    """The module's own parameters enter its forward through ``copy_to_tp`` (their gradients are
+    summed over the group) and carry ``Replicated(partial_grad=True)``."""
+    names = tuple(n for n, p in module.named_parameters(recurse=False))
+    route_params_through(module, names, lambda p: copy_to_tp(p, group=tp))
+    setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n in names})
+
+
+@dataclass(frozen=True)
+class ReplicateReduceGrad(_SequenceStyle):
+    """A replicated module applied to this rank's shard of the activations, e.g. Qwen3's per-head
+    ``q_norm`` / ``k_norm`` after a column-split projection: forward unchanged, each rank's
+    parameter gradient covers only its heads, so the gradients are summed over the TP group."""
+
+    style_name = "replicate_reduce_grad"
+
+    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
+        _reduce_param_grads(module, tp)
+
+
 @dataclass(frozen=True)
 class SequenceParallelNorm(_SequenceStyle):
     """A norm (or any replicated module) inside a sequence-parallel region: it runs on this rank's
@@ -100,9 +120,7 @@ class SequenceParallelNorm(_SequenceStyle):
         return "leave_sequence" if self.gather_output else None
 
     def _attach(self, module: nn.Module, tp: TPGroup) -> None:
-        names = tuple(n for n, p in module.named_parameters(recurse=False))
-        route_params_through(module, names, lambda p: copy_to_tp(p, group=tp))
-        setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n in names})
+        _reduce_param_grads(module, tp)
         if self.gather_output:
             # the head after it all-reduces its input gradient, so the gradient here is complete: split it
             module.register_forward_hook(lambda m, args, out: gather_from_sequence(out, group=tp, grad_is_partial=False))

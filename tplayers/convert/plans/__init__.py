@@ -27,7 +27,8 @@ def get_plan(plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *, sequenc
         return plan
     if isinstance(plan, str):
         if plan not in PLANS:
-            raise ValueError(f"parallelize: unknown plan '{plan}'; shipped plans: {sorted(PLANS)}")
+            raise ValueError(f"parallelize: unknown plan '{plan}'; shipped plans: {sorted(PLANS)}, or 'auto' (a "
+                             "Hugging Face model's own tp_plan)")
         return SP_PLANS[plan] if sequence_parallel else PLANS[plan]
     if isinstance(plan, Mapping):
         return Plan(layers=dict(plan))

@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family models (Llama, Mistral, Qwen2, Olmo): q/k/v/gate/up column, o/down row."""
+"""Hugging Face Llama-family models (Llama, Mistral, Qwen2, Qwen3, Olmo, Gemma): q/k/v/gate/up column, o/down row."""
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -25,6 +25,9 @@ PLAN = Plan(
         "*layers.*.self_attn.k_proj": "kv_column",
         "*layers.*.self_attn.v_proj": "kv_column",
         "*layers.*.self_attn.o_proj": "row",
+        # Qwen3 / Gemma3: per-head norms on this rank's heads, gradients summed over the group
+        "*layers.*.self_attn.q_norm": "replicate_reduce_grad",
+        "*layers.*.self_attn.k_norm": "replicate_reduce_grad",
         "*layers.*.mlp.gate_proj": "column",
         "*layers.*.mlp.up_proj": "column",
         "*layers.*.mlp.down_proj": "row",

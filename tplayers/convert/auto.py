@@ -1,0 +1,186 @@
+"""The "auto" plan: a Hugging Face model's own tensor-parallel plan, translated to tplayers styles.
+
+transformers models carry their plan as data: ``config.base_model_tp_plan`` (the base model's
+modules, e.g. ``"layers.*.self_attn.q_proj": "colwise"``) and the model class's ``_tp_plan`` (the
+head). :func:`auto_plan` reads both, matches each key against the model's module names the way
+transformers does (``*`` is one layer index, under the base model's prefix), and translates each
+style name through :data:`HF_STYLES`. What we chose where transformers differs:
+
+- the input embedding and the output head are always vocab-parallel (HF's plans leave the
+  embedding replicated); a head tied to the embedding stays tied;
+- ``colwise`` on a ``k_proj`` / ``v_proj`` follows the KV-head rule (fewer KV heads than ranks:
+  each KV head is replicated on ``p / kv`` ranks, its gradients summed), where transformers refuses;
+- MoE experts (``moe_tp_experts`` and the styles of their parameters) stay replicated: every rank
+  runs every expert on the full hidden state, so the result is exact but uses no less memory; the
+  coverage report lists them with that reason;
+- ``sequence_parallel`` entries (norms inside a sequence-parallel region) are not applied: "auto"
+  is the plain TP layout, its norms see the whole sequence.
+
+A style name outside the table is an error naming it and the module.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch.nn as nn
+
+from .plan import Plan
+from .sequence import ReplicateReduceGrad
+from .styles import Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead
+
+__all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "translate_style"]
+
+_KV_PROJECTIONS = ("k_proj", "v_proj")
+# The children of an attention module whose column split divides its heads: the attention's own
+# head-count attributes then follow the local heads.
+_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
+_EXPERTS = "MoE experts stay replicated (tplayers has no tensor-parallel experts yet): exact, but no memory saved"
+
+# transformers' style names (4.48 .. 5.x) -> a tplayers style, by the last component of the module name.
+HF_STYLES: Dict[str, Callable[[str], Style]] = {
+    "colwise": lambda leaf: KVColumn() if leaf in _KV_PROJECTIONS else Column(),
+    "local_colwise": lambda leaf: KVColumn() if leaf in _KV_PROJECTIONS else Column(),
+    "rowwise": lambda leaf: Row(),
+    "local_rowwise": lambda leaf: Row(),  # 4.5x: its sum came from a "gather" parent; Row all-reduces itself
+    "colwise_rep": lambda leaf: Column(gather_output=True),
+    "colwise_gather_output": lambda leaf: Column(gather_output=True),
+    "rowwise_rep": lambda leaf: Row(input_is_parallel=False),
+    "rowwise_split_input": lambda leaf: Row(input_is_parallel=False),
+    "packed_colwise": lambda leaf: Column(parts=2),  # fused [gate; up]
+    "embedding_rowwise": lambda leaf: VocabEmbedding(),
+    "embedding_colwise": lambda leaf: VocabEmbedding(),  # same result; tplayers splits the vocabulary
+    "replicated_with_grad_allreduce": lambda leaf: ReplicateReduceGrad(),
+    "replicate": lambda leaf: Replicate(),
+}
+
+# Recognised names that "auto" leaves out, with the reason the coverage report gives.
+SKIPPED_STYLES: Dict[str, str] = {
+    "moe_tp_experts": _EXPERTS, "moe_identity_expert": _EXPERTS, "grouped_gemm": _EXPERTS, "ep_router": _EXPERTS,
+    "local": _EXPERTS, "isolated": _EXPERTS, "local_packed_rowwise": _EXPERTS, "packed_rowwise": _EXPERTS,
+    # transformers sums a module's partial output with these; every tplayers layer already returns a
+    # complete output (its row layers all-reduce), so there is nothing left to sum.
+    "gather": "its children's outputs are already complete (tplayers row layers all-reduce)",
+    "all_reduce": "its children's outputs are already complete (tplayers row layers all-reduce)",
+    "sequence_parallel": "the 'auto' plan is the plain TP layout: this norm sees the whole sequence",
+}
+
+_REFUSED: Dict[str, str] = {
+    "mla_kv_a_proj": "multi-head latent attention (DeepSeek-V2 style) is not supported",
+    "local_params": "parameters sharded on their own (attention sinks) are not supported",
+}
+
+
+# Entries transformers' own plans miss, by ``config.model_type``: the shared expert of Qwen2-MoE is
+# a dense MLP (HF's plan names ``mlp.gate_proj``, which that model does not have).
+FAMILY_ADDITIONS: Dict[str, Dict[str, str]] = {
+    "qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise", "layers.*.mlp.shared_expert.up_proj": "colwise",
+                  "layers.*.mlp.shared_expert.down_proj": "rowwise"},
+}
+
+
+def translate_style(hf_style: str, module_name: str) -> Style:
+    """The tplayers style for transformers' ``hf_style`` on module ``module_name``, or an error."""
+    if hf_style in HF_STYLES:
+        return HF_STYLES[hf_style](module_name.rpartition(".")[2])
+    if hf_style in _REFUSED:
+        raise ValueError(f"parallelize(model, 'auto'): module '{module_name}' has style '{hf_style}': "
+                         f"{_REFUSED[hf_style]}; give a plan of your own")
+    raise ValueError(f"parallelize(model, 'auto'): module '{module_name}' has the unknown Hugging Face style "
+                     f"'{hf_style}'; known: {sorted(HF_STYLES)}, left out: {sorted(SKIPPED_STYLES)}")
+
+
+@dataclass
+class AutoPlan:
+    """A :class:`Plan` for one model, with what the translation matched and left out."""
+
+    plan: Plan
+    sources: Dict[str, str]  # HF key (with prefix) -> its style name
+    unmatched: List[str] = field(default_factory=list)  # HF keys that name no module of this model
+    skipped: Dict[str, str] = field(default_factory=dict)  # module or parameter name -> why it is left as it is
+
+
+def _hf_plan(model: nn.Module) -> Dict[str, str]:
+    """``{key under the model root: style}`` from the config's base plan and the class's head plan."""
+    config = getattr(model, "config", None)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if base:
+        base.update(FAMILY_ADDITIONS.get(getattr(config, "model_type", ""), {}))
+    head = dict(getattr(type(model), "_tp_plan", None) or {})
+    if not base and not head:
+        raise ValueError(f"parallelize(model, 'auto'): {type(model).__name__} has no tensor-parallel plan of its "
+                         "own (config.base_model_tp_plan is empty); use a shipped plan ('llama', 'gpt2') or a plan "
+                         "of your own")
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):  # a model with a head around the base model
+        base = {f"{prefix}.{k}": v for k, v in base.items()}
+    return {**base, **head}
+
+
+def _regex(key: str) -> "re.Pattern[str]":
+    """transformers' matching: ``*`` stands for one layer index."""
+    return re.compile(re.escape(key).replace(r"\*", r"\d+") + r"\Z")
+
+
+def _local_kv_groups(attn: nn.Module, tp_size: int) -> Dict[str, Any]:
+    """Query heads per KV head on one rank: unchanged when KV heads split evenly, else each rank
+    holds one KV head (replicated) for its ``num_heads / p`` query heads."""
+    config = getattr(attn, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads is None or not hasattr(attn, "num_key_value_groups") or kv % tp_size == 0:
+        return {}
+    return {"num_key_value_groups": heads // tp_size}
+
+
+def auto_plan(model: nn.Module) -> AutoPlan:
+    """Translate ``model``'s own transformers plan into a tplayers :class:`Plan` (see the module
+    docstring); pure: reads the model, changes nothing."""
+    hf = _hf_plan(model)
+    modules = dict(model.named_modules())
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    matches = {key: [n for n in modules if n and _regex(key).match(n)] for key in hf}
+    param_keys = {key for key in hf if not matches[key] and any(_regex(key).match(p) for p in params)}
+    experts = [n for key, names in matches.items() if hf[key] in SKIPPED_STYLES and SKIPPED_STYLES[hf[key]] == _EXPERTS
+               for n in names]
+    layers: Dict[str, Union[str, Style]] = {}
+    skipped: Dict[str, str] = {}
+    unmatched = [k for k in hf if not matches[k] and k not in param_keys]
+    for key in param_keys:  # an entry on a parameter (MoE expert tensors): left as it is
+        skipped[key] = _EXPERTS if hf[key] in ("packed_colwise", "rowwise", "colwise") or hf[key] in SKIPPED_STYLES \
+            else f"a style on a parameter ('{hf[key]}') is not supported; the parameter stays replicated"
+    for key, names in matches.items():
+        for name in names:
+            if any(name == e or name.startswith(e + ".") for e in experts):
+                skipped[name] = _EXPERTS
+            elif hf[key] in SKIPPED_STYLES:
+                skipped[name] = SKIPPED_STYLES[hf[key]]
+            else:
+                layers[name] = translate_style(hf[key], name)
+    _vocab_parallel_ends(model, layers)
+    attention = sorted({n.rpartition(".")[0] for n, s in layers.items()
+                        if n.rpartition(".")[2] in _HEAD_PROJECTIONS and isinstance(s, (Column, KVColumn))
+                        and not getattr(s, "gather_output", False)})
+    plan = Plan(
+        name="auto", layers=layers,
+        # transformers >= 4.48 reshapes with view(..., -1, head_dim); older versions read these.
+        divide_attrs={n: ("num_heads?", "num_key_value_heads?", "num_attention_heads?", "hidden_size?")
+                      for n in attention},
+        require_divisible={n: ("config.num_attention_heads",) for n in attention},
+        set_attrs={n: _local_kv_groups for n in attention})
+    return AutoPlan(plan=plan, sources={k: hf[k] for k in hf}, unmatched=unmatched, skipped=skipped)
+
+
+def _vocab_parallel_ends(model: nn.Module, layers: Dict[str, Union[str, Style]]) -> None:
+    """The input embedding and the output head become vocab-parallel (our choice; see the module docstring)."""
+    by_id = {id(m): n for n, m in model.named_modules()}
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    emb: Optional[nn.Module] = get_in() if callable(get_in) else None
+    head: Optional[nn.Module] = get_out() if callable(get_out) else None
+    if isinstance(emb, nn.Embedding) and id(emb) in by_id:
+        layers[by_id[id(emb)]] = VocabEmbedding()
+    if isinstance(head, nn.Linear) and id(head) in by_id:
+        layers[by_id[id(head)]] = VocabHead()
+

@@ -1,0 +1,107 @@
+"""What ``parallelize`` did to a model: which modules became which TP layer, what stays replicated
+(and whether its gradient is summed over the group), which plan patterns matched nothing, what was
+left out and why, and the fraction of parameters sharded. ``print(tplayers.coverage(model))``."""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List
+
+import torch.nn as nn
+
+from ..layers.base import TensorParallelModule, model_placements
+from ..layers.conv1d import is_conv1d
+from ..core.placement import Sharded
+
+__all__ = ["CoverageReport", "coverage", "build_report", "REPORT_ATTR"]
+
+REPORT_ATTR = "_tplayers_coverage"
+
+
+@dataclass
+class CoverageReport:
+    """``parallelize``'s account of a model (see the module docstring). ``complete``: every linear
+    layer is a TP layer or was named by the plan (e.g. ``"replicate"``), and nothing was left out."""
+
+    plan: str
+    model: str
+    layers: Dict[str, str]  # module -> what it became (a TP layer class, or the hooks a style added)
+    replicated: Dict[str, str]  # parameter -> "gradient summed over the TP group" / "complete gradient on every rank"
+    dense_layers: List[str]  # linear layers no plan entry named: they stay dense on every rank
+    unmatched: List[str]  # plan patterns that matched no module
+    skipped: Dict[str, str] = field(default_factory=dict)  # module or parameter -> why it was left as it is
+    sharded_params: int = 0  # dense element count of the sharded parameters
+    total_params: int = 0  # dense element count of every parameter (tied ones once)
+
+    @property
+    def sharded_fraction(self) -> float:
+        return self.sharded_params / self.total_params if self.total_params else 0.0
+
+    @property
+    def complete(self) -> bool:
+        return not self.dense_layers and not self.skipped
+
+    def __str__(self) -> str:
+        lines = [f"tplayers coverage of {self.model} (plan '{self.plan}'): {self.sharded_fraction:.1%} of "
+                 f"{self.total_params:,} parameters sharded"]
+        lines += _section("TP layers", _grouped(f"{n}: {v}" for n, v in self.layers.items()))
+        lines += _section("replicated parameters", _grouped(f"{n}: {v}" for n, v in self.replicated.items()))
+        lines += _section("left dense (no plan entry)", _grouped(self.dense_layers))
+        lines += _section("left out", _grouped(f"{n}: {v}" for n, v in self.skipped.items()))
+        lines += _section("plan patterns that matched nothing", self.unmatched)
+        return "\n".join(lines)
+
+
+def _section(title: str, rows: List[str]) -> List[str]:
+    return [f"  {title} ({len(rows)}):"] + [f"    {r}" for r in rows] if rows else []
+
+
+def _grouped(rows: Iterable[str]) -> List[str]:
+    """Rows that differ only in layer indices, once each with a count: ``layers.*.mlp.up_proj: ... (x32)``."""
+    counts = Counter(re.sub(r"\.\d+\.", ".*.", r) for r in rows)
+    return [f"{r} (x{c})" if c > 1 else r for r, c in counts.items()]
+
+
+def _is_weight_layer(module: nn.Module) -> bool:
+    """A layer a TP plan is expected to split. Embeddings other than the vocabulary's (positions,
+    token types) are small and meant to stay replicated, so they do not count."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def build_report(model: nn.Module, plan_name: str, layers: Dict[str, str], named: Iterable[str],
+                 unmatched: List[str], skipped: Dict[str, str]) -> CoverageReport:
+    """The report of ``model`` after the swap. ``named``: every module a plan entry took (it is not
+    'left dense', even if its style kept it as it is)."""
+    named = set(named)
+    placements = model_placements(model)
+    tp_prefixes = [f"{n}." for n, m in model.named_modules() if isinstance(m, TensorParallelModule)]
+    replicated: Dict[str, str] = {}
+    sharded = total = 0
+    for name, param in model.named_parameters():
+        placement = placements.get(name)
+        if isinstance(placement, Sharded):
+            numel = math.prod(placement.full_shape(tuple(param.shape)))
+            sharded += numel
+        else:
+            numel = param.numel()
+            replicated[name] = ("gradient summed over the TP group" if placement is not None and placement.partial_grad
+                                else "complete gradient on every rank")
+        total += numel
+    dense = [n for n, m in model.named_modules()
+             if n and _is_weight_layer(m) and not isinstance(m, TensorParallelModule) and n not in named
+             and n not in skipped and not any(n.startswith(p) for p in tp_prefixes)
+             and not any(n.startswith(s + ".") for s in skipped)]
+    return CoverageReport(plan=plan_name, model=type(model).__name__, layers=layers, replicated=replicated,
+                          dense_layers=dense, unmatched=list(unmatched), skipped=dict(skipped),
+                          sharded_params=sharded, total_params=total)
+
+
+def coverage(model: nn.Module) -> CoverageReport:
+    """The :class:`CoverageReport` of the last ``parallelize`` call on ``model``."""
+    report = getattr(model, REPORT_ATTR, None)
+    if report is None:
+        raise ValueError(f"tplayers.coverage: {type(model).__name__} was not parallelized (no report); "
+                         "call tplayers.parallelize(model, plan, group=...) first")
+    return report
