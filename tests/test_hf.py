@@ -16,7 +16,7 @@ from tplayers.testing import dense_parameters, get_world  # noqa: E402
 # Ranks fork from a server that imports these once (pytest collects every module before the
 # first world starts), instead of each of the 7 ranks importing the model code on its own.
 testing.FORKSERVER_PRELOAD.extend(["transformers.models.llama.modeling_llama",
-                                   "transformers.models.gpt2.modeling_gpt2"])
+                                   "transformers.models.gpt2.modeling_gpt2", "transformers.models.opt.modeling_opt"])
 
 VOCAB = 96  # divisible by 2 and 4, so GPT-2's tied head and embedding keep one layout without padding
 
@@ -40,7 +40,16 @@ def _gpt2(seed: int = 0, vocab: int = VOCAB):
     return GPT2LMHeadModel(cfg).double().eval()
 
 
-BUILD = {"llama": _llama, "gpt2": _gpt2}
+def _opt(seed: int = 0):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=32, word_embed_proj_dim=32, pad_token_id=1, dropout=0.0)
+    return OPTForCausalLM(cfg).double().eval()
+
+
+BUILD = {"llama": _llama, "gpt2": _gpt2, "opt": _opt}
 
 
 def _assert_lm_matches(model, dense, ids):
@@ -180,6 +189,6 @@ def _check_sequence_parallel(group, family: str):
     return True
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
 def test_shipped_plan_sequence_parallel_matches_dense(family):
     assert all(get_world(2).run(_check_sequence_parallel, family))

@@ -13,6 +13,8 @@ style name through :data:`HF_STYLES`. What we chose where transformers differs:
 - MoE experts (``moe_tp_experts`` and the styles of their parameters) stay replicated: every rank
   runs every expert on the full hidden state, so the result is exact but uses no less memory; the
   coverage report lists them with that reason;
+- a model without a plan of its own (GPT-2, OPT) gets tplayers' shipped plan for its
+  ``config.model_type`` (:data:`~tplayers.convert.plans.MODEL_TYPES`);
 - ``sequence_parallel`` entries (norms inside a sequence-parallel region) are not applied: "auto"
   is the plain TP layout, its norms see the whole sequence.
 
@@ -27,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch.nn as nn
 
 from .plan import Plan
+from .plans import MODEL_TYPES, PLANS
 from .sequence import ReplicateReduceGrad
 from .styles import Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead
 
@@ -102,16 +105,15 @@ class AutoPlan:
 
 
 def _hf_plan(model: nn.Module) -> Dict[str, str]:
-    """``{key under the model root: style}`` from the config's base plan and the class's head plan."""
+    """``{key under the model root: style}`` from the config's base plan and the class's head plan
+    (empty when the model has no plan of its own)."""
     config = getattr(model, "config", None)
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     if base:
         base.update(FAMILY_ADDITIONS.get(getattr(config, "model_type", ""), {}))
     head = dict(getattr(type(model), "_tp_plan", None) or {})
-    if not base and not head:
-        raise ValueError(f"parallelize(model, 'auto'): {type(model).__name__} has no tensor-parallel plan of its "
-                         "own (config.base_model_tp_plan is empty); use a shipped plan ('llama', 'gpt2') or a plan "
-                         "of your own")
+    if not base:  # a head plan alone would shard the head and nothing else
+        return {}
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and isinstance(getattr(model, prefix, None), nn.Module):  # a model with a head around the base model
         base = {f"{prefix}.{k}": v for k, v in base.items()}
@@ -138,6 +140,13 @@ def auto_plan(model: nn.Module) -> AutoPlan:
     """Translate ``model``'s own transformers plan into a tplayers :class:`Plan` (see the module
     docstring); pure: reads the model, changes nothing."""
     hf = _hf_plan(model)
+    if not hf:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type in MODEL_TYPES:  # no plan of its own, but tplayers ships one for its family
+            return AutoPlan(plan=PLANS[MODEL_TYPES[model_type]], sources={})
+        raise ValueError(f"parallelize(model, 'auto'): {type(model).__name__} has no tensor-parallel plan of its own "
+                         f"(config.base_model_tp_plan is empty) and tplayers ships none for model_type "
+                         f"{model_type!r} (shipped: {sorted(PLANS)}); give a plan of your own")
     modules = dict(model.named_modules())
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     matches = {key: [n for n in modules if n and _regex(key).match(n)] for key in hf}

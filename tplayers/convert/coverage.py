@@ -91,8 +91,7 @@ def build_report(model: nn.Module, plan_name: str, layers: Dict[str, str], named
         total += numel
     dense = [n for n, m in model.named_modules()
              if n and _is_weight_layer(m) and not isinstance(m, TensorParallelModule) and n not in named
-             and n not in skipped and not any(n.startswith(p) for p in tp_prefixes)
-             and not any(n.startswith(s + ".") for s in skipped)]
+             and n not in skipped and not any(n.startswith(p) for p in tp_prefixes)]
     return CoverageReport(plan=plan_name, model=type(model).__name__, layers=layers, replicated=replicated,
                           dense_layers=dense, unmatched=list(unmatched), skipped=dict(skipped),
                           sharded_params=sharded, total_params=total)
