@@ -192,3 +192,31 @@ def _check_sequence_parallel(group, family: str):
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
 def test_shipped_plan_sequence_parallel_matches_dense(family):
     assert all(get_world(2).run(_check_sequence_parallel, family))
+
+
+def _generate_sequence_parallel(group, family: str):
+    """generate() feeds the prompt (7 tokens, not divisible by 2) and then one token per step: each such
+    forward runs without sequence parallelism (no gradient recorded), and the tokens are the dense model's."""
+    dense = BUILD[family](seed=6)
+    model = tplayers.parallelize(copy.deepcopy(dense), family, group=group, sequence_parallel=True)
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=5, do_sample=False, use_cache=True, output_logits=True, return_dict_in_generate=True,
+              pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        want, got = dense.generate(prompt, **kw), model.generate(prompt, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for lt, ld in zip(got.logits, want.logits):
+        torch.testing.assert_close(lt, ld, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match=r"sequence length 7 .* is not divisible by the TP degree 2; pad it to a "
+                                         r"multiple of 2, or run this forward under torch.no_grad\(\)"):
+        model(prompt, labels=prompt)  # training: refused, naming the length and the degree
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with tplayers.comm_accounting() as acct:
+        _assert_lm_matches(model, dense, ids)  # and sequence parallelism is back on for a length that divides
+    assert {"reduce_scatter", "all_gather"} <= {r.op for r in acct.records if r.phase == "forward"}
+    return True
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+def test_generate_under_sequence_parallelism_falls_back_for_lengths_that_do_not_divide(family):
+    assert all(get_world(2).run(_generate_sequence_parallel, family))

@@ -47,7 +47,7 @@ from .coverage import REPORT_ATTR, build_report
 from .plan import Plan, resolve_style
 from .plans import get_plan
 from .sequence import check_sequence_region
-from .styles import BuildContext, Built, Style, getattr_path
+from .styles import BuildContext, Built, SequenceSwitch, Style, getattr_path
 
 __all__ = ["parallelize"]
 
@@ -74,6 +74,7 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
     """Every style's result, in model order; modules inside a replaced one are skipped."""
     built: Dict[str, Built] = {}
     replaced: List[str] = []
+    switch = SequenceSwitch()  # one per call: every sequence-parallel layer and hook of this model
     for name, pat in matched:
         if any(name.startswith(r + ".") for r in replaced):
             continue
@@ -81,7 +82,7 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
         if isinstance(module, TensorParallelModule):
             raise ValueError(f"parallelize: module '{name}' is already tensor-parallel "
                              f"({type(module).__name__}); parallelize each model once")
-        ctx = BuildContext(name=name, group=tp, parent=modules[name.rpartition(".")[0]])
+        ctx = BuildContext(name=name, group=tp, parent=modules[name.rpartition(".")[0]], switch=switch)
         try:
             built[name] = styles[pat].build(module, ctx)
         except (ValueError, TypeError, AttributeError) as e:

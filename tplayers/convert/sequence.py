@@ -19,7 +19,7 @@ from ..core.comm import copy_to_tp, gather_from_sequence, scatter_to_sequence
 from ..core.groups import TPGroup
 from ..core.placement import Replicated
 from ..layers.base import PLACEMENTS_ATTR
-from .styles import BuildContext, Built
+from .styles import BuildContext, Built, SequenceSwitch
 
 __all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "ReplicateReduceGrad", "map_first_input", "route_params_through",
            "check_sequence_region"]
@@ -72,17 +72,17 @@ class _SequenceStyle:
         if self.style_name in getattr(module, _MARK, ()):
             raise ValueError(f"parallelize: module '{ctx.name}' already has the {self.style_name} hooks of an "
                              "earlier parallelize call")
-        return Built(module, finish=lambda: self._apply(module, ctx.group), region=self._region())
+        return Built(module, finish=lambda: self._apply(module, ctx.group, ctx.switch), region=self._region())
 
     def _region(self) -> Optional[str]:
         return None
 
-    def _apply(self, module: nn.Module, tp: TPGroup) -> None:
+    def _apply(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
         setattr(module, _MARK, getattr(module, _MARK, ()) + (self.style_name,))
         if tp.size > 1:
-            self._attach(module, tp)
+            self._attach(module, tp, switch)
 
-    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
+    def _attach(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
         raise NotImplementedError
 
 
@@ -102,7 +102,7 @@ class ReplicateReduceGrad(_SequenceStyle):
 
     style_name = "replicate_reduce_grad"
 
-    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
+    def _attach(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
         _reduce_param_grads(module, tp)
 
 
@@ -119,11 +119,13 @@ class SequenceParallelNorm(_SequenceStyle):
     def _region(self) -> Optional[str]:
         return "leave_sequence" if self.gather_output else None
 
-    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
+    def _attach(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
+        # (with the switch off no gradient is recorded, so the reduction above is never reached)
         _reduce_param_grads(module, tp)
         if self.gather_output:
             # the head after it all-reduces its input gradient, so the gradient here is complete: split it
-            module.register_forward_hook(lambda m, args, out: gather_from_sequence(out, group=tp, grad_is_partial=False))
+            module.register_forward_hook(lambda m, args, out: gather_from_sequence(out, group=tp, grad_is_partial=False)
+                                         if switch.active else out)
 
 
 @dataclass(frozen=True)
@@ -135,22 +137,37 @@ class GatherSequence(_SequenceStyle):
 
     style_name = "gather_sequence"
 
-    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
-        map_first_input(module, lambda x: gather_from_sequence(x, group=tp, grad_is_partial=False))
+    def _attach(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
+        map_first_input(module, lambda x: gather_from_sequence(x, group=tp, grad_is_partial=False)
+                        if switch.active else x)
 
 
 @dataclass(frozen=True)
 class ScatterSequence(_SequenceStyle):
     """Enter the sequence-parallel region: the module's first input (``hidden_states``) is cut to
-    this rank's sequence chunk (``(b, s, h) -> (b, s/p, h)``); its gradient is all-gathered."""
+    this rank's sequence chunk (``(b, s, h) -> (b, s/p, h)``); its gradient is all-gathered.
+
+    A sequence length that does not divide the TP degree (the one-token steps of ``generate`` with
+    a KV cache) switches the whole region off for that forward when no gradient is recorded: every
+    layer and hook of the call runs the plain TP path. With autograd on it is refused."""
 
     style_name = "scatter_sequence"
 
     def _region(self) -> Optional[str]:
         return "enter_sequence"
 
-    def _attach(self, module: nn.Module, tp: TPGroup) -> None:
-        map_first_input(module, lambda x: scatter_to_sequence(x, group=tp))
+    def _attach(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
+        def enter(x: torch.Tensor) -> torch.Tensor:  # (b, s, h) -> (b, s/p, h)
+            seq = x.shape[-2]
+            if seq % tp.size and torch.is_grad_enabled():
+                raise ValueError(f"sequence parallelism: the sequence length {seq} (dim -2 of the hidden states "
+                                 f"entering '{type(module).__name__}') is not divisible by the TP degree {tp.size}; "
+                                 f"pad it to a multiple of {tp.size}, or run this forward under torch.no_grad() "
+                                 "(generate() does), which falls back to the non-sequence-parallel path")
+            switch.set(seq % tp.size == 0)
+            return scatter_to_sequence(x, group=tp) if switch.active else x
+
+        map_first_input(module, enter)
 
 
 def check_sequence_region(plan_name: str, regions: Dict[str, Optional[str]]) -> None:

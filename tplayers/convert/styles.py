@@ -9,8 +9,8 @@ to know which style it is running.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 import torch.nn as nn
 
@@ -22,17 +22,35 @@ from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.base import own_forward
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding, embedding_scale
 
-__all__ = ["BuildContext", "Built", "Style", "Column", "KVColumn", "Row", "VocabEmbedding", "VocabHead", "Replicate",
+__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "KVColumn", "Row", "VocabEmbedding", "VocabHead", "Replicate",
            "getattr_path"]
+
+
+class SequenceSwitch:
+    """Whether sequence parallelism is on for the current forward, shared by every sequence-parallel
+    layer and hook of one ``parallelize`` call. The hook entering the region sets it each forward
+    (:class:`~tplayers.convert.sequence.ScatterSequence`): off when the sequence length does not
+    divide the TP degree and no gradient is recorded (a decoding step of ``generate``)."""
+
+    def __init__(self) -> None:
+        self.layers: List[nn.Module] = []  # the sequence-parallel TP layers
+        self.active = True
+
+    def set(self, active: bool) -> None:
+        self.active = active
+        for layer in self.layers:
+            layer.sequence_parallel = active
 
 
 @dataclass(frozen=True)
 class BuildContext:
-    """Where a style is applied: the module's qualified name, its parent, the TP group."""
+    """Where a style is applied: the module's qualified name, its parent, the TP group, and the
+    sequence-parallel switch of this ``parallelize`` call."""
 
     name: str
     group: TPGroup
     parent: Optional[nn.Module] = None
+    switch: SequenceSwitch = field(default_factory=SequenceSwitch)
 
 
 @dataclass
@@ -91,6 +109,13 @@ def _from(module: nn.Module, linear_cls: type, conv_cls: type, ctx: BuildContext
     return linear_cls.from_dense(module, group=ctx.group, **options)
 
 
+def _switched(layer: nn.Module, ctx: BuildContext) -> Built:
+    """A sequence-parallel layer follows its call's :class:`SequenceSwitch` (registered once swapped in)."""
+    if not getattr(layer, "sequence_parallel", False):
+        return Built(layer)
+    return Built(layer, finish=lambda: ctx.switch.layers.append(layer))
+
+
 def _part_sizes(parts: Union[int, Sequence[int]], out_features: int) -> Tuple[int, ...]:
     if isinstance(parts, int):
         if parts < 1 or out_features % parts:
@@ -113,14 +138,14 @@ class Column:
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         _check_linear_like(module, ctx, "column")
         if self.parts is None:
-            return Built(_from(module, ColumnParallelLinear, ColumnParallelConv1D, ctx,
-                               gather_output=self.gather_output, sequence_parallel=self.sequence_parallel))
+            return _switched(_from(module, ColumnParallelLinear, ColumnParallelConv1D, ctx,
+                                   gather_output=self.gather_output, sequence_parallel=self.sequence_parallel), ctx)
         if self.gather_output:
             raise ValueError("Column(parts=..., gather_output=True): gathering a fused projection would "
                              "interleave its parts' shards ([q_0 k_0 v_0 q_1 ...]); keep the output sharded")
         parts = _part_sizes(self.parts, module.nf if is_conv1d(module) else module.out_features)
-        return Built(_from(module, FusedColumnParallelLinear, FusedColumnParallelConv1D, ctx, parts=parts,
-                           sequence_parallel=self.sequence_parallel))
+        return _switched(_from(module, FusedColumnParallelLinear, FusedColumnParallelConv1D, ctx, parts=parts,
+                               sequence_parallel=self.sequence_parallel), ctx)
 
 
 @dataclass(frozen=True)
@@ -153,8 +178,8 @@ class Row:
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         _check_linear_like(module, ctx, "row")
-        return Built(_from(module, RowParallelLinear, RowParallelConv1D, ctx,
-                           input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel))
+        return _switched(_from(module, RowParallelLinear, RowParallelConv1D, ctx,
+                               input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel), ctx)
 
 
 @dataclass(frozen=True)
