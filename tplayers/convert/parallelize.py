@@ -173,6 +173,8 @@ def _describe(built: Dict[str, Built], modules: Dict[str, nn.Module], styles: Di
     for name, b in built.items():
         if b.module is not modules[name]:
             out[name] = type(b.module).__name__
+        elif b.label is not None:
+            out[name] = b.label
         elif b.finish is not None:
             out[name] = f"{type(b.module).__name__} with {type(styles[style_of[name]]).__name__} hooks"
     return out

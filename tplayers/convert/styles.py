@@ -20,6 +20,7 @@ from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, Row
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.base import own_forward
+from ..layers.lora import is_peft_lora, prepare_lora
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding, embedding_scale
 
 __all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "KVColumn", "Row", "VocabEmbedding", "VocabHead", "Replicate",
@@ -61,6 +62,7 @@ class Built:
     module: nn.Module
     finish: Optional[Callable[[], None]] = None
     region: Optional[str] = None  # "enter_sequence" / "leave_sequence": where a sequence-parallel region starts, ends
+    label: Optional[str] = None  # what the module became, for the coverage report, when it stays in place
 
 
 @runtime_checkable
@@ -109,6 +111,20 @@ def _from(module: nn.Module, linear_cls: type, conv_cls: type, ctx: BuildContext
     return linear_cls.from_dense(module, group=ctx.group, **options)
 
 
+def _with_lora(style: Style, module: nn.Module, ctx: BuildContext, kind: str) -> Built:
+    """A PEFT LoRA layer: its ``base_layer`` built by ``style``, the adapter split to match
+    (:mod:`tplayers.layers.lora`); the PEFT module stays in place."""
+    # the wrapper is transparent: the base layer's parent is the module's (KVColumn reads the attention's heads)
+    base = style.build(module.base_layer, BuildContext(f"{ctx.name}.base_layer", ctx.group, ctx.parent, ctx.switch))
+    install = prepare_lora(module, base.module, kind, ctx.name)
+
+    def finish() -> None:
+        install()
+        if base.finish is not None:
+            base.finish()
+    return Built(module, finish=finish, label=f"PEFT LoRA over {type(base.module).__name__}")
+
+
 def _switched(layer: nn.Module, ctx: BuildContext) -> Built:
     """A sequence-parallel layer follows its call's :class:`SequenceSwitch` (registered once swapped in)."""
     if not getattr(layer, "sequence_parallel", False):
@@ -136,6 +152,8 @@ class Column:
     sequence_parallel: bool = False
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if is_peft_lora(module):
+            return _with_lora(self, module, ctx, "column")
         _check_linear_like(module, ctx, "column")
         if self.parts is None:
             return _switched(_from(module, ColumnParallelLinear, ColumnParallelConv1D, ctx,
@@ -158,6 +176,8 @@ class KVColumn:
     kv_heads: str = "config.num_key_value_heads"
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if is_peft_lora(module):
+            return _with_lora(self, module, ctx, "column")
         if not isinstance(module, nn.Linear):
             raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style 'kv_column' "
                             "needs an nn.Linear")
@@ -177,6 +197,8 @@ class Row:
     sequence_parallel: bool = False
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if is_peft_lora(module):
+            return _with_lora(self, module, ctx, "row")
         _check_linear_like(module, ctx, "row")
         return _switched(_from(module, RowParallelLinear, RowParallelConv1D, ctx,
                                input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel), ctx)

@@ -8,7 +8,8 @@ from .norm import ParallelNorm
 from .compat import ShardLayout  # deprecated 0.1 name
 from .gradients import check_replicas, clip_grad_norm_
 from .audit import check_same_inputs
+from .lora import LoRAPiece
 
-__all__ = ["TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",
+__all__ = ["LoRAPiece", "TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",
            "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "model_placements", "set_overlap_comm", "require_divisible", "ShardLayout",
            "clip_grad_norm_", "check_replicas", "check_same_inputs"]

@@ -1,0 +1,87 @@
+"""PEFT's LoRA on a parallelized model: PEFT first on the dense model, then ``parallelize``; the
+adapter's factors are split to match their base layer (tplayers.layers.lora). Training the LoRA at
+TP 2 and 4 follows training it on the dense model (float64), and what cannot be split is refused."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import tplayers  # noqa: E402
+from tplayers import testing  # noqa: E402
+from tplayers.testing import dense_parameters, get_world  # noqa: E402
+
+testing.FORKSERVER_PRELOAD.extend(["transformers.models.llama.modeling_llama", "peft"])
+VOCAB = 96
+TARGETS = ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # column and row layers
+
+
+def _lora_llama(targets, seed=0, **lora):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    base = LlamaForCausalLM(cfg).double().eval()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, **{"lora_dropout": 0.0, **lora},
+                             init_lora_weights=False)  # random lora_B: the adapter changes the output from the start
+    return peft.get_peft_model(base, config)
+
+
+def _train(group, targets):
+    dense = _lora_llama(targets)
+    model = copy.deepcopy(dense)
+    tplayers.parallelize(model.base_model.model, "auto", group=group)
+    opt_d = torch.optim.SGD([p for p in dense.parameters() if p.requires_grad], lr=0.5)
+    opt_t = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        ids = torch.randint(0, VOCAB, (2, 10), generator=g)
+        out_d, out_t = dense(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+        torch.testing.assert_close(out_t.logits, out_d.logits, rtol=1e-9, atol=1e-9)
+        out_d.loss.backward(), out_t.loss.backward()
+        grads = dense_parameters(model, grads=True)
+        trained = [n for n, p in dense.named_parameters() if p.requires_grad]
+        for name in trained:
+            torch.testing.assert_close(grads[name], dict(dense.named_parameters())[name].grad, rtol=1e-9, atol=1e-12,
+                                       msg=lambda m: f"step {step}, grad of {name}: {m}")
+        tplayers.check_replicas(model)
+        opt_d.step(), opt_t.step()
+        opt_d.zero_grad(), opt_t.zero_grad()
+    params = dense_parameters(model)
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    # PEFT's own merge works on the shards: the merged TP model computes the same logits
+    ids = torch.randint(0, VOCAB, (2, 6), generator=g)
+    with torch.no_grad():
+        want = dense(input_ids=ids).logits
+        model.merge_adapter()
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-9, atol=1e-9)
+    return str(tplayers.coverage(model.base_model.model)), len(trained)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_training_a_lora_on_tp_layers_follows_the_dense_lora(tp):
+    targets = TARGETS + (["v_proj"] if tp == 2 else [])  # at TP 4 the 2 KV heads are replicated: refused below
+    for report, trained in get_world(tp).run(_train, targets):
+        assert "q_proj: PEFT LoRA over ColumnParallelLinear (x2)" in report
+        assert "down_proj: PEFT LoRA over RowParallelLinear (x2)" in report
+        assert trained == 2 * 2 * len(targets)  # lora_A and lora_B of each target, 2 layers
+
+
+def _refusals(group):
+    with pytest.raises(ValueError, match=r"module 'model.layers.0.self_attn.q_proj': adapter 'default' has "
+                                         r"lora_dropout=0.1; under TP every rank would draw a different mask"):
+        tplayers.parallelize(_lora_llama(["q_proj"], lora_dropout=0.1).base_model.model, "auto", group=group)
+    with pytest.raises(ValueError, match=r"module 'model.layers.0.self_attn.v_proj': LoRA on a layer with replicated "
+                                         r"pieces \(KV heads shared by several ranks\)"):
+        tplayers.parallelize(_lora_llama(["v_proj"]).base_model.model, "auto", group=group)
+    with pytest.raises(TypeError, match=r"module 'model.layers.0.mlp.up_proj': LoRA variants \['default'\]"):
+        tplayers.parallelize(_lora_llama(["up_proj"], use_dora=True).base_model.model, "auto", group=group)
+    return True
+
+
+def test_lora_that_cannot_be_split_is_refused_naming_the_module():
+    assert all(get_world(4).run(_refusals))

@@ -1,0 +1,124 @@
+"""PEFT's LoRA on tensor-parallel layers: the adapter keeps PEFT's module, only its pieces are split.
+
+A PEFT ``lora.Linear`` computes ``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``. Under TP
+the module stays (PEFT's forward, merging, adapter switching and saving keep working) and:
+
+- column (output split): ``base_layer`` becomes a :class:`ColumnParallelLinear`; ``lora_B`` keeps the
+  rows of this rank's output features (the base weight's placement); ``lora_A`` stays whole, its
+  output ``(b, s, r)`` passes ``copy_to_tp``, so its gradient (each rank's part, from its own output
+  features) is summed over the group: one all-reduce of ``b*s*r`` elements in backward;
+- row (input split): ``base_layer`` becomes a :class:`RowParallelLinear`; ``lora_A`` keeps the
+  columns of this rank's input features; its partial output is summed with ``reduce_from_tp`` (one
+  all-reduce of ``b*s*r`` elements in forward); ``lora_B`` stays whole.
+
+Merging works on the shards as they are (``B_local @ A`` and ``B @ A_local`` have the local weight's
+shape). Refused, naming the reason: dropout > 0 (ranks would draw different masks on the same
+replicated input), LoRA variants (DoRA ...), a bias on ``lora_B``, and layers whose input or output is
+not plainly split (gathered outputs, split-inside inputs, sequence parallelism, replicated KV heads).
+Adapters are split when ``parallelize`` runs: add them before it, not after.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..core.comm import copy_to_tp, reduce_from_tp
+from ..core.groups import GroupLike, resolve_group
+from ..core.placement import Placement, Sharded
+from .base import TensorParallelModule
+
+__all__ = ["is_peft_lora", "prepare_lora", "LoRAPiece"]
+
+
+def is_peft_lora(module: nn.Module) -> bool:
+    """A PEFT LoRA layer (``peft.tuners.lora.Linear`` and kin): a ``base_layer`` with ``lora_A`` / ``lora_B``."""
+    return (type(module).__module__.startswith("peft.") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+            and isinstance(getattr(module, "lora_B", None), nn.ModuleDict) and hasattr(module, "base_layer"))
+
+
+def _check_plain_lora(module: nn.Module, name: str) -> None:
+    if getattr(module, "lora_variant", None):
+        raise TypeError(f"parallelize: module '{name}': LoRA variants {sorted(module.lora_variant)} (DoRA, ...) are not "
+                        "supported on TP layers; use plain LoRA")
+    if getattr(module, "merged", False):
+        raise ValueError(f"parallelize: module '{name}': the LoRA adapter is merged into the base weight; "
+                         "unmerge it first (or merge_and_unload() and parallelize the plain model)")
+    for adapter, dropout in module.lora_dropout.items():
+        if not isinstance(dropout, nn.Identity) and getattr(dropout, "p", 0.0) > 0:
+            raise ValueError(f"parallelize: module '{name}': adapter '{adapter}' has lora_dropout={dropout.p}; under TP "
+                             "every rank would draw a different mask on the same input: use lora_dropout=0")
+    for adapter, lora_b in module.lora_B.items():
+        if not isinstance(lora_b, nn.Linear) or lora_b.bias is not None:
+            raise ValueError(f"parallelize: module '{name}': adapter '{adapter}': lora_B must be an nn.Linear "
+                             "without bias (lora_bias=False)")
+
+
+class LoRAPiece(TensorParallelModule):
+    """This rank's piece of a LoRA factor (``lora_B`` of a column layer, ``lora_A`` of a row layer):
+    ``x @ weight.T``, the weight placed like the base layer's. No communication of its own (the
+    hooks :func:`prepare_lora` installs on ``lora_A`` do it)."""
+
+    def __init__(self, weight: torch.Tensor, placement: Sharded, *, group: GroupLike) -> None:
+        super().__init__()
+        self.tp = resolve_group(group)
+        self.placement = placement
+        self.out_features, self.in_features = weight.shape  # local
+        self.weight = nn.Parameter(weight)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "LoRAPiece":
+        """``dense``: the full ``nn.Linear`` factor; ``placement=``: how its weight is split."""
+        tp, placement = resolve_group(group), options["placement"]
+        piece = cls(placement.shard(dense.weight.detach(), tp.rank, tp.size).clone(), placement, group=tp)
+        piece.weight.requires_grad_(dense.weight.requires_grad)
+        return piece
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out), local sizes
+        return F.linear(x, self.weight)
+
+    def param_placements(self) -> Dict[str, Placement]:
+        return {"weight": self.placement}
+
+    def to_dense(self) -> nn.Module:
+        full = self.gather_param("weight")
+        dense = nn.Linear(full.shape[1], full.shape[0], bias=False, device=full.device, dtype=full.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(full)
+        return dense
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features} (local), tp={self.tp.size}"
+
+
+def prepare_lora(module: nn.Module, base: TensorParallelModule, kind: str, name: str) -> Callable[[], None]:
+    """Check PEFT LoRA ``module`` against its new TP ``base`` (``kind`` "column" or "row"; built by the
+    style, not yet in place) and return the function that puts everything in place."""
+    _check_plain_lora(module, name)
+    tp = base.tp
+    if kind == "column":
+        if getattr(base, "gather_output", False) or getattr(base, "sequence_parallel", False):
+            raise ValueError(f"parallelize: module '{name}': LoRA on a column layer needs its output split and its "
+                             "input whole (no gather_output, no sequence parallelism)")
+    elif getattr(base, "sequence_parallel", False) or not getattr(base, "input_is_parallel", True):
+        raise ValueError(f"parallelize: module '{name}': LoRA on a row layer needs its input split by the layer before "
+                         "(input_is_parallel=True, no sequence parallelism)")
+    placement = base.param_placements()["weight"]
+    if not isinstance(placement, Sharded) or any(part.shards != tp.size for part in placement.parts):
+        raise ValueError(f"parallelize: module '{name}': LoRA on a layer with replicated pieces (KV heads shared "
+                         "by several ranks) is not supported; leave this projection out of the LoRA target_modules")
+    split = module.lora_B if kind == "column" else module.lora_A
+    new = {a: LoRAPiece.from_dense(lin, group=tp, placement=placement) for a, lin in split.items()}
+    comm = copy_to_tp if kind == "column" else reduce_from_tp
+
+    def install() -> None:
+        module.base_layer = base
+        for adapter, lin in new.items():
+            split[adapter] = lin
+        if tp.size > 1:
+            for lora_a in module.lora_A.values():  # (b, s, r): summed in backward (column) / forward (row)
+                lora_a.register_forward_hook(lambda m, args, out: comm(out, group=tp))
+    return install
+
