@@ -22,8 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, apply_rotary,
-                    attention_core, check_heads, normalize_attn_mask, rotary_cos_sin)
+from .cache import LayerKV
+from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, attention_core,
+                    check_heads, normalize_attn_mask, refuse_mask_with_cache, rotate_and_cache)
 from ..layers.fused import FusedColumnParallelLinear
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import kv_shards as placement_kv_shards, require_divisible, require_positive
@@ -144,17 +145,17 @@ class ParallelAttention(TensorParallelModule):
                                              part_names=["q", "k", "v"], layer=f"{name}.qkv", **common)
         self.proj = RowParallelLinear(q_size, hidden, bias, input_is_parallel=True, **common)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                cache: Optional[LayerKV] = None) -> torch.Tensor:
         if x.dim() != 3:
             raise ValueError(f"ParallelAttention: expected input (batch, seq, hidden), got {tuple(x.shape)}")
+        refuse_mask_with_cache(attn_mask, cache, "ParallelAttention")
         hd = self.head_dim
         qkv = self.qkv(x)  # (b, s, (hq/p + 2*hkv_local) * d): the whole sequence, this rank's heads
         b, s = qkv.shape[0], qkv.shape[1]
         q, k, v = qkv.split([self.local_heads * hd, self.local_kv_heads * hd, self.local_kv_heads * hd], dim=-1)
         q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=hd) for t in (q, k, v))
-        if self.rotary:
-            cos, sin = rotary_cos_sin(s, hd, self.rope_theta, x.device, q.dtype)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = rotate_and_cache(q, k, v, rotary=self.rotary, theta=self.rope_theta, cache=cache)  # cache: local KV heads
         mask = normalize_attn_mask(attn_mask, b, s, self.n_heads, "ParallelAttention")
         if mask is not None and mask.shape[1] > 1:  # per-head mask: this rank's heads
             mask = mask.narrow(1, self.tp.rank * self.local_heads, self.local_heads)
@@ -224,8 +225,9 @@ class ParallelTransformerBlock(TensorParallelModule):
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return activation_dropout(x, self.config.dropout if self.training else 0.0, self.rng, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self._dropout(self.attn(self.attn_norm(x), attn_mask))  # (b, s | s/p, h)
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                cache: Optional[LayerKV] = None) -> torch.Tensor:
+        x = x + self._dropout(self.attn(self.attn_norm(x), attn_mask, cache))  # (b, s | s/p, h)
         return x + self._dropout(self.mlp(self.mlp_norm(x)))
 
     @classmethod

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 
 from ..layers.norm import make_norm
+from .cache import KVCache, LayerKV, greedy_decode
 
 __all__ = [
     "BlockConfig",
@@ -31,6 +32,7 @@ __all__ = [
     "apply_rotary",
     "attention_core",
     "normalize_attn_mask",
+    "rotate_and_cache",
 ]
 
 ACTIVATIONS = ("gelu", "swiglu")
@@ -116,6 +118,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def rotate_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rotary: bool, theta: float,
+                     cache: Optional[LayerKV]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotary angles at the new positions (they start at the cached length), then the cached keys
+    and values put before the new ones: ``q (b, hq, s, d)``, ``k, v (b, hkv, t + s, d)``."""
+    offset = 0 if cache is None else cache.offset
+    if rotary:
+        s, hd = q.shape[-2], q.shape[-1]
+        cos, sin = rotary_cos_sin(offset + s, hd, theta, q.device, q.dtype)
+        q, k = apply_rotary(q, cos[offset:], sin[offset:]), apply_rotary(k, cos[offset:], sin[offset:])
+    if cache is not None:
+        k, v = cache.append(k, v)
+    return q, k, v
+
+
+def refuse_mask_with_cache(attn_mask: Optional[torch.Tensor], cache: Optional[LayerKV], layer: str) -> None:
+    if attn_mask is not None and cache is not None:
+        raise ValueError(f"{layer}: attn_mask together with a KV cache is not supported (decoding is causal "
+                         "over the cached positions); pass one or the other")
+
+
 def normalize_attn_mask(mask: Optional[torch.Tensor], batch: int, seq: int, n_heads: int, layer: str) -> Optional[torch.Tensor]:
     """A user mask as ``(b | 1, 1 | n_heads, 1 | s, s)`` (query dim 1: a key-padding mask, broadcast
     over the queries). Bool: True = attend; float: added to scores."""
@@ -140,16 +162,19 @@ def normalize_attn_mask(mask: Optional[torch.Tensor], batch: int, seq: int, n_he
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                    attn_mask: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
-    """SDPA over ``q (b, hq, s, d)`` and ``k, v (b, hkv, s, d)``; query head i reads KV head
-    ``i // (hq // hkv)``. A causal flag and a mask are combined into one mask."""
+    """SDPA over ``q (b, hq, s, d)`` and ``k, v (b, hkv, t, d)`` (``t > s``: keys of cached positions
+    first); query head i reads KV head ``i // (hq // hkv)``. A causal flag and a mask are combined
+    into one mask."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = repeat(k, "b h s d -> b (h g) s d", g=groups)
         v = repeat(v, "b h s d -> b (h g) s d", g=groups)
-    if attn_mask is not None and causal:
-        s = q.shape[-2]
-        allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        if attn_mask.dtype == torch.bool:
+    s, t = q.shape[-2], k.shape[-2]  # t > s: cached keys come first, query i sits at position t - s + i
+    if causal and (attn_mask is not None or t != s):
+        allowed = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+        if attn_mask is None:
+            attn_mask = allowed
+        elif attn_mask.dtype == torch.bool:
             attn_mask = attn_mask & allowed
         else:
             attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
@@ -189,16 +214,16 @@ class DenseAttention(nn.Module):
         self.qkv = nn.Linear(hidden, q_size + 2 * kv_size, bias=bias, device=device, dtype=dtype)
         self.proj = nn.Linear(q_size, hidden, bias=bias, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                cache: Optional[LayerKV] = None) -> torch.Tensor:
         if x.dim() != 3:
             raise ValueError(f"{type(self).__name__}: expected input (batch, seq, hidden), got {tuple(x.shape)}")
+        refuse_mask_with_cache(attn_mask, cache, type(self).__name__)
         b, s, _ = x.shape
         hd = self.head_dim
         q, k, v = self.qkv(x).split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
         q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=hd) for t in (q, k, v))
-        if self.rotary:
-            cos, sin = rotary_cos_sin(s, hd, self.rope_theta, x.device, q.dtype)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = rotate_and_cache(q, k, v, rotary=self.rotary, theta=self.rope_theta, cache=cache)
         mask = normalize_attn_mask(attn_mask, b, s, self.n_heads, type(self).__name__)
         o = attention_core(q, k, v, causal=self.causal, attn_mask=mask,
                            dropout_p=self.attn_dropout if self.training else 0.0)  # (b, h, s, d)
@@ -220,9 +245,10 @@ class DenseTransformerBlock(nn.Module):
         self.mlp_norm = make_norm(c.norm, c.hidden, c.norm_eps, c.bias, device, dtype)
         self.mlp = DenseMLP(c.hidden, c.ffn_hidden, c.activation, c.bias, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                cache: Optional[LayerKV] = None) -> torch.Tensor:
         p = self.config.dropout if self.training else 0.0
-        x = x + F.dropout(self.attn(self.attn_norm(x), attn_mask), p)
+        x = x + F.dropout(self.attn(self.attn_norm(x), attn_mask, cache), p)
         return x + F.dropout(self.mlp(self.mlp_norm(x)), p)
 
 
@@ -237,11 +263,17 @@ class DenseGPT(nn.Module):
         self.norm = make_norm(c.norm, c.hidden, c.norm_eps, c.bias, device, dtype)
         self.head = nn.Linear(c.hidden, c.vocab_size, bias=False, device=device, dtype=dtype)
 
-    def forward(self, ids: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
         x = F.dropout(self.embed(ids), self.config.dropout if self.training else 0.0)  # (b, s, h)
-        for block in self.blocks:
-            x = block(x, attn_mask)
+        for i, block in enumerate(self.blocks):
+            x = block(x, attn_mask, None if cache is None else cache.layers[i])
         return self.head(self.norm(x))  # (b, s, vocab)
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding with a KV cache: ``ids (b, s) -> (b, s + max_new_tokens)``."""
+        return greedy_decode(lambda new, cache: self(new, cache=cache), ids, len(self.blocks), max_new_tokens)
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
              ignore_index: int = -100) -> torch.Tensor:

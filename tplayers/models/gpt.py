@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from .blocks import ParallelTransformerBlock
+from .cache import KVCache, greedy_decode
 from ..core.comm import gather_from_tp
 from .dense import DenseGPT, GPTConfig
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -53,16 +54,28 @@ class ParallelGPT(TensorParallelModule):
         self.norm = ParallelNorm(c.hidden, c.norm, c.norm_eps, c.bias, **sp)
         self.head = ParallelLMHead(c.hidden, c.vocab_size, overlap_comm=overlap_comm, **sp)
 
-    def forward(self, ids: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
         x = self.embed(ids)  # (b, s, h) | (b, s/p, h)
         x = activation_dropout(x, self.config.dropout if self.training else 0.0, self.rng, self.sequence_parallel)
-        for block in self.blocks:
-            x = block(x, attn_mask)
+        for i, block in enumerate(self.blocks):
+            x = block(x, attn_mask, None if cache is None else cache.layers[i])
         return self.head(self.norm(x))  # (b, s, V'/p): the whole sequence, this rank's vocabulary
 
-    def logits(self, ids: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def logits(self, ids: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+               cache: Optional[KVCache] = None) -> torch.Tensor:
         """The full logits ``(b, s, V)`` on every rank (gathered; padding removed)."""
-        return gather_from_tp(self(ids, attn_mask), group=self.tp)[..., : self.config.vocab_size]
+        return gather_from_tp(self(ids, attn_mask, cache), group=self.tp)[..., : self.config.vocab_size]
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding with a KV cache (each rank caches its KV heads), as `DenseGPT.generate`:
+        ``ids (b, s) -> (b, s + max_new_tokens)``, the same tokens on every rank."""
+        if self.sequence_parallel and self.tp.size > 1:
+            raise ValueError("ParallelGPT.generate: decoding feeds one token per step, which cannot be split along "
+                             "the sequence; build the model with sequence_parallel=False for generation (same weights: "
+                             "from_dense or load_checkpoint)")
+        return greedy_decode(lambda new, cache: self.logits(new, cache=cache), ids, len(self.blocks), max_new_tokens)
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
              ignore_index: int = -100) -> torch.Tensor:
