@@ -151,8 +151,11 @@ def _refusals(group):
     assert not any(isinstance(m, tplayers.TensorParallelModule) for m in toy.modules())  # refused before any swap
     with pytest.raises(ValueError, match=r"tplayers.coverage: _ToyForCausalLM was not parallelized"):
         tplayers.coverage(toy)
-    with pytest.raises(ValueError, match=r"unknown plan 'lama'; shipped plans: \['gpt2', 'llama', 'opt'\], or 'auto'"):
+    with pytest.raises(ValueError, match=r"unknown plan 'lama'; shipped plans: \['falcon', 'gpt2', 'llama', 'opt'\], or 'auto'"):
         tplayers.parallelize(toy, "lama", group=group)
+    with pytest.raises(ValueError, match=r"plan 'falcon' has no sequence-parallel variant \(those with one: "
+                                         r"\['gpt2', 'llama', 'opt'\]\)"):
+        tplayers.parallelize(toy, "falcon", group=group, sequence_parallel=True)
     return True
 
 

@@ -39,12 +39,19 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                   "moe_intermediate_size": 32, "head_dim": 8, **MOE}),
 }
+FALCON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=False,
+              bos_token_id=0, eos_token_id=None)
 # Families without a tp_plan of their own: "auto" uses tplayers' shipped plan for their model_type.
 OWN_CONFIG = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
     "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
                                                 num_attention_heads=4, max_position_embeddings=64,
                                                 word_embed_proj_dim=32, pad_token_id=1)),
+    # Falcon's three fused-qkv layouts: multi-query (7B), multi-head, grouped per KV head (40B / 180B)
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(FALCON, multi_query=True)),
+    "falcon_mha": ("FalconConfig", "FalconForCausalLM", dict(FALCON, multi_query=False)),
+    "falcon_new": ("FalconConfig", "FalconForCausalLM", dict(FALCON, new_decoder_architecture=True,
+                                                             num_attention_heads=8, num_kv_heads=4)),
 }
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 # These norms compute in float32 even for float64 inputs, and their inputs' gradients arrive as
@@ -52,7 +59,7 @@ MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 # they agree to float32 precision, not float64's. A missing gradient reduction is off by O(1).
 FLOAT32_NORM_FAMILIES = {"qwen3", "gemma3", "qwen3_moe"}
 
-testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in {**FAMILIES, **OWN_CONFIG})
+testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon"])
 
 
 def _build(family: str, seed: int = 0):
@@ -127,8 +134,26 @@ def _check_family(group, family: str, seed: int):
 def test_auto_plan_matches_dense(family, tp):
     _build(family)  # skips here, not on the ranks, when this transformers lacks the family
     for fraction, skipped, plan in get_world(tp).run(_check_family, family, seed=tp):
-        assert plan == (family if family in OWN_CONFIG else "auto")
+        assert plan == (family.split("_")[0] if family in OWN_CONFIG else "auto")
         if family in MOE_FAMILIES:  # experts replicated (exact), everything else sharded
             assert skipped and all("experts" in s for s in skipped) and fraction > 0.15
         else:
             assert not skipped and fraction > (0.7 if family in OWN_CONFIG else 0.95)  # learned positions stay whole
+
+
+def _falcon_groups_do_not_fit(group):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    model = FalconForCausalLM(FalconConfig(**dict(FALCON, new_decoder_architecture=True, num_kv_heads=2)))
+    with pytest.raises(ValueError, match=r"module 'transformer.h.0.self_attention.query_key_value': num_kv_heads=2 is "
+                                         r"not divisible by the TP degree 4"):
+        tplayers.parallelize(model, "auto", group=group)
+    model = FalconForCausalLM(FalconConfig(**dict(FALCON, alibi=True)))
+    with pytest.raises(ValueError, match=r"Falcon with ALiBi is not supported"):
+        tplayers.parallelize(model, "auto", group=group)
+    return True
+
+
+def test_falcon_layouts_that_cannot_be_split_are_refused():
+    _build("falcon")
+    assert all(get_world(4).run(_falcon_groups_do_not_fit))

@@ -13,7 +13,7 @@ style name through :data:`HF_STYLES`. What we chose where transformers differs:
 - MoE experts (``moe_tp_experts`` and the styles of their parameters) stay replicated: every rank
   runs every expert on the full hidden state, so the result is exact but uses no less memory; the
   coverage report lists them with that reason;
-- a model without a plan of its own (GPT-2, OPT) gets tplayers' shipped plan for its
+- a model without a plan of its own (GPT-2, OPT, Falcon) gets tplayers' shipped plan for its
   ``config.model_type`` (:data:`~tplayers.convert.plans.MODEL_TYPES`);
 - ``sequence_parallel`` entries (norms inside a sequence-parallel region) are not applied: "auto"
   is the plain TP layout, its norms see the whole sequence.

@@ -19,7 +19,7 @@ from ..core.placement import kv_shards
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
-from ..layers.base import own_forward
+from ..layers.base import computes_linear, own_forward
 from ..layers.lora import is_peft_lora, prepare_lora
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding, embedding_scale
 
@@ -87,7 +87,7 @@ def _check_plain(module: nn.Module, base: type, ctx: BuildContext, style: str) -
     """A subclass of ``base`` whose ``forward`` is its own (a LoRA or quantized linear) would silently
     lose that behaviour when swapped for a plain TP layer: refuse it."""
     override = own_forward(module, base)
-    if override is not None:
+    if override is not None and not (base is nn.Linear and computes_linear(module)):
         raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}, a subclass of "
                         f"nn.{base.__name__} "
                         f"whose forward ({override}.forward) differs from it; style '{style}' would swap it for a "

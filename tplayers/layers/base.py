@@ -19,7 +19,8 @@ from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 
 __all__ = ["TensorParallelModule", "model_placements", "placements_of", "set_overlap_comm", "PLACEMENTS_ATTR",
-           "dense_linear_init", "new_param", "load_full_params", "reset_linear_params", "linear_to_dense", "check_dense_linear", "own_forward"]
+           "dense_linear_init", "new_param", "load_full_params", "reset_linear_params", "linear_to_dense", "check_dense_linear", "own_forward",
+           "computes_linear"]
 
 # A module that is not a TensorParallelModule (a Hugging Face norm under sequence parallelism) carries
 # its parameters' placements in this attribute, set by the parallelize style that changed how it runs.
@@ -172,11 +173,31 @@ def own_forward(module: nn.Module, base: type) -> Optional[str]:
     return None
 
 
+def computes_linear(linear: nn.Linear) -> bool:
+    """Whether an ``nn.Linear`` subclass with its own forward still computes ``x @ W.T + b`` (Falcon's
+    ``FalconLinear`` spells it out by hand): probed in float64 with a small random weight of the same
+    input width (the module's own weights are never copied), against ``F.linear``. Anything else (a
+    scale, a quantized kernel, a forward that fails on the probe) is not."""
+    gen = torch.Generator().manual_seed(0)
+    width, rows = linear.in_features, min(linear.out_features, 8)
+    probe = {"weight": torch.randn(rows, width, generator=gen, dtype=torch.float64)}
+    if linear.bias is not None:
+        probe["bias"] = torch.randn(rows, generator=gen, dtype=torch.float64)
+    x = torch.randn(3, width, generator=gen, dtype=torch.float64)  # (n, in)
+    try:
+        with torch.no_grad():
+            got = torch.func.functional_call(linear, probe, (x,), strict=False)
+    except Exception:  # a kernel that cannot run on the probe is not plain linear
+        return False
+    want = torch.nn.functional.linear(x, probe["weight"], probe.get("bias"))
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def check_dense_linear(linear: nn.Module, cls: type) -> None:
-    """Refuse anything but an ``nn.Linear`` (or a subclass keeping its forward) in ``cls.from_dense``."""
+    """Refuse anything but an ``nn.Linear`` (or a subclass computing the same) in ``cls.from_dense``."""
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"{cls.__name__}.from_dense expects an nn.Linear, got {type(linear).__name__}")
     override = own_forward(linear, nn.Linear)
-    if override is not None:
+    if override is not None and not computes_linear(linear):
         raise TypeError(f"{cls.__name__}.from_dense: {type(linear).__name__} has its own forward "
                         f"({override}.forward); a plain TP layer would drop that behaviour")

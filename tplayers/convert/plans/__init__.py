@@ -9,14 +9,14 @@ from typing import Dict, Mapping, Union
 
 from ..plan import Plan
 from ..styles import Style
-from . import gpt2, llama, opt
+from . import falcon, gpt2, llama, opt
 
 __all__ = ["PLANS", "SP_PLANS", "MODEL_TYPES", "get_plan"]
 
-PLANS: Dict[str, Plan] = {"llama": llama.PLAN, "gpt2": gpt2.PLAN, "opt": opt.PLAN}
+PLANS: Dict[str, Plan] = {"llama": llama.PLAN, "gpt2": gpt2.PLAN, "opt": opt.PLAN, "falcon": falcon.PLAN}
 SP_PLANS: Dict[str, Plan] = {"llama": llama.SP_PLAN, "gpt2": gpt2.SP_PLAN, "opt": opt.SP_PLAN}
 # transformers' config.model_type -> the shipped plan "auto" uses for a model with no tp_plan of its own
-MODEL_TYPES: Dict[str, str] = {"gpt2": "gpt2", "opt": "opt"}
+MODEL_TYPES: Dict[str, str] = {"gpt2": "gpt2", "opt": "opt", "falcon": "falcon"}
 
 
 def get_plan(plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *, sequence_parallel: bool = False) -> Plan:
@@ -31,6 +31,9 @@ def get_plan(plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *, sequenc
         if plan not in PLANS:
             raise ValueError(f"parallelize: unknown plan '{plan}'; shipped plans: {sorted(PLANS)}, or 'auto' (a "
                              "Hugging Face model's own tp_plan)")
+        if sequence_parallel and plan not in SP_PLANS:
+            raise ValueError(f"parallelize: plan '{plan}' has no sequence-parallel variant (those with one: "
+                             f"{sorted(SP_PLANS)}); use sequence_parallel=False")
         return SP_PLANS[plan] if sequence_parallel else PLANS[plan]
     if isinstance(plan, Mapping):
         return Plan(layers=dict(plan))
