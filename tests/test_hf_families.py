@@ -23,6 +23,7 @@ MOE = {"experts_implementation": "eager"}  # torch's grouped_mm has no float64 C
 # family -> (config class, model class, config overrides)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama_mha": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 4}),  # multi-head: as many KV heads as heads
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
@@ -59,7 +60,8 @@ MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 # they agree to float32 precision, not float64's. A missing gradient reduction is off by O(1).
 FLOAT32_NORM_FAMILIES = {"qwen3", "gemma3", "qwen3_moe"}
 
-testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon"])
+testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon"]
+                                  if f != "llama_mha")
 
 
 def _build(family: str, seed: int = 0):
