@@ -1,5 +1,6 @@
 """ParallelMLP, ParallelAttention, ParallelTransformerBlock and ParallelGPT vs their dense twins."""
 import pytest
+import tplayers
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -61,10 +62,10 @@ def _io_dims(sequence_parallel):
 # ------------------------------------------------------------------ MLP
 
 
-def _check_mlp(group, hidden, ffn, activation, bias, batch, seq, sequence_parallel, seed):
+def _check_mlp(group, hidden, ffn, activation, bias, batch, seq, sequence_parallel, seed, split_backward=False):
     torch.manual_seed(seed)
     dense = DenseMLP(hidden, ffn, activation, bias, dtype=F64)
-    tp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
+    tp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=sequence_parallel, split_backward=split_backward)
     _check_layouts(tp, dense, group)
     x = torch.randn(batch, seq, hidden, dtype=F64)
     return assert_matches_dense(tp, dense, x, group=group, **_io_dims(sequence_parallel)).grad_error
@@ -73,10 +74,37 @@ def _check_mlp(group, hidden, ffn, activation, bias, batch, seq, sequence_parall
 @settings(max_examples=examples(8))
 @given(hidden=st.integers(1, 8), ffn_per_rank=st.integers(1, 3), activation=st.sampled_from(["gelu", "swiglu"]),
        bias=st.booleans(), batch=st.integers(1, 2), seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_mlp_matches_dense(hidden, ffn_per_rank, activation, bias, batch, seq, sequence_parallel, seed):
+       seed=st.integers(0, 2**16), split_backward=st.booleans())
+def test_mlp_matches_dense(hidden, ffn_per_rank, activation, bias, batch, seq, sequence_parallel, seed, split_backward):
     for tp in TP_SIZES:
-        get_world(tp).run(_check_mlp, hidden, ffn_per_rank * 4, activation, bias, batch, seq, sequence_parallel, seed)
+        get_world(tp).run(_check_mlp, hidden, ffn_per_rank * 4, activation, bias, batch, seq, sequence_parallel, seed,
+                          split_backward)
+
+
+def _split_equals_megatron(group, activation, sequence_parallel):
+    """The split backward reorders the same ops: every gradient is bit-identical to the two-layer
+    schedule's, and the input gradient's collective is still one per MLP."""
+    torch.manual_seed(3)
+    dense = DenseMLP(16, 32, activation, True, dtype=F64)
+    grads = []
+    for split in (False, True):
+        mlp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=sequence_parallel, split_backward=split)
+        x = torch.randn(2, 8 // (group.size() if sequence_parallel else 1), 16, dtype=F64,
+                        generator=torch.Generator().manual_seed(group.rank())).requires_grad_()
+        with tplayers.comm_accounting() as acct:
+            mlp(x).square().sum().backward()
+        grads.append([x.grad] + [p.grad for p in mlp.parameters()])
+        ops = sorted((r.op, r.phase) for r in acct.records)
+        grads[-1].append(ops)
+    assert grads[0][-1] == grads[1][-1], grads  # the same collectives
+    return all(torch.equal(a, b) for a, b in zip(grads[0][:-1], grads[1][:-1]))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_mlp_split_backward_is_bit_identical_to_the_two_layer_schedule(activation, sequence_parallel):
+    for tp in (2, 4):
+        assert all(get_world(tp).run(_split_equals_megatron, activation, sequence_parallel))
 
 
 # ------------------------------------------------------------------ attention

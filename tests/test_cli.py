@@ -283,6 +283,21 @@ def test_verify_tolerances_scale_only_in_low_precision():
 
 
 
+def test_bench_split_backward_mode_reports_its_own_accounting(capsys):
+    for module in ("mlp", "block"):
+        rc = main(["bench", "--tp", "2", "--module", module, "--batch", "1", "--seq", "8", "--hidden", "16", "--heads",
+                   "2", "--iters", "1", "--warmup", "0", "--modes", "tp,tp_split,comm_bwd", "--json", "--no-progress"])
+        report = json.loads(capsys.readouterr().out)
+        assert rc == 0 and "tp_split" in report["timings"]
+        split = report["split_backward"]
+        assert split["collectives_per_step"] == report["summary"]["collectives_per_step"]  # the same collectives
+        assert 0.0 <= split["exposed_comm_ms"] and split["backward_hidden_fraction_measured"] is not None
+    rc = main(["bench", "--tp", "2", "--module", "column", "--batch", "1", "--seq", "4", "--hidden", "8", "--ffn", "8",
+               "--iters", "1", "--warmup", "0", "--modes", "tp,tp_split", "--json", "--no-progress"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and "split backward needs a column and a row layer" in report["skipped"]["tp_split"]
+
+
 def test_bench_block_overlap_on_off_dense_and_sequence_parallel(capsys):
     rc = main(["bench", "--tp", "2", "--module", "block", "--batch", "1", "--seq", "8", "--hidden", "16",
                "--heads", "2", "--iters", "2", "--warmup", "1", "--json", "--no-progress"])

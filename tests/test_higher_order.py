@@ -159,3 +159,27 @@ def _gpt_penalty(group):
 
 def test_double_backward_through_a_gpt_loss_raises():
     assert all(get_world(2).run(_gpt_penalty))
+
+
+def _split_mlp_penalty(group, sp, activation):
+    """The split-backward MLP (one Function over both layers) under create_graph=True."""
+    from tplayers.dense import DenseMLP
+
+    torch.manual_seed(1)
+    dense = DenseMLP(8, 16, activation, True, dtype=f64)
+    mlp = tplayers.ParallelMLP.from_dense(dense, group=group, sequence_parallel=sp, split_backward=True)
+    tp = _MLP(mlp, nn.Identity(), group, sp)
+    ref = _MLP(dense, nn.Identity())
+    x = torch.randn(2, 4, 8, dtype=f64)
+    gx_dense, gx_tp = _penalty(ref, x, "square"), _penalty(tp, x, "square")
+    torch.testing.assert_close(gx_tp, gx_dense, rtol=1e-10, atol=1e-10)
+    got = dense_parameters(mlp, grads=True)
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_gradient_penalty_through_the_split_backward_mlp_matches_dense(activation, sp):
+    assert all(get_world(2).run(_split_mlp_penalty, sp, activation))

@@ -32,16 +32,17 @@ from ..core.dtypes import DTYPES
 from ..core.functional import SEQ_DIM
 from ..core.groups import GroupLike, TPGroup, collective_device, resolve_group
 from ..layers import ColumnParallelLinear, RowParallelLinear, set_overlap_comm
-from ..models.blocks import ParallelTransformerBlock
-from ..models.dense import BlockConfig, DenseTransformerBlock
+from ..models.blocks import ParallelMLP, ParallelTransformerBlock
+from ..models.dense import BlockConfig, DenseMLP, DenseTransformerBlock
 from .report import backend_name, summarize
 from .timing import barrier, fwd_bwd_step, leaf, sync, time_steps
 
 __all__ = ["BenchConfig", "MODES", "MODE_LABELS", "SHAPES", "run_overlap_bench"]
 
-MODES: Tuple[str, ...] = ("tp", "tp_blocking", "comm", "comm_bwd", "compute", "dense", "naive")
+MODES: Tuple[str, ...] = ("tp", "tp_blocking", "tp_split", "comm", "comm_bwd", "compute", "dense", "naive")
 MODE_LABELS: Dict[str, str] = {
     "tp": "TP fwd+bwd, overlap on",
+    "tp_split": "TP fwd+bwd, split backward",
     "tp_blocking": "TP fwd+bwd, overlap off",
     "comm": "collectives alone (fwd+bwd)",
     "comm_bwd": "collectives alone (bwd, overlappable)",
@@ -168,6 +169,22 @@ class _Module:
     local: Callable[[nn.Module, BenchConfig, TPGroup], nn.Module]
     pairs: int
     has_row: bool
+    split: Optional[Callable[[nn.Module, TPGroup, bool], nn.Module]] = None  # the TP twin, split backward
+
+
+def _split_mlp(d: nn.Module, g: TPGroup, sp: bool) -> nn.Module:
+    """The bench MLP (Linear, GELU, Linear) as a ParallelMLP with the split backward (same weights)."""
+    dense = DenseMLP(d[0].in_features, d[0].out_features, "gelu", True, device=d[0].weight.device,
+                     dtype=d[0].weight.dtype)
+    dense.fc1.load_state_dict(d[0].state_dict())
+    dense.fc2.load_state_dict(d[2].state_dict())
+    return ParallelMLP.from_dense(dense, group=g, sequence_parallel=sp, split_backward=True)
+
+
+def _split_block(d: nn.Module, g: TPGroup, sp: bool) -> nn.Module:
+    block = ParallelTransformerBlock.from_dense(d, group=g, sequence_parallel=sp)
+    block.mlp.split_backward = True
+    return block
 
 
 _MODULES: Dict[str, _Module] = {
@@ -177,7 +194,7 @@ _MODULES: Dict[str, _Module] = {
                                           nn.GELU(),
                                           RowParallelLinear.from_dense(d[2], group=g, sequence_parallel=sp)),
         local=lambda d, c, g: nn.Sequential(_linear_shard(d[0], 0, g), nn.GELU(), _linear_shard(d[2], 1, g)),
-        pairs=1, has_row=True),
+        pairs=1, has_row=True, split=_split_mlp),
     "column": _Module(
         dense=lambda c: nn.Linear(c.hidden, c.ffn),
         tp=lambda d, g, sp: ColumnParallelLinear.from_dense(d, group=g, sequence_parallel=sp),
@@ -190,7 +207,7 @@ _MODULES: Dict[str, _Module] = {
         tp=lambda d, g, sp: ParallelTransformerBlock.from_dense(d, group=g, sequence_parallel=sp),
         local=lambda d, c, g: DenseTransformerBlock(_local_block_config(c, g.size)).to(
             d.attn.qkv.weight.device, d.attn.qkv.weight.dtype),
-        pairs=2, has_row=True),
+        pairs=2, has_row=True, split=_split_block),
 }
 
 
@@ -280,6 +297,12 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
             steps[mode] = fwd_bwd_step(_tp_model(dense, cfg, g, True), leaf(x_tp), grad_tp.contiguous())
         elif mode == "tp_blocking":
             steps[mode] = fwd_bwd_step(_tp_model(dense, cfg, g, False), leaf(x_tp), grad_tp.contiguous())
+        elif mode == "tp_split":
+            split = _MODULES[cfg.module].split
+            if split is None:
+                skipped[mode] = "the split backward needs a column and a row layer (--module mlp or block)"
+                continue
+            steps[mode] = fwd_bwd_step(split(dense, g, cfg.sequence_parallel), leaf(x_tp), grad_tp.contiguous())
         elif mode in ("comm", "comm_bwd"):
             comm_all, comm_bwd = _comm_steps(cfg, g, dtype, device)
             steps[mode] = comm_all if mode == "comm" else comm_bwd
@@ -299,11 +322,14 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
         timings = time_steps(steps, group=g, iters=cfg.iters, warmup=cfg.warmup, device=device,
                              progress=cfg.progress, label=f"bench {cfg.module} tp={g.size}")
         measured = _account(steps.get("tp"), cfg, g, device)
+        measured_split = _account(steps.get("tp_split"), cfg, g, device)
         timeline = {mode: _timeline(steps[mode], g, device) for mode in ("tp", "tp_blocking")
                     if mode in steps and g.size > 1}
     report = summarize(cfg, g.size, timings, skipped, backend=backend_name(g, device), measured=measured,
                        link=link)
     report["timeline"] = timeline
+    if measured_split is not None:  # the same accounting for the split backward (mode tp_split)
+        report["split_backward"] = measured_split
     if cfg.trace_dir:
         report["trace"] = _profile(steps, cfg, g, device)
     return report

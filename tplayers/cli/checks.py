@@ -193,10 +193,10 @@ def check_tied_embedding(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
     return _match(tp, dense, ids, g, cfg)
 
 
-def _parallel_mlp(g: TPGroup, cfg: VerifyConfig, activation: str, sp: bool) -> MatchReport:
+def _parallel_mlp(g: TPGroup, cfg: VerifyConfig, activation: str, sp: bool, split: bool = False) -> MatchReport:
     d = _dims(g)
     dense = _dense(DenseMLP(d["hidden"], d["ffn"], activation), cfg)
-    tp = ParallelMLP.from_dense(dense, group=g, sequence_parallel=sp)
+    tp = ParallelMLP.from_dense(dense, group=g, sequence_parallel=sp, split_backward=split)
     return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
                   **_seq_shards(sp))
 
@@ -204,6 +204,9 @@ def _parallel_mlp(g: TPGroup, cfg: VerifyConfig, activation: str, sp: bool) -> M
 variant("ParallelMLP", "gelu", _parallel_mlp, tol_scale=2, activation="gelu", sp=False)
 variant("ParallelMLP", "swiglu", _parallel_mlp, tol_scale=2, activation="swiglu", sp=False)
 variant("ParallelMLP", "swiglu, sequence_parallel=True", _parallel_mlp, tol_scale=2, activation="swiglu", sp=True)
+variant("ParallelMLP", "gelu, split_backward=True", _parallel_mlp, tol_scale=2, activation="gelu", sp=False, split=True)
+variant("ParallelMLP", "swiglu, sequence_parallel=True, split_backward=True", _parallel_mlp, tol_scale=2,
+        activation="swiglu", sp=True, split=True)
 
 
 def _heads(g: TPGroup) -> Dict[str, int]:

@@ -25,6 +25,7 @@ from einops import rearrange
 from .cache import LayerKV
 from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, attention_core,
                     check_heads, normalize_attn_mask, refuse_mask_with_cache, rotate_and_cache)
+from ..core.functional import parallel_mlp
 from ..layers.fused import FusedColumnParallelLinear
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import kv_shards as placement_kv_shards, require_divisible, require_positive
@@ -44,13 +45,17 @@ class ParallelMLP(TensorParallelModule):
 
     SwiGLU: ``fc1`` is the fused ``[gate; up]``, gate and up each split across ranks, so rank r
     computes ``silu(gate_r) * up_r`` locally. ``ffn_hidden`` must divide the TP degree.
+    ``split_backward``: one fused backward (`tplayers.functional.parallel_mlp`) runs fc1's
+    input-gradient collective under both layers' weight gradients instead of fc1's alone; the
+    same numbers, bit for bit (off with ``overlap_comm=False``).
     Input/output ``(..., hidden)``; ``(..., seq/p, hidden)`` with ``sequence_parallel``.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, activation: str = "gelu", bias: bool = True, *,
                  group: GroupLike, sequence_parallel: bool = False, overlap_comm: bool = True,
-                 device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
+                 split_backward: bool = False, device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
+        self.split_backward = split_backward
         if activation not in ACTIVATIONS:
             raise ValueError(f"ParallelMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.tp = resolve_group(group)
@@ -68,14 +73,17 @@ class ParallelMLP(TensorParallelModule):
             self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, bias, **common)
         self.fc2 = RowParallelLinear(ffn_hidden, hidden, bias, input_is_parallel=True, **common)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)  # (..., s, ffn/p) | (..., s, 2*ffn/p)
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)  # the local [gate_r; up_r]
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h)
-        return self.fc2(h)  # (..., [s or s/p], hidden)
+            return F.silu(gate) * up
+        return F.gelu(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_backward and self.fc1.overlap_comm:  # both layers' weight gradients under fc1's collective
+            return parallel_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self._act,
+                                group=self.tp, sequence_parallel=self.sequence_parallel, overlap_comm=True)
+        return self.fc2(self._act(self.fc1(x)))  # (..., s, ffn/p | 2*ffn/p) -> (..., [s or s/p], hidden)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelMLP":
