@@ -30,10 +30,11 @@ def _lora_llama(targets, seed=0, **lora):
     return peft.get_peft_model(base, config)
 
 
-def _train(group, targets):
+def _train(group, targets, wrapper):
     dense = _lora_llama(targets)
     model = copy.deepcopy(dense)
-    tplayers.parallelize(model.base_model.model, "auto", group=group)
+    # the transformers model inside PEFT's wrapper, or the PeftModel itself ("auto" reads through it)
+    tplayers.parallelize(model if wrapper else model.base_model.model, "auto", group=group)
     opt_d = torch.optim.SGD([p for p in dense.parameters() if p.requires_grad], lr=0.5)
     opt_t = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     g = torch.Generator().manual_seed(1)
@@ -59,13 +60,13 @@ def _train(group, targets):
         want = dense(input_ids=ids).logits
         model.merge_adapter()
         torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-9, atol=1e-9)
-    return str(tplayers.coverage(model.base_model.model)), len(trained)
+    return str(tplayers.coverage(model if wrapper else model.base_model.model)), len(trained)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_training_a_lora_on_tp_layers_follows_the_dense_lora(tp):
+@pytest.mark.parametrize("tp, wrapper", [(2, False), (4, False), (2, True)])
+def test_training_a_lora_on_tp_layers_follows_the_dense_lora(tp, wrapper):
     targets = TARGETS + (["v_proj"] if tp == 2 else [])  # at TP 4 the 2 KV heads are replicated: refused below
-    for report, trained in get_world(tp).run(_train, targets):
+    for report, trained in get_world(tp).run(_train, targets, wrapper):
         assert "q_proj: PEFT LoRA over ColumnParallelLinear (x2)" in report
         assert "down_proj: PEFT LoRA over RowParallelLinear (x2)" in report
         assert trained == 2 * 2 * len(targets)  # lora_A and lora_B of each target, 2 layers

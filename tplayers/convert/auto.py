@@ -136,10 +136,23 @@ def _local_kv_groups(attn: nn.Module, tp_size: int) -> Dict[str, Any]:
     return {"num_key_value_groups": heads // tp_size}
 
 
+def _unwrap(model: nn.Module) -> Dict[str, str]:
+    """The plan of the transformers model inside a wrapper (PEFT's ``PeftModel``), keys under its path."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    if base is model or not isinstance(base, nn.Module):
+        return _hf_plan(model)
+    path = next((n for n, m in model.named_modules() if m is base), None)
+    if path is None:
+        return _hf_plan(model)
+    return {f"{path}.{k}": v for k, v in _hf_plan(base).items()}
+
+
 def auto_plan(model: nn.Module) -> AutoPlan:
     """Translate ``model``'s own transformers plan into a tplayers :class:`Plan` (see the module
-    docstring); pure: reads the model, changes nothing."""
-    hf = _hf_plan(model)
+    docstring); pure: reads the model, changes nothing. A PEFT ``PeftModel`` is read through to the
+    model it wraps."""
+    hf = _unwrap(model)
     if not hf:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type in MODEL_TYPES:  # no plan of its own, but tplayers ships one for its family
