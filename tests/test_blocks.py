@@ -514,3 +514,22 @@ def test_rmsnorm_default_eps_follows_the_input_dtype():
     torch.testing.assert_close(tp.to_dense()(x), dense(x))
     with pytest.raises(ValueError, match="eps=None"):
         ParallelNorm(4, "layernorm", None, group=None)
+
+
+def _gpt_overlap_switch(group):
+    torch.manual_seed(0)
+    dense = tplayers.dense.DenseGPT(GPTConfig(vocab_size=13, hidden=16, n_heads=4, n_kv_heads=2, ffn_hidden=32,
+                                              n_layers=2, activation="swiglu", norm="rmsnorm")).double()
+    ids = torch.randint(0, 13, (2, 8), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for split in (False, True):
+        model = ParallelGPT.from_dense(dense, group=group)
+        counts = tplayers.set_overlap(model, split_backward=split, comm=True)
+        assert counts == {"comm": 2 * 4 + 1, "split_backward": 2}  # 4 linears per block + the head; 2 MLPs
+        model.loss(ids, ids.roll(-1, 1)).backward()
+        grads.append([p.grad for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_one_switch_sets_the_split_backward_of_a_whole_model_with_identical_gradients():
+    assert all(get_world(2).run(_gpt_overlap_switch))

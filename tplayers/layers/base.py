@@ -18,7 +18,7 @@ from ..core.collectives import bit_hash, gather_placed, ranks_that_differ
 from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 
-__all__ = ["TensorParallelModule", "model_placements", "placements_of", "set_overlap_comm", "PLACEMENTS_ATTR",
+__all__ = ["TensorParallelModule", "model_placements", "placements_of", "set_overlap_comm", "set_overlap", "PLACEMENTS_ATTR",
            "dense_linear_init", "new_param", "load_full_params", "reset_linear_params", "linear_to_dense", "check_dense_linear", "own_forward",
            "computes_linear"]
 
@@ -91,6 +91,24 @@ def set_overlap_comm(model: nn.Module, enabled: bool) -> int:
             module.overlap_comm = bool(enabled)
             count += 1
     return count
+
+
+def set_overlap(model: nn.Module, *, comm: Optional[bool] = None, split_backward: Optional[bool] = None) -> Dict[str, int]:
+    """One model-wide switch for the overlap modes; ``None`` leaves a mode as each module has it.
+
+    ``comm``: backward collectives asynchronous under the weight-gradient GEMMs (every TP layer's
+    ``overlap_comm``; off = the same ops blocking). ``split_backward``: modules that can run several
+    layers' weight gradients under one collective (``ParallelMLP``) do so. Returns how many modules
+    each setting reached."""
+    counts = {"comm": 0, "split_backward": 0}
+    if comm is not None:
+        counts["comm"] = set_overlap_comm(model, comm)
+    if split_backward is not None:
+        for module in model.modules():
+            if isinstance(module, TensorParallelModule) and hasattr(module, "split_backward"):
+                module.split_backward = bool(split_backward)
+                counts["split_backward"] += 1
+    return counts
 
 
 def dense_linear_init(
