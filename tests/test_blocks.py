@@ -81,14 +81,18 @@ def test_mlp_matches_dense(hidden, ffn_per_rank, activation, bias, batch, seq, s
                           split_backward)
 
 
-def _split_equals_megatron(group, activation, sequence_parallel):
+def _split_equals_megatron(group, module, sequence_parallel):
     """The split backward reorders the same ops: every gradient is bit-identical to the two-layer
-    schedule's, and the input gradient's collective is still one per MLP."""
+    schedule's, and the collectives are the same (attention: 2 KV heads, replicated at TP 4)."""
     torch.manual_seed(3)
-    dense = DenseMLP(16, 32, activation, True, dtype=F64)
+    if module == "attention":
+        dense = DenseAttention(16, 4, 2, None, True, True, True, dtype=F64)
+    else:
+        dense = DenseMLP(16, 32, module, True, dtype=F64)
+    cls = ParallelAttention if module == "attention" else ParallelMLP
     grads = []
     for split in (False, True):
-        mlp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=sequence_parallel, split_backward=split)
+        mlp = cls.from_dense(dense, group=group, sequence_parallel=sequence_parallel, split_backward=split)
         x = torch.randn(2, 8 // (group.size() if sequence_parallel else 1), 16, dtype=F64,
                         generator=torch.Generator().manual_seed(group.rank())).requires_grad_()
         with tplayers.comm_accounting() as acct:
@@ -101,10 +105,10 @@ def _split_equals_megatron(group, activation, sequence_parallel):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_mlp_split_backward_is_bit_identical_to_the_two_layer_schedule(activation, sequence_parallel):
+@pytest.mark.parametrize("module", ["gelu", "swiglu", "attention"])  # MLP activations, and attention
+def test_split_backward_is_bit_identical_to_the_two_layer_schedule(module, sequence_parallel):
     for tp in (2, 4):
-        assert all(get_world(tp).run(_split_equals_megatron, activation, sequence_parallel))
+        assert all(get_world(tp).run(_split_equals_megatron, module, sequence_parallel))
 
 
 # ------------------------------------------------------------------ attention
@@ -113,10 +117,11 @@ heads = st.sampled_from([(4, 4), (4, 2), (4, 1), (8, 2), (8, 8), (8, 4)])
 
 
 def _check_attention(group, hidden, n_heads, n_kv, head_dim, causal, rotary, mask_kind, batch, seq,
-                     sequence_parallel, seed):
+                     sequence_parallel, seed, split_backward=False):
     torch.manual_seed(seed)
     dense = DenseAttention(hidden, n_heads, n_kv, head_dim, True, causal, rotary, dtype=F64)
-    tp = ParallelAttention.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
+    tp = ParallelAttention.from_dense(dense, group=group, sequence_parallel=sequence_parallel,
+                                      split_backward=split_backward)
     _check_layouts(tp, dense, group)
     mask = _make_mask(mask_kind, batch, n_heads, seq, torch.Generator().manual_seed(seed))
     x = torch.randn(batch, seq, hidden, dtype=F64)
@@ -147,13 +152,14 @@ def test_attention_key_padding_mask_broadcasts_over_queries():
 @settings(max_examples=examples(12))
 @given(hidden=st.integers(1, 8), heads=heads, head_dim=st.sampled_from([2, 4]), causal=st.booleans(),
        rotary=st.booleans(), mask_kind=st.sampled_from(["none", "bool", "float"]), batch=st.integers(1, 2),
-       seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
+       seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16),
+       split_backward=st.booleans())
 def test_attention_matches_dense(hidden, heads, head_dim, causal, rotary, mask_kind, batch, seq, sequence_parallel,
-                                 seed):
+                                 seed, split_backward):
     n_heads, n_kv = heads
     for tp in TP_SIZES:
         get_world(tp).run(_check_attention, hidden, n_heads, n_kv, head_dim, causal, rotary, mask_kind, batch, seq,
-                          sequence_parallel, seed)
+                          sequence_parallel, seed, split_backward)
 
 
 def test_gqa_with_fewer_kv_heads_than_ranks_replicates_them():
@@ -525,7 +531,7 @@ def _gpt_overlap_switch(group):
     for split in (False, True):
         model = ParallelGPT.from_dense(dense, group=group)
         counts = tplayers.set_overlap(model, split_backward=split, comm=True)
-        assert counts == {"comm": 2 * 4 + 1, "split_backward": 2}  # 4 linears per block + the head; 2 MLPs
+        assert counts == {"comm": 2 * 4 + 1, "split_backward": 4}  # 4 linears per block + the head; MLP, attention
         model.loss(ids, ids.roll(-1, 1)).backward()
         grads.append([p.grad for p in model.parameters()])
     return all(torch.equal(a, b) for a, b in zip(*grads))

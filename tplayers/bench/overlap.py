@@ -31,7 +31,7 @@ from ..core.link import LinkModel, matmul_tflops, parse_link
 from ..core.dtypes import DTYPES
 from ..core.functional import SEQ_DIM
 from ..core.groups import GroupLike, TPGroup, collective_device, resolve_group
-from ..layers import ColumnParallelLinear, RowParallelLinear, set_overlap_comm
+from ..layers import ColumnParallelLinear, RowParallelLinear, set_overlap, set_overlap_comm
 from ..models.blocks import ParallelMLP, ParallelTransformerBlock
 from ..models.dense import BlockConfig, DenseMLP, DenseTransformerBlock
 from .report import backend_name, summarize
@@ -183,7 +183,7 @@ def _split_mlp(d: nn.Module, g: TPGroup, sp: bool) -> nn.Module:
 
 def _split_block(d: nn.Module, g: TPGroup, sp: bool) -> nn.Module:
     block = ParallelTransformerBlock.from_dense(d, group=g, sequence_parallel=sp)
-    block.mlp.split_backward = True
+    set_overlap(block, split_backward=True)  # attention and MLP
     return block
 
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.groups import TPGroup
-from ..layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from ..layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, set_overlap
 from ..models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from ..models.dense import BlockConfig, DenseAttention, DenseGPT, DenseMLP, DenseTransformerBlock, GPTConfig
 from ..models.gpt import ParallelGPT
@@ -205,8 +205,6 @@ variant("ParallelMLP", "gelu", _parallel_mlp, tol_scale=2, activation="gelu", sp
 variant("ParallelMLP", "swiglu", _parallel_mlp, tol_scale=2, activation="swiglu", sp=False)
 variant("ParallelMLP", "swiglu, sequence_parallel=True", _parallel_mlp, tol_scale=2, activation="swiglu", sp=True)
 variant("ParallelMLP", "gelu, split_backward=True", _parallel_mlp, tol_scale=2, activation="gelu", sp=False, split=True)
-variant("ParallelMLP", "swiglu, sequence_parallel=True, split_backward=True", _parallel_mlp, tol_scale=2,
-        activation="swiglu", sp=True, split=True)
 
 
 def _heads(g: TPGroup) -> Dict[str, int]:
@@ -230,7 +228,7 @@ variant("ParallelAttention", "GQA, rotary, sequence_parallel=True", _attention, 
          gqa=True, sp=True, rotary=True)
 
 
-def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool) -> MatchReport:
+def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool, split: bool = False) -> MatchReport:
     d, h = _dims(g), _heads(g)
     config = BlockConfig(hidden=d["hidden"], n_heads=h["n_heads"], ffn_hidden=d["ffn"],
                          n_kv_heads=h["n_kv_heads"] if llama else None, activation="swiglu" if llama else "gelu",
@@ -241,6 +239,7 @@ def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool) -> MatchReport:
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.5)
     tp = ParallelTransformerBlock.from_dense(dense, group=g, sequence_parallel=sp)
+    set_overlap(tp, split_backward=split)
     return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
                   **_seq_shards(sp))
 
@@ -249,6 +248,8 @@ variant("ParallelTransformerBlock", "GPT: gelu, layernorm, MHA", _block, tol_sca
 variant("ParallelTransformerBlock", "GPT, sequence_parallel=True", _block, tol_scale=16, sp=True, llama=False)
 variant("ParallelTransformerBlock", "Llama: swiglu, rmsnorm, GQA, rotary", _block, tol_scale=16, sp=False, llama=True)
 variant("ParallelTransformerBlock", "Llama, sequence_parallel=True", _block, tol_scale=16, sp=True, llama=True)
+variant("ParallelTransformerBlock", "Llama, sequence_parallel=True, split_backward=True", _block, tol_scale=16, sp=True,
+        llama=True, split=True)
 
 
 class _Call(nn.Module):

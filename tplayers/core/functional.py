@@ -42,7 +42,7 @@ from .collectives import _all_gather, _all_reduce, _reduce_scatter
 from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
 from .groups import GroupLike, TPGroup, resolve_group
 
-__all__ = ["column_parallel_linear", "row_parallel_linear", "parallel_mlp", "SEQ_DIM"]
+__all__ = ["column_parallel_linear", "row_parallel_linear", "parallel_mlp", "split_backward_region", "SEQ_DIM"]
 
 SEQ_DIM = -2  # batch-first activations: the sequence dim is the one before hidden
 
@@ -285,49 +285,66 @@ def row_parallel_linear(
     return _RowParallelLinearFn.apply(x, weight, bias, g, sequence_parallel)
 
 
-# ---------------------------------------------------------------------------- split backward: a whole MLP
+# ---------------------------------------------------------------------------- split backward: column -> core -> row
 
 
-class _ParallelMLPFn(torch.autograd.Function):
-    """``fc2(act(fc1(x)))`` as one Function, so its backward orders the two layers' work together:
-    the input-gradient chain first (fc2's, the activation's, fc1's), then fc1's input-gradient
-    collective launched, then BOTH weight gradients (fc2's and fc1's) under it. The Megatron
-    schedule of two separate layers hides that collective under fc1's weight gradient alone:
-    fc2's ran earlier, with nothing in flight. Same numbers, bit for bit (same ops, new order).
-    Saves the fc1 input and the pre-activation; the activation is recomputed in backward."""
+class _SplitBackwardFn(torch.autograd.Function):
+    """``row(core(column(x)))`` as one Function (an MLP: ``core`` = the activation; attention:
+    ``core`` = rotary + SDPA over this rank's heads), so its backward orders the two layers' work
+    together: the input-gradient chain first (the row layer's, the core's, the column layer's), then
+    the column layer's input-gradient collective launched, then BOTH weight gradients under it. The
+    Megatron schedule of two separate layers hides that collective under the column layer's weight
+    gradient alone: the row layer's ran earlier, with nothing in flight. Same numbers, bit for bit
+    (same ops, new order). ``recompute``: the core runs again in backward (cheap activations: its
+    output is not kept); otherwise its autograd graph from forward is kept (attention)."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, act: Callable, g: TPGroup, sequence_parallel: bool, overlap: bool):
+    def forward(ctx, x, w1, b1, w2, b2, core: Callable, g: TPGroup, sequence_parallel: bool, overlap: bool,
+                recompute: bool):
         x_full = _all_gather(x, SEQ_DIM, g).wait() if sequence_parallel else x
-        h = F.linear(x_full, w1, b1)  # (..., s, ffn/p)
-        partial = F.linear(act(h), w2)  # (..., s, hidden): this rank's share of the sum
+        h = F.linear(x_full, w1, b1)  # (..., s, local column width)
+        if recompute:
+            a = core(h)
+            ctx.graph = None
+        else:
+            with torch.enable_grad():  # keep the core's graph for backward (no second SDPA)
+                h_in = h.detach().requires_grad_()
+                a = core(h_in)
+            ctx.graph = (h_in, a)
+            a = a.detach()
+        partial = F.linear(a, w2)  # (..., s, hidden): this rank's share of the sum
         out = (_reduce_scatter(partial, SEQ_DIM, g) if sequence_parallel else _all_reduce(partial, g)).wait()
         if b2 is not None:
             out = out.add_(b2)
         ctx.save_for_backward(x, h, w1, b1, w2, b2)
-        ctx.act, ctx.g, ctx.sequence_parallel, ctx.overlap = act, g, sequence_parallel, overlap
+        ctx.core, ctx.g, ctx.sequence_parallel, ctx.overlap = core, g, sequence_parallel, overlap
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         if torch.is_grad_enabled():  # create_graph=True: rebuild it from the differentiable layers
-            return _mlp_backward_graph(ctx, grad_out)
+            ctx.graph = None
+            return _split_backward_graph(ctx, grad_out)
         x, h, w1, b1, w2, b2 = ctx.saved_tensors
         g, sp, overlap = ctx.g, ctx.sequence_parallel, ctx.overlap
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         grad_full = _all_gather(grad_out, SEQ_DIM, g).wait() if sp else grad_out  # (..., s, hidden)
         gathering = _all_gather(x, SEQ_DIM, g, async_op=overlap) if (sp and need_w1) else None
-        with torch.enable_grad():  # the activation, recomputed with its graph for its backward
-            h_ = h.detach().requires_grad_()
-            a = ctx.act(h_)
-        (grad_h,) = torch.autograd.grad(a, h_, grad_full @ w2)  # (..., s, ffn/p)
+        if ctx.graph is None:
+            with torch.enable_grad():  # the core, recomputed with its graph for its backward
+                h_in = h.detach().requires_grad_()
+                a = ctx.core(h_in)
+        else:
+            h_in, a = ctx.graph
+            ctx.graph = None
+        (grad_h,) = torch.autograd.grad(a, h_in, grad_full @ w2)  # (..., s, local column width)
         grad_x = grad_h @ w1 if need_x else None  # (..., s, hidden) partial sums, a buffer we own
         x_full = gathering.wait() if gathering is not None else x
         reducing = None
         if need_x:
             reducing = (_reduce_scatter(grad_x, SEQ_DIM, g, async_op=overlap) if sp
                         else _all_reduce(grad_x, g, async_op=overlap))
-        # under the collective: fc2's weight gradient, then fc1's
+        # under the collective: the row layer's weight gradient, then the column layer's
         grad_flat = _flat(grad_full)
         grad_w2 = grad_flat.t() @ _flat(a.detach()) if need_w2 else None
         grad_b2 = grad_flat.sum(0) if (need_b2 and b2 is not None) else None
@@ -335,22 +352,52 @@ class _ParallelMLPFn(torch.autograd.Function):
         grad_b1 = _flat(grad_h).sum(0) if (need_b1 and b1 is not None) else None
         if reducing is not None:
             grad_x = reducing.wait()
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None
 
 
-def _mlp_backward_graph(ctx, grad_out):
-    """create_graph=True: the same MLP through the differentiable column / row ops, and its gradient."""
+def _split_backward_graph(ctx, grad_out):
+    """create_graph=True: the same region through the differentiable column / row ops, and its
+    gradient (the core runs again: callers keep dropout out of split regions)."""
     x, h, w1, b1, w2, b2 = ctx.saved_tensors
     g, sp = ctx.g, ctx.sequence_parallel
     inputs = (x, w1, b1, w2, b2)
     wanted = [i for i, (t, need) in enumerate(zip(inputs, ctx.needs_input_grad[:5])) if need and t is not None]
-    out = row_parallel_linear(ctx.act(column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sp)), w2, b2,
+    out = row_parallel_linear(ctx.core(column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sp)), w2, b2,
                               group=g, sequence_parallel=sp)
     grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad_out, create_graph=True)
     result = [None] * 5
     for i, grad in zip(wanted, grads):
         result[i] = grad
-    return (*result, None, None, None, None)
+    return (*result, None, None, None, None, None)
+
+
+def split_backward_region(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: Optional[torch.Tensor],
+    w2: torch.Tensor,
+    b2: Optional[torch.Tensor],
+    core: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    group: GroupLike,
+    sequence_parallel: bool = False,
+    overlap_comm: bool = True,
+    recompute: bool = False,
+) -> torch.Tensor:
+    """``row(core(column(x)))`` with the split backward of :class:`_SplitBackwardFn`: the column
+    layer's input-gradient collective runs under both layers' weight gradients. ``core`` maps this
+    rank's ``(..., s, local width)`` columns to the row layer's ``(..., s, local width)`` input and
+    must not mix ranks nor draw random numbers. Shapes as :func:`column_parallel_linear` (``w1``)
+    then :func:`row_parallel_linear` (``w2``). Under autocast, or in a world of one, it composes the
+    two layers instead."""
+    g = resolve_group(group)
+    _check_inputs(x, w1, b1, w1.shape[1], "split_backward_region", sequence_parallel, g)
+    if g.size == 1 or _any_autocast() and torch.is_autocast_enabled(x.device.type):
+        return row_parallel_linear(core(column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sequence_parallel,
+                                                               overlap_comm=overlap_comm)),
+                                   w2, b2, group=g, sequence_parallel=sequence_parallel)
+    _warn_cuda_connections_once(x, g, overlap_comm)
+    return _SplitBackwardFn.apply(x, w1, b1, w2, b2, core, g, sequence_parallel, overlap_comm, recompute)
 
 
 def parallel_mlp(
@@ -365,16 +412,8 @@ def parallel_mlp(
     sequence_parallel: bool = False,
     overlap_comm: bool = True,
 ) -> torch.Tensor:
-    """``row(act(column(x)))`` with the split backward of :class:`_ParallelMLPFn`: fc1's input-gradient
-    collective runs under both layers' weight gradients. ``act`` maps this rank's ``(..., ffn/p)``
-    columns (SwiGLU: its local ``[gate_r; up_r]``) and must not mix ranks. Shapes as
-    :func:`column_parallel_linear` (``w1 (ffn/p, hidden)``) then :func:`row_parallel_linear` (``w2
-    (hidden, ffn/p)``). Under autocast, or in a world of one, it composes the two layers instead."""
-    g = resolve_group(group)
-    _check_inputs(x, w1, b1, w1.shape[1], "parallel_mlp", sequence_parallel, g)
-    if g.size == 1 or _any_autocast() and torch.is_autocast_enabled(x.device.type):
-        return row_parallel_linear(act(column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sequence_parallel,
-                                                              overlap_comm=overlap_comm)),
-                                   w2, b2, group=g, sequence_parallel=sequence_parallel)
-    _warn_cuda_connections_once(x, g, overlap_comm)
-    return _ParallelMLPFn.apply(x, w1, b1, w2, b2, act, g, sequence_parallel, overlap_comm)
+    """An MLP ``row(act(column(x)))`` with the split backward (:func:`split_backward_region`); the
+    activation is recomputed in backward, so the row layer's input is not kept. ``act`` maps this
+    rank's ``(..., ffn/p)`` columns (SwiGLU: its local ``[gate_r; up_r]``)."""
+    return split_backward_region(x, w1, b1, w2, b2, act, group=group, sequence_parallel=sequence_parallel,
+                                 overlap_comm=overlap_comm, recompute=True)

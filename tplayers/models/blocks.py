@@ -25,7 +25,7 @@ from einops import rearrange
 from .cache import LayerKV
 from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, attention_core,
                     check_heads, normalize_attn_mask, refuse_mask_with_cache, rotate_and_cache)
-from ..core.functional import parallel_mlp
+from ..core.functional import parallel_mlp, split_backward_region
 from ..layers.fused import FusedColumnParallelLinear
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import kv_shards as placement_kv_shards, require_divisible, require_positive
@@ -127,15 +127,19 @@ class ParallelAttention(TensorParallelModule):
     ``(s, s)``, ``(b, s, s)`` or ``(b | 1, 1 | n_heads, 1 | s, s)`` (query dim 1: a key-padding
     mask); combined with ``causal``.
     Attention dropout runs on this rank's heads, under ``rng``'s parallel stream.
+    ``split_backward``: as `ParallelMLP`'s, qkv's input-gradient collective runs under both qkv's and
+    proj's weight gradients (the attention graph from forward is kept, nothing recomputed); not with
+    a KV cache or attention dropout in training (those take the two-layer path).
     """
 
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
                  bias: bool = True, *, group: GroupLike, causal: bool = True, rotary: bool = False,
                  rope_theta: float = 10000.0, attn_dropout: float = 0.0, rng: Optional[RNGTracker] = None,
-                 sequence_parallel: bool = False, overlap_comm: bool = True, device: Any = None,
-                 dtype: Optional[torch.dtype] = None) -> None:
+                 sequence_parallel: bool = False, overlap_comm: bool = True, split_backward: bool = False,
+                 device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         name = "ParallelAttention"
+        self.split_backward = split_backward
         self.tp = tp = resolve_group(group)
         self.n_kv_heads, self.head_dim = check_heads(hidden, n_heads, n_kv_heads, head_dim, name)
         require_divisible(n_heads, tp.size, name, "n_heads")
@@ -158,19 +162,30 @@ class ParallelAttention(TensorParallelModule):
         if x.dim() != 3:
             raise ValueError(f"ParallelAttention: expected input (batch, seq, hidden), got {tuple(x.shape)}")
         refuse_mask_with_cache(attn_mask, cache, "ParallelAttention")
-        hd = self.head_dim
-        qkv = self.qkv(x)  # (b, s, (hq/p + 2*hkv_local) * d): the whole sequence, this rank's heads
-        b, s = qkv.shape[0], qkv.shape[1]
-        q, k, v = qkv.split([self.local_heads * hd, self.local_kv_heads * hd, self.local_kv_heads * hd], dim=-1)
-        q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=hd) for t in (q, k, v))
-        q, k, v = rotate_and_cache(q, k, v, rotary=self.rotary, theta=self.rope_theta, cache=cache)  # cache: local KV heads
+        b, s = x.shape[0], x.shape[1] * (self.tp.size if self.sequence_parallel else 1)  # the whole sequence
         mask = normalize_attn_mask(attn_mask, b, s, self.n_heads, "ParallelAttention")
         if mask is not None and mask.shape[1] > 1:  # per-head mask: this rank's heads
             mask = mask.narrow(1, self.tp.rank * self.local_heads, self.local_heads)
         p = self.attn_dropout if self.training else 0.0
-        with dropout_context(self.rng if p > 0 else None, PARALLEL, x.device):
+        if self.split_backward and self.qkv.overlap_comm and cache is None and p == 0:
+            # qkv's input-gradient collective under both qkv's and proj's weight gradients
+            qkv = self.qkv
+            bias = None if qkv.bias is None else qkv._with_replica_grads(qkv.bias)
+            return split_backward_region(x, qkv._with_replica_grads(qkv.weight), bias, self.proj.weight,
+                                         self.proj.bias, lambda h: self._core(h, mask, None, 0.0), group=self.tp,
+                                         sequence_parallel=self.sequence_parallel)
+        return self.proj(self._core(self.qkv(x), mask, cache, p))  # (b, s | s/p, hidden)
+
+    def _core(self, qkv: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[LayerKV],
+              p: float) -> torch.Tensor:
+        """``(b, s, (hq/p + 2*hkv_local) * d)`` -> ``(b, s, hq/p * d)``: this rank's heads, the whole sequence."""
+        hd = self.head_dim
+        q, k, v = qkv.split([self.local_heads * hd, self.local_kv_heads * hd, self.local_kv_heads * hd], dim=-1)
+        q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=hd) for t in (q, k, v))
+        q, k, v = rotate_and_cache(q, k, v, rotary=self.rotary, theta=self.rope_theta, cache=cache)  # cache: local KV heads
+        with dropout_context(self.rng if p > 0 else None, PARALLEL, qkv.device):
             o = attention_core(q, k, v, causal=self.causal, attn_mask=mask, dropout_p=p)  # (b, hq/p, s, d)
-        return self.proj(rearrange(o, "b h s d -> b s (h d)"))  # (b, s | s/p, hidden)
+        return rearrange(o, "b h s d -> b s (h d)")
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelAttention":
