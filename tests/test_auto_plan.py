@@ -149,6 +149,12 @@ def _refusals(group):
                                          r"style 'diagonal'"):
         tplayers.parallelize(toy, "auto", group=group)
     assert not any(isinstance(m, tplayers.TensorParallelModule) for m in toy.modules())  # refused before any swap
+    del toy.config.base_model_tp_plan["layers.*.feed_forward.router"]
+    toy.model.sinks = nn.Parameter(torch.zeros(4))
+    toy.config.base_model_tp_plan["sinks"] = "local_rowwise"  # a bare parameter outside the experts
+    with pytest.raises(ValueError, match=r"the plan gives the bare parameter 'model.sinks' the style 'local_rowwise'"):
+        tplayers.parallelize(toy, "auto", group=group)
+    del toy.config.base_model_tp_plan["sinks"]
     with pytest.raises(ValueError, match=r"tplayers.coverage: _ToyForCausalLM was not parallelized"):
         tplayers.coverage(toy)
     with pytest.raises(ValueError, match=r"unknown plan 'lama'; shipped plans: \['falcon', 'gpt2', 'llama', 'opt'\], or 'auto'"):

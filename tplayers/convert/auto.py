@@ -12,7 +12,7 @@ style name through :data:`HF_STYLES`. What we chose where transformers differs:
   each KV head is replicated on ``p / kv`` ranks, its gradients summed), where transformers refuses;
 - MoE experts (``moe_tp_experts`` and the styles of their parameters) stay replicated: every rank
   runs every expert on the full hidden state, so the result is exact but uses no less memory; the
-  coverage report lists them with that reason;
+  coverage report lists them with that reason (a style on any other bare parameter is refused);
 - a model without a plan of its own (GPT-2, OPT, Falcon) gets tplayers' shipped plan for its
   ``config.model_type`` (:data:`~tplayers.convert.plans.MODEL_TYPES`);
 - ``sequence_parallel`` entries (norms inside a sequence-parallel region) are not applied: "auto"
@@ -169,9 +169,14 @@ def auto_plan(model: nn.Module) -> AutoPlan:
     layers: Dict[str, Union[str, Style]] = {}
     skipped: Dict[str, str] = {}
     unmatched = [k for k in hf if not matches[k] and k not in param_keys]
-    for key in param_keys:  # an entry on a parameter (MoE expert tensors): left as it is
-        skipped[key] = _EXPERTS if hf[key] in ("packed_colwise", "rowwise", "colwise") or hf[key] in SKIPPED_STYLES \
-            else f"a style on a parameter ('{hf[key]}') is not supported; the parameter stays replicated"
+    for key in param_keys:  # an entry on a bare parameter: left as it is inside replicated experts, else refused
+        names = [p for p in params if _regex(key).match(p)]
+        outside = [p for p in names if not any(p.startswith(e + ".") for e in experts)]
+        if outside:
+            raise ValueError(f"parallelize(model, 'auto'): the plan gives the bare parameter '{outside[0]}' the style "
+                             f"'{hf[key]}'; sharding a parameter outside a module is not supported (outside MoE "
+                             "experts, which stay replicated); give a plan of your own")
+        skipped[key] = _EXPERTS
     for key, names in matches.items():
         for name in names:
             if any(name == e or name.startswith(e + ".") for e in experts):
