@@ -62,10 +62,12 @@ def _io_dims(sequence_parallel):
 # ------------------------------------------------------------------ MLP
 
 
-def _check_mlp(group, hidden, ffn, activation, bias, batch, seq, sequence_parallel, seed, split_backward=False):
+def _check_mlp(group, hidden, ffn, activation, bias, batch, seq, sequence_parallel, seed, split_backward=False,
+               chunks=1):
     torch.manual_seed(seed)
     dense = DenseMLP(hidden, ffn, activation, bias, dtype=F64)
-    tp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=sequence_parallel, split_backward=split_backward)
+    tp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=sequence_parallel, split_backward=split_backward,
+                                chunks=chunks)
     _check_layouts(tp, dense, group)
     x = torch.randn(batch, seq, hidden, dtype=F64)
     return assert_matches_dense(tp, dense, x, group=group, **_io_dims(sequence_parallel)).grad_error
@@ -73,12 +75,13 @@ def _check_mlp(group, hidden, ffn, activation, bias, batch, seq, sequence_parall
 
 @settings(max_examples=examples(8))
 @given(hidden=st.integers(1, 8), ffn_per_rank=st.integers(1, 3), activation=st.sampled_from(["gelu", "swiglu"]),
-       bias=st.booleans(), batch=st.integers(1, 2), seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(),
-       seed=st.integers(0, 2**16), split_backward=st.booleans())
-def test_mlp_matches_dense(hidden, ffn_per_rank, activation, bias, batch, seq, sequence_parallel, seed, split_backward):
+       bias=st.booleans(), batch=st.integers(1, 3), seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(),
+       seed=st.integers(0, 2**16), split_backward=st.booleans(), chunks=st.sampled_from([1, 1, 2, 3]))
+def test_mlp_matches_dense(hidden, ffn_per_rank, activation, bias, batch, seq, sequence_parallel, seed, split_backward,
+                           chunks):
     for tp in TP_SIZES:
         get_world(tp).run(_check_mlp, hidden, ffn_per_rank * 4, activation, bias, batch, seq, sequence_parallel, seed,
-                          split_backward)
+                          split_backward, chunks)
 
 
 def _split_equals_megatron(group, module, sequence_parallel):
@@ -111,17 +114,74 @@ def test_split_backward_is_bit_identical_to_the_two_layer_schedule(module, seque
         assert all(get_world(tp).run(_split_equals_megatron, module, sequence_parallel))
 
 
+def _chunked_equals_unchunked(group, module, sequence_parallel, chunks):
+    """The chunked region (Domino-style forward overlap) equals the unchunked one to float64
+    rounding, issues one forward and one backward input-gradient collective per chunk, and launches
+    chunk i+1's forward collective before it waits for chunk i's (the overlap itself, by order)."""
+    torch.manual_seed(5)
+    if module == "attention":
+        dense = DenseAttention(16, 4, 2, None, True, True, True, dtype=F64)
+    else:
+        dense = DenseMLP(16, 32, module, True, dtype=F64)
+    cls = ParallelAttention if module == "attention" else ParallelMLP
+    batch, seq = 5, 8 // (group.size() if sequence_parallel else 1)
+    x = torch.randn(batch, seq, 16, dtype=F64, generator=torch.Generator().manual_seed(group.rank()))
+    mask = (torch.rand(batch, 1, 8, 8, generator=torch.Generator().manual_seed(9)) < 0.7) | torch.eye(8, dtype=torch.bool)
+    results = []
+    for k in (1, chunks):
+        layer = cls.from_dense(dense, group=group, sequence_parallel=sequence_parallel, split_backward=True, chunks=k)
+        xk = x.clone().requires_grad_()
+        with tplayers.comm_accounting() as acct:
+            out = layer(xk, mask) if module == "attention" else layer(xk)
+            out.square().sum().backward()
+        results.append(([out, xk.grad] + [p.grad for p in layer.parameters()], acct.records))
+    (ref, ref_records), (got, records) = results
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    n = min(chunks, batch)
+    row_op = "reduce_scatter" if sequence_parallel else "all_reduce"
+    def ops(recs, phase):
+        return [r for r in recs if r.phase == phase and r.op == row_op]
+
+    fwd = ops(records, "forward")
+    assert len(fwd) == n and len(ops(ref_records, "forward")) == 1, [(r.op, r.phase) for r in records]
+    # backward: one input-gradient collective per chunk (attention at TP 4 adds the replicated KV
+    # heads' gradient all-reduces, the same number in both)
+    assert len(ops(records, "backward")) == len(ops(ref_records, "backward")) + n - 1
+    if group.size() > 1:  # chunk 1's collective left before anyone waited on chunk 0's
+        assert all(later.launched < fwd[0].wait_started for later in fwd[1:]), "forward collectives not overlapped"
+    return True
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("module", ["gelu", "swiglu", "attention"])
+def test_chunked_region_equals_unchunked_and_overlaps_its_forward(module, sequence_parallel):
+    for tp in (2, 4):
+        for chunks in (2, 3, 8):  # 8 > batch 5: one chunk per example
+            assert all(get_world(tp).run(_chunked_equals_unchunked, module, sequence_parallel, chunks))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_chunks_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="chunks must be an integer >= 1"):
+        ParallelMLP(8, 16, group=None, chunks=bad)
+    with pytest.raises(ValueError, match="ParallelAttention: chunks"):
+        ParallelAttention(8, 2, group=None, chunks=bad)
+    with pytest.raises(ValueError, match="set_overlap: chunks"):
+        tplayers.set_overlap(ParallelMLP(8, 16, group=None), chunks=bad)
+
+
 # ------------------------------------------------------------------ attention
 
 heads = st.sampled_from([(4, 4), (4, 2), (4, 1), (8, 2), (8, 8), (8, 4)])
 
 
 def _check_attention(group, hidden, n_heads, n_kv, head_dim, causal, rotary, mask_kind, batch, seq,
-                     sequence_parallel, seed, split_backward=False):
+                     sequence_parallel, seed, split_backward=False, chunks=1):
     torch.manual_seed(seed)
     dense = DenseAttention(hidden, n_heads, n_kv, head_dim, True, causal, rotary, dtype=F64)
     tp = ParallelAttention.from_dense(dense, group=group, sequence_parallel=sequence_parallel,
-                                      split_backward=split_backward)
+                                      split_backward=split_backward, chunks=chunks)
     _check_layouts(tp, dense, group)
     mask = _make_mask(mask_kind, batch, n_heads, seq, torch.Generator().manual_seed(seed))
     x = torch.randn(batch, seq, hidden, dtype=F64)
@@ -151,15 +211,15 @@ def test_attention_key_padding_mask_broadcasts_over_queries():
 
 @settings(max_examples=examples(12))
 @given(hidden=st.integers(1, 8), heads=heads, head_dim=st.sampled_from([2, 4]), causal=st.booleans(),
-       rotary=st.booleans(), mask_kind=st.sampled_from(["none", "bool", "float"]), batch=st.integers(1, 2),
+       rotary=st.booleans(), mask_kind=st.sampled_from(["none", "bool", "float"]), batch=st.integers(1, 3),
        seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16),
-       split_backward=st.booleans())
+       split_backward=st.booleans(), chunks=st.sampled_from([1, 1, 2, 3]))
 def test_attention_matches_dense(hidden, heads, head_dim, causal, rotary, mask_kind, batch, seq, sequence_parallel,
-                                 seed, split_backward):
+                                 seed, split_backward, chunks):
     n_heads, n_kv = heads
     for tp in TP_SIZES:
         get_world(tp).run(_check_attention, hidden, n_heads, n_kv, head_dim, causal, rotary, mask_kind, batch, seq,
-                          sequence_parallel, seed, split_backward)
+                          sequence_parallel, seed, split_backward, chunks)
 
 
 def test_gqa_with_fewer_kv_heads_than_ranks_replicates_them():
@@ -531,7 +591,7 @@ def _gpt_overlap_switch(group):
     for split in (False, True):
         model = ParallelGPT.from_dense(dense, group=group)
         counts = tplayers.set_overlap(model, split_backward=split, comm=True)
-        assert counts == {"comm": 2 * 4 + 1, "split_backward": 4}  # 4 linears per block + the head; MLP, attention
+        assert counts == {"comm": 2 * 4 + 1, "split_backward": 4, "chunks": 0}  # 4 linears per block + the head; MLP, attention
         model.loss(ids, ids.roll(-1, 1)).backward()
         grads.append([p.grad for p in model.parameters()])
     return all(torch.equal(a, b) for a, b in zip(*grads))

@@ -223,7 +223,8 @@ def test_bench_json_schema_and_table(capsys, tmp_path):
     assert report["schema"] == SCHEMA
     assert report["config"]["hidden"] == 8 and report["config"]["iters"] == 3
     assert report["environment"]["tp"] == 2 and report["environment"]["backend"] == "gloo"
-    assert set(report["timings"]) == set(MODES)  # naive runs at TP 2
+    assert set(report["timings"]) == set(MODES) - {"tp_chunked"}  # naive runs at TP 2
+    assert "need --batch >= 2" in report["skipped"]["tp_chunked"]  # a batch of 1 has nothing to chunk
     for timing in report["timings"].values():
         assert set(timing) == {"min_ms", "median_ms", "mean_ms", "n"} and timing["n"] == 3
         assert 0 < timing["min_ms"] <= timing["median_ms"]
@@ -298,12 +299,29 @@ def test_bench_split_backward_mode_reports_its_own_accounting(capsys):
     assert rc == 0 and "split backward needs a column and a row layer" in report["skipped"]["tp_split"]
 
 
+def test_bench_chunked_mode_runs_one_collective_per_chunk(capsys):
+    for module in ("mlp", "block"):
+        rc = main(["bench", "--tp", "2", "--module", module, "--batch", "5", "--seq", "4", "--hidden", "16", "--heads",
+                   "2", "--iters", "1", "--warmup", "0", "--modes", "tp,tp_chunked", "--chunks", "3", "--json",
+                   "--no-progress"])
+        report = json.loads(capsys.readouterr().out)
+        assert rc == 0 and "tp_chunked" in report["timings"]
+        chunked, plain = report["chunked"], report["summary"]["collectives_per_step"]
+        assert chunked["chunks"] == 3
+        assert chunked["collectives_per_step"]["all_reduce/forward"] == 3 * plain["all_reduce/forward"]
+        assert chunked["forward_hidden_fraction"] is not None
+        assert "batch chunks (mode tp_chunked, k=3)" in format_report(report)
+        assert set(report["timeline"]) == {"tp", "tp_chunked"}
+    with pytest.raises(SystemExit):
+        main(["bench", "--chunks", "0"])
+
+
 def test_bench_block_overlap_on_off_dense_and_sequence_parallel(capsys):
     rc = main(["bench", "--tp", "2", "--module", "block", "--batch", "1", "--seq", "8", "--hidden", "16",
                "--heads", "2", "--iters", "2", "--warmup", "1", "--json", "--no-progress"])
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["config"]["module"] == "block" and report["config"]["heads"] == 2
-    assert set(report["timings"]) == set(MODES) - {"naive"} and "naive" in report["skipped"]
+    assert set(report["timings"]) == set(MODES) - {"naive", "tp_chunked"} and "naive" in report["skipped"]
     assert report["summary"]["hidden_fraction"] is not None and "speedup_vs_dense" in report["summary"]
     rc = main(["bench", "--tp", "2", "--module", "block", "--sequence-parallel", "--batch", "1", "--seq", "8",
                "--hidden", "16", "--heads", "2", "--iters", "1", "--warmup", "0", "--modes", "tp,tp_blocking,comm_bwd",

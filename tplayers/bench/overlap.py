@@ -39,10 +39,12 @@ from .timing import barrier, fwd_bwd_step, leaf, sync, time_steps
 
 __all__ = ["BenchConfig", "MODES", "MODE_LABELS", "SHAPES", "run_overlap_bench"]
 
-MODES: Tuple[str, ...] = ("tp", "tp_blocking", "tp_split", "comm", "comm_bwd", "compute", "dense", "naive")
+MODES: Tuple[str, ...] = ("tp", "tp_blocking", "tp_split", "tp_chunked", "comm", "comm_bwd", "compute", "dense",
+                          "naive")
 MODE_LABELS: Dict[str, str] = {
     "tp": "TP fwd+bwd, overlap on",
     "tp_split": "TP fwd+bwd, split backward",
+    "tp_chunked": "TP fwd+bwd, split bwd + batch chunks",
     "tp_blocking": "TP fwd+bwd, overlap off",
     "comm": "collectives alone (fwd+bwd)",
     "comm_bwd": "collectives alone (bwd, overlappable)",
@@ -93,6 +95,7 @@ class BenchConfig:
     trace_iters: int = 3
     link: Optional[str] = None  # an emulated interconnect (tplayers.core.link spec), None: the real backend
     accounting_iters: int = 10  # overlapped iterations run again under comm_accounting (exposed comm, counts)
+    chunks: int = 2  # mode tp_chunked: batch chunks (forward overlap, Domino-style)
 
     def __post_init__(self) -> None:
         if self.module not in _MODULES:
@@ -102,7 +105,7 @@ class BenchConfig:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown:
             raise ValueError(f"bench: unknown modes {unknown} (choose from {list(MODES)})")
-        for name in ("batch", "seq", "hidden", "ffn", "heads", "iters"):
+        for name in ("batch", "seq", "hidden", "ffn", "heads", "iters", "chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"bench: {name}={getattr(self, name)} must be >= 1")
         if self.warmup < 0:
@@ -169,21 +172,21 @@ class _Module:
     local: Callable[[nn.Module, BenchConfig, TPGroup], nn.Module]
     pairs: int
     has_row: bool
-    split: Optional[Callable[[nn.Module, TPGroup, bool], nn.Module]] = None  # the TP twin, split backward
+    split: Optional[Callable[[nn.Module, TPGroup, bool, int], nn.Module]] = None  # the TP twin, split backward, k chunks
 
 
-def _split_mlp(d: nn.Module, g: TPGroup, sp: bool) -> nn.Module:
+def _split_mlp(d: nn.Module, g: TPGroup, sp: bool, chunks: int) -> nn.Module:
     """The bench MLP (Linear, GELU, Linear) as a ParallelMLP with the split backward (same weights)."""
     dense = DenseMLP(d[0].in_features, d[0].out_features, "gelu", True, device=d[0].weight.device,
                      dtype=d[0].weight.dtype)
     dense.fc1.load_state_dict(d[0].state_dict())
     dense.fc2.load_state_dict(d[2].state_dict())
-    return ParallelMLP.from_dense(dense, group=g, sequence_parallel=sp, split_backward=True)
+    return ParallelMLP.from_dense(dense, group=g, sequence_parallel=sp, split_backward=True, chunks=chunks)
 
 
-def _split_block(d: nn.Module, g: TPGroup, sp: bool) -> nn.Module:
+def _split_block(d: nn.Module, g: TPGroup, sp: bool, chunks: int) -> nn.Module:
     block = ParallelTransformerBlock.from_dense(d, group=g, sequence_parallel=sp)
-    set_overlap(block, split_backward=True)  # attention and MLP
+    set_overlap(block, split_backward=True, chunks=chunks)  # attention and MLP
     return block
 
 
@@ -297,12 +300,16 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
             steps[mode] = fwd_bwd_step(_tp_model(dense, cfg, g, True), leaf(x_tp), grad_tp.contiguous())
         elif mode == "tp_blocking":
             steps[mode] = fwd_bwd_step(_tp_model(dense, cfg, g, False), leaf(x_tp), grad_tp.contiguous())
-        elif mode == "tp_split":
+        elif mode in ("tp_split", "tp_chunked"):
             split = _MODULES[cfg.module].split
             if split is None:
                 skipped[mode] = "the split backward needs a column and a row layer (--module mlp or block)"
                 continue
-            steps[mode] = fwd_bwd_step(split(dense, g, cfg.sequence_parallel), leaf(x_tp), grad_tp.contiguous())
+            if mode == "tp_chunked" and min(cfg.chunks, cfg.batch) < 2:
+                skipped[mode] = f"batch chunks need --batch >= 2 and --chunks >= 2 (batch {cfg.batch}, chunks {cfg.chunks})"
+                continue
+            chunks = cfg.chunks if mode == "tp_chunked" else 1
+            steps[mode] = fwd_bwd_step(split(dense, g, cfg.sequence_parallel, chunks), leaf(x_tp), grad_tp.contiguous())
         elif mode in ("comm", "comm_bwd"):
             comm_all, comm_bwd = _comm_steps(cfg, g, dtype, device)
             steps[mode] = comm_all if mode == "comm" else comm_bwd
@@ -323,13 +330,16 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
                              progress=cfg.progress, label=f"bench {cfg.module} tp={g.size}")
         measured = _account(steps.get("tp"), cfg, g, device)
         measured_split = _account(steps.get("tp_split"), cfg, g, device)
-        timeline = {mode: _timeline(steps[mode], g, device) for mode in ("tp", "tp_blocking")
+        measured_chunked = _account(steps.get("tp_chunked"), cfg, g, device)
+        timeline = {mode: _timeline(steps[mode], g, device) for mode in ("tp", "tp_blocking", "tp_split", "tp_chunked")
                     if mode in steps and g.size > 1}
     report = summarize(cfg, g.size, timings, skipped, backend=backend_name(g, device), measured=measured,
                        link=link)
     report["timeline"] = timeline
     if measured_split is not None:  # the same accounting for the split backward (mode tp_split)
         report["split_backward"] = measured_split
+    if measured_chunked is not None:  # and for the chunked region (mode tp_chunked)
+        report["chunked"] = {**measured_chunked, "chunks": min(cfg.chunks, cfg.batch)}
     if cfg.trace_dir:
         report["trace"] = _profile(steps, cfg, g, device)
     return report
@@ -392,8 +402,15 @@ def _timeline(step: Callable[[], None], g: TPGroup, device: torch.device) -> Dic
 
 
 def _duration_ms(acct: Any, phase: str) -> float:
-    """Launch to completion of the phase's collectives, summed (ms)."""
-    return 1e3 * sum(r.completed - r.launched for r in acct.records if r.phase == phase and r.completed is not None)
+    """Time the phase's collectives were in flight (ms): the union of their launch-to-completion
+    intervals, so a collective queued behind another on the same link is not counted twice."""
+    spans = sorted((r.launched, r.completed) for r in acct.records if r.phase == phase and r.completed is not None)
+    total, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return 1e3 * total
 
 
 def _profile(steps: Dict[str, Callable[[], None]], cfg: BenchConfig, g: TPGroup, device: torch.device) -> str:

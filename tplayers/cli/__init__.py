@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--iters", type=_positive, default=50, help="timed iterations per mode (default 50)")
     b.add_argument("--warmup", type=int, default=5, help="untimed iterations per mode first (default 5)")
     b.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    b.add_argument("--chunks", type=_positive, default=2,
+                   help="batch chunks of mode tp_chunked (forward overlap, Domino-style; default 2)")
     common(b, "float32")
     b.add_argument("--link", metavar="SPEC", default=None,
                    help="emulate an interconnect: h100-nvlink | pcie5 | ib-ndr | GBPS[/LATENCY_US] | match:PRESET "
@@ -226,7 +228,8 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         cfg = BenchConfig(module=module, dtype=args.dtype, device=args.device,
                           sequence_parallel=args.sequence_parallel, iters=args.iters, warmup=args.warmup,
-                          modes=modes, seed=args.seed, progress=progress, trace_dir=args.trace, link=link, **shape)
+                          modes=modes, seed=args.seed, progress=progress, trace_dir=args.trace, link=link,
+                          chunks=args.chunks, **shape)
         cfg.check_tp(tp)
         if args.simulate and under_torchrun():
             raise ValueError("bench --simulate runs in one process: start it without torchrun")

@@ -67,14 +67,19 @@ def format_report(report: Dict[str, Any]) -> str:
         lines.append(f"exposed communication, measured (callers blocked on collectives, per overlapped step): "
                      f"{s['exposed_comm_ms']:.3f} ms (forward {s['exposed_comm_fwd_ms']:.3f}, backward "
                      f"{s['exposed_comm_bwd_ms']:.3f})")
-    split = report.get("split_backward")
-    if split is not None:
-        def pct(v: Any) -> str:
-            return "n/a" if v is None else f"{100 * v:.0f}%"
-        lines.append(f"split backward (mode tp_split), measured: backward collectives hidden "
-                     f"{pct(split['backward_hidden_fraction_measured'])} (overlap on: "
-                     f"{pct(s.get('backward_hidden_fraction_measured'))}); exposed {split['exposed_comm_ms']:.3f} ms "
-                     f"(forward {split['exposed_comm_fwd_ms']:.3f}, backward {split['exposed_comm_bwd_ms']:.3f})")
+    def pct(v: Any) -> str:
+        return "n/a" if v is None else f"{100 * v:.0f}%"
+
+    for key, label in (("split_backward", "split backward (mode tp_split)"), ("chunked", "batch chunks (mode tp_chunked")):
+        m = report.get(key)
+        if m is None:
+            continue
+        label += f", k={m['chunks']})" if key == "chunked" else ""
+        lines.append(f"{label}, measured: collectives hidden forward {pct(m['forward_hidden_fraction'])}, backward "
+                     f"{pct(m['backward_hidden_fraction_measured'])} (overlap on: forward "
+                     f"{pct(s.get('forward_hidden_fraction'))}, backward {pct(s.get('backward_hidden_fraction_measured'))}); "
+                     f"exposed {m['exposed_comm_ms']:.3f} ms (forward {m['exposed_comm_fwd_ms']:.3f}, backward "
+                     f"{m['exposed_comm_bwd_ms']:.3f})")
     if "exposed_comm_estimate_ms" in s:
         lines.append(f"exposed communication, estimated (TP overlapped - matmuls alone, medians of the table): "
                      f"{s['exposed_comm_estimate_ms']:.3f} ms")

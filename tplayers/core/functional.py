@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -288,6 +288,24 @@ def row_parallel_linear(
 # ---------------------------------------------------------------------------- split backward: column -> core -> row
 
 
+def require_chunks(chunks: int, where: str) -> int:
+    """``chunks``, or a ValueError naming ``where`` unless it is an integer >= 1."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{where}: chunks must be an integer >= 1, got {chunks!r}")
+    return chunks
+
+
+def _batch_chunks(batch: int, chunks: int) -> List[slice]:
+    """``chunks`` contiguous row ranges covering ``range(batch)`` (fewer when the batch is smaller)."""
+    n = max(1, min(chunks, batch))
+    bounds = [batch * i // n for i in range(n + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _cat(parts: List[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+
+
 class _SplitBackwardFn(torch.autograd.Function):
     """``row(core(column(x)))`` as one Function (an MLP: ``core`` = the activation; attention:
     ``core`` = rotary + SDPA over this rank's heads), so its backward orders the two layers' work
@@ -296,79 +314,96 @@ class _SplitBackwardFn(torch.autograd.Function):
     Megatron schedule of two separate layers hides that collective under the column layer's weight
     gradient alone: the row layer's ran earlier, with nothing in flight. Same numbers, bit for bit
     (same ops, new order). ``recompute``: the core runs again in backward (cheap activations: its
-    output is not kept); otherwise its autograd graph from forward is kept (attention)."""
+    output is not kept); otherwise its autograd graph from forward is kept (attention).
+
+    ``rows``: the batch split into chunks (Domino-style forward overlap). Forward runs chunk by chunk
+    and launches each chunk's row collective asynchronously, so it travels while the next chunk
+    computes; backward likewise launches each chunk's input-gradient collective as soon as that
+    chunk's input gradient exists. The weight gradients run once, over all chunks, under the last
+    collectives. One chunk is the unchunked schedule above."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, core: Callable, g: TPGroup, sequence_parallel: bool, overlap: bool,
-                recompute: bool):
-        x_full = _all_gather(x, SEQ_DIM, g).wait() if sequence_parallel else x
-        h = F.linear(x_full, w1, b1)  # (..., s, local column width)
-        if recompute:
-            a = core(h)
-            ctx.graph = None
-        else:
-            with torch.enable_grad():  # keep the core's graph for backward (no second SDPA)
-                h_in = h.detach().requires_grad_()
-                a = core(h_in)
-            ctx.graph = (h_in, a)
-            a = a.detach()
-        partial = F.linear(a, w2)  # (..., s, hidden): this rank's share of the sum
-        out = (_reduce_scatter(partial, SEQ_DIM, g) if sequence_parallel else _all_reduce(partial, g)).wait()
+                recompute: bool, rows: List[slice]):
+        sp, chunked = sequence_parallel, len(rows) > 1
+        gathers = [_all_gather(x[rows[0]], SEQ_DIM, g, async_op=chunked)] if sp else []
+        hs, graphs, reducing = [], [], []
+        for i, r in enumerate(rows):
+            if sp and i + 1 < len(rows):  # the next chunk's input travels while this one computes
+                gathers.append(_all_gather(x[rows[i + 1]], SEQ_DIM, g, async_op=True))
+            x_full = gathers[i].wait() if sp else x[r]  # (bc, s, hidden)
+            h = F.linear(x_full, w1, b1)  # (bc, s, local column width)
+            if recompute:
+                a = core(h, r)
+            else:
+                with torch.enable_grad():  # keep the core's graph for backward (no second SDPA)
+                    h_in = h.detach().requires_grad_()
+                    a = core(h_in, r)
+                graphs.append((h_in, a))
+                a = a.detach()
+            partial = F.linear(a, w2)  # (bc, s, hidden): this rank's share of the sum
+            reducing.append(_reduce_scatter(partial, SEQ_DIM, g, async_op=chunked) if sp
+                            else _all_reduce(partial, g, async_op=chunked))
+            hs.append(h)
+        out = _cat([pending.wait() for pending in reducing])  # (b, s | s/p, hidden)
         if b2 is not None:
             out = out.add_(b2)
-        ctx.save_for_backward(x, h, w1, b1, w2, b2)
-        ctx.core, ctx.g, ctx.sequence_parallel, ctx.overlap = core, g, sequence_parallel, overlap
+        ctx.save_for_backward(x, w1, b1, w2, b2, *hs)
+        ctx.graphs = graphs or None
+        ctx.core, ctx.g, ctx.sequence_parallel, ctx.overlap, ctx.rows = core, g, sp, overlap, rows
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         if torch.is_grad_enabled():  # create_graph=True: rebuild it from the differentiable layers
-            ctx.graph = None
+            ctx.graphs = None
             return _split_backward_graph(ctx, grad_out)
-        x, h, w1, b1, w2, b2 = ctx.saved_tensors
-        g, sp, overlap = ctx.g, ctx.sequence_parallel, ctx.overlap
+        x, w1, b1, w2, b2, *hs = ctx.saved_tensors
+        g, sp, overlap, rows = ctx.g, ctx.sequence_parallel, ctx.overlap, ctx.rows
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        grad_full = _all_gather(grad_out, SEQ_DIM, g).wait() if sp else grad_out  # (..., s, hidden)
+        grad_full = _all_gather(grad_out, SEQ_DIM, g).wait() if sp else grad_out  # (b, s, hidden)
         gathering = _all_gather(x, SEQ_DIM, g, async_op=overlap) if (sp and need_w1) else None
-        if ctx.graph is None:
-            with torch.enable_grad():  # the core, recomputed with its graph for its backward
-                h_in = h.detach().requires_grad_()
-                a = ctx.core(h_in)
-        else:
-            h_in, a = ctx.graph
-            ctx.graph = None
-        (grad_h,) = torch.autograd.grad(a, h_in, grad_full @ w2)  # (..., s, local column width)
-        grad_x = grad_h @ w1 if need_x else None  # (..., s, hidden) partial sums, a buffer we own
+        graphs, ctx.graphs = ctx.graphs, None
+        grad_hs, acts, reducing = [], [], []
+        for i, (r, h) in enumerate(zip(rows, hs)):
+            if graphs is None:
+                with torch.enable_grad():  # the core, recomputed with its graph for its backward
+                    h_in = h.detach().requires_grad_()
+                    a = ctx.core(h_in, r)
+            else:
+                h_in, a = graphs[i]
+            (grad_h,) = torch.autograd.grad(a, h_in, grad_full[r] @ w2)  # (bc, s, local column width)
+            grad_hs.append(grad_h)
+            acts.append(a.detach())
+            if need_x:  # this chunk's partial input gradient (a buffer we own) travels at once
+                grad_x = grad_h @ w1
+                reducing.append(_reduce_scatter(grad_x, SEQ_DIM, g, async_op=overlap) if sp
+                                else _all_reduce(grad_x, g, async_op=overlap))
         x_full = gathering.wait() if gathering is not None else x
-        reducing = None
-        if need_x:
-            reducing = (_reduce_scatter(grad_x, SEQ_DIM, g, async_op=overlap) if sp
-                        else _all_reduce(grad_x, g, async_op=overlap))
-        # under the collective: the row layer's weight gradient, then the column layer's
-        grad_flat = _flat(grad_full)
-        grad_w2 = grad_flat.t() @ _flat(a.detach()) if need_w2 else None
+        # under the collectives: the row layer's weight gradient, then the column layer's
+        grad_flat, grad_h = _flat(grad_full), _cat(grad_hs)
+        grad_w2 = grad_flat.t() @ _flat(_cat(acts)) if need_w2 else None
         grad_b2 = grad_flat.sum(0) if (need_b2 and b2 is not None) else None
         grad_w1 = _flat(grad_h).t() @ _flat(x_full) if need_w1 else None
         grad_b1 = _flat(grad_h).sum(0) if (need_b1 and b1 is not None) else None
-        if reducing is not None:
-            grad_x = reducing.wait()
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None
+        grad_x = _cat([pending.wait() for pending in reducing]) if need_x else None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None
 
 
 def _split_backward_graph(ctx, grad_out):
-    """create_graph=True: the same region through the differentiable column / row ops, and its
-    gradient (the core runs again: callers keep dropout out of split regions)."""
-    x, h, w1, b1, w2, b2 = ctx.saved_tensors
+    """create_graph=True: the same region through the differentiable column / row ops, unchunked, and
+    its gradient (the core runs again: callers keep dropout out of split regions)."""
+    x, w1, b1, w2, b2 = ctx.saved_tensors[:5]
     g, sp = ctx.g, ctx.sequence_parallel
     inputs = (x, w1, b1, w2, b2)
     wanted = [i for i, (t, need) in enumerate(zip(inputs, ctx.needs_input_grad[:5])) if need and t is not None]
-    out = row_parallel_linear(ctx.core(column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sp)), w2, b2,
-                              group=g, sequence_parallel=sp)
+    h = column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sp)
+    out = row_parallel_linear(ctx.core(h, slice(None)), w2, b2, group=g, sequence_parallel=sp)
     grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad_out, create_graph=True)
     result = [None] * 5
     for i, grad in zip(wanted, grads):
         result[i] = grad
-    return (*result, None, None, None, None, None)
+    return (*result, None, None, None, None, None, None)
 
 
 def split_backward_region(
@@ -377,27 +412,36 @@ def split_backward_region(
     b1: Optional[torch.Tensor],
     w2: torch.Tensor,
     b2: Optional[torch.Tensor],
-    core: Callable[[torch.Tensor], torch.Tensor],
+    core: Callable[[torch.Tensor, slice], torch.Tensor],
     *,
     group: GroupLike,
     sequence_parallel: bool = False,
     overlap_comm: bool = True,
     recompute: bool = False,
+    chunks: int = 1,
 ) -> torch.Tensor:
     """``row(core(column(x)))`` with the split backward of :class:`_SplitBackwardFn`: the column
-    layer's input-gradient collective runs under both layers' weight gradients. ``core`` maps this
-    rank's ``(..., s, local width)`` columns to the row layer's ``(..., s, local width)`` input and
-    must not mix ranks nor draw random numbers. Shapes as :func:`column_parallel_linear` (``w1``)
-    then :func:`row_parallel_linear` (``w2``). Under autocast, or in a world of one, it composes the
-    two layers instead."""
+    layer's input-gradient collective runs under both layers' weight gradients. ``core(h, rows)``
+    maps this rank's ``(bc, s, local width)`` columns of the batch rows ``rows`` (a slice of dim 0) to
+    the row layer's ``(bc, s, local width)`` input; it must not mix ranks nor draw random numbers.
+    ``chunks > 1``: the batch runs in that many chunks (fewer if the batch is smaller), each chunk's
+    row collective in flight under the next chunk's compute (forward) and each chunk's input-gradient
+    collective under the rest of the backward; results equal the unchunked path up to rounding.
+    Shapes as :func:`column_parallel_linear` (``w1``) then :func:`row_parallel_linear` (``w2``); ``x``
+    is ``(b, s, hidden)`` (``(b, s/p, hidden)`` with ``sequence_parallel``). Under autocast, or in a
+    world of one, it composes the two layers instead."""
     g = resolve_group(group)
+    require_chunks(chunks, "split_backward_region")
     _check_inputs(x, w1, b1, w1.shape[1], "split_backward_region", sequence_parallel, g)
     if g.size == 1 or _any_autocast() and torch.is_autocast_enabled(x.device.type):
-        return row_parallel_linear(core(column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sequence_parallel,
-                                                               overlap_comm=overlap_comm)),
-                                   w2, b2, group=g, sequence_parallel=sequence_parallel)
+        h = column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm)
+        return row_parallel_linear(core(h, slice(None)), w2, b2, group=g, sequence_parallel=sequence_parallel)
+    if chunks > 1 and x.dim() < 3:
+        raise ValueError(f"split_backward_region: chunks={chunks} splits the batch dim of a (b, s, hidden) input, "
+                         f"got shape {tuple(x.shape)}")
     _warn_cuda_connections_once(x, g, overlap_comm)
-    return _SplitBackwardFn.apply(x, w1, b1, w2, b2, core, g, sequence_parallel, overlap_comm, recompute)
+    rows = _batch_chunks(x.shape[0], chunks) if x.dim() >= 3 else [slice(None)]
+    return _SplitBackwardFn.apply(x, w1, b1, w2, b2, core, g, sequence_parallel, overlap_comm, recompute, rows)
 
 
 def parallel_mlp(
@@ -411,9 +455,12 @@ def parallel_mlp(
     group: GroupLike,
     sequence_parallel: bool = False,
     overlap_comm: bool = True,
+    chunks: int = 1,
 ) -> torch.Tensor:
     """An MLP ``row(act(column(x)))`` with the split backward (:func:`split_backward_region`); the
     activation is recomputed in backward, so the row layer's input is not kept. ``act`` maps this
-    rank's ``(..., ffn/p)`` columns (SwiGLU: its local ``[gate_r; up_r]``)."""
-    return split_backward_region(x, w1, b1, w2, b2, act, group=group, sequence_parallel=sequence_parallel,
-                                 overlap_comm=overlap_comm, recompute=True)
+    rank's ``(..., ffn/p)`` columns (SwiGLU: its local ``[gate_r; up_r]``). ``chunks``: forward overlap
+    over batch chunks, as in :func:`split_backward_region`."""
+    return split_backward_region(x, w1, b1, w2, b2, lambda h, rows: act(h), group=group,
+                                 sequence_parallel=sequence_parallel, overlap_comm=overlap_comm, recompute=True,
+                                 chunks=chunks)

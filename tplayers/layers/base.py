@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..core.collectives import bit_hash, gather_placed, ranks_that_differ
+from ..core.functional import require_chunks
 from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 
@@ -93,21 +94,27 @@ def set_overlap_comm(model: nn.Module, enabled: bool) -> int:
     return count
 
 
-def set_overlap(model: nn.Module, *, comm: Optional[bool] = None, split_backward: Optional[bool] = None) -> Dict[str, int]:
+def set_overlap(model: nn.Module, *, comm: Optional[bool] = None, split_backward: Optional[bool] = None,
+                chunks: Optional[int] = None) -> Dict[str, int]:
     """One model-wide switch for the overlap modes; ``None`` leaves a mode as each module has it.
 
     ``comm``: backward collectives asynchronous under the weight-gradient GEMMs (every TP layer's
     ``overlap_comm``; off = the same ops blocking). ``split_backward``: modules that can run several
-    layers' weight gradients under one collective (``ParallelMLP``) do so. Returns how many modules
-    each setting reached."""
-    counts = {"comm": 0, "split_backward": 0}
+    layers' weight gradients under one collective (``ParallelMLP``, ``ParallelAttention``) do so.
+    ``chunks``: those modules run their batch in that many chunks, each chunk's collectives in flight
+    under the next chunk's compute (1 = unchunked). Returns how many modules each setting reached."""
+    counts = {"comm": 0, "split_backward": 0, "chunks": 0}
+    if chunks is not None:
+        require_chunks(chunks, "set_overlap")
     if comm is not None:
         counts["comm"] = set_overlap_comm(model, comm)
-    if split_backward is not None:
+    for name, value in (("split_backward", split_backward), ("chunks", chunks)):
+        if value is None:
+            continue
         for module in model.modules():
-            if isinstance(module, TensorParallelModule) and hasattr(module, "split_backward"):
-                module.split_backward = bool(split_backward)
-                counts["split_backward"] += 1
+            if isinstance(module, TensorParallelModule) and hasattr(module, name):
+                setattr(module, name, bool(value) if name == "split_backward" else value)
+                counts[name] += 1
     return counts
 
 

@@ -25,7 +25,7 @@ from einops import rearrange
 from .cache import LayerKV
 from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, attention_core,
                     check_heads, normalize_attn_mask, refuse_mask_with_cache, rotate_and_cache)
-from ..core.functional import parallel_mlp, split_backward_region
+from ..core.functional import parallel_mlp, require_chunks, split_backward_region
 from ..layers.fused import FusedColumnParallelLinear
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import kv_shards as placement_kv_shards, require_divisible, require_positive
@@ -48,14 +48,18 @@ class ParallelMLP(TensorParallelModule):
     ``split_backward``: one fused backward (`tplayers.functional.parallel_mlp`) runs fc1's
     input-gradient collective under both layers' weight gradients instead of fc1's alone; the
     same numbers, bit for bit (off with ``overlap_comm=False``).
+    ``chunks`` > 1: the same fused region, run over that many batch chunks so each chunk's fc2
+    collective travels while the next chunk computes (forward overlap, Domino-style) and each
+    chunk's fc1 input-gradient collective while the backward goes on; equal up to rounding.
     Input/output ``(..., hidden)``; ``(..., seq/p, hidden)`` with ``sequence_parallel``.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, activation: str = "gelu", bias: bool = True, *,
                  group: GroupLike, sequence_parallel: bool = False, overlap_comm: bool = True,
-                 split_backward: bool = False, device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
+                 split_backward: bool = False, chunks: int = 1, device: Any = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        self.split_backward = split_backward
+        self.split_backward, self.chunks = split_backward, require_chunks(chunks, "ParallelMLP")
         if activation not in ACTIVATIONS:
             raise ValueError(f"ParallelMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.tp = resolve_group(group)
@@ -80,9 +84,11 @@ class ParallelMLP(TensorParallelModule):
         return F.gelu(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.split_backward and self.fc1.overlap_comm:  # both layers' weight gradients under fc1's collective
+        overlap = self.fc1.overlap_comm
+        if self.chunks > 1 or self.split_backward and overlap:  # both weight gradients under fc1's collective
             return parallel_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self._act,
-                                group=self.tp, sequence_parallel=self.sequence_parallel, overlap_comm=True)
+                                group=self.tp, sequence_parallel=self.sequence_parallel, overlap_comm=overlap,
+                                chunks=self.chunks)
         return self.fc2(self._act(self.fc1(x)))  # (..., s, ffn/p | 2*ffn/p) -> (..., [s or s/p], hidden)
 
     @classmethod
@@ -129,17 +135,18 @@ class ParallelAttention(TensorParallelModule):
     Attention dropout runs on this rank's heads, under ``rng``'s parallel stream.
     ``split_backward``: as `ParallelMLP`'s, qkv's input-gradient collective runs under both qkv's and
     proj's weight gradients (the attention graph from forward is kept, nothing recomputed); not with
-    a KV cache or attention dropout in training (those take the two-layer path).
+    a KV cache or attention dropout in training (those take the two-layer path). ``chunks`` > 1:
+    the same region over batch chunks, as `ParallelMLP`'s (a per-example mask follows its rows).
     """
 
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
                  bias: bool = True, *, group: GroupLike, causal: bool = True, rotary: bool = False,
                  rope_theta: float = 10000.0, attn_dropout: float = 0.0, rng: Optional[RNGTracker] = None,
                  sequence_parallel: bool = False, overlap_comm: bool = True, split_backward: bool = False,
-                 device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
+                 chunks: int = 1, device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         name = "ParallelAttention"
-        self.split_backward = split_backward
+        self.split_backward, self.chunks = split_backward, require_chunks(chunks, name)
         self.tp = tp = resolve_group(group)
         self.n_kv_heads, self.head_dim = check_heads(hidden, n_heads, n_kv_heads, head_dim, name)
         require_divisible(n_heads, tp.size, name, "n_heads")
@@ -167,13 +174,18 @@ class ParallelAttention(TensorParallelModule):
         if mask is not None and mask.shape[1] > 1:  # per-head mask: this rank's heads
             mask = mask.narrow(1, self.tp.rank * self.local_heads, self.local_heads)
         p = self.attn_dropout if self.training else 0.0
-        if self.split_backward and self.qkv.overlap_comm and cache is None and p == 0:
+        overlap = self.qkv.overlap_comm
+        if (self.chunks > 1 or self.split_backward and overlap) and cache is None and p == 0:
             # qkv's input-gradient collective under both qkv's and proj's weight gradients
             qkv = self.qkv
             bias = None if qkv.bias is None else qkv._with_replica_grads(qkv.bias)
+
+            def core(h: torch.Tensor, rows: slice) -> torch.Tensor:  # a per-example mask follows the batch chunk
+                return self._core(h, mask if mask is None or mask.shape[0] == 1 else mask[rows], None, 0.0)
+
             return split_backward_region(x, qkv._with_replica_grads(qkv.weight), bias, self.proj.weight,
-                                         self.proj.bias, lambda h: self._core(h, mask, None, 0.0), group=self.tp,
-                                         sequence_parallel=self.sequence_parallel)
+                                         self.proj.bias, core, group=self.tp, sequence_parallel=self.sequence_parallel,
+                                         overlap_comm=overlap, chunks=self.chunks)
         return self.proj(self._core(self.qkv(x), mask, cache, p))  # (b, s | s/p, hidden)
 
     def _core(self, qkv: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[LayerKV],
