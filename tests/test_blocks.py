@@ -63,11 +63,12 @@ def _io_dims(sequence_parallel):
 
 
 def _check_mlp(group, hidden, ffn, activation, bias, batch, seq, sequence_parallel, seed, split_backward=False,
-               chunks=1):
+               chunks=1, delay_wgrad=False):
     torch.manual_seed(seed)
     dense = DenseMLP(hidden, ffn, activation, bias, dtype=F64)
     tp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=sequence_parallel, split_backward=split_backward,
                                 chunks=chunks)
+    tplayers.set_overlap(tp, delay_wgrad=delay_wgrad)
     _check_layouts(tp, dense, group)
     x = torch.randn(batch, seq, hidden, dtype=F64)
     return assert_matches_dense(tp, dense, x, group=group, **_io_dims(sequence_parallel)).grad_error
@@ -76,12 +77,13 @@ def _check_mlp(group, hidden, ffn, activation, bias, batch, seq, sequence_parall
 @settings(max_examples=examples(8))
 @given(hidden=st.integers(1, 8), ffn_per_rank=st.integers(1, 3), activation=st.sampled_from(["gelu", "swiglu"]),
        bias=st.booleans(), batch=st.integers(1, 3), seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(),
-       seed=st.integers(0, 2**16), split_backward=st.booleans(), chunks=st.sampled_from([1, 1, 2, 3]))
+       seed=st.integers(0, 2**16), split_backward=st.booleans(), chunks=st.sampled_from([1, 1, 2, 3]),
+       delay_wgrad=st.booleans())
 def test_mlp_matches_dense(hidden, ffn_per_rank, activation, bias, batch, seq, sequence_parallel, seed, split_backward,
-                           chunks):
+                           chunks, delay_wgrad):
     for tp in TP_SIZES:
         get_world(tp).run(_check_mlp, hidden, ffn_per_rank * 4, activation, bias, batch, seq, sequence_parallel, seed,
-                          split_backward, chunks)
+                          split_backward, chunks, delay_wgrad)
 
 
 def _split_equals_megatron(group, module, sequence_parallel):
@@ -177,11 +179,12 @@ heads = st.sampled_from([(4, 4), (4, 2), (4, 1), (8, 2), (8, 8), (8, 4)])
 
 
 def _check_attention(group, hidden, n_heads, n_kv, head_dim, causal, rotary, mask_kind, batch, seq,
-                     sequence_parallel, seed, split_backward=False, chunks=1):
+                     sequence_parallel, seed, split_backward=False, chunks=1, delay_wgrad=False):
     torch.manual_seed(seed)
     dense = DenseAttention(hidden, n_heads, n_kv, head_dim, True, causal, rotary, dtype=F64)
     tp = ParallelAttention.from_dense(dense, group=group, sequence_parallel=sequence_parallel,
                                       split_backward=split_backward, chunks=chunks)
+    tplayers.set_overlap(tp, delay_wgrad=delay_wgrad)
     _check_layouts(tp, dense, group)
     mask = _make_mask(mask_kind, batch, n_heads, seq, torch.Generator().manual_seed(seed))
     x = torch.randn(batch, seq, hidden, dtype=F64)
@@ -213,13 +216,13 @@ def test_attention_key_padding_mask_broadcasts_over_queries():
 @given(hidden=st.integers(1, 8), heads=heads, head_dim=st.sampled_from([2, 4]), causal=st.booleans(),
        rotary=st.booleans(), mask_kind=st.sampled_from(["none", "bool", "float"]), batch=st.integers(1, 3),
        seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16),
-       split_backward=st.booleans(), chunks=st.sampled_from([1, 1, 2, 3]))
+       split_backward=st.booleans(), chunks=st.sampled_from([1, 1, 2, 3]), delay_wgrad=st.booleans())
 def test_attention_matches_dense(hidden, heads, head_dim, causal, rotary, mask_kind, batch, seq, sequence_parallel,
-                                 seed, split_backward, chunks):
+                                 seed, split_backward, chunks, delay_wgrad):
     n_heads, n_kv = heads
     for tp in TP_SIZES:
         get_world(tp).run(_check_attention, hidden, n_heads, n_kv, head_dim, causal, rotary, mask_kind, batch, seq,
-                          sequence_parallel, seed, split_backward, chunks)
+                          sequence_parallel, seed, split_backward, chunks, delay_wgrad)
 
 
 def test_gqa_with_fewer_kv_heads_than_ranks_replicates_them():
@@ -591,7 +594,7 @@ def _gpt_overlap_switch(group):
     for split in (False, True):
         model = ParallelGPT.from_dense(dense, group=group)
         counts = tplayers.set_overlap(model, split_backward=split, comm=True)
-        assert counts == {"comm": 2 * 4 + 1, "split_backward": 4, "chunks": 0}  # 4 linears per block + the head; MLP, attention
+        assert counts == {"comm": 2 * 4 + 1, "split_backward": 4, "chunks": 0, "delay_wgrad": 0}  # 4 linears per block + the head; MLP, attention
         model.loss(ids, ids.roll(-1, 1)).backward()
         grads.append([p.grad for p in model.parameters()])
     return all(torch.equal(a, b) for a, b in zip(*grads))

@@ -27,7 +27,9 @@ from .models.loss import vocab_parallel_cross_entropy
 from .models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from .models.gpt import ParallelGPT
 from .convert import CoverageReport, Plan, coverage, parallelize
-from .layers import check_replicas, check_same_inputs, clip_grad_norm_, set_overlap, set_overlap_comm
+from .layers import (backward_dw, check_replicas, check_same_inputs, clip_grad_norm_, pending_wgrad, set_overlap,
+                     set_overlap_comm)
+from .core.wgrad import WeightGradStore
 from .core.accounting import CommAccounting, CommRecord, EmulatedLink, comm_accounting, emulated_link
 from .core.link import LinkModel, parse_link
 from .convert.mesh2d import Mesh2D, make_2d_mesh
@@ -73,7 +75,7 @@ __all__ = [
     "dense",
     # drop-in, checkpoints, 2-D parallelism
     "parallelize", "coverage", "CoverageReport",
-    "set_overlap_comm", "set_overlap",
+    "set_overlap_comm", "set_overlap", "backward_dw", "pending_wgrad", "WeightGradStore",
     "clip_grad_norm_",
     "check_replicas",
     "check_same_inputs",

@@ -228,7 +228,8 @@ variant("ParallelAttention", "GQA, rotary, sequence_parallel=True", _attention, 
          gqa=True, sp=True, rotary=True)
 
 
-def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool, split: bool = False, chunks: int = 1) -> MatchReport:
+def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool, split: bool = False, chunks: int = 1,
+           delay: bool = False) -> MatchReport:
     d, h = _dims(g), _heads(g)
     config = BlockConfig(hidden=d["hidden"], n_heads=h["n_heads"], ffn_hidden=d["ffn"],
                          n_kv_heads=h["n_kv_heads"] if llama else None, activation="swiglu" if llama else "gelu",
@@ -239,7 +240,7 @@ def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool, split: bool = F
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.5)
     tp = ParallelTransformerBlock.from_dense(dense, group=g, sequence_parallel=sp)
-    set_overlap(tp, split_backward=split, chunks=chunks)
+    set_overlap(tp, split_backward=split, chunks=chunks, delay_wgrad=delay)  # (verify flushes delayed wgrads)
     return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
                   **_seq_shards(sp))
 
@@ -252,6 +253,8 @@ variant("ParallelTransformerBlock", "Llama, sequence_parallel=True, split_backwa
         llama=True, split=True)
 variant("ParallelTransformerBlock", "Llama, split_backward=True, chunks=2", _block, tol_scale=16, sp=False,
         llama=True, split=True, chunks=2)
+variant("ParallelTransformerBlock", "Llama, sequence_parallel=True, delay_wgrad=True", _block, tol_scale=16, sp=True,
+        llama=True, delay=True)
 
 
 class _Call(nn.Module):

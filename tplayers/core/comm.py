@@ -157,10 +157,15 @@ class _SumOverReplicas(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, g: TPGroup, num_shards: int, start: int, stop: int) -> torch.Tensor:
         ctx.g, ctx.num_shards, ctx.rows = g, num_shards, (start, stop)
+        # No gradient (a delayed weight gradient: delay_wgrad) stays None: no all-reduce of zeros now;
+        # the gradient comes through here later, when the recorded work is flushed.
+        ctx.set_materialize_grads(False)
         return x.view_as(x)  # a view: no copy of x is made or saved
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: Optional[torch.Tensor]):
+        if grad is None:
+            return None, None, None, None, None
         return _ReduceOverReplicas.apply(grad, ctx.g, ctx.num_shards, *ctx.rows), None, None, None, None
 
 

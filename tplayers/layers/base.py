@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..core.collectives import bit_hash, gather_placed, ranks_that_differ
 from ..core.functional import require_chunks
+from ..core.wgrad import WeightGradStore
 from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 
@@ -95,27 +96,49 @@ def set_overlap_comm(model: nn.Module, enabled: bool) -> int:
 
 
 def set_overlap(model: nn.Module, *, comm: Optional[bool] = None, split_backward: Optional[bool] = None,
-                chunks: Optional[int] = None) -> Dict[str, int]:
+                chunks: Optional[int] = None, delay_wgrad: Optional[bool] = None) -> Dict[str, int]:
     """One model-wide switch for the overlap modes; ``None`` leaves a mode as each module has it.
 
     ``comm``: backward collectives asynchronous under the weight-gradient GEMMs (every TP layer's
     ``overlap_comm``; off = the same ops blocking). ``split_backward``: modules that can run several
     layers' weight gradients under one collective (``ParallelMLP``, ``ParallelAttention``) do so.
     ``chunks``: those modules run their batch in that many chunks, each chunk's collectives in flight
-    under the next chunk's compute (1 = unchunked). Returns how many modules each setting reached."""
-    counts = {"comm": 0, "split_backward": 0, "chunks": 0}
+    under the next chunk's compute (1 = unchunked). ``delay_wgrad``: every TP linear records its
+    weight-gradient GEMMs during backward for :func:`backward_dw` to run later. Returns how many
+    modules each setting reached."""
+    counts = {"comm": 0, "split_backward": 0, "chunks": 0, "delay_wgrad": 0}
     if chunks is not None:
         require_chunks(chunks, "set_overlap")
     if comm is not None:
         counts["comm"] = set_overlap_comm(model, comm)
-    for name, value in (("split_backward", split_backward), ("chunks", chunks)):
+    for name, value in (("split_backward", split_backward), ("chunks", chunks), ("delay_wgrad", delay_wgrad)):
         if value is None:
             continue
+        if name == "delay_wgrad" and not value and pending_wgrad(model):
+            raise RuntimeError(f"set_overlap: delay_wgrad=False with {pending_wgrad(model)} recorded weight-gradient "
+                               "computations not run yet: call tplayers.backward_dw(model) first")
         for module in model.modules():
             if isinstance(module, TensorParallelModule) and hasattr(module, name):
-                setattr(module, name, bool(value) if name == "split_backward" else value)
+                setattr(module, name, value if name == "chunks" else bool(value))
                 counts[name] += 1
     return counts
+
+
+def _stores(model: nn.Module) -> List[WeightGradStore]:
+    return [m.wgrad_store for m in model.modules() if isinstance(getattr(m, "wgrad_store", None), WeightGradStore)]
+
+
+def pending_wgrad(model: nn.Module) -> int:
+    """How many recorded weight-gradient computations (``delay_wgrad``) wait in ``model``."""
+    return sum(len(store) for store in _stores(model))
+
+
+def backward_dw(model: nn.Module) -> int:
+    """Run the weight-gradient work that layers built with ``delay_wgrad=True`` recorded during
+    backward, accumulating into ``.grad`` (identical to the normal backward); returns how many
+    computations ran. Collective under sequence parallelism and with replicated KV heads: call it on
+    every rank of the TP group, before ``optimizer.step()`` and before clipping."""
+    return sum(store.flush() for store in _stores(model))
 
 
 def dense_linear_init(

@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..core.comm import sum_over_replicas
 from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, resolve_group
+from ..core.wgrad import WeightGradStore
 from ..core.placement import Placement, Sharded, require_positive
 from .base import TensorParallelModule, check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 
@@ -44,11 +45,13 @@ class FusedColumnParallelLinear(TensorParallelModule):
         layer: str = "FusedColumnParallelLinear",
         sequence_parallel: bool = False,
         overlap_comm: bool = True,
+        delay_wgrad: bool = False,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
         self.tp = tp = resolve_group(group)
+        self.delay_wgrad, self.wgrad_store = delay_wgrad, WeightGradStore()  # as ColumnParallelLinear's
         parts = [int(n) for n in parts]
         require_positive(in_features, layer, "in_features")
         self.placement = Sharded.fused(0, parts, tp.size, part_shards, layer=layer, names=part_names)
@@ -86,7 +89,8 @@ class FusedColumnParallelLinear(TensorParallelModule):
         weight = self._with_replica_grads(self.weight)
         bias = None if self.bias is None else self._with_replica_grads(self.bias)
         return column_parallel_linear(x, weight, bias, group=self.tp, sequence_parallel=self.sequence_parallel,
-                                      overlap_comm=self.overlap_comm)  # (..., [seq,] local_out)
+                                      overlap_comm=self.overlap_comm,  # (..., [seq,] local_out)
+                                      wgrad_store=self.wgrad_store if self.delay_wgrad else None)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, parts: Sequence[int] = (),

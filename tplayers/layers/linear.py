@@ -4,6 +4,9 @@ Both keep ``nn.Linear``'s names (``weight``, ``bias``) and initialization: built
 RNG state as ``nn.Linear(in_features, out_features)``, rank r holds exactly the r-th chunk of
 the weight that ``nn.Linear`` would have drawn (the full matrix is drawn on every rank, then
 sliced; use ``device="meta"`` plus ``from_dense`` or a checkpoint to skip that).
+
+``delay_wgrad=True``: backward computes the input gradient only and records the weight-gradient
+GEMMs in the layer's ``wgrad_store``; ``tplayers.backward_dw(model)`` runs them (gradients identical).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from ..core.comm import gather_from_tp
 from ..core.functional import column_parallel_linear, row_parallel_linear
 from ..core.groups import GroupLike, resolve_group
+from ..core.wgrad import WeightGradStore
 from ..core.placement import Placement, Replicated, Sharded, require_divisible, require_positive
 from .base import TensorParallelModule, check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 
@@ -40,11 +44,13 @@ class ColumnParallelLinear(TensorParallelModule):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         overlap_comm: bool = True,
+        delay_wgrad: bool = False,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
         self.tp = resolve_group(group)
+        self.delay_wgrad, self.wgrad_store = delay_wgrad, WeightGradStore()
         require_positive(in_features, "ColumnParallelLinear", "in_features")
         self.out_features_per_rank = require_divisible(out_features, self.tp.size, "ColumnParallelLinear", "out_features")
         if gather_output and sequence_parallel:
@@ -63,10 +69,11 @@ class ColumnParallelLinear(TensorParallelModule):
         reset_linear_params(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:  # a world of one is nn.Linear exactly (autocast, errors and all)
+        if self.tp.size == 1 and not self.delay_wgrad:  # a world of one is nn.Linear exactly (autocast, errors and all)
             return F.linear(x, self.weight, self.bias)
         out = column_parallel_linear(x, self.weight, self.bias, group=self.tp,
-                                     sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
+                                     sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
+                                     wgrad_store=self.wgrad_store if self.delay_wgrad else None)
         return gather_from_tp(out, group=self.tp) if self.gather_output else out  # (..., out) | (..., out/p)
 
     @classmethod
@@ -111,11 +118,13 @@ class RowParallelLinear(TensorParallelModule):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         overlap_comm: bool = True,
+        delay_wgrad: bool = False,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
         self.tp = resolve_group(group)
+        self.delay_wgrad, self.wgrad_store = delay_wgrad, WeightGradStore()
         require_positive(out_features, "RowParallelLinear", "out_features")
         self.in_features_per_rank = require_divisible(in_features, self.tp.size, "RowParallelLinear", "in_features")
         if sequence_parallel and not input_is_parallel:
@@ -131,11 +140,12 @@ class RowParallelLinear(TensorParallelModule):
         reset_linear_params(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:  # a world of one is nn.Linear exactly (autocast, errors and all)
+        if self.tp.size == 1 and not self.delay_wgrad:  # a world of one is nn.Linear exactly (autocast, errors and all)
             return F.linear(x, self.weight, self.bias)
         return row_parallel_linear(x, self.weight, self.bias, group=self.tp,  # (..., out)
                                    input_is_parallel=self.input_is_parallel,
-                                   sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
+                                   sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
+                                   wgrad_store=self.wgrad_store if self.delay_wgrad else None)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "RowParallelLinear":

@@ -40,6 +40,15 @@ __all__ = ["ParallelMLP", "ParallelAttention", "ParallelTransformerBlock"]
 # ---------------------------------------------------------------------------- MLP
 
 
+def region_store(column: nn.Module, row: nn.Module) -> Any:
+    """The store a fused column -> row region records weight gradients in: None (neither layer
+    delays them), the column layer's store (both do), False (they disagree: run the two layers)."""
+    if column.delay_wgrad != row.delay_wgrad:
+        return False
+    return column.wgrad_store if column.delay_wgrad else None
+
+
+
 class ParallelMLP(TensorParallelModule):
     """``fc2(act(fc1(x)))``: ``fc1`` column-parallel, ``fc2`` row-parallel (as `DenseMLP`).
 
@@ -84,11 +93,12 @@ class ParallelMLP(TensorParallelModule):
         return F.gelu(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        overlap = self.fc1.overlap_comm
-        if self.chunks > 1 or self.split_backward and overlap:  # both weight gradients under fc1's collective
+        overlap, store = self.fc1.overlap_comm, region_store(self.fc1, self.fc2)
+        if (self.chunks > 1 or self.split_backward and overlap) and store is not False:
+            # both weight gradients under fc1's collective (or both recorded, with delay_wgrad)
             return parallel_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self._act,
                                 group=self.tp, sequence_parallel=self.sequence_parallel, overlap_comm=overlap,
-                                chunks=self.chunks)
+                                chunks=self.chunks, wgrad_store=store)
         return self.fc2(self._act(self.fc1(x)))  # (..., s, ffn/p | 2*ffn/p) -> (..., [s or s/p], hidden)
 
     @classmethod
@@ -174,8 +184,8 @@ class ParallelAttention(TensorParallelModule):
         if mask is not None and mask.shape[1] > 1:  # per-head mask: this rank's heads
             mask = mask.narrow(1, self.tp.rank * self.local_heads, self.local_heads)
         p = self.attn_dropout if self.training else 0.0
-        overlap = self.qkv.overlap_comm
-        if (self.chunks > 1 or self.split_backward and overlap) and cache is None and p == 0:
+        overlap, store = self.qkv.overlap_comm, region_store(self.qkv, self.proj)
+        if (self.chunks > 1 or self.split_backward and overlap) and cache is None and p == 0 and store is not False:
             # qkv's input-gradient collective under both qkv's and proj's weight gradients
             qkv = self.qkv
             bias = None if qkv.bias is None else qkv._with_replica_grads(qkv.bias)
@@ -185,7 +195,7 @@ class ParallelAttention(TensorParallelModule):
 
             return split_backward_region(x, qkv._with_replica_grads(qkv.weight), bias, self.proj.weight,
                                          self.proj.bias, core, group=self.tp, sequence_parallel=self.sequence_parallel,
-                                         overlap_comm=overlap, chunks=self.chunks)
+                                         overlap_comm=overlap, chunks=self.chunks, wgrad_store=store)
         return self.proj(self._core(self.qkv(x), mask, cache, p))  # (b, s | s/p, hidden)
 
     def _core(self, qkv: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[LayerKV],

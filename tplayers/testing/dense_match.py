@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..core.comm import all_gather_tensor, gather_placed
 from ..core.groups import GroupLike, resolve_group
-from ..layers.base import placements_of
+from ..layers.base import backward_dw, placements_of
 
 __all__ = ["assert_matches_dense", "MatchReport", "dense_parameters", "default_tolerance"]
 
@@ -111,7 +111,8 @@ def assert_matches_dense(
     ``output_shard_dim`` is None when the TP output is already full, or the dim its shards are
     gathered along. Compares the output, the gradient of every floating input, and every
     parameter gradient (sharded ones gathered through their placement) after backpropagating the same
-    random output gradient through both. Raises AssertionError naming the first mismatch.
+    random output gradient through both (and running ``backward_dw`` for layers that delay their
+    weight gradients). Raises AssertionError naming the first mismatch.
     """
     g = resolve_group(group)
     inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
@@ -137,6 +138,7 @@ def assert_matches_dense(
     grad_out = torch.randn(dense_out.shape, generator=gen, dtype=torch.float64).to(dense_out.dtype).to(dense_out.device)
     dense_out.backward(grad_out)
     tp_out.backward(grad_out if output_shard_dim is None else g.shard(grad_out, output_shard_dim).contiguous())
+    backward_dw(tp_module)  # layers with delay_wgrad=True: their recorded weight gradients, now
 
     for i, (d_in, t_in, dim) in enumerate(zip(dense_in, tp_in, shard_dims)):
         if d_in.requires_grad:
