@@ -136,3 +136,41 @@ def _everywhere(group):
 @pytest.mark.parametrize("tp", [2])
 def test_emulated_link_everywhere_slows_other_libraries_collectives_too(tp):
     assert get_world(tp).run(_everywhere) == [(True, True, True, True)] * tp
+
+
+@pytest.fixture
+def fake_world_of_two_on_cuda():
+    """One process standing for rank 0 of 2 (torch's fake backend: collectives move nothing)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cuda_link_runs_on_the_gpu_timeline_without_blocking_the_host(fake_world_of_two_on_cuda):
+    g = tplayers.resolve_group(fake_world_of_two_on_cuda)
+    buf = torch.ones(2**18, device="cuda")  # 1 MiB: an all-reduce of 2 ranks moves n bytes per rank
+    link = tplayers.LinkModel(buf.numel() * 4 / 0.05 / 1e9, 0.0)  # modeled: 50 ms
+    a = torch.randn(2048, 2048, device="cuda")
+    a @ a
+    torch.cuda.synchronize()
+    with tplayers.emulated_link(link), tplayers.comm_accounting() as acct:
+        t0 = time.perf_counter()
+        _all_reduce(buf, g).wait()  # blocking: the stream stalls 50 ms, the host does not
+        host_s = time.perf_counter() - t0
+        pending = _all_reduce(buf, g, async_op=True)
+        for _ in range(20):  # GPU work under the second collective
+            a = (a @ a).tanh_()
+        pending.wait()
+    blocking, overlapped = acct.records
+    assert host_s < 0.02, f"the host waited {host_s:.3f} s"
+    assert 0.045 < blocking.blocked_s < 0.07 and 0.045 < blocking.completed - blocking.launched < 0.07
+    assert overlapped.blocked_s < blocking.blocked_s - 0.005, "compute under the collective hid none of it"

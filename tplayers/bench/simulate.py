@@ -4,7 +4,8 @@ One rank of a TP group of ``p`` runs in this process on a ``fake`` process group
 backend: collectives return at once and move nothing). Its compute is real: the sharded module
 at one rank's shapes. Its collectives are timed by an emulated link (`tplayers.emulated_link`):
 each completes at launch (or the previous collective's end) + its alpha-beta time, so overlap and
-exposure come out as on a real rank whose peers keep pace. Outputs are meaningless (nothing is
+exposure come out as on a real rank whose peers keep pace (on a GPU, ``--device cuda``: the link
+runs on the GPU's timeline, see `tplayers.core.accounting`). Outputs are meaningless (nothing is
 summed): only the times, counts, bytes and memory are. Every rank of a real TP group does the same
 work, so one rank stands for all (no stragglers, no contention between groups: see the docs).
 """
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..core.dtypes import DTYPES
 from ..core.groups import resolve_group
 from .overlap import _MODULES, BenchConfig, _tp_model, run_overlap_bench
 
@@ -66,10 +68,12 @@ def simulate(cfg: BenchConfig, tp: int) -> Dict[str, Any]:
         group = dist.group.WORLD
         report = run_overlap_bench(group, cfg)
         torch.manual_seed(cfg.seed)
-        dense = _MODULES[cfg.module].dense(cfg)
+        device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+        dense = _MODULES[cfg.module].dense(cfg).to(device, DTYPES[cfg.dtype])
         model = _tp_model(dense, cfg, resolve_group(group), True)
         seq = cfg.seq // tp if cfg.sequence_parallel else cfg.seq
-        x = torch.randn(cfg.batch, seq, cfg.hidden, requires_grad=True)
+        param = next(model.parameters())
+        x = torch.randn(cfg.batch, seq, cfg.hidden, device=param.device, dtype=param.dtype, requires_grad=True)
         memory = rank_memory(model, x)
     finally:
         dist.destroy_process_group()

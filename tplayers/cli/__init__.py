@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(collectives still move the real data; each completes no earlier than its alpha-beta time)")
     b.add_argument("--simulate", action="store_true",
                    help="one rank of TP --tp (default 8) in this process: real compute, collectives timed by "
-                        "--link (default match:h100-nvlink); any TP size on one machine")
+                        "--link (default match:h100-nvlink; with --device cuda: h100-nvlink); any TP size on one machine")
     b.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     b.add_argument("--save", metavar="PATH", help="also write the JSON report to PATH")
     b.add_argument("--plot", metavar="PNG", help="bar chart of the timings (needs matplotlib: tplayers[plot])")
@@ -224,7 +224,9 @@ def _bench(args: argparse.Namespace) -> int:
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     shape.setdefault("heads", args.heads)
     tp = args.tp or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else (8 if args.simulate else 2))
-    link = args.link or ("match:h100-nvlink" if args.simulate else None)
+    # the default simulated wire: an H100 node's, scaled to this CPU's matmul speed (match:) or, on a
+    # GPU, as is (its compute is real)
+    link = args.link or (("h100-nvlink" if args.device == "cuda" else "match:h100-nvlink") if args.simulate else None)
     try:
         cfg = BenchConfig(module=module, dtype=args.dtype, device=args.device,
                           sequence_parallel=args.sequence_parallel, iters=args.iters, warmup=args.warmup,

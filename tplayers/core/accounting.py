@@ -12,6 +12,14 @@ one link, collectives in order) + `LinkModel.seconds`, sleeping (no CPU) for the
 still moves over the real backend, so results stay exact. It covers the collectives tplayers
 issues (core/collectives.py); other libraries' collectives (DTensor, megatron-core) are not slowed.
 
+On CUDA the link lives on the GPU's timeline instead, as NCCL does: each collective is a
+``torch.cuda._sleep`` of its modeled duration on a link stream (one per device and group, so
+collectives queue in order), started when the launching stream reaches the launch, and ``wait()``
+makes the current stream wait for its end, without blocking the host. Under ``comm_accounting`` the
+times are then read from CUDA events when the context exits (one synchronize): launch, the point the
+waiting stream reached, the end; blocked = how long the stream stalled. The sleep kernel occupies
+one block of one SM while it runs (NCCL's kernels take more).
+
 Both are context managers holding explicit objects; the primitives check one module-level list
 (empty when nothing is active: the cost when off is one truth test per collective).
 """
@@ -46,6 +54,7 @@ class CommRecord:
     completed: Optional[float] = None  # when the caller's wait() (or the blocking call) returned
     wait_started: Optional[float] = None  # when the caller started waiting (= launched for a blocking call)
     blocked_s: float = 0.0  # time the caller spent blocked on it
+    events: Optional[List[Any]] = None  # CUDA link: [launch, end, wait] events (times resolved on exit)
 
     @property
     def exposed_ms(self) -> float:
@@ -75,6 +84,20 @@ class CommAccounting:
         for h in self._hooks:
             h.remove()
         self._stack.clear()
+        self._resolve_device_times()
+
+    def _resolve_device_times(self) -> None:
+        """CUDA-link records: their times from the GPU's events, on the host clock of the first one."""
+        timed = [r for r in self.records if r.events is not None and len(r.events) == 3]
+        if not timed:
+            return
+        timed[0].events[1].synchronize()
+        torch.cuda.synchronize()
+        ref, base = timed[0].events[0], timed[0].launched
+        for r in timed:
+            launch, end, wait = (base + 1e-3 * ref.elapsed_time(e) for e in r.events)
+            r.launched, r.completed, r.wait_started = launch, end, wait
+            r.blocked_s = max(0.0, end - wait)
 
     def _push(self, module: nn.Module, args: Any) -> None:
         self._stack.append(self._names.get(id(module), type(module).__name__))
@@ -132,6 +155,7 @@ class EmulatedLink:
     everywhere: bool = False
     _busy_until: Dict[int, float] = field(default_factory=dict)  # per process group: the link's queue
     _restore: Any = None
+    _streams: Dict[Tuple[int, int], Any] = field(default_factory=dict)  # CUDA: (device, group) -> link stream
 
     def __enter__(self) -> "EmulatedLink":
         _ACTIVE.append(self)
@@ -148,11 +172,49 @@ class EmulatedLink:
             self._restore = None
 
     def modeled_end(self, op: str, nbytes: int, group: Any, group_size: int, launched: float) -> float:
-        key = id(group[0]) * 31 + group[1] if isinstance(group, tuple) else id(group)
+        key = _group_key(group)
         start = max(launched, self._busy_until.get(key, 0.0))
         end = start + self.link.seconds(op, nbytes, group_size)
         self._busy_until[key] = end
         return end
+
+    def on_device(self, op: str, nbytes: int, group: Any, group_size: int, device: torch.device) -> List[Any]:
+        """The collective as a sleep of its modeled duration on this device's link stream, after the
+        current stream's work so far; returns its [launch, end] events."""
+        key = (device.index if device.index is not None else torch.cuda.current_device(), _group_key(group))
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(device)
+        launch, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        launch.record(torch.cuda.current_stream(device))
+        stream.wait_event(launch)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(max(1, int(self.link.seconds(op, nbytes, group_size) * _cycles_per_second(device))))
+        end.record(stream)
+        return [launch, end]
+
+
+def _group_key(group: Any) -> int:
+    return id(group[0]) * 31 + group[1] if isinstance(group, tuple) else id(group)
+
+
+_CYCLES: Dict[int, float] = {}
+
+
+def _cycles_per_second(device: torch.device) -> float:
+    """``torch.cuda._sleep`` cycles per second on ``device``, measured once (best of three)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CYCLES:
+        cycles, best = 10_000_000, float("inf")
+        for _ in range(3):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            stop.record()
+            stop.synchronize()
+            best = min(best, start.elapsed_time(stop) / 1e3)
+        _CYCLES[index] = cycles / best
+    return _CYCLES[index]
 
 
 def emulated_link(spec: Union[str, LinkModel], *, everywhere: bool = False) -> EmulatedLink:
@@ -165,14 +227,18 @@ def emulated_link(spec: Union[str, LinkModel], *, everywhere: bool = False) -> E
 # ---------------------------------------------------------------------------- hooks for the primitives
 
 
-def launched(op: str, nbytes: int, group: Any, group_size: int, t0: float) -> CommRecord:
+def launched(op: str, nbytes: int, group: Any, group_size: int, t0: float,
+             device: Optional[torch.device] = None) -> CommRecord:
     """Called by a primitive right after launching a collective (only when something is active)."""
     accountings = [a for a in _ACTIVE if isinstance(a, CommAccounting)]
     phase, module = accountings[-1]._where() if accountings else ("", "")
     record = CommRecord(op, nbytes, group_size, phase, module, t0)
     for active in _ACTIVE:
         if isinstance(active, EmulatedLink):
-            record.modeled_end = active.modeled_end(op, nbytes, group, group_size, t0)
+            if device is not None and device.type == "cuda":
+                record.events = active.on_device(op, nbytes, group, group_size, device)
+            else:
+                record.modeled_end = active.modeled_end(op, nbytes, group, group_size, t0)
         else:
             active.records.append(record)
     return record
@@ -180,7 +246,17 @@ def launched(op: str, nbytes: int, group: Any, group_size: int, t0: float) -> Co
 
 def finished(record: CommRecord, wait_started: float) -> None:
     """Called when the caller's wait (or the blocking call, then ``wait_started`` = launch) returns:
-    sleep out the rest of the modeled duration, then account the time blocked."""
+    sleep out the rest of the modeled duration, then account the time blocked. CUDA link: the
+    current stream waits for the link's end event instead (the host does not block)."""
+    if record.events is not None:
+        end = record.events[1]
+        waiting = torch.cuda.current_stream()  # the waiter's stream, on the device it launched from
+        wait = torch.cuda.Event(enable_timing=True)
+        wait.record(waiting)
+        waiting.wait_event(end)
+        record.events.append(wait)
+        record.completed, record.wait_started = time.perf_counter(), wait_started
+        return
     if record.modeled_end is not None:
         left = record.modeled_end - time.perf_counter()
         if left > 0:

@@ -48,7 +48,8 @@ class Pending:
         return self._result
 
 
-def _launch(op: str, nbytes: int, g: TPGroup, call: Callable[[], Any]) -> "tuple[Any, Optional[accounting.CommRecord]]":
+def _launch(op: str, nbytes: int, g: TPGroup, call: Callable[[], Any],
+            device: Optional[torch.device] = None) -> "tuple[Any, Optional[accounting.CommRecord]]":
     """Run the ``dist`` call; under accounting / an emulated link, also record it (and for a blocking
     call, which returns no work, account its whole duration and sleep out the modeled rest now)."""
     if not accounting.active():
@@ -59,7 +60,7 @@ def _launch(op: str, nbytes: int, g: TPGroup, call: Callable[[], Any]) -> "tuple
         work = call()
     finally:
         _INSIDE[0] = False
-    record = accounting.launched(op, nbytes, g.process_group, g.size, t0)
+    record = accounting.launched(op, nbytes, g.process_group, g.size, t0, device)
     if work is None:
         accounting.finished(record, t0)
     return work, record
@@ -179,7 +180,7 @@ def _all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: st
         return _done(buf)
     assert buf.is_contiguous(), "all-reduce needs an owned contiguous buffer"
     work, record = _launch("all_reduce", buf.numel() * buf.element_size(), g, lambda: dist.all_reduce(
-        buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op))
+        buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op), buf.device)
     return Pending(work, lambda: buf, record)
 
 
@@ -191,7 +192,7 @@ def _all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False
     src = x.contiguous()
     out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
     work, record = _launch("all_gather", out.numel() * out.element_size(), g,
-                           lambda: _all_gather_single(out, src, group=g.process_group, async_op=async_op))
+                           lambda: _all_gather_single(out, src, group=g.process_group, async_op=async_op), out.device)
     if dim == 0:
         return Pending(work, lambda: out, record)
 
@@ -223,13 +224,15 @@ def _reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = F
     if dim == 0:
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
         work, record = _launch("reduce_scatter", nbytes, g,
-                               lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op))
+                               lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op),
+                               out.device)
         return Pending(work, lambda: out, record)
     chunk_shape = list(src.shape[1:])
     src = src.reshape([g.size * chunk_shape[0]] + chunk_shape[1:])  # the collective splits dim 0
     out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
     work, record = _launch("reduce_scatter", nbytes, g,
-                           lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op))
+                           lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op),
+                           out.device)
     return Pending(work, lambda: out.reshape(out_shape), record)
 
 
