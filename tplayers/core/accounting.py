@@ -18,7 +18,9 @@ collectives queue in order), started when the launching stream reaches the launc
 makes the current stream wait for its end, without blocking the host. Under ``comm_accounting`` the
 times are then read from CUDA events when the context exits (one synchronize): launch, the point the
 waiting stream reached, the end; blocked = how long the stream stalled. The sleep kernel occupies
-one block of one SM while it runs (NCCL's kernels take more).
+one block of one SM while it runs (NCCL's kernels take more). With ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+(one hardware queue) the waiting stream's event is queued behind the link's end, so the stall still
+happens but is counted as compute: measure exposure with the default (several queues).
 
 Both are context managers holding explicit objects; the primitives check one module-level list
 (empty when nothing is active: the cost when off is one truth test per collective).
