@@ -140,3 +140,106 @@ def test_frozen_weights_record_nothing():
     x = torch.randn(2, 4, requires_grad=True)
     layer(x).sum().backward()
     assert x.grad is not None and tplayers.pending_wgrad(layer) == 0
+
+
+# ------------------------------------------------------------------ main_grad (fused accumulation)
+
+
+def _main_grad_equals_grad(group, kind, sp, delay):
+    """Weight-gradient GEMMs accumulating into main_grad buffers give what .grad accumulates over two
+    microbatches; .grad of those parameters stays None; with delay_wgrad they fill at backward_dw."""
+    x = torch.randn(2, 3, 4, _input_dim(kind, group), dtype=F64,
+                    generator=torch.Generator().manual_seed(group.rank() if sp or kind == "row" else 0))
+    normal = _build(kind, group, sp)
+    list(_step(normal, x, 2))
+    fused = _build(kind, group, sp)
+    assert tplayers.use_main_grad(fused, dtype=F64) >= 1
+    tplayers.set_overlap(fused, delay_wgrad=delay)
+    list(_step(fused, x, 2))
+    for p in fused.parameters():
+        assert p.grad is None, "a gradient reached .grad"
+    if delay:
+        assert all(not p.main_grad.any() for p in fused.parameters()) and tplayers.backward_dw(fused) >= 2
+    for (name, a), b in zip(normal.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.main_grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)
+    assert tplayers.main_grads_to_grads(fused) == len(list(fused.parameters()))
+    assert all(p.grad is p.main_grad for p in fused.parameters())  # same dtype: handed over, not copied
+    tplayers.zero_main_grads(fused)
+    assert all(not p.main_grad.any() for p in fused.parameters())
+    return True
+
+
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("kind", ["column", "row", "mlp", "mlp_chunked", "attention_two_layer"])
+def test_main_grad_accumulation_equals_the_grad_path(kind, sp, delay):
+    for tp in (1, 2):  # (attention: 2 KV heads, not replicated at TP 2)
+        assert all(get_world(tp).run(_main_grad_equals_grad, kind, sp and tp > 1, delay))
+
+
+def _bf16_main_grad_is_more_exact(group):
+    """bfloat16 weights, float32 main_grad: over 8 microbatches the buffer stays near the float64
+    sum; bfloat16 .grad accumulation drifts further."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(32, 16 * group.size())
+    layers = {name: ColumnParallelLinear.from_dense(dense, group=group).to(torch.bfloat16) for name in ("grad", "main")}
+    tplayers.use_main_grad(layers["main"])
+    reference = torch.zeros(layers["grad"].weight.shape, dtype=F64)
+    for i in range(8):
+        x = torch.randn(4, 64, 32, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        grad_out = torch.randn(4, 64, 16, generator=torch.Generator().manual_seed(100 + i)).to(torch.bfloat16)
+        for layer in layers.values():
+            layer(x).backward(grad_out)
+        reference += grad_out.double().flatten(0, 1).t() @ x.double().flatten(0, 1)
+    main = layers["main"].weight.main_grad
+    assert main.dtype == torch.float32 and layers["main"].weight.grad is None
+    err_main = (main.double() - reference).abs().max().item()
+    err_grad = (layers["grad"].weight.grad.double() - reference).abs().max().item()
+    assert err_main < err_grad / 4, (err_main, err_grad)
+    tplayers.main_grads_to_grads(layers["main"])
+    assert layers["main"].weight.grad.dtype == torch.bfloat16  # cast once, for a bfloat16 optimizer
+    return True
+
+
+def test_bfloat16_weights_accumulate_their_gradient_in_float32():
+    for tp in (1, 2):
+        assert all(get_world(tp).run(_bf16_main_grad_is_more_exact))
+
+
+def test_main_grad_refuses_replicated_kv_heads_and_bad_buffers():
+    attn = ParallelAttention(16, 4, 1, group=None)  # one KV head: fine at TP 1 (no replicas)
+    assert tplayers.use_main_grad(attn) == 2
+    w = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="the weight's main_grad buffer is \\(3, 8\\)"):
+        tplayers.column_parallel_linear(torch.randn(2, 8), w, None, group=None, main_grads=(torch.zeros(3, 8), None))
+    with pytest.raises(ValueError, match="there is no bias"):
+        tplayers.row_parallel_linear(torch.randn(2, 8), w, None, group=None, main_grads=(None, torch.zeros(4)))
+
+
+def _replicated_refused(group):
+    attn = ParallelAttention(16, 4, 1, group=group)  # one KV head, replicated on both ranks
+    with pytest.raises(ValueError, match="replicated over ranks"):
+        tplayers.use_main_grad(attn)
+    return True
+
+
+def test_main_grad_refuses_layers_with_replicated_kv_heads():
+    assert all(get_world(2).run(_replicated_refused))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bfloat16_gemm_accumulates_in_float32_without_upcasting():
+    from tplayers.core import wgrad
+
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(64, 32, group=None, device="cuda", dtype=torch.bfloat16)
+    tplayers.use_main_grad(layer)
+    reference = torch.zeros(32, 64, dtype=F64, device="cuda")
+    for i in range(8):
+        x = torch.randn(4, 128, 64, device="cuda").to(torch.bfloat16)
+        grad_out = torch.randn(4, 128, 32, device="cuda").to(torch.bfloat16)
+        layer(x).backward(grad_out)
+        reference += grad_out.double().flatten(0, 1).t() @ x.double().flatten(0, 1)
+    assert wgrad._OUT_DTYPE_GEMM[0], "torch.mm(out_dtype=float32) was refused: fell back to upcasting"
+    err = (layer.weight.main_grad.double() - reference).abs().max().item()
+    assert err < 1e-3 * reference.abs().max().item(), err

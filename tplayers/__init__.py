@@ -27,8 +27,8 @@ from .models.loss import vocab_parallel_cross_entropy
 from .models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from .models.gpt import ParallelGPT
 from .convert import CoverageReport, Plan, coverage, parallelize
-from .layers import (backward_dw, check_replicas, check_same_inputs, clip_grad_norm_, pending_wgrad, set_overlap,
-                     set_overlap_comm)
+from .layers import (backward_dw, check_replicas, check_same_inputs, clip_grad_norm_, main_grads_to_grads, pending_wgrad,
+                     set_overlap, set_overlap_comm, use_main_grad, zero_main_grads)
 from .core.wgrad import WeightGradStore
 from .core.accounting import CommAccounting, CommRecord, EmulatedLink, comm_accounting, emulated_link
 from .core.link import LinkModel, parse_link
@@ -76,6 +76,7 @@ __all__ = [
     # drop-in, checkpoints, 2-D parallelism
     "parallelize", "coverage", "CoverageReport",
     "set_overlap_comm", "set_overlap", "backward_dw", "pending_wgrad", "WeightGradStore",
+    "use_main_grad", "main_grads_to_grads", "zero_main_grads",
     "clip_grad_norm_",
     "check_replicas",
     "check_same_inputs",

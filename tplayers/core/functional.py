@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from .collectives import _all_gather, _all_reduce, _reduce_scatter
 from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
 from .groups import GroupLike, TPGroup, resolve_group
-from .wgrad import WeightGradStore
+from .wgrad import MainGrads, WeightGradStore, accumulate_matmul, check_main_grads as _check_main_grads
 
 __all__ = ["column_parallel_linear", "row_parallel_linear", "parallel_mlp", "split_backward_region", "SEQ_DIM"]
 
@@ -120,21 +120,35 @@ def _defer(ctx, store: WeightGradStore, targets, compute) -> None:
         store.put(wanted, compute)
 
 
-def _linear_wgrads(grad_out: torch.Tensor, x: torch.Tensor, need_w: bool, need_b: bool):
-    """``(grad_out^T x, grad_out summed)`` over all leading dims, each only when needed."""
+def _linear_wgrads(grad_out: torch.Tensor, x: torch.Tensor, need_w: bool, need_b: bool,
+                   main: MainGrads = None):
+    """``(grad_out^T x, grad_out summed)`` over all leading dims, each only when needed; with
+    ``main`` = (weight buffer, bias buffer), each is accumulated into its buffer instead (None returned)."""
     grad_flat = _flat(grad_out)
-    return (grad_flat.t() @ _flat(x) if need_w else None), (grad_flat.sum(0) if need_b else None)
+    main_w, main_b = main if main is not None else (None, None)
+    grad_w = grad_b = None
+    if need_w:
+        if main_w is not None:
+            accumulate_matmul(main_w, grad_flat.t(), _flat(x))
+        else:
+            grad_w = grad_flat.t() @ _flat(x)
+    if need_b:
+        if main_b is not None:
+            main_b.add_(grad_flat.sum(0, dtype=main_b.dtype))
+        else:
+            grad_b = grad_flat.sum(0)
+    return grad_w, grad_b
 
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, overlap: bool,
-                store: Optional[WeightGradStore] = None):
+                store: Optional[WeightGradStore] = None, main: MainGrads = None):
         x_full = _all_gather(x, SEQ_DIM, g).wait() if sequence_parallel else x
         ctx.save_for_backward(x, weight)  # under sequence parallelism: only this rank's shard
         ctx.g, ctx.sequence_parallel, ctx.overlap = g, sequence_parallel, overlap
         ctx.has_bias = bias is not None
-        ctx.store, ctx.targets = store, ((weight, bias) if store is not None else None)
+        ctx.store, ctx.targets, ctx.main = store, ((weight, bias) if store is not None else None), main
         return F.linear(x_full, weight, bias)
 
     @staticmethod
@@ -146,14 +160,15 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
         if ctx.store is not None:  # delay_wgrad: the input gradient now, the weight gradients at flush
+            main = ctx.main
             _defer(ctx, ctx.store, ctx.targets, lambda: _linear_wgrads(
-                grad_out, _all_gather(x, SEQ_DIM, g).wait() if sp else x, need_w, need_b))
+                grad_out, _all_gather(x, SEQ_DIM, g).wait() if sp else x, need_w, need_b, main))
             ctx.targets = None
             grad_x = None
             if need_x:
                 grad_x = grad_out @ weight
                 grad_x = (_reduce_scatter(grad_x, SEQ_DIM, g) if sp else _all_reduce(grad_x, g)).wait()
-            return grad_x, None, None, None, None, None, None
+            return grad_x, None, None, None, None, None, None, None
 
         gathering = _all_gather(x, SEQ_DIM, g, async_op=overlap) if (sp and need_w) else None
         grad_x = reducing = None
@@ -166,21 +181,17 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
             else:
                 reducing = _all_reduce(grad_x, g, async_op=overlap)
 
-        grad_w = grad_b = None
-        if need_w or need_b:
-            grad_flat = _flat(grad_out)  # (tokens, out_shard)
-            if need_w:
-                grad_w = grad_flat.t() @ _flat(x_full)  # (out_shard, in), under the collective
-            if need_b:
-                grad_b = grad_flat.sum(0)
+        # (out_shard, in) and (out_shard,), under the collective (into main_grad buffers if given)
+        grad_w, grad_b = _linear_wgrads(grad_out, x_full, need_w, need_b, ctx.main)
         if reducing is not None:
             grad_x = reducing.wait()
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class _RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, store: Optional[WeightGradStore] = None):
+    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, store: Optional[WeightGradStore] = None,
+                main: MainGrads = None):
         partial = F.linear(x, weight)  # (..., out): this rank's share of the sum, owned
         if sequence_parallel:
             out = _reduce_scatter(partial, SEQ_DIM, g).wait()
@@ -190,7 +201,7 @@ class _RowParallelLinearFn(torch.autograd.Function):
             out = out.add_(bias)  # the full bias, added once (out is a buffer we own)
         ctx.save_for_backward(x, weight)
         ctx.g, ctx.sequence_parallel, ctx.has_bias = g, sequence_parallel, bias is not None
-        ctx.store, ctx.targets = store, ((weight, bias) if store is not None else None)
+        ctx.store, ctx.targets, ctx.main = store, ((weight, bias) if store is not None else None), main
         return out
 
     @staticmethod
@@ -203,12 +214,14 @@ class _RowParallelLinearFn(torch.autograd.Function):
         # matmuls need all of it. Gathered, it also gives every rank the full bias gradient.
         grad_full = _all_gather(grad_out, SEQ_DIM, ctx.g).wait() if ctx.sequence_parallel else grad_out
         grad_x = grad_full @ weight if need_x else None
+        need_b = need_b and ctx.has_bias
         if ctx.store is not None:  # delay_wgrad: the weight gradients at flush
-            _defer(ctx, ctx.store, ctx.targets, lambda: _linear_wgrads(grad_full, x, need_w, need_b and ctx.has_bias))
+            main = ctx.main
+            _defer(ctx, ctx.store, ctx.targets, lambda: _linear_wgrads(grad_full, x, need_w, need_b, main))
             ctx.targets = None
-            return grad_x, None, None, None, None, None
-        grad_w, grad_b = _linear_wgrads(grad_full, x, need_w, need_b and ctx.has_bias)
-        return grad_x, grad_w, grad_b, None, None, None
+            return grad_x, None, None, None, None, None, None
+        grad_w, grad_b = _linear_wgrads(grad_full, x, need_w, need_b, ctx.main)
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 # Under create_graph=True (a gradient penalty, a Hessian-vector product) the backward is built from
@@ -230,7 +243,7 @@ def _column_backward_graph(ctx, grad_out):
         grad_w = _flat(grad_out).t() @ _flat(x_full)
     if need_b and ctx.has_bias:
         grad_b = _flat(grad_out).sum(0)
-    return grad_x, grad_w, grad_b, None, None, None, None
+    return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def _row_backward_graph(ctx, grad_out):
@@ -245,7 +258,7 @@ def _row_backward_graph(ctx, grad_out):
     if need_b and ctx.has_bias:  # the bias is replicated: under sequence parallelism sum the chunks' sums
         grad_b = _flat(grad_out).sum(0)
         grad_b = reduce_from_tp(grad_b, group=g) if sp else grad_b
-    return grad_x, grad_w, grad_b, None, None, None
+    return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def column_parallel_linear(
@@ -257,6 +270,7 @@ def column_parallel_linear(
     sequence_parallel: bool = False,
     overlap_comm: bool = True,
     wgrad_store: Optional[WeightGradStore] = None,
+    main_grads: MainGrads = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for this rank's output features; output is sharded on the last dim.
 
@@ -264,16 +278,21 @@ def column_parallel_linear(
     weight: ``(out/p, in)``; bias: ``(out/p,)`` or None. Returns ``(..., [seq,] out/p)``.
     ``wgrad_store``: backward computes only the input gradient and records the weight and bias
     gradients there (:class:`~tplayers.core.wgrad.WeightGradStore`, run by its ``flush``).
+    ``main_grads``: ``(weight buffer, bias buffer or None)``, e.g. float32 ``main_grad`` buffers:
+    the weight-gradient GEMM accumulates into them (``addmm``; on CUDA in float32 from bfloat16
+    inputs) and returns no gradient for those parameters (Megatron's gradient_accumulation_fusion).
     """
     g = resolve_group(group)
     _check_inputs(x, weight, bias, weight.shape[1], "column_parallel_linear", sequence_parallel, g)
-    if g.size == 1 and wgrad_store is None and not _any_autocast():
+    plain = wgrad_store is None and main_grads is None
+    if g.size == 1 and plain and not _any_autocast():
         return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear, no further Python
     _warn_cuda_connections_once(x, g, overlap_comm)
     x, weight, bias = _autocast(x, weight, bias)
-    if g.size == 1 and wgrad_store is None:
+    if g.size == 1 and plain:
         return F.linear(x, weight, bias)
-    return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, wgrad_store)
+    return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, wgrad_store,
+                                         _check_main_grads(main_grads, weight, bias, "column_parallel_linear"))
 
 
 def row_parallel_linear(
@@ -286,20 +305,22 @@ def row_parallel_linear(
     sequence_parallel: bool = False,
     overlap_comm: bool = True,
     wgrad_store: Optional[WeightGradStore] = None,
+    main_grads: MainGrads = None,
 ) -> torch.Tensor:
     """Sum over ranks of ``x_shard @ weight_shard.T``, plus the full ``bias`` once.
 
     x: ``(..., in/p)`` (``input_is_parallel``) or ``(..., in)`` replicated, which is split here.
     weight: ``(out, in/p)``; bias: ``(out,)`` or None. Returns ``(..., out)`` replicated, or
     ``(..., seq/p, out)`` with ``sequence_parallel``. ``overlap_comm`` is accepted for symmetry:
-    the row backward has no collective that compute could hide. ``wgrad_store``: as
+    the row backward has no collective that compute could hide. ``wgrad_store``, ``main_grads``: as
     :func:`column_parallel_linear`'s.
     """
     del overlap_comm
     g = resolve_group(group)
     expected_in = weight.shape[1] * (1 if input_is_parallel else g.size)
     _check_inputs(x, weight, bias, expected_in, "row_parallel_linear", sequence_parallel, g)
-    if g.size == 1 and wgrad_store is None and not _any_autocast():
+    plain = wgrad_store is None and main_grads is None
+    if g.size == 1 and plain and not _any_autocast():
         return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear, no further Python
     if sequence_parallel and g.size > 1 and x.shape[SEQ_DIM] % g.size != 0:
         raise ValueError(
@@ -307,11 +328,12 @@ def row_parallel_linear(
             f"degree {g.size} (sequence parallelism splits it across ranks)"
         )
     x, weight, bias = _autocast(x, weight, bias)
-    if g.size == 1 and wgrad_store is None:
+    if g.size == 1 and plain:
         return F.linear(x, weight, bias)
     if not input_is_parallel:
         x = scatter_to_tp(x, group=g)
-    return _RowParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, wgrad_store)
+    return _RowParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, wgrad_store,
+                                      _check_main_grads(main_grads, weight, bias, "row_parallel_linear"))
 
 
 # ---------------------------------------------------------------------------- split backward: column -> core -> row
@@ -353,7 +375,7 @@ class _SplitBackwardFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, core: Callable, g: TPGroup, sequence_parallel: bool, overlap: bool,
-                recompute: bool, rows: List[slice], store: Optional[WeightGradStore]):
+                recompute: bool, rows: List[slice], store: Optional[WeightGradStore], main: MainGrads):
         sp, chunked = sequence_parallel, len(rows) > 1
         gathers = [_all_gather(x[rows[0]], SEQ_DIM, g, async_op=chunked)] if sp else []
         hs, graphs, reducing = [], [], []
@@ -380,7 +402,7 @@ class _SplitBackwardFn(torch.autograd.Function):
         ctx.save_for_backward(x, w1, b1, w2, b2, *hs)
         ctx.graphs = graphs or None
         ctx.core, ctx.g, ctx.sequence_parallel, ctx.overlap, ctx.rows = core, g, sp, overlap, rows
-        ctx.store, ctx.targets = store, ((w1, b1, w2, b2) if store is not None else None)
+        ctx.store, ctx.targets, ctx.main = store, ((w1, b1, w2, b2) if store is not None else None), main
         return out
 
     @staticmethod
@@ -410,26 +432,27 @@ class _SplitBackwardFn(torch.autograd.Function):
                 grad_x = grad_h @ w1
                 reducing.append(_reduce_scatter(grad_x, SEQ_DIM, g, async_op=overlap) if sp
                                 else _all_reduce(grad_x, g, async_op=overlap))
+        needs = (need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None)
+        main = ctx.main
         if defer:  # delay_wgrad: all four weight gradients at flush (under SP, x is gathered then)
             _defer(ctx, ctx.store, ctx.targets, lambda: _region_wgrads(
-                grad_full, _cat(acts), _cat(grad_hs), _all_gather(x, SEQ_DIM, g).wait() if sp else x,
-                need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None))
+                grad_full, _cat(acts), _cat(grad_hs), _all_gather(x, SEQ_DIM, g).wait() if sp else x, needs, main))
             ctx.targets = None
             grad_x = _cat([pending.wait() for pending in reducing]) if need_x else None
-            return grad_x, None, None, None, None, None, None, None, None, None, None, None
+            return grad_x, None, None, None, None, None, None, None, None, None, None, None, None
         x_full = gathering.wait() if gathering is not None else x
         # under the collectives: the row layer's weight gradient, then the column layer's
-        grad_w1, grad_b1, grad_w2, grad_b2 = _region_wgrads(grad_full, _cat(acts), _cat(grad_hs), x_full, need_w1,
-                                                            need_b1 and b1 is not None, need_w2,
-                                                            need_b2 and b2 is not None)
+        grad_w1, grad_b1, grad_w2, grad_b2 = _region_wgrads(grad_full, _cat(acts), _cat(grad_hs), x_full, needs, main)
         grad_x = _cat([pending.wait() for pending in reducing]) if need_x else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None, None, None
 
 
-def _region_wgrads(grad_full, act, grad_h, x_full, need_w1, need_b1, need_w2, need_b2):
-    """The region's weight gradients: the row layer's first, then the column layer's."""
-    grad_w2, grad_b2 = _linear_wgrads(grad_full, act, need_w2, need_b2)
-    grad_w1, grad_b1 = _linear_wgrads(grad_h, x_full, need_w1, need_b1)
+def _region_wgrads(grad_full, act, grad_h, x_full, needs, main: MainGrads):
+    """The region's weight gradients: the row layer's first, then the column layer's (``main``:
+    the four main_grad buffers w1, b1, w2, b2, or None)."""
+    need_w1, need_b1, need_w2, need_b2 = needs
+    grad_w2, grad_b2 = _linear_wgrads(grad_full, act, need_w2, need_b2, None if main is None else main[2:])
+    grad_w1, grad_b1 = _linear_wgrads(grad_h, x_full, need_w1, need_b1, None if main is None else main[:2])
     return grad_w1, grad_b1, grad_w2, grad_b2
 
 
@@ -446,7 +469,7 @@ def _split_backward_graph(ctx, grad_out):
     result = [None] * 5
     for i, grad in zip(wanted, grads):
         result[i] = grad
-    return (*result, None, None, None, None, None, None, None)
+    return (*result, None, None, None, None, None, None, None, None)
 
 
 def split_backward_region(
@@ -463,6 +486,7 @@ def split_backward_region(
     recompute: bool = False,
     chunks: int = 1,
     wgrad_store: Optional[WeightGradStore] = None,
+    main_grads: MainGrads = None,
 ) -> torch.Tensor:
     """``row(core(column(x)))`` with the split backward of :class:`_SplitBackwardFn`: the column
     layer's input-gradient collective runs under both layers' weight gradients. ``core(h, rows)``
@@ -474,6 +498,7 @@ def split_backward_region(
     Shapes as :func:`column_parallel_linear` (``w1``) then :func:`row_parallel_linear` (``w2``); ``x``
     is ``(b, s, hidden)`` (``(b, s/p, hidden)`` with ``sequence_parallel``). ``wgrad_store``: backward
     computes the input-gradient chain only and records the four weight and bias gradients there (as
+    :func:`column_parallel_linear`'s); ``main_grads``: the four buffers for w1, b1, w2, b2 (as
     :func:`column_parallel_linear`'s). Under autocast, or in a world of one, it composes the two
     layers instead."""
     g = resolve_group(group)
@@ -481,16 +506,19 @@ def split_backward_region(
     _check_inputs(x, w1, b1, w1.shape[1], "split_backward_region", sequence_parallel, g)
     if g.size == 1 or _any_autocast() and torch.is_autocast_enabled(x.device.type):
         h = column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm,
-                                   wgrad_store=wgrad_store)
+                                   wgrad_store=wgrad_store, main_grads=None if main_grads is None else main_grads[:2])
         return row_parallel_linear(core(h, slice(None)), w2, b2, group=g, sequence_parallel=sequence_parallel,
-                                   wgrad_store=wgrad_store)
+                                   wgrad_store=wgrad_store, main_grads=None if main_grads is None else main_grads[2:])
     if chunks > 1 and x.dim() < 3:
         raise ValueError(f"split_backward_region: chunks={chunks} splits the batch dim of a (b, s, hidden) input, "
                          f"got shape {tuple(x.shape)}")
     _warn_cuda_connections_once(x, g, overlap_comm)
     rows = _batch_chunks(x.shape[0], chunks) if x.dim() >= 3 else [slice(None)]
+    if main_grads is not None:
+        main_grads = (*_check_main_grads(main_grads[:2], w1, b1, "split_backward_region"),
+                      *_check_main_grads(main_grads[2:], w2, b2, "split_backward_region"))
     return _SplitBackwardFn.apply(x, w1, b1, w2, b2, core, g, sequence_parallel, overlap_comm, recompute, rows,
-                                  wgrad_store)
+                                  wgrad_store, main_grads)
 
 
 def parallel_mlp(
@@ -506,12 +534,13 @@ def parallel_mlp(
     overlap_comm: bool = True,
     chunks: int = 1,
     wgrad_store: Optional[WeightGradStore] = None,
+    main_grads: MainGrads = None,
 ) -> torch.Tensor:
     """An MLP ``row(act(column(x)))`` with the split backward (:func:`split_backward_region`); the
     activation is recomputed in backward, so the row layer's input is not kept. ``act`` maps this
     rank's ``(..., ffn/p)`` columns (SwiGLU: its local ``[gate_r; up_r]``). ``chunks``: forward overlap
-    over batch chunks; ``wgrad_store``: weight gradients recorded for later; both as in
-    :func:`split_backward_region`."""
+    over batch chunks; ``wgrad_store``: weight gradients recorded for later; ``main_grads``: the four
+    accumulation buffers; all as in :func:`split_backward_region`."""
     return split_backward_region(x, w1, b1, w2, b2, lambda h, rows: act(h), group=group,
                                  sequence_parallel=sequence_parallel, overlap_comm=overlap_comm, recompute=True,
-                                 chunks=chunks, wgrad_store=wgrad_store)
+                                 chunks=chunks, wgrad_store=wgrad_store, main_grads=main_grads)

@@ -1,5 +1,6 @@
-"""Weight gradients computed later: the W pass of a split backward (ZeroBubble, TransformerEngine's
-``delay_wgrad_compute``).
+"""Where weight gradients go: later (a WeightGradStore), or into float32 ``main_grad`` buffers.
+
+Later: the W pass of a split backward (ZeroBubble, TransformerEngine's ``delay_wgrad_compute``).
 
 A layer built with ``delay_wgrad=True`` computes only its input gradient in ``loss.backward()`` (the
 chain the previous pipeline stage waits for) and records its weight-gradient GEMMs here;
@@ -11,6 +12,12 @@ Gradients are identical to the normal path: the same GEMMs on the same tensors, 
 Until it is flushed, a store holds each recorded step's output gradient and input (activation
 memory), and the parameters' ``.grad`` lacks those contributions: flush before ``optimizer.step()``,
 on every rank, in the same order (under sequence parallelism a flush all-gathers the saved input).
+
+Into buffers (Megatron's ``gradient_accumulation_fusion``): the weight-gradient GEMM adds its
+result into a float32 buffer (``param.main_grad``) with one ``addmm``, so bfloat16 training with
+gradient accumulation sums the microbatches in float32 without a separate cast-and-add per step.
+On CUDA the GEMM takes the bfloat16 inputs and accumulates in float32 (``torch.addmm(...,
+out_dtype=float32)``); elsewhere the inputs are upcast first (same sum, slower).
 """
 from __future__ import annotations
 
@@ -19,9 +26,42 @@ from typing import Callable, Deque, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["WeightGradStore"]
+__all__ = ["WeightGradStore", "accumulate_matmul", "check_main_grads"]
 
 Compute = Callable[[], Sequence[Optional[torch.Tensor]]]
+MainGrads = Optional[Sequence[Optional[torch.Tensor]]]  # (weight buffer, bias buffer) per linear
+_OUT_DTYPE_GEMM = [True]  # torch.addmm(out_dtype=) works here (CUDA); switched off at the first refusal
+
+
+def accumulate_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` with ``out``'s precision (``out`` float32, ``a``/``b`` maybe bfloat16)."""
+    if a.dtype == out.dtype and b.dtype == out.dtype:
+        out.addmm_(a, b)
+        return
+    if out.is_cuda and _OUT_DTYPE_GEMM[0]:
+        try:
+            out.add_(torch.mm(a, b, out_dtype=out.dtype))  # bf16 inputs, float32 accumulation in the GEMM
+            return
+        except (RuntimeError, TypeError):  # an older torch or a GPU without the kernel: upcast instead
+            _OUT_DTYPE_GEMM[0] = False
+    out.addmm_(a.to(out.dtype), b.to(out.dtype))
+
+
+def check_main_grads(main: MainGrads, weight: torch.Tensor, bias: Optional[torch.Tensor], op: str) -> MainGrads:
+    """``main`` as a (weight buffer, bias buffer) pair, or a ValueError naming what does not fit."""
+    if main is None:
+        return None
+    if len(main) != 2:
+        raise ValueError(f"{op}: main_grads must be (weight_buffer, bias_buffer), got {len(main)} entries")
+    for buf, param, name in ((main[0], weight, "weight"), (main[1], bias, "bias")):
+        if buf is None:
+            continue
+        if param is None:
+            raise ValueError(f"{op}: a main_grad buffer for the {name} was given but there is no {name}")
+        if tuple(buf.shape) != tuple(param.shape) or buf.device != param.device or not buf.is_floating_point():
+            raise ValueError(f"{op}: the {name}'s main_grad buffer is {tuple(buf.shape)} {buf.dtype} on {buf.device}, "
+                             f"the {name} is {tuple(param.shape)} on {param.device}")
+    return tuple(main)
 
 
 class WeightGradStore:

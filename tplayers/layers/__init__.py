@@ -1,6 +1,7 @@
 """Floor 2, layers: nn.Modules over the core ops (linear, fused, vocabulary, norm, GPT-2 Conv1D)."""
 from ..core.placement import require_divisible
-from .base import TensorParallelModule, backward_dw, model_placements, pending_wgrad, set_overlap, set_overlap_comm
+from .base import (TensorParallelModule, backward_dw, main_grads_to_grads, model_placements, pending_wgrad,
+                   set_overlap, set_overlap_comm, use_main_grad, zero_main_grads)
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .fused import FusedColumnParallelLinear
 from .vocab import ParallelLMHead, VocabParallelEmbedding
@@ -11,5 +12,5 @@ from .audit import check_same_inputs
 from .lora import LoRAPiece
 
 __all__ = ["LoRAPiece", "TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",
-           "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "model_placements", "set_overlap_comm", "set_overlap", "backward_dw", "pending_wgrad", "require_divisible", "ShardLayout",
+           "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "model_placements", "set_overlap_comm", "set_overlap", "backward_dw", "pending_wgrad", "use_main_grad", "main_grads_to_grads", "zero_main_grads", "require_divisible", "ShardLayout",
            "clip_grad_norm_", "check_replicas", "check_same_inputs"]

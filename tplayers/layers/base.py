@@ -124,6 +124,55 @@ def set_overlap(model: nn.Module, *, comm: Optional[bool] = None, split_backward
     return counts
 
 
+def grad_sinks(layer: nn.Module) -> Dict[str, Any]:
+    """The ``wgrad_store`` / ``main_grads`` keyword arguments of a TP linear's fused op."""
+    main = None
+    if layer.accumulate_main_grad:
+        main = (layer.weight.main_grad, None if layer.bias is None else layer.bias.main_grad)
+    return {"wgrad_store": layer.wgrad_store if layer.delay_wgrad else None, "main_grads": main}
+
+
+def use_main_grad(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Give every TP linear's weight and bias a zeroed ``main_grad`` buffer of ``dtype`` and make the
+    weight-gradient GEMMs accumulate into it (Megatron's gradient_accumulation_fusion): ``.grad`` of
+    those parameters stays None. Hand-off: :func:`main_grads_to_grads` before the optimizer step,
+    :func:`zero_main_grads` after it. Returns how many layers it set."""
+    count = 0
+    for name, module in model.named_modules():
+        if not hasattr(module, "accumulate_main_grad"):
+            continue
+        if getattr(module, "has_replicas", False):
+            raise ValueError(f"use_main_grad: {name or type(module).__name__} has components replicated over ranks "
+                             "(fewer KV heads than ranks), whose gradient must be summed over their replicas; "
+                             "main_grad accumulation does not do that yet: leave this model's .grad path on")
+        for p in (module.weight, module.bias):
+            if p is not None and getattr(p, "main_grad", None) is None:
+                p.main_grad = torch.zeros(p.shape, dtype=dtype, device=p.device)
+        module.accumulate_main_grad = True
+        count += 1
+    return count
+
+
+def _main_grad_params(model: nn.Module) -> List[nn.Parameter]:
+    return [p for p in model.parameters() if getattr(p, "main_grad", None) is not None]
+
+
+def main_grads_to_grads(model: nn.Module) -> int:
+    """Hand the accumulated ``main_grad`` buffers to a torch optimizer: ``p.grad`` becomes the buffer
+    itself when the dtypes agree (float32 parameters: no copy) or a cast copy (bfloat16 parameters:
+    the accumulation was in float32, the hand-off rounds once). Returns how many parameters."""
+    params = _main_grad_params(model)
+    for p in params:
+        p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+    return len(params)
+
+
+def zero_main_grads(model: nn.Module) -> None:
+    """Zero every ``main_grad`` buffer (after the optimizer step; ``optimizer.zero_grad`` does not)."""
+    for p in _main_grad_params(model):
+        p.main_grad.zero_()
+
+
 def _stores(model: nn.Module) -> List[WeightGradStore]:
     return [m.wgrad_store for m in model.modules() if isinstance(getattr(m, "wgrad_store", None), WeightGradStore)]
 

@@ -20,7 +20,8 @@ from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, resolve_group
 from ..core.wgrad import WeightGradStore
 from ..core.placement import Placement, Sharded, require_positive
-from .base import TensorParallelModule, check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
+from .base import (TensorParallelModule, check_dense_linear, grad_sinks, linear_to_dense, load_full_params,
+                   reset_linear_params)
 
 __all__ = ["FusedColumnParallelLinear"]
 
@@ -51,7 +52,8 @@ class FusedColumnParallelLinear(TensorParallelModule):
     ) -> None:
         super().__init__()
         self.tp = tp = resolve_group(group)
-        self.delay_wgrad, self.wgrad_store = delay_wgrad, WeightGradStore()  # as ColumnParallelLinear's
+        # as ColumnParallelLinear's
+        self.delay_wgrad, self.wgrad_store, self.accumulate_main_grad = delay_wgrad, WeightGradStore(), False
         parts = [int(n) for n in parts]
         require_positive(in_features, layer, "in_features")
         self.placement = Sharded.fused(0, parts, tp.size, part_shards, layer=layer, names=part_names)
@@ -67,6 +69,11 @@ class FusedColumnParallelLinear(TensorParallelModule):
     def reset_parameters(self) -> None:
         """Redraw the full ``nn.Linear(in, sum(parts))`` init and keep this rank's pieces."""
         reset_linear_params(self)
+
+    @property
+    def has_replicas(self) -> bool:
+        """Some component has fewer shards than ranks (its gradient is summed over replicas)."""
+        return any(n < self.tp.size for n in self.part_shards)
 
     def _with_replica_grads(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a view of it: no copy) whose replicated components' gradients are summed over
@@ -89,8 +96,7 @@ class FusedColumnParallelLinear(TensorParallelModule):
         weight = self._with_replica_grads(self.weight)
         bias = None if self.bias is None else self._with_replica_grads(self.bias)
         return column_parallel_linear(x, weight, bias, group=self.tp, sequence_parallel=self.sequence_parallel,
-                                      overlap_comm=self.overlap_comm,  # (..., [seq,] local_out)
-                                      wgrad_store=self.wgrad_store if self.delay_wgrad else None)
+                                      overlap_comm=self.overlap_comm, **grad_sinks(self))  # (..., [seq,] local_out)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, parts: Sequence[int] = (),

@@ -7,6 +7,7 @@ sliced; use ``device="meta"`` plus ``from_dense`` or a checkpoint to skip that).
 
 ``delay_wgrad=True``: backward computes the input gradient only and records the weight-gradient
 GEMMs in the layer's ``wgrad_store``; ``tplayers.backward_dw(model)`` runs them (gradients identical).
+``tplayers.use_main_grad(model)``: the weight-gradient GEMMs accumulate into float32 ``param.main_grad``.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from ..core.functional import column_parallel_linear, row_parallel_linear
 from ..core.groups import GroupLike, resolve_group
 from ..core.wgrad import WeightGradStore
 from ..core.placement import Placement, Replicated, Sharded, require_divisible, require_positive
-from .base import TensorParallelModule, check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
+from .base import (TensorParallelModule, check_dense_linear, grad_sinks, linear_to_dense, load_full_params,
+                   reset_linear_params)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -50,7 +52,7 @@ class ColumnParallelLinear(TensorParallelModule):
     ) -> None:
         super().__init__()
         self.tp = resolve_group(group)
-        self.delay_wgrad, self.wgrad_store = delay_wgrad, WeightGradStore()
+        self.delay_wgrad, self.wgrad_store, self.accumulate_main_grad = delay_wgrad, WeightGradStore(), False
         require_positive(in_features, "ColumnParallelLinear", "in_features")
         self.out_features_per_rank = require_divisible(out_features, self.tp.size, "ColumnParallelLinear", "out_features")
         if gather_output and sequence_parallel:
@@ -69,11 +71,11 @@ class ColumnParallelLinear(TensorParallelModule):
         reset_linear_params(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1 and not self.delay_wgrad:  # a world of one is nn.Linear exactly (autocast, errors and all)
+        if self.tp.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
             return F.linear(x, self.weight, self.bias)
         out = column_parallel_linear(x, self.weight, self.bias, group=self.tp,
                                      sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
-                                     wgrad_store=self.wgrad_store if self.delay_wgrad else None)
+                                     **grad_sinks(self))
         return gather_from_tp(out, group=self.tp) if self.gather_output else out  # (..., out) | (..., out/p)
 
     @classmethod
@@ -124,7 +126,7 @@ class RowParallelLinear(TensorParallelModule):
     ) -> None:
         super().__init__()
         self.tp = resolve_group(group)
-        self.delay_wgrad, self.wgrad_store = delay_wgrad, WeightGradStore()
+        self.delay_wgrad, self.wgrad_store, self.accumulate_main_grad = delay_wgrad, WeightGradStore(), False
         require_positive(out_features, "RowParallelLinear", "out_features")
         self.in_features_per_rank = require_divisible(in_features, self.tp.size, "RowParallelLinear", "in_features")
         if sequence_parallel and not input_is_parallel:
@@ -140,12 +142,12 @@ class RowParallelLinear(TensorParallelModule):
         reset_linear_params(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1 and not self.delay_wgrad:  # a world of one is nn.Linear exactly (autocast, errors and all)
+        if self.tp.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
             return F.linear(x, self.weight, self.bias)
         return row_parallel_linear(x, self.weight, self.bias, group=self.tp,  # (..., out)
                                    input_is_parallel=self.input_is_parallel,
                                    sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
-                                   wgrad_store=self.wgrad_store if self.delay_wgrad else None)
+                                   **grad_sinks(self))
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "RowParallelLinear":

@@ -15,7 +15,7 @@ Every module converts both ways with its plain-torch twin in `tplayers.dense`
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,7 @@ from ..core.functional import parallel_mlp, require_chunks, split_backward_regio
 from ..layers.fused import FusedColumnParallelLinear
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import kv_shards as placement_kv_shards, require_divisible, require_positive
-from ..layers.base import TensorParallelModule
+from ..layers.base import TensorParallelModule, grad_sinks
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.norm import ParallelNorm
 from .rng import PARALLEL, RNGTracker, activation_dropout, dropout_context, require_rng
@@ -40,12 +40,14 @@ __all__ = ["ParallelMLP", "ParallelAttention", "ParallelTransformerBlock"]
 # ---------------------------------------------------------------------------- MLP
 
 
-def region_store(column: nn.Module, row: nn.Module) -> Any:
-    """The store a fused column -> row region records weight gradients in: None (neither layer
-    delays them), the column layer's store (both do), False (they disagree: run the two layers)."""
-    if column.delay_wgrad != row.delay_wgrad:
-        return False
-    return column.wgrad_store if column.delay_wgrad else None
+def region_sinks(column: nn.Module, row: nn.Module) -> Optional[Dict[str, Any]]:
+    """Where a fused column -> row region sends its weight gradients (``wgrad_store`` / ``main_grads``
+    of `split_backward_region`), or None when the two layers disagree (then run them separately)."""
+    if column.delay_wgrad != row.delay_wgrad or column.accumulate_main_grad != row.accumulate_main_grad:
+        return None
+    col, r = grad_sinks(column), grad_sinks(row)
+    main = None if col["main_grads"] is None else (*col["main_grads"], *r["main_grads"])
+    return {"wgrad_store": col["wgrad_store"], "main_grads": main}
 
 
 
@@ -93,12 +95,12 @@ class ParallelMLP(TensorParallelModule):
         return F.gelu(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        overlap, store = self.fc1.overlap_comm, region_store(self.fc1, self.fc2)
-        if (self.chunks > 1 or self.split_backward and overlap) and store is not False:
+        overlap, sinks = self.fc1.overlap_comm, region_sinks(self.fc1, self.fc2)
+        if (self.chunks > 1 or self.split_backward and overlap) and sinks is not None:
             # both weight gradients under fc1's collective (or both recorded, with delay_wgrad)
             return parallel_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self._act,
                                 group=self.tp, sequence_parallel=self.sequence_parallel, overlap_comm=overlap,
-                                chunks=self.chunks, wgrad_store=store)
+                                chunks=self.chunks, **sinks)
         return self.fc2(self._act(self.fc1(x)))  # (..., s, ffn/p | 2*ffn/p) -> (..., [s or s/p], hidden)
 
     @classmethod
@@ -184,8 +186,8 @@ class ParallelAttention(TensorParallelModule):
         if mask is not None and mask.shape[1] > 1:  # per-head mask: this rank's heads
             mask = mask.narrow(1, self.tp.rank * self.local_heads, self.local_heads)
         p = self.attn_dropout if self.training else 0.0
-        overlap, store = self.qkv.overlap_comm, region_store(self.qkv, self.proj)
-        if (self.chunks > 1 or self.split_backward and overlap) and cache is None and p == 0 and store is not False:
+        overlap, sinks = self.qkv.overlap_comm, region_sinks(self.qkv, self.proj)
+        if (self.chunks > 1 or self.split_backward and overlap) and cache is None and p == 0 and sinks is not None:
             # qkv's input-gradient collective under both qkv's and proj's weight gradients
             qkv = self.qkv
             bias = None if qkv.bias is None else qkv._with_replica_grads(qkv.bias)
@@ -195,7 +197,7 @@ class ParallelAttention(TensorParallelModule):
 
             return split_backward_region(x, qkv._with_replica_grads(qkv.weight), bias, self.proj.weight,
                                          self.proj.bias, core, group=self.tp, sequence_parallel=self.sequence_parallel,
-                                         overlap_comm=overlap, chunks=self.chunks, wgrad_store=store)
+                                         overlap_comm=overlap, chunks=self.chunks, **sinks)
         return self.proj(self._core(self.qkv(x), mask, cache, p))  # (b, s | s/p, hidden)
 
     def _core(self, qkv: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[LayerKV],
