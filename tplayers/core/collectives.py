@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol  # the compiled paths
 
 from . import accounting
 from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
@@ -173,12 +174,30 @@ def _check_divisible(size: int, g: TPGroup, what: str) -> None:
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
+# Under torch.compile the primitives issue torch's functional collectives (``_c10d_functional``):
+# they trace into the graph with no break, run asynchronously until ``wait_tensor`` (which
+# ``Pending.wait`` calls), so the overlap the schedule asks for survives compilation. In-place
+# torch.distributed calls with ``async_op=True`` do not trace (torch 2.13 graph-breaks; torch 2.11's
+# dynamo rewrote them and returned a tensor where tplayers expected a Work: wrong numbers).
+
+
+def _functional_pg(g: TPGroup) -> Any:
+    return g.process_group if g.process_group is not None else dist.group.WORLD
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
 def _all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str = "sum") -> Pending:
     """Sum (or ``op="max"``) ``buf`` over the group, in place. ``buf`` must be a contiguous
     tensor the caller owns."""
     if g.size == 1:
         return _done(buf)
     assert buf.is_contiguous(), "all-reduce needs an owned contiguous buffer"
+    if _compiling():
+        reduced = funcol.all_reduce(buf, op, _functional_pg(g))
+        return Pending(None, lambda: buf.copy_(funcol.wait_tensor(reduced)))
     work, record = _launch("all_reduce", buf.numel() * buf.element_size(), g, lambda: dist.all_reduce(
         buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op), buf.device)
     return Pending(work, lambda: buf, record)
@@ -190,15 +209,21 @@ def _all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False
         return _done(x)
     dim = dim % x.dim()
     src = x.contiguous()
-    out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    work, record = _launch("all_gather", out.numel() * out.element_size(), g,
-                           lambda: _all_gather_single(out, src, group=g.process_group, async_op=async_op), out.device)
+    if _compiling():
+        gathered = funcol.all_gather_tensor(src, 0, _functional_pg(g))  # (p*d0, ...)
+        work, record, result = None, None, lambda: funcol.wait_tensor(gathered)
+    else:
+        out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
+        work, record = _launch("all_gather", out.numel() * out.element_size(), g,
+                               lambda: _all_gather_single(out, src, group=g.process_group, async_op=async_op),
+                               out.device)
+        result = lambda: out  # noqa: E731
     if dim == 0:
-        return Pending(work, lambda: out, record)
+        return Pending(work, result, record)
 
     def finish() -> torch.Tensor:
         # (p*d0, ...) -> (p, d0, ..., d_dim, ...) -> (d0, ..., p, d_dim, ...) -> merge p into dim
-        parts = out.view((g.size,) + tuple(src.shape)).movedim(0, dim)
+        parts = result().view((g.size,) + tuple(src.shape)).movedim(0, dim)
         shape = list(src.shape)
         shape[dim] *= g.size
         return parts.reshape(shape)
@@ -221,6 +246,10 @@ def _reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = F
     out_shape = list(x.shape)
     out_shape[dim] //= g.size
     nbytes = src.numel() * src.element_size()
+    if _compiling():  # src: (p*chunk0, ...), rank r's chunk is the r-th block of dim 0
+        src = src.reshape([-1] + list(src.shape[2:])) if dim != 0 else src
+        scattered = funcol.reduce_scatter_tensor(src, "sum", 0, _functional_pg(g))
+        return Pending(None, lambda: funcol.wait_tensor(scattered).reshape(out_shape))
     if dim == 0:
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
         work, record = _launch("reduce_scatter", nbytes, g,
