@@ -5,6 +5,8 @@ Measured on 2 CPU ranks, torch 2.13:
   ``wait_tensor``), so ``overlap_comm=True`` (default) and ``False`` both compile as one graph with
   no break (``fullgraph=True``), and the overlapped backward keeps its launch-compute-wait order.
   (Before, ``async_op=True`` collectives graph-broke on torch 2.13 and gave wrong numbers on 2.11.)
+- torch < 2.13: the graph breaks at each collective, which runs eagerly (dynamo 2.11 mis-traced
+  them): same results, no full graph.
 Inductor takes tens of seconds per compile on 2 cores: one inductor case, the rest ``aot_eager``.
 """
 import copy
@@ -14,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import tplayers
+from tplayers.core.collectives import _TRACE_COLLECTIVES
 from tplayers.testing import get_world
 
 
@@ -41,7 +44,7 @@ def _check_compiled(group, backend: str, overlap: bool, fullgraph: bool):
     x = torch.randn(2, 4, 8, dtype=torch.float64)
     dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, backend=backend, fullgraph=fullgraph)
+    compiled = torch.compile(model, backend=backend, fullgraph=fullgraph and _TRACE_COLLECTIVES)
     results = []
     for step in range(2):  # second call reuses the compiled graph
         xs = [(x + step).requires_grad_() for _ in range(2)]
@@ -66,4 +69,7 @@ def _check_compiled(group, backend: str, overlap: bool, fullgraph: bool):
 def test_compiled_tp_model_matches_eager(backend, overlap, fullgraph):
     for breaks, err in get_world(2).run(_check_compiled, backend, overlap, fullgraph, timeout=500):
         assert err < 1e-10
-        assert breaks == {}, breaks
+        if _TRACE_COLLECTIVES:
+            assert breaks == {}, breaks
+        else:  # older torch: breaks at the collectives (run eagerly, torch.compiler.disable)
+            assert breaks, breaks

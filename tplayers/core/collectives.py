@@ -185,6 +185,14 @@ def _functional_pg(g: TPGroup) -> Any:
     return g.process_group if g.process_group is not None else dist.group.WORLD
 
 
+# Functional collectives under compile are verified on torch 2.13 (CPU/gloo: same results as eager).
+# On torch 2.11 (the lent GPU machine) dynamo mis-traced both forms (in-place: a tensor where a Work
+# was due; functional: wrong outputs), so older torch breaks the graph at each collective instead
+# and runs it eagerly (the primitives are wrapped in torch.compiler.disable at the end of this module):
+# correct, without the collective inside the graph.
+_TRACE_COLLECTIVES = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
@@ -365,3 +373,10 @@ def ranks_that_differ(hashes: torch.Tensor, *, group: GroupLike) -> torch.Tensor
         return torch.zeros(1, hashes.shape[0], dtype=torch.bool)
     every = all_gather_tensor(hashes[None].to(collective_device(g.process_group)), 0, group=g).cpu()  # (p, n, k)
     return (every != every[:1]).any(-1)
+
+
+if not _TRACE_COLLECTIVES:  # older torch: dynamo must not trace them (see _TRACE_COLLECTIVES)
+    _all_reduce = torch.compiler.disable(_all_reduce)
+    _all_gather = torch.compiler.disable(_all_gather)
+    _reduce_scatter = torch.compiler.disable(_reduce_scatter)
+    Pending.wait = torch.compiler.disable(Pending.wait)  # type: ignore[method-assign]
