@@ -86,15 +86,19 @@ def test_mlp_matches_dense(hidden, ffn_per_rank, activation, bias, batch, seq, s
                           split_backward, chunks, delay_wgrad)
 
 
+def _region_module(module, seed):
+    """A dense MLP (activation ``module``) or attention (4 heads, 2 KV heads: replicated at TP 4) of
+    hidden 16, and its TP class."""
+    torch.manual_seed(seed)
+    if module == "attention":
+        return DenseAttention(16, 4, 2, None, True, True, True, dtype=F64), ParallelAttention
+    return DenseMLP(16, 32, module, True, dtype=F64), ParallelMLP
+
+
 def _split_equals_megatron(group, module, sequence_parallel):
     """The split backward reorders the same ops: every gradient is bit-identical to the two-layer
     schedule's, and the collectives are the same (attention: 2 KV heads, replicated at TP 4)."""
-    torch.manual_seed(3)
-    if module == "attention":
-        dense = DenseAttention(16, 4, 2, None, True, True, True, dtype=F64)
-    else:
-        dense = DenseMLP(16, 32, module, True, dtype=F64)
-    cls = ParallelAttention if module == "attention" else ParallelMLP
+    dense, cls = _region_module(module, seed=3)
     grads = []
     for split in (False, True):
         mlp = cls.from_dense(dense, group=group, sequence_parallel=sequence_parallel, split_backward=split)
@@ -120,12 +124,7 @@ def _chunked_equals_unchunked(group, module, sequence_parallel, chunks):
     """The chunked region (Domino-style forward overlap) equals the unchunked one to float64
     rounding, issues one forward and one backward input-gradient collective per chunk, and launches
     chunk i+1's forward collective before it waits for chunk i's (the overlap itself, by order)."""
-    torch.manual_seed(5)
-    if module == "attention":
-        dense = DenseAttention(16, 4, 2, None, True, True, True, dtype=F64)
-    else:
-        dense = DenseMLP(16, 32, module, True, dtype=F64)
-    cls = ParallelAttention if module == "attention" else ParallelMLP
+    dense, cls = _region_module(module, seed=5)
     batch, seq = 5, 8 // (group.size() if sequence_parallel else 1)
     x = torch.randn(batch, seq, 16, dtype=F64, generator=torch.Generator().manual_seed(group.rank()))
     mask = (torch.rand(batch, 1, 8, 8, generator=torch.Generator().manual_seed(9)) < 0.7) | torch.eye(8, dtype=torch.bool)
