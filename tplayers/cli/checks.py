@@ -14,7 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.groups import TPGroup
-from ..layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, set_overlap
+from ..core.dtypes import DTYPES
+from ..layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, set_overlap,
+                      use_main_grad)
 from ..models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from ..models.dense import BlockConfig, DenseAttention, DenseGPT, DenseMLP, DenseTransformerBlock, GPTConfig
 from ..models.gpt import ParallelGPT
@@ -229,7 +231,7 @@ variant("ParallelAttention", "GQA, rotary, sequence_parallel=True", _attention, 
 
 
 def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool, split: bool = False, chunks: int = 1,
-           delay: bool = False) -> MatchReport:
+           delay: bool = False, main_grad: bool = False) -> MatchReport:
     d, h = _dims(g), _heads(g)
     config = BlockConfig(hidden=d["hidden"], n_heads=h["n_heads"], ffn_hidden=d["ffn"],
                          n_kv_heads=h["n_kv_heads"] if llama else None, activation="swiglu" if llama else "gelu",
@@ -241,6 +243,8 @@ def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool, split: bool = F
                 p.add_(torch.randn_like(p) * 0.5)
     tp = ParallelTransformerBlock.from_dense(dense, group=g, sequence_parallel=sp)
     set_overlap(tp, split_backward=split, chunks=chunks, delay_wgrad=delay)  # (verify flushes delayed wgrads)
+    if main_grad:  # buffers of the check's dtype: compared as the gradients
+        use_main_grad(tp, dtype=DTYPES[cfg.dtype])
     return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
                   **_seq_shards(sp))
 
@@ -255,6 +259,8 @@ variant("ParallelTransformerBlock", "Llama, split_backward=True, chunks=2", _blo
         llama=True, split=True, chunks=2)
 variant("ParallelTransformerBlock", "Llama, sequence_parallel=True, delay_wgrad=True", _block, tol_scale=16, sp=True,
         llama=True, delay=True)
+variant("ParallelTransformerBlock", "GPT, split_backward=True, main_grad", _block, tol_scale=16, sp=False,
+        llama=False, split=True, main_grad=True)
 
 
 class _Call(nn.Module):

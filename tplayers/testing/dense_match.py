@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..core.comm import all_gather_tensor, gather_placed
 from ..core.groups import GroupLike, resolve_group
-from ..layers.base import backward_dw, placements_of
+from ..layers.base import backward_dw, main_grads_to_grads, placements_of, zero_main_grads
 
 __all__ = ["assert_matches_dense", "MatchReport", "dense_parameters", "default_tolerance"]
 
@@ -111,8 +111,9 @@ def assert_matches_dense(
     ``output_shard_dim`` is None when the TP output is already full, or the dim its shards are
     gathered along. Compares the output, the gradient of every floating input, and every
     parameter gradient (sharded ones gathered through their placement) after backpropagating the same
-    random output gradient through both (and running ``backward_dw`` for layers that delay their
-    weight gradients). Raises AssertionError naming the first mismatch.
+    random output gradient through both (running ``backward_dw`` for layers that delay their weight
+    gradients; ``main_grad`` buffers are zeroed first and compared as the gradient). Raises
+    AssertionError naming the first mismatch.
     """
     g = resolve_group(group)
     inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
@@ -123,6 +124,7 @@ def assert_matches_dense(
     tp_in = [_leaf(t if d is None else g.shard(t, d, what=f"input {i}")) for i, (t, d) in enumerate(zip(inputs, shard_dims))]
     dense_module.zero_grad(set_to_none=True)
     tp_module.zero_grad(set_to_none=True)
+    zero_main_grads(tp_module)  # layers with use_main_grad: their float32 buffers
     dense_out, tp_out = dense_module(*dense_in), tp_module(*tp_in)
     if not isinstance(dense_out, torch.Tensor) or not isinstance(tp_out, torch.Tensor):
         raise TypeError("assert_matches_dense compares modules that return one tensor")
@@ -139,6 +141,7 @@ def assert_matches_dense(
     dense_out.backward(grad_out)
     tp_out.backward(grad_out if output_shard_dim is None else g.shard(grad_out, output_shard_dim).contiguous())
     backward_dw(tp_module)  # layers with delay_wgrad=True: their recorded weight gradients, now
+    main_grads_to_grads(tp_module)  # and main_grad buffers, compared as .grad
 
     for i, (d_in, t_in, dim) in enumerate(zip(dense_in, tp_in, shard_dims)):
         if d_in.requires_grad:
