@@ -223,7 +223,7 @@ def test_bench_json_schema_and_table(capsys, tmp_path):
     assert report["schema"] == SCHEMA
     assert report["config"]["hidden"] == 8 and report["config"]["iters"] == 3
     assert report["environment"]["tp"] == 2 and report["environment"]["backend"] == "gloo"
-    assert set(report["timings"]) == set(MODES) - {"tp_chunked"}  # naive runs at TP 2
+    assert set(report["timings"]) == set(MODES) - {"tp_chunked", "tp_cm"}  # naive runs at TP 2
     assert "need --batch >= 2" in report["skipped"]["tp_chunked"]  # a batch of 1 has nothing to chunk
     for timing in report["timings"].values():
         assert set(timing) == {"min_ms", "median_ms", "mean_ms", "n"} and timing["n"] == 3
@@ -316,12 +316,22 @@ def test_bench_chunked_mode_runs_one_collective_per_chunk(capsys):
         main(["bench", "--chunks", "0"])
 
 
+def test_bench_collective_matmul_mode_moves_the_forward_in_ring_steps(capsys):
+    rc = main(["bench", "--tp", "2", "--module", "mlp", "--sequence-parallel", "--batch", "2", "--seq", "8", "--hidden",
+               "16", "--iters", "1", "--warmup", "0", "--modes", "tp,tp_cm", "--json", "--no-progress"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and "tp_cm" in report["timings"]
+    cm, plain = report["collective_matmul"]["collectives_per_step"], report["summary"]["collectives_per_step"]
+    assert "all_gather/forward" in plain and "all_gather/forward" not in cm and cm["send/forward"] == 2  # p-1 each
+    assert "collective matmul (mode tp_cm)" in format_report(report)
+
+
 def test_bench_block_overlap_on_off_dense_and_sequence_parallel(capsys):
     rc = main(["bench", "--tp", "2", "--module", "block", "--batch", "1", "--seq", "8", "--hidden", "16",
                "--heads", "2", "--iters", "2", "--warmup", "1", "--json", "--no-progress"])
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["config"]["module"] == "block" and report["config"]["heads"] == 2
-    assert set(report["timings"]) == set(MODES) - {"naive", "tp_chunked"} and "naive" in report["skipped"]
+    assert set(report["timings"]) == set(MODES) - {"naive", "tp_chunked", "tp_cm"} and "naive" in report["skipped"]
     assert report["summary"]["hidden_fraction"] is not None and "speedup_vs_dense" in report["summary"]
     rc = main(["bench", "--tp", "2", "--module", "block", "--sequence-parallel", "--batch", "1", "--seq", "8",
                "--hidden", "16", "--heads", "2", "--iters", "1", "--warmup", "0", "--modes", "tp,tp_blocking,comm_bwd",

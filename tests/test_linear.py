@@ -306,3 +306,84 @@ def test_cuda_nccl_world_of_one():
 @cuda
 def test_cuda_tensors_over_gloo_two_ranks():
     get_world(2).run(_check_mlp_on_cuda, 0)
+
+
+# ------------------------------------------------------------------ collective matmul (SP forward as ring steps)
+
+
+def _collective_matmul_matches(group, kind, batch, seq_per_rank, hidden, out_per_rank, bias, seed):
+    """Column (ring all-gather) and row (ring reduce-scatter) layers under sequence parallelism with
+    collective_matmul: equal to dense and to the collective form; the forward moves its data in p - 1
+    ring steps and issues no all-gather / reduce-scatter."""
+    p = group.size()
+    torch.manual_seed(seed)
+    if kind == "column":
+        dense = nn.Linear(hidden, out_per_rank * p, bias=bias).double()
+        make = ColumnParallelLinear.from_dense
+    else:
+        dense = nn.Linear(out_per_rank * p, hidden, bias=bias).double()
+        make = RowParallelLinear.from_dense
+    layers = [make(dense, group=group, sequence_parallel=True) for _ in range(2)]
+    assert tplayers.set_overlap(layers[1], collective_matmul=True)["collective_matmul"] == 1
+    x = torch.randn(batch, seq_per_rank * p, dense.in_features, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(seed))
+    out_dim = -1 if kind == "column" else 1  # column output: (b, s, out/p); row: (b, s/p, hidden)
+    assert_matches_dense(layers[1], dense, x, group=group, input_shard_dims=[1 if kind == "column" else -1],
+                         output_shard_dim=out_dim)
+    if kind == "row":  # the row layer takes the full sequence, features sharded
+        x_local = tplayers.resolve_group(group).shard(x, -1)
+    else:
+        x_local = tplayers.resolve_group(group).shard(x, 1)
+    outs = []
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)  # (assert_matches_dense left its gradients)
+        xi = x_local.clone().requires_grad_()
+        with tplayers.comm_accounting() as acct:
+            out = layer(xi)
+        out.square().sum().backward()
+        outs.append((out, xi.grad, [q.grad for q in layer.parameters()], acct.records))
+    (ref, ref_dx, ref_g, _), (got, dx, grads, records) = outs
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dx, ref_dx, rtol=1e-12, atol=1e-12)
+    for a, b in zip(ref_g, grads):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    forward_ops = sorted(r.op for r in records)
+    assert forward_ops == ["send"] * (p - 1), forward_ops
+    return True
+
+
+@settings(max_examples=examples(4))
+@given(kind=st.sampled_from(["column", "row"]), batch=st.integers(1, 2), seq_per_rank=st.integers(1, 3),
+       hidden=st.integers(1, 6), out_per_rank=st.integers(1, 3), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_collective_matmul_matches_dense_and_the_collective_form(kind, batch, seq_per_rank, hidden, out_per_rank,
+                                                                 bias, seed):
+    for tp in (2, 4):
+        assert all(get_world(tp).run(_collective_matmul_matches, kind, batch, seq_per_rank, hidden, out_per_rank,
+                                     bias, seed))
+
+
+def _block_with_collective_matmul(group):
+    from tplayers.dense import DenseTransformerBlock
+
+    torch.manual_seed(0)
+    config = tplayers.BlockConfig(hidden=16, n_heads=4, n_kv_heads=2, ffn_hidden=32, activation="swiglu",
+                                  norm="rmsnorm", bias=False, rotary=True)
+    dense = DenseTransformerBlock(config).double()
+    block = tplayers.ParallelTransformerBlock.from_dense(dense, group=group, sequence_parallel=True)
+    counts = tplayers.set_overlap(block, collective_matmul=True, split_backward=True)  # regions fall back
+    assert counts["collective_matmul"] == 4
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    assert_matches_dense(block, dense, x, group=group, input_shard_dims=[1], output_shard_dim=1)
+    return True
+
+
+def test_a_sequence_parallel_block_with_collective_matmul_matches_dense():
+    for tp in (2, 4):
+        assert all(get_world(tp).run(_block_with_collective_matmul))
+
+
+def test_collective_matmul_needs_sequence_parallelism():
+    with pytest.raises(ValueError, match="collective_matmul .* needs sequence_parallel=True"):
+        tplayers.column_parallel_linear(torch.randn(2, 4), torch.randn(4, 4), group=None, collective_matmul=True)
+    layer = ColumnParallelLinear(4, 4, group=None)
+    assert tplayers.set_overlap(layer, collective_matmul=True)["collective_matmul"] == 0  # not sequence parallel

@@ -39,12 +39,13 @@ from .timing import barrier, fwd_bwd_step, leaf, sync, time_steps
 
 __all__ = ["BenchConfig", "MODES", "MODE_LABELS", "SHAPES", "run_overlap_bench"]
 
-MODES: Tuple[str, ...] = ("tp", "tp_blocking", "tp_split", "tp_chunked", "comm", "comm_bwd", "compute", "dense",
-                          "naive")
+MODES: Tuple[str, ...] = ("tp", "tp_blocking", "tp_split", "tp_chunked", "tp_cm", "comm", "comm_bwd", "compute",
+                          "dense", "naive")
 MODE_LABELS: Dict[str, str] = {
     "tp": "TP fwd+bwd, overlap on",
     "tp_split": "TP fwd+bwd, split backward",
     "tp_chunked": "TP fwd+bwd, split bwd + batch chunks",
+    "tp_cm": "TP fwd+bwd, collective matmul (SP)",
     "tp_blocking": "TP fwd+bwd, overlap off",
     "comm": "collectives alone (fwd+bwd)",
     "comm_bwd": "collectives alone (bwd, overlappable)",
@@ -310,6 +311,13 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
                 continue
             chunks = cfg.chunks if mode == "tp_chunked" else 1
             steps[mode] = fwd_bwd_step(split(dense, g, cfg.sequence_parallel, chunks), leaf(x_tp), grad_tp.contiguous())
+        elif mode == "tp_cm":
+            if not cfg.sequence_parallel or g.size == 1:
+                skipped[mode] = "collective matmul decomposes sequence-parallel collectives: needs --sequence-parallel"
+                continue
+            model = _tp_model(dense, cfg, g, True)
+            set_overlap(model, collective_matmul=True)
+            steps[mode] = fwd_bwd_step(model, leaf(x_tp), grad_tp.contiguous())
         elif mode in ("comm", "comm_bwd"):
             comm_all, comm_bwd = _comm_steps(cfg, g, dtype, device)
             steps[mode] = comm_all if mode == "comm" else comm_bwd
@@ -331,6 +339,7 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
         measured = _account(steps.get("tp"), cfg, g, device)
         measured_split = _account(steps.get("tp_split"), cfg, g, device)
         measured_chunked = _account(steps.get("tp_chunked"), cfg, g, device)
+        measured_cm = _account(steps.get("tp_cm"), cfg, g, device)
         timeline = {mode: _timeline(steps[mode], g, device) for mode in ("tp", "tp_blocking", "tp_split", "tp_chunked")
                     if mode in steps and g.size > 1}
     report = summarize(cfg, g.size, timings, skipped, backend=backend_name(g, device), measured=measured,
@@ -340,6 +349,8 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
         report["split_backward"] = measured_split
     if measured_chunked is not None:  # and for the chunked region (mode tp_chunked)
         report["chunked"] = {**measured_chunked, "chunks": min(cfg.chunks, cfg.batch)}
+    if measured_cm is not None:  # and for collective matmul (mode tp_cm)
+        report["collective_matmul"] = measured_cm
     if cfg.trace_dir:
         report["trace"] = _profile(steps, cfg, g, device)
     return report

@@ -70,7 +70,8 @@ def format_report(report: Dict[str, Any]) -> str:
     def pct(v: Any) -> str:
         return "n/a" if v is None else f"{100 * v:.0f}%"
 
-    for key, label in (("split_backward", "split backward (mode tp_split)"), ("chunked", "batch chunks (mode tp_chunked")):
+    for key, label in (("split_backward", "split backward (mode tp_split)"), ("chunked", "batch chunks (mode tp_chunked"),
+                       ("collective_matmul", "collective matmul (mode tp_cm)")):
         m = report.get(key)
         if m is None:
             continue

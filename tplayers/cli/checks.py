@@ -231,7 +231,7 @@ variant("ParallelAttention", "GQA, rotary, sequence_parallel=True", _attention, 
 
 
 def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool, split: bool = False, chunks: int = 1,
-           delay: bool = False, main_grad: bool = False) -> MatchReport:
+           delay: bool = False, main_grad: bool = False, cm: bool = False) -> MatchReport:
     d, h = _dims(g), _heads(g)
     config = BlockConfig(hidden=d["hidden"], n_heads=h["n_heads"], ffn_hidden=d["ffn"],
                          n_kv_heads=h["n_kv_heads"] if llama else None, activation="swiglu" if llama else "gelu",
@@ -242,7 +242,8 @@ def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool, split: bool = F
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.5)
     tp = ParallelTransformerBlock.from_dense(dense, group=g, sequence_parallel=sp)
-    set_overlap(tp, split_backward=split, chunks=chunks, delay_wgrad=delay)  # (verify flushes delayed wgrads)
+    set_overlap(tp, split_backward=split, chunks=chunks, delay_wgrad=delay,  # (verify flushes delayed wgrads)
+                collective_matmul=cm)
     if main_grad:  # buffers of the check's dtype: compared as the gradients
         use_main_grad(tp, dtype=DTYPES[cfg.dtype])
     return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
@@ -261,6 +262,8 @@ variant("ParallelTransformerBlock", "Llama, sequence_parallel=True, delay_wgrad=
         llama=True, delay=True)
 variant("ParallelTransformerBlock", "GPT, split_backward=True, main_grad", _block, tol_scale=16, sp=False,
         llama=False, split=True, main_grad=True)
+variant("ParallelTransformerBlock", "Llama, sequence_parallel=True, collective_matmul=True", _block, tol_scale=16,
+        sp=True, llama=True, cm=True)
 
 
 class _Call(nn.Module):

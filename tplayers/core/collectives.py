@@ -273,6 +273,26 @@ def _reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = F
     return Pending(work, lambda: out.reshape(out_shape), record)
 
 
+
+def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, g: TPGroup) -> Pending:
+    """Send ``send`` to the next rank of the ring (group rank + 1) and receive the previous rank's
+    into ``recv``, asynchronously (one step of a decomposed all-gather / reduce-scatter). Both
+    contiguous, same shape on every rank."""
+    pg = g.process_group
+    nxt, prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
+    if pg is not None:
+        nxt, prv = dist.get_global_rank(pg, nxt), dist.get_global_rank(pg, prv)
+    ops = [dist.P2POp(dist.isend, send, nxt, group=pg), dist.P2POp(dist.irecv, recv, prv, group=pg)]
+    works, record = _launch("send", send.numel() * send.element_size(), g, lambda: dist.batch_isend_irecv(ops),
+                            send.device)
+
+    class _All:  # one wait for both directions
+        def wait(self) -> None:
+            for work in works:
+                work.wait()
+
+    return Pending(_All(), lambda: recv, record)
+
 def _split(x: torch.Tensor, dim: int, g: TPGroup) -> torch.Tensor:
     """This rank's chunk of ``x`` along ``dim`` (torch.chunk order), as an owned contiguous tensor."""
     if g.size == 1:
@@ -379,4 +399,5 @@ if not _TRACE_COLLECTIVES:  # older torch: dynamo must not trace them (see _TRAC
     _all_reduce = torch.compiler.disable(_all_reduce)
     _all_gather = torch.compiler.disable(_all_gather)
     _reduce_scatter = torch.compiler.disable(_reduce_scatter)
+    _ring_exchange = torch.compiler.disable(_ring_exchange)
     Pending.wait = torch.compiler.disable(Pending.wait)  # type: ignore[method-assign]

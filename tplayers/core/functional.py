@@ -38,7 +38,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from .collectives import _all_gather, _all_reduce, _reduce_scatter
+from .collectives import _all_gather, _all_reduce, _reduce_scatter, _ring_exchange
 from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
 from .groups import GroupLike, TPGroup, resolve_group
 from .wgrad import MainGrads, WeightGradStore, accumulate_matmul, check_main_grads as _check_main_grads
@@ -113,6 +113,58 @@ def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     return cast(x), cast(weight), cast(bias)
 
 
+# ---------------------------------------------------------------------------- collective matmul (SP forward)
+#
+# Under sequence parallelism the column layer's input all-gather and the row layer's output
+# reduce-scatter can be cut into p ring steps of point-to-point sends, each step's GEMM running while
+# the next chunk travels (Wang et al., "Overlap communication with dependent computation via
+# decomposition", ASPLOS 2023; PyTorch's async TP does it with symmetric memory on CUDA). Here with
+# plain batch_isend_irecv, any backend. Same numbers as the collective form up to summation order.
+
+
+def _ring_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], g: TPGroup) -> torch.Tensor:
+    """``F.linear(all_gather(x, seq), weight, bias)``: x ``(..., s/p, in)`` -> ``(..., s, out_local)``;
+    the chunk of rank r - k is multiplied while the chunk of rank r - k - 1 arrives."""
+    chunk = x.contiguous()
+    sl = chunk.shape[SEQ_DIM]
+    out = torch.empty(chunk.shape[:-2] + (sl * g.size, weight.shape[0]), dtype=chunk.dtype, device=chunk.device)
+    for k in range(g.size):
+        arriving = None
+        if k < g.size - 1:
+            arriving = _ring_exchange(chunk, torch.empty_like(chunk), g)
+        src = (g.rank - k) % g.size  # whose sequence chunk this is
+        out.narrow(SEQ_DIM, src * sl, sl).copy_(F.linear(chunk, weight, bias))
+        if arriving is not None:
+            chunk = arriving.wait()
+    return out
+
+
+def _ring_linear_scatter(x: torch.Tensor, weight: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    """``reduce_scatter(F.linear(x, weight), seq)``: x ``(..., s, in_local)`` -> this rank's ``(..., s/p, out)``
+    block of the sum over ranks; each step adds this rank's partial for the block passing by, the next
+    block's GEMM running while the running sum travels."""
+    if x.shape[SEQ_DIM] % g.size:
+        raise ValueError(f"collective matmul: sequence length {x.shape[SEQ_DIM]} is not divisible by the TP "
+                         f"degree {g.size}")
+    sl = x.shape[SEQ_DIM] // g.size
+
+    def partial(block: int) -> torch.Tensor:
+        return F.linear(x.narrow(SEQ_DIM, block * sl, sl), weight).contiguous()  # (..., s/p, out)
+
+    running = partial((g.rank - 1) % g.size)
+    for k in range(1, g.size):  # after step k the running sum of block (r - k - 1) holds k + 1 ranks
+        arriving = _ring_exchange(running, torch.empty_like(running), g)
+        mine = partial((g.rank - k - 1) % g.size)  # under the transfer
+        running = mine.add_(arriving.wait())
+    return running  # block r, summed over every rank
+
+
+def _check_ring(collective_matmul: bool, sequence_parallel: bool, op: str) -> None:
+    if collective_matmul and not sequence_parallel:
+        raise ValueError(f"{op}: collective_matmul decomposes the sequence-parallel all-gather / reduce-scatter; "
+                         "it needs sequence_parallel=True")
+
+
 def _defer(ctx, store: WeightGradStore, targets, compute) -> None:
     """Record ``compute`` (the weight gradients) in ``store`` for the inputs that need a gradient."""
     wanted = tuple(t if need else None for t, need in zip(targets, ctx.needs_input_grad[1:]))
@@ -143,12 +195,14 @@ def _linear_wgrads(grad_out: torch.Tensor, x: torch.Tensor, need_w: bool, need_b
 class _ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, overlap: bool,
-                store: Optional[WeightGradStore] = None, main: MainGrads = None):
-        x_full = _all_gather(x, SEQ_DIM, g).wait() if sequence_parallel else x
+                store: Optional[WeightGradStore] = None, main: MainGrads = None, ring: bool = False):
         ctx.save_for_backward(x, weight)  # under sequence parallelism: only this rank's shard
         ctx.g, ctx.sequence_parallel, ctx.overlap = g, sequence_parallel, overlap
         ctx.has_bias = bias is not None
         ctx.store, ctx.targets, ctx.main = store, ((weight, bias) if store is not None else None), main
+        if sequence_parallel and ring:  # collective matmul: the gather in p ring steps under the GEMMs
+            return _ring_gather_linear(x, weight, bias, g)
+        x_full = _all_gather(x, SEQ_DIM, g).wait() if sequence_parallel else x
         return F.linear(x_full, weight, bias)
 
     @staticmethod
@@ -168,7 +222,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
             if need_x:
                 grad_x = grad_out @ weight
                 grad_x = (_reduce_scatter(grad_x, SEQ_DIM, g) if sp else _all_reduce(grad_x, g)).wait()
-            return grad_x, None, None, None, None, None, None, None
+            return grad_x, None, None, None, None, None, None, None, None
 
         gathering = _all_gather(x, SEQ_DIM, g, async_op=overlap) if (sp and need_w) else None
         grad_x = reducing = None
@@ -185,18 +239,21 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         grad_w, grad_b = _linear_wgrads(grad_out, x_full, need_w, need_b, ctx.main)
         if reducing is not None:
             grad_x = reducing.wait()
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 class _RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, store: Optional[WeightGradStore] = None,
-                main: MainGrads = None):
-        partial = F.linear(x, weight)  # (..., out): this rank's share of the sum, owned
-        if sequence_parallel:
-            out = _reduce_scatter(partial, SEQ_DIM, g).wait()
+                main: MainGrads = None, ring: bool = False):
+        if sequence_parallel and ring:  # collective matmul: the reduce-scatter in p ring steps under the GEMMs
+            out = _ring_linear_scatter(x, weight, g)
         else:
-            out = _all_reduce(partial, g).wait()
+            partial = F.linear(x, weight)  # (..., out): this rank's share of the sum, owned
+            if sequence_parallel:
+                out = _reduce_scatter(partial, SEQ_DIM, g).wait()
+            else:
+                out = _all_reduce(partial, g).wait()
         if bias is not None:
             out = out.add_(bias)  # the full bias, added once (out is a buffer we own)
         ctx.save_for_backward(x, weight)
@@ -219,9 +276,9 @@ class _RowParallelLinearFn(torch.autograd.Function):
             main = ctx.main
             _defer(ctx, ctx.store, ctx.targets, lambda: _linear_wgrads(grad_full, x, need_w, need_b, main))
             ctx.targets = None
-            return grad_x, None, None, None, None, None, None
+            return grad_x, None, None, None, None, None, None, None
         grad_w, grad_b = _linear_wgrads(grad_full, x, need_w, need_b, ctx.main)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 # Under create_graph=True (a gradient penalty, a Hessian-vector product) the backward is built from
@@ -243,7 +300,7 @@ def _column_backward_graph(ctx, grad_out):
         grad_w = _flat(grad_out).t() @ _flat(x_full)
     if need_b and ctx.has_bias:
         grad_b = _flat(grad_out).sum(0)
-    return grad_x, grad_w, grad_b, None, None, None, None, None
+    return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _row_backward_graph(ctx, grad_out):
@@ -258,7 +315,7 @@ def _row_backward_graph(ctx, grad_out):
     if need_b and ctx.has_bias:  # the bias is replicated: under sequence parallelism sum the chunks' sums
         grad_b = _flat(grad_out).sum(0)
         grad_b = reduce_from_tp(grad_b, group=g) if sp else grad_b
-    return grad_x, grad_w, grad_b, None, None, None, None
+    return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def column_parallel_linear(
@@ -271,6 +328,7 @@ def column_parallel_linear(
     overlap_comm: bool = True,
     wgrad_store: Optional[WeightGradStore] = None,
     main_grads: MainGrads = None,
+    collective_matmul: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for this rank's output features; output is sharded on the last dim.
 
@@ -284,6 +342,7 @@ def column_parallel_linear(
     """
     g = resolve_group(group)
     _check_inputs(x, weight, bias, weight.shape[1], "column_parallel_linear", sequence_parallel, g)
+    _check_ring(collective_matmul, sequence_parallel, "column_parallel_linear")
     plain = wgrad_store is None and main_grads is None
     if g.size == 1 and plain and not _any_autocast():
         return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear, no further Python
@@ -292,7 +351,8 @@ def column_parallel_linear(
     if g.size == 1 and plain:
         return F.linear(x, weight, bias)
     return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, wgrad_store,
-                                         _check_main_grads(main_grads, weight, bias, "column_parallel_linear"))
+                                         _check_main_grads(main_grads, weight, bias, "column_parallel_linear"),
+                                         collective_matmul)
 
 
 def row_parallel_linear(
@@ -306,6 +366,7 @@ def row_parallel_linear(
     overlap_comm: bool = True,
     wgrad_store: Optional[WeightGradStore] = None,
     main_grads: MainGrads = None,
+    collective_matmul: bool = False,
 ) -> torch.Tensor:
     """Sum over ranks of ``x_shard @ weight_shard.T``, plus the full ``bias`` once.
 
@@ -313,12 +374,14 @@ def row_parallel_linear(
     weight: ``(out, in/p)``; bias: ``(out,)`` or None. Returns ``(..., out)`` replicated, or
     ``(..., seq/p, out)`` with ``sequence_parallel``. ``overlap_comm`` is accepted for symmetry:
     the row backward has no collective that compute could hide. ``wgrad_store``, ``main_grads``: as
-    :func:`column_parallel_linear`'s.
+    :func:`column_parallel_linear`'s. ``collective_matmul`` (with ``sequence_parallel``): the forward
+    reduce-scatter runs as p ring steps, each block's GEMM under the running sum's transfer.
     """
     del overlap_comm
     g = resolve_group(group)
     expected_in = weight.shape[1] * (1 if input_is_parallel else g.size)
     _check_inputs(x, weight, bias, expected_in, "row_parallel_linear", sequence_parallel, g)
+    _check_ring(collective_matmul, sequence_parallel, "row_parallel_linear")
     plain = wgrad_store is None and main_grads is None
     if g.size == 1 and plain and not _any_autocast():
         return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear, no further Python
@@ -333,7 +396,8 @@ def row_parallel_linear(
     if not input_is_parallel:
         x = scatter_to_tp(x, group=g)
     return _RowParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, wgrad_store,
-                                      _check_main_grads(main_grads, weight, bias, "row_parallel_linear"))
+                                      _check_main_grads(main_grads, weight, bias, "row_parallel_linear"),
+                                      collective_matmul)
 
 
 # ---------------------------------------------------------------------------- split backward: column -> core -> row

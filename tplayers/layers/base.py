@@ -96,7 +96,8 @@ def set_overlap_comm(model: nn.Module, enabled: bool) -> int:
 
 
 def set_overlap(model: nn.Module, *, comm: Optional[bool] = None, split_backward: Optional[bool] = None,
-                chunks: Optional[int] = None, delay_wgrad: Optional[bool] = None) -> Dict[str, int]:
+                chunks: Optional[int] = None, delay_wgrad: Optional[bool] = None,
+                collective_matmul: Optional[bool] = None) -> Dict[str, int]:
     """One model-wide switch for the overlap modes; ``None`` leaves a mode as each module has it.
 
     ``comm``: backward collectives asynchronous under the weight-gradient GEMMs (every TP layer's
@@ -104,9 +105,11 @@ def set_overlap(model: nn.Module, *, comm: Optional[bool] = None, split_backward
     layers' weight gradients under one collective (``ParallelMLP``, ``ParallelAttention``) do so.
     ``chunks``: those modules run their batch in that many chunks, each chunk's collectives in flight
     under the next chunk's compute (1 = unchunked). ``delay_wgrad``: every TP linear records its
-    weight-gradient GEMMs during backward for :func:`backward_dw` to run later. Returns how many
-    modules each setting reached."""
-    counts = {"comm": 0, "split_backward": 0, "chunks": 0, "delay_wgrad": 0}
+    weight-gradient GEMMs during backward for :func:`backward_dw` to run later.
+    ``collective_matmul``: every sequence-parallel TP linear runs its forward all-gather /
+    reduce-scatter as p ring steps under its GEMMs (layers without sequence parallelism are left
+    alone; fused regions then run as their two layers). Returns how many modules each setting reached."""
+    counts = {"comm": 0, "split_backward": 0, "chunks": 0, "delay_wgrad": 0, "collective_matmul": 0}
     if chunks is not None:
         require_chunks(chunks, "set_overlap")
     if comm is not None:
@@ -121,6 +124,11 @@ def set_overlap(model: nn.Module, *, comm: Optional[bool] = None, split_backward
             if isinstance(module, TensorParallelModule) and hasattr(module, name):
                 setattr(module, name, value if name == "chunks" else bool(value))
                 counts[name] += 1
+    if collective_matmul is not None:
+        for module in model.modules():
+            if hasattr(module, "collective_matmul") and getattr(module, "sequence_parallel", False):
+                module.collective_matmul = bool(collective_matmul)
+                counts["collective_matmul"] += 1
     return counts
 
 
@@ -129,7 +137,8 @@ def grad_sinks(layer: nn.Module) -> Dict[str, Any]:
     main = None
     if layer.accumulate_main_grad:
         main = (layer.weight.main_grad, None if layer.bias is None else layer.bias.main_grad)
-    return {"wgrad_store": layer.wgrad_store if layer.delay_wgrad else None, "main_grads": main}
+    return {"wgrad_store": layer.wgrad_store if layer.delay_wgrad else None, "main_grads": main,
+            "collective_matmul": layer.collective_matmul}
 
 
 def use_main_grad(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:

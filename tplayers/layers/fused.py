@@ -54,6 +54,7 @@ class FusedColumnParallelLinear(TensorParallelModule):
         self.tp = tp = resolve_group(group)
         # as ColumnParallelLinear's
         self.delay_wgrad, self.wgrad_store, self.accumulate_main_grad = delay_wgrad, WeightGradStore(), False
+        self.collective_matmul = False
         parts = [int(n) for n in parts]
         require_positive(in_features, layer, "in_features")
         self.placement = Sharded.fused(0, parts, tp.size, part_shards, layer=layer, names=part_names)

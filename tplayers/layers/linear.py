@@ -53,6 +53,7 @@ class ColumnParallelLinear(TensorParallelModule):
         super().__init__()
         self.tp = resolve_group(group)
         self.delay_wgrad, self.wgrad_store, self.accumulate_main_grad = delay_wgrad, WeightGradStore(), False
+        self.collective_matmul = False  # set_overlap(model, collective_matmul=True), sequence parallel only
         require_positive(in_features, "ColumnParallelLinear", "in_features")
         self.out_features_per_rank = require_divisible(out_features, self.tp.size, "ColumnParallelLinear", "out_features")
         if gather_output and sequence_parallel:
@@ -127,6 +128,7 @@ class RowParallelLinear(TensorParallelModule):
         super().__init__()
         self.tp = resolve_group(group)
         self.delay_wgrad, self.wgrad_store, self.accumulate_main_grad = delay_wgrad, WeightGradStore(), False
+        self.collective_matmul = False  # set_overlap(model, collective_matmul=True), sequence parallel only
         require_positive(out_features, "RowParallelLinear", "out_features")
         self.in_features_per_rank = require_divisible(in_features, self.tp.size, "RowParallelLinear", "in_features")
         if sequence_parallel and not input_is_parallel:

@@ -45,9 +45,11 @@ def region_sinks(column: nn.Module, row: nn.Module) -> Optional[Dict[str, Any]]:
     of `split_backward_region`), or None when the two layers disagree (then run them separately)."""
     if column.delay_wgrad != row.delay_wgrad or column.accumulate_main_grad != row.accumulate_main_grad:
         return None
+    if column.collective_matmul or row.collective_matmul:  # the region's forward has no ring form
+        return None
     col, r = grad_sinks(column), grad_sinks(row)
     main = None if col["main_grads"] is None else (*col["main_grads"], *r["main_grads"])
-    return {"wgrad_store": col["wgrad_store"], "main_grads": main}
+    return {"wgrad_store": col["wgrad_store"], "main_grads": main}  # (collective_matmul: False here)
 
 
 
