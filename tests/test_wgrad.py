@@ -8,6 +8,7 @@ import torch
 import tplayers
 from tplayers import (ColumnParallelLinear, FusedColumnParallelLinear, GPTConfig, ParallelAttention, ParallelGPT,
                       ParallelMLP, RowParallelLinear)
+from tplayers.core.wgrad import ReplicatedRows
 from tplayers.dense import DenseAttention, DenseGPT, DenseMLP
 from tplayers.testing import get_world
 
@@ -171,9 +172,11 @@ def _main_grad_equals_grad(group, kind, sp, delay):
 
 @pytest.mark.parametrize("delay", [False, True])
 @pytest.mark.parametrize("sp", [False, True])
-@pytest.mark.parametrize("kind", ["column", "row", "mlp", "mlp_chunked", "attention_two_layer"])
+@pytest.mark.parametrize("kind", ["column", "row", "fused", "mlp", "mlp_chunked", "attention", "attention_two_layer"])
 def test_main_grad_accumulation_equals_the_grad_path(kind, sp, delay):
-    for tp in (1, 2):  # (attention: 2 KV heads, not replicated at TP 2)
+    # fused: one KV head, replicated on every rank; attention: 2 KV heads, replicated at TP 4 (split
+    # region and two-layer path): their rows' contributions must be summed over the replicas
+    for tp in (1, 2, 4):
         assert all(get_world(tp).run(_main_grad_equals_grad, kind, sp and tp > 1, delay))
 
 
@@ -206,25 +209,18 @@ def test_bfloat16_weights_accumulate_their_gradient_in_float32():
         assert all(get_world(tp).run(_bf16_main_grad_is_more_exact))
 
 
-def test_main_grad_refuses_replicated_kv_heads_and_bad_buffers():
-    attn = ParallelAttention(16, 4, 1, group=None)  # one KV head: fine at TP 1 (no replicas)
+def test_main_grad_refuses_bad_buffers():
+    attn = ParallelAttention(16, 4, 1, group=None)
     assert tplayers.use_main_grad(attn) == 2
     w = torch.randn(4, 8)
     with pytest.raises(ValueError, match="the weight's main_grad buffer is \\(3, 8\\)"):
         tplayers.column_parallel_linear(torch.randn(2, 8), w, None, group=None, main_grads=(torch.zeros(3, 8), None))
     with pytest.raises(ValueError, match="there is no bias"):
         tplayers.row_parallel_linear(torch.randn(2, 8), w, None, group=None, main_grads=(None, torch.zeros(4)))
-
-
-def _replicated_refused(group):
-    attn = ParallelAttention(16, 4, 1, group=group)  # one KV head, replicated on both ranks
-    with pytest.raises(ValueError, match="replicated over ranks"):
-        tplayers.use_main_grad(attn)
-    return True
-
-
-def test_main_grad_refuses_layers_with_replicated_kv_heads():
-    assert all(get_world(2).run(_replicated_refused))
+    for runs in (((2, 5, 1),), ((2, 2, 1),), ((2, 4, 1), (1, 3, 1)), ((0, 2, 0),)):
+        with pytest.raises(ValueError, match="replicated rows .* must be ordered, non-empty"):
+            tplayers.column_parallel_linear(torch.randn(2, 8), w, None, group=None,
+                                            main_grads=(ReplicatedRows(torch.zeros(4, 8), runs), None))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

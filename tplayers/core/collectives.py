@@ -211,6 +211,17 @@ def _all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: st
     return Pending(work, lambda: buf, record)
 
 
+def _sum_over_replica_ranks(rows: torch.Tensor, g: TPGroup, num_shards: int) -> torch.Tensor:
+    """``rows`` summed over the ranks that hold the same replica of them: the group's ranks in
+    ``num_shards`` consecutive runs of ``p // num_shards`` (KV heads replicated over more ranks than
+    there are heads). One all-reduce of a ``(num_shards, *rows.shape)`` buffer with this rank's rows
+    in its run's slot. Returns a new tensor."""
+    slot = g.rank // (g.size // num_shards)
+    buf = rows.new_zeros((num_shards,) + tuple(rows.shape))
+    buf[slot].copy_(rows)
+    return _all_reduce(buf, g).wait()[slot]
+
+
 def _all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False) -> Pending:
     """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
     if g.size == 1:

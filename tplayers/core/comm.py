@@ -21,8 +21,8 @@ from typing import Optional, Tuple
 import torch
 
 from .collectives import (Pending, _all_gather, _all_reduce, _owned_copy, _reduce_scatter, _split,
-                          all_gather_tensor, all_reduce_, all_reduce_tensor, barrier, broadcast_tensor, gather_placed,
-                          reduce_scatter_tensor)
+                          _sum_over_replica_ranks, all_gather_tensor, all_reduce_, all_reduce_tensor, barrier,
+                          broadcast_tensor, gather_placed, reduce_scatter_tensor)
 from .groups import GroupLike, TPGroup, resolve_group
 
 __all__ = [
@@ -176,10 +176,7 @@ class _ReduceOverReplicas(torch.autograd.Function):
     @staticmethod
     def forward(ctx, grad: torch.Tensor, g: TPGroup, num_shards: int, start: int, stop: int) -> torch.Tensor:
         ctx.g, ctx.num_shards, ctx.rows = g, num_shards, (start, stop)
-        slot = g.rank // (g.size // num_shards)
-        buf = grad.new_zeros((num_shards, stop - start) + tuple(grad.shape[1:]))
-        buf[slot].copy_(grad[start:stop])
-        summed = _all_reduce(buf, g).wait()[slot]
+        summed = _sum_over_replica_ranks(grad[start:stop], g, num_shards)
         if start == 0 and stop == grad.shape[0]:
             return summed
         out = grad.clone(memory_format=torch.contiguous_format)  # never write into autograd's grad

@@ -38,10 +38,11 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from .collectives import _all_gather, _all_reduce, _reduce_scatter, _ring_exchange
+from .collectives import _all_gather, _all_reduce, _reduce_scatter, _ring_exchange, _sum_over_replica_ranks
 from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
 from .groups import GroupLike, TPGroup, resolve_group
-from .wgrad import MainGrads, WeightGradStore, accumulate_matmul, check_main_grads as _check_main_grads
+from .wgrad import (MainBuffer, MainGrads, ReplicatedRows, WeightGradStore, accumulate_matmul,
+                    check_main_grads as _check_main_grads)
 
 __all__ = ["column_parallel_linear", "row_parallel_linear", "parallel_mlp", "split_backward_region", "SEQ_DIM"]
 
@@ -173,7 +174,7 @@ def _defer(ctx, store: WeightGradStore, targets, compute) -> None:
 
 
 def _linear_wgrads(grad_out: torch.Tensor, x: torch.Tensor, need_w: bool, need_b: bool,
-                   main: MainGrads = None):
+                   main: MainGrads, g: TPGroup):
     """``(grad_out^T x, grad_out summed)`` over all leading dims, each only when needed; with
     ``main`` = (weight buffer, bias buffer), each is accumulated into its buffer instead (None returned)."""
     grad_flat = _flat(grad_out)
@@ -181,15 +182,36 @@ def _linear_wgrads(grad_out: torch.Tensor, x: torch.Tensor, need_w: bool, need_b
     grad_w = grad_b = None
     if need_w:
         if main_w is not None:
-            accumulate_matmul(main_w, grad_flat.t(), _flat(x))
+            _accumulate(main_w, grad_flat.t(), g, lambda out, a: accumulate_matmul(out, a, _flat(x)))
         else:
             grad_w = grad_flat.t() @ _flat(x)
     if need_b:
         if main_b is not None:
-            main_b.add_(grad_flat.sum(0, dtype=main_b.dtype))
+            _accumulate(main_b, grad_flat.t(), g, lambda out, a: out.add_(a.sum(1, dtype=out.dtype)))
         else:
             grad_b = grad_flat.sum(0)
     return grad_w, grad_b
+
+
+def _accumulate(main: MainBuffer, grad_t: torch.Tensor, g: TPGroup,
+                add: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """``add(out, rows of grad_t)`` into ``main`` row by row range (``grad_t``: ``(out, tokens)``, its
+    row i the output gradient of the parameter's row i). A `ReplicatedRows` buffer's replicated runs
+    are first added into a zero buffer and summed over their replica ranks (as the ``.grad`` path
+    sums them), so the buffer gains complete gradients only."""
+    if not isinstance(main, ReplicatedRows):
+        add(main, grad_t)
+        return
+    buf, done = main.buffer, 0
+    for start, stop, num_shards in main.runs:
+        if done < start:
+            add(buf[done:start], grad_t[done:start])
+        part = buf.new_zeros(buf[start:stop].shape)
+        add(part, grad_t[start:stop])
+        buf[start:stop].add_(_sum_over_replica_ranks(part, g, num_shards) if num_shards < g.size else part)
+        done = stop
+    if done < buf.shape[0]:
+        add(buf[done:], grad_t[done:])
 
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
@@ -216,7 +238,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         if ctx.store is not None:  # delay_wgrad: the input gradient now, the weight gradients at flush
             main = ctx.main
             _defer(ctx, ctx.store, ctx.targets, lambda: _linear_wgrads(
-                grad_out, _all_gather(x, SEQ_DIM, g).wait() if sp else x, need_w, need_b, main))
+                grad_out, _all_gather(x, SEQ_DIM, g).wait() if sp else x, need_w, need_b, main, g))
             ctx.targets = None
             grad_x = None
             if need_x:
@@ -236,7 +258,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
                 reducing = _all_reduce(grad_x, g, async_op=overlap)
 
         # (out_shard, in) and (out_shard,), under the collective (into main_grad buffers if given)
-        grad_w, grad_b = _linear_wgrads(grad_out, x_full, need_w, need_b, ctx.main)
+        grad_w, grad_b = _linear_wgrads(grad_out, x_full, need_w, need_b, ctx.main, g)
         if reducing is not None:
             grad_x = reducing.wait()
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
@@ -273,11 +295,11 @@ class _RowParallelLinearFn(torch.autograd.Function):
         grad_x = grad_full @ weight if need_x else None
         need_b = need_b and ctx.has_bias
         if ctx.store is not None:  # delay_wgrad: the weight gradients at flush
-            main = ctx.main
-            _defer(ctx, ctx.store, ctx.targets, lambda: _linear_wgrads(grad_full, x, need_w, need_b, main))
+            main, g = ctx.main, ctx.g
+            _defer(ctx, ctx.store, ctx.targets, lambda: _linear_wgrads(grad_full, x, need_w, need_b, main, g))
             ctx.targets = None
             return grad_x, None, None, None, None, None, None, None
-        grad_w, grad_b = _linear_wgrads(grad_full, x, need_w, need_b, ctx.main)
+        grad_w, grad_b = _linear_wgrads(grad_full, x, need_w, need_b, ctx.main, ctx.g)
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
@@ -339,6 +361,8 @@ def column_parallel_linear(
     ``main_grads``: ``(weight buffer, bias buffer or None)``, e.g. float32 ``main_grad`` buffers:
     the weight-gradient GEMM accumulates into them (``addmm``; on CUDA in float32 from bfloat16
     inputs) and returns no gradient for those parameters (Megatron's gradient_accumulation_fusion).
+    A buffer wrapped in `tplayers.core.wgrad.ReplicatedRows` has its replicated rows' contribution
+    summed over their replica ranks first (collective: every rank of the group runs the backward).
     """
     g = resolve_group(group)
     _check_inputs(x, weight, bias, weight.shape[1], "column_parallel_linear", sequence_parallel, g)
@@ -500,23 +524,23 @@ class _SplitBackwardFn(torch.autograd.Function):
         main = ctx.main
         if defer:  # delay_wgrad: all four weight gradients at flush (under SP, x is gathered then)
             _defer(ctx, ctx.store, ctx.targets, lambda: _region_wgrads(
-                grad_full, _cat(acts), _cat(grad_hs), _all_gather(x, SEQ_DIM, g).wait() if sp else x, needs, main))
+                grad_full, _cat(acts), _cat(grad_hs), _all_gather(x, SEQ_DIM, g).wait() if sp else x, needs, main, g))
             ctx.targets = None
             grad_x = _cat([pending.wait() for pending in reducing]) if need_x else None
             return grad_x, None, None, None, None, None, None, None, None, None, None, None, None
         x_full = gathering.wait() if gathering is not None else x
         # under the collectives: the row layer's weight gradient, then the column layer's
-        grad_w1, grad_b1, grad_w2, grad_b2 = _region_wgrads(grad_full, _cat(acts), _cat(grad_hs), x_full, needs, main)
+        grad_w1, grad_b1, grad_w2, grad_b2 = _region_wgrads(grad_full, _cat(acts), _cat(grad_hs), x_full, needs, main, g)
         grad_x = _cat([pending.wait() for pending in reducing]) if need_x else None
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None, None, None
 
 
-def _region_wgrads(grad_full, act, grad_h, x_full, needs, main: MainGrads):
+def _region_wgrads(grad_full, act, grad_h, x_full, needs, main: MainGrads, g: TPGroup):
     """The region's weight gradients: the row layer's first, then the column layer's (``main``:
     the four main_grad buffers w1, b1, w2, b2, or None)."""
     need_w1, need_b1, need_w2, need_b2 = needs
-    grad_w2, grad_b2 = _linear_wgrads(grad_full, act, need_w2, need_b2, None if main is None else main[2:])
-    grad_w1, grad_b1 = _linear_wgrads(grad_h, x_full, need_w1, need_b1, None if main is None else main[:2])
+    grad_w2, grad_b2 = _linear_wgrads(grad_full, act, need_w2, need_b2, None if main is None else main[2:], g)
+    grad_w1, grad_b1 = _linear_wgrads(grad_h, x_full, need_w1, need_b1, None if main is None else main[:2], g)
     return grad_w1, grad_b1, grad_w2, grad_b2
 
 

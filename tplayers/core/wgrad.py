@@ -22,14 +22,27 @@ out_dtype=float32)``); elsewhere the inputs are upcast first (same sum, slower).
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, Optional, Sequence, Tuple
+from typing import Callable, Deque, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["WeightGradStore", "accumulate_matmul", "check_main_grads"]
+__all__ = ["WeightGradStore", "ReplicatedRows", "accumulate_matmul", "check_main_grads"]
+
+
+class ReplicatedRows(NamedTuple):
+    """A ``main_grad`` buffer some of whose dim-0 rows are replicated over ranks (KV heads shared by
+    several ranks): each ``(start, stop, num_shards)`` of ``runs`` is held by ``p // num_shards``
+    consecutive ranks. Each backward's contribution to those rows is summed over the replica ranks
+    (one all-reduce per run) before it is added, as the ``.grad`` path's ``sum_over_replicas``
+    does, so the buffer always holds complete gradients and a replica's rows agree on every rank."""
+
+    buffer: torch.Tensor
+    runs: Tuple[Tuple[int, int, int], ...]
+
 
 Compute = Callable[[], Sequence[Optional[torch.Tensor]]]
-MainGrads = Optional[Sequence[Optional[torch.Tensor]]]  # (weight buffer, bias buffer) per linear
+MainBuffer = Union[torch.Tensor, ReplicatedRows]
+MainGrads = Optional[Sequence[Optional[MainBuffer]]]  # (weight buffer, bias buffer) per linear
 _OUT_DTYPE_GEMM = [True]  # torch.addmm(out_dtype=) works here (CUDA); switched off at the first refusal
 
 
@@ -53,14 +66,22 @@ def check_main_grads(main: MainGrads, weight: torch.Tensor, bias: Optional[torch
         return None
     if len(main) != 2:
         raise ValueError(f"{op}: main_grads must be (weight_buffer, bias_buffer), got {len(main)} entries")
-    for buf, param, name in ((main[0], weight, "weight"), (main[1], bias, "bias")):
-        if buf is None:
+    for entry, param, name in ((main[0], weight, "weight"), (main[1], bias, "bias")):
+        if entry is None:
             continue
         if param is None:
             raise ValueError(f"{op}: a main_grad buffer for the {name} was given but there is no {name}")
+        buf = entry.buffer if isinstance(entry, ReplicatedRows) else entry
         if tuple(buf.shape) != tuple(param.shape) or buf.device != param.device or not buf.is_floating_point():
             raise ValueError(f"{op}: the {name}'s main_grad buffer is {tuple(buf.shape)} {buf.dtype} on {buf.device}, "
                              f"the {name} is {tuple(param.shape)} on {param.device}")
+        if isinstance(entry, ReplicatedRows):
+            done = 0
+            for start, stop, num_shards in entry.runs:
+                if not done <= start < stop <= buf.shape[0] or num_shards < 1:
+                    raise ValueError(f"{op}: the {name}'s replicated rows {entry.runs} must be ordered, non-empty "
+                                     f"(start, stop, num_shards) runs within its {buf.shape[0]} rows")
+                done = stop
     return tuple(main)
 
 

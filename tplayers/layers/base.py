@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..core.collectives import bit_hash, gather_placed, ranks_that_differ
 from ..core.functional import require_chunks
-from ..core.wgrad import WeightGradStore
+from ..core.wgrad import ReplicatedRows, WeightGradStore
 from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 
@@ -137,6 +137,9 @@ def grad_sinks(layer: nn.Module) -> Dict[str, Any]:
     main = None
     if layer.accumulate_main_grad:
         main = (layer.weight.main_grad, None if layer.bias is None else layer.bias.main_grad)
+        runs = layer.replica_runs() if getattr(layer, "has_replicas", False) else ()
+        if runs:  # KV heads shared by several ranks: each step's contribution summed over them first
+            main = tuple(None if buf is None else ReplicatedRows(buf, runs) for buf in main)
     return {"wgrad_store": layer.wgrad_store if layer.delay_wgrad else None, "main_grads": main,
             "collective_matmul": layer.collective_matmul}
 
@@ -144,16 +147,14 @@ def grad_sinks(layer: nn.Module) -> Dict[str, Any]:
 def use_main_grad(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
     """Give every TP linear's weight and bias a zeroed ``main_grad`` buffer of ``dtype`` and make the
     weight-gradient GEMMs accumulate into it (Megatron's gradient_accumulation_fusion): ``.grad`` of
-    those parameters stays None. Hand-off: :func:`main_grads_to_grads` before the optimizer step,
+    those parameters stays None. Rows replicated over ranks (fewer KV heads than ranks) gain each
+    backward's contribution summed over their replica ranks, as ``.grad`` would (one all-reduce per
+    run of such rows per backward). Hand-off: :func:`main_grads_to_grads` before the optimizer step,
     :func:`zero_main_grads` after it. Returns how many layers it set."""
     count = 0
-    for name, module in model.named_modules():
+    for module in model.modules():
         if not hasattr(module, "accumulate_main_grad"):
             continue
-        if getattr(module, "has_replicas", False):
-            raise ValueError(f"use_main_grad: {name or type(module).__name__} has components replicated over ranks "
-                             "(fewer KV heads than ranks), whose gradient must be summed over their replicas; "
-                             "main_grad accumulation does not do that yet: leave this model's .grad path on")
         for p in (module.weight, module.bias):
             if p is not None and getattr(p, "main_grad", None) is None:
                 p.main_grad = torch.zeros(p.shape, dtype=dtype, device=p.device)

@@ -10,7 +10,7 @@ gradient over them, so every replica carries the full gradient of the dense rows
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -76,11 +76,11 @@ class FusedColumnParallelLinear(TensorParallelModule):
         """Some component has fewer shards than ranks (its gradient is summed over replicas)."""
         return any(n < self.tp.size for n in self.part_shards)
 
-    def _with_replica_grads(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (a view of it: no copy) whose replicated components' gradients are summed over
-        their replica ranks; adjacent components with the same shard count (k and v) share one
-        all-reduce."""
-        runs = []  # [start, stop, num_shards] of consecutive replicated rows
+    def replica_runs(self) -> Tuple[Tuple[int, int, int], ...]:
+        """``(start, stop, num_shards)`` of each run of consecutive local rows (dim 0 of the weight
+        and bias) that is replicated over ranks; adjacent components with the same shard count (k
+        and v) form one run."""
+        runs: List[List[int]] = []
         start = 0
         for local, n in zip(self.local_parts, self.part_shards):
             if n < self.tp.size:
@@ -89,7 +89,12 @@ class FusedColumnParallelLinear(TensorParallelModule):
                 else:
                     runs.append([start, start + local, n])
             start += local
-        for lo, hi, n in runs:
+        return tuple((lo, hi, n) for lo, hi, n in runs)
+
+    def _with_replica_grads(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a view of it: no copy) whose replicated components' gradients are summed over
+        their replica ranks (one all-reduce per run of `replica_runs`)."""
+        for lo, hi, n in self.replica_runs():
             t = sum_over_replicas(t, group=self.tp, num_shards=n, rows=(lo, hi))
         return t
 
