@@ -29,16 +29,17 @@ def _build(kind, group, sp):
         mlp = ParallelMLP.from_dense(DenseMLP(8, 8 * p, "swiglu", True, dtype=F64), group=group, sequence_parallel=sp)
         tplayers.set_overlap(mlp, split_backward=True, chunks=3 if kind == "mlp_chunked" else 1)
         return mlp
-    if kind in ("attention", "attention_two_layer"):  # 2 KV heads: replicated at TP 4
+    if kind in ("attention", "attention_chunked", "attention_two_layer"):  # 2 KV heads: replicated at TP 4
         attn = ParallelAttention.from_dense(DenseAttention(16, 4, 2, None, True, True, True, dtype=F64), group=group,
                                             sequence_parallel=sp)
-        tplayers.set_overlap(attn, split_backward=kind == "attention")
+        tplayers.set_overlap(attn, split_backward=kind != "attention_two_layer",
+                             chunks=2 if kind == "attention_chunked" else 1)
         return attn
     raise ValueError(kind)
 
 
 def _input_dim(kind, group):
-    return {"row": 4, "attention": 16, "attention_two_layer": 16}.get(kind, 8)  # row: this rank's in/p features
+    return {"row": 4, "attention": 16, "attention_chunked": 16, "attention_two_layer": 16}.get(kind, 8)  # row: this rank's in/p features
 
 
 def _same(a, b, group):
@@ -172,10 +173,11 @@ def _main_grad_equals_grad(group, kind, sp, delay):
 
 @pytest.mark.parametrize("delay", [False, True])
 @pytest.mark.parametrize("sp", [False, True])
-@pytest.mark.parametrize("kind", ["column", "row", "fused", "mlp", "mlp_chunked", "attention", "attention_two_layer"])
+@pytest.mark.parametrize("kind", ["column", "row", "fused", "mlp", "mlp_chunked", "attention", "attention_chunked",
+                                  "attention_two_layer"])
 def test_main_grad_accumulation_equals_the_grad_path(kind, sp, delay):
     # fused: one KV head, replicated on every rank; attention: 2 KV heads, replicated at TP 4 (split
-    # region and two-layer path): their rows' contributions must be summed over the replicas
+    # region, chunked region, two-layer path): their rows' contributions must be summed over the replicas
     for tp in (1, 2, 4):
         assert all(get_world(tp).run(_main_grad_equals_grad, kind, sp and tp > 1, delay))
 
@@ -221,6 +223,9 @@ def test_main_grad_refuses_bad_buffers():
         with pytest.raises(ValueError, match="replicated rows .* must be ordered, non-empty"):
             tplayers.column_parallel_linear(torch.randn(2, 8), w, None, group=None,
                                             main_grads=(ReplicatedRows(torch.zeros(4, 8), runs), None))
+    with pytest.raises(ValueError, match="num_shards=2 does not divide the TP degree 1"):  # refused before any collective
+        tplayers.column_parallel_linear(torch.randn(2, 8), w, None, group=None,
+                                        main_grads=(ReplicatedRows(torch.zeros(4, 8), ((0, 2, 2),)), None))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -182,7 +182,8 @@ def _linear_wgrads(grad_out: torch.Tensor, x: torch.Tensor, need_w: bool, need_b
     grad_w = grad_b = None
     if need_w:
         if main_w is not None:
-            _accumulate(main_w, grad_flat.t(), g, lambda out, a: accumulate_matmul(out, a, _flat(x)))
+            x_flat = _flat(x)  # (tokens, in), once for every row range
+            _accumulate(main_w, grad_flat.t(), g, lambda out, a: accumulate_matmul(out, a, x_flat))
         else:
             grad_w = grad_flat.t() @ _flat(x)
     if need_b:
@@ -375,7 +376,7 @@ def column_parallel_linear(
     if g.size == 1 and plain:
         return F.linear(x, weight, bias)
     return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, wgrad_store,
-                                         _check_main_grads(main_grads, weight, bias, "column_parallel_linear"),
+                                         _check_main_grads(main_grads, weight, bias, "column_parallel_linear", g.size),
                                          collective_matmul)
 
 
@@ -420,7 +421,7 @@ def row_parallel_linear(
     if not input_is_parallel:
         x = scatter_to_tp(x, group=g)
     return _RowParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, wgrad_store,
-                                      _check_main_grads(main_grads, weight, bias, "row_parallel_linear"),
+                                      _check_main_grads(main_grads, weight, bias, "row_parallel_linear", g.size),
                                       collective_matmul)
 
 
@@ -603,8 +604,8 @@ def split_backward_region(
     _warn_cuda_connections_once(x, g, overlap_comm)
     rows = _batch_chunks(x.shape[0], chunks) if x.dim() >= 3 else [slice(None)]
     if main_grads is not None:
-        main_grads = (*_check_main_grads(main_grads[:2], w1, b1, "split_backward_region"),
-                      *_check_main_grads(main_grads[2:], w2, b2, "split_backward_region"))
+        main_grads = (*_check_main_grads(main_grads[:2], w1, b1, "split_backward_region", g.size),
+                      *_check_main_grads(main_grads[2:], w2, b2, "split_backward_region", g.size))
     return _SplitBackwardFn.apply(x, w1, b1, w2, b2, core, g, sequence_parallel, overlap_comm, recompute, rows,
                                   wgrad_store, main_grads)
 

@@ -33,8 +33,9 @@ class ReplicatedRows(NamedTuple):
     """A ``main_grad`` buffer some of whose dim-0 rows are replicated over ranks (KV heads shared by
     several ranks): each ``(start, stop, num_shards)`` of ``runs`` is held by ``p // num_shards``
     consecutive ranks. Each backward's contribution to those rows is summed over the replica ranks
-    (one all-reduce per run) before it is added, as the ``.grad`` path's ``sum_over_replicas``
-    does, so the buffer always holds complete gradients and a replica's rows agree on every rank."""
+    before it is added (as the ``.grad`` path's ``sum_over_replicas``
+    does: one all-reduce per run for the weight and one for the bias), so the buffer always holds
+    complete gradients and a replica's rows agree on every rank."""
 
     buffer: torch.Tensor
     runs: Tuple[Tuple[int, int, int], ...]
@@ -60,8 +61,10 @@ def accumulate_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> No
     out.addmm_(a.to(out.dtype), b.to(out.dtype))
 
 
-def check_main_grads(main: MainGrads, weight: torch.Tensor, bias: Optional[torch.Tensor], op: str) -> MainGrads:
-    """``main`` as a (weight buffer, bias buffer) pair, or a ValueError naming what does not fit."""
+def check_main_grads(main: MainGrads, weight: torch.Tensor, bias: Optional[torch.Tensor], op: str,
+                     group_size: int) -> MainGrads:
+    """``main`` as a (weight buffer, bias buffer) pair, or a ValueError naming what does not fit
+    (raised on every rank alike, before any collective: a bad replica layout would hang one)."""
     if main is None:
         return None
     if len(main) != 2:
@@ -81,6 +84,9 @@ def check_main_grads(main: MainGrads, weight: torch.Tensor, bias: Optional[torch
                 if not done <= start < stop <= buf.shape[0] or num_shards < 1:
                     raise ValueError(f"{op}: the {name}'s replicated rows {entry.runs} must be ordered, non-empty "
                                      f"(start, stop, num_shards) runs within its {buf.shape[0]} rows")
+                if group_size % num_shards:
+                    raise ValueError(f"{op}: the {name}'s replicated rows {entry.runs}: num_shards={num_shards} does "
+                                     f"not divide the TP degree {group_size}")
                 done = stop
     return tuple(main)
 

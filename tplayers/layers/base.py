@@ -148,8 +148,8 @@ def use_main_grad(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
     """Give every TP linear's weight and bias a zeroed ``main_grad`` buffer of ``dtype`` and make the
     weight-gradient GEMMs accumulate into it (Megatron's gradient_accumulation_fusion): ``.grad`` of
     those parameters stays None. Rows replicated over ranks (fewer KV heads than ranks) gain each
-    backward's contribution summed over their replica ranks, as ``.grad`` would (one all-reduce per
-    run of such rows per backward). Hand-off: :func:`main_grads_to_grads` before the optimizer step,
+    backward's contribution summed over their replica ranks, as ``.grad`` would (per backward, one
+    all-reduce per run of such rows for the weight and one for the bias). Hand-off: :func:`main_grads_to_grads` before the optimizer step,
     :func:`zero_main_grads` after it. Returns how many layers it set."""
     count = 0
     for module in model.modules():
