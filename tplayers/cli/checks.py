@@ -262,6 +262,10 @@ variant("ParallelTransformerBlock", "Llama, sequence_parallel=True, delay_wgrad=
         llama=True, delay=True)
 variant("ParallelTransformerBlock", "GPT, split_backward=True, main_grad", _block, tol_scale=16, sp=False,
         llama=False, split=True, main_grad=True)
+# GQA with fewer KV heads than ranks (at TP 2 and 4): the KV rows of qkv are replicated pieces whose
+# main_grad contributions must be summed over their replica ranks
+variant("ParallelTransformerBlock", "Llama, sequence_parallel=True, split_backward=True, main_grad", _block,
+        tol_scale=16, sp=True, llama=True, split=True, main_grad=True)
 variant("ParallelTransformerBlock", "Llama, sequence_parallel=True, collective_matmul=True", _block, tol_scale=16,
         sp=True, llama=True, cm=True)
 
