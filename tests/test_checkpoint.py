@@ -409,8 +409,9 @@ def _save_to_per_rank_paths(group, root):
     return errors, os.path.exists(path)
 
 
-def test_checkpoint_paths_that_differ_across_ranks_are_refused(tmp_path):
-    for errors, written in get_world(2).run(_save_to_per_rank_paths, str(tmp_path)):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_checkpoint_paths_that_differ_across_ranks_are_refused(tmp_path, tp):
+    for errors, written in get_world(tp).run(_save_to_per_rank_paths, str(tmp_path)):
         assert errors == [True, True] and not written
 
 
@@ -451,10 +452,11 @@ def _corrupt_and_load(group, path, how):
     ("missing", r"file '__\d_0\.distcp' is missing or does not match the checksum"),
     ("garbled_manifest", r"tplayers\.json: the checkpoint manifest is not valid JSON"),
 ])
-def test_corrupted_checkpoints_fail_to_load_naming_the_file(tmp_path, how, expected):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_corrupted_checkpoints_fail_to_load_naming_the_file(tmp_path, how, expected, tp):
     import re
 
-    for result in get_world(2).run(_corrupt_and_load, str(tmp_path / "ck"), how):
+    for result in get_world(tp).run(_corrupt_and_load, str(tmp_path / "ck"), how):
         assert isinstance(result, str) and re.search(expected, result), result
 
 
