@@ -340,15 +340,21 @@ def _collective_matmul_matches(group, kind, batch, seq_per_rank, hidden, out_per
         xi = x_local.clone().requires_grad_()
         with tplayers.comm_accounting() as acct:
             out = layer(xi)
-        out.square().sum().backward()
-        outs.append((out, xi.grad, [q.grad for q in layer.parameters()], acct.records))
-    (ref, ref_dx, ref_g, _), (got, dx, grads, records) = outs
+        with tplayers.comm_accounting() as acct_bwd:
+            out.square().sum().backward()
+        outs.append((out, xi.grad, [q.grad for q in layer.parameters()], acct.records, acct_bwd.records))
+    (ref, ref_dx, ref_g, _, _), (got, dx, grads, records, records_bwd) = outs
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dx, ref_dx, rtol=1e-12, atol=1e-12)
     for a, b in zip(ref_g, grads):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
     forward_ops = sorted(r.op for r in records)
     assert forward_ops == ["send"] * (p - 1), forward_ops
+    # backward: the row layer gathers its output gradient in ring steps too; the column layer keeps
+    # its collectives (they already run under its GEMMs)
+    backward_ops = sorted(r.op for r in records_bwd)
+    expected = ["send"] * (p - 1) if kind == "row" else ["all_gather", "reduce_scatter"]
+    assert backward_ops == expected, backward_ops
     return True
 
 

@@ -114,18 +114,23 @@ def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     return cast(x), cast(weight), cast(bias)
 
 
-# ---------------------------------------------------------------------------- collective matmul (SP forward)
+# ---------------------------------------------------------------------------- collective matmul (SP)
 #
 # Under sequence parallelism the column layer's input all-gather and the row layer's output
 # reduce-scatter can be cut into p ring steps of point-to-point sends, each step's GEMM running while
 # the next chunk travels (Wang et al., "Overlap communication with dependent computation via
 # decomposition", ASPLOS 2023; PyTorch's async TP does it with symmetric memory on CUDA). Here with
 # plain batch_isend_irecv, any backend. Same numbers as the collective form up to summation order.
+# In backward the row layer's all-gather of its output gradient feeds its input-gradient GEMM the same
+# way (the same ring); the column layer's backward collectives already run under its own GEMMs.
 
 
-def _ring_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], g: TPGroup) -> torch.Tensor:
+def _ring_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], g: TPGroup,
+                        gathered: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(all_gather(x, seq), weight, bias)``: x ``(..., s/p, in)`` -> ``(..., s, out_local)``;
-    the chunk of rank r - k is multiplied while the chunk of rank r - k - 1 arrives."""
+    the chunk of rank r - k is multiplied while the chunk of rank r - k - 1 arrives. ``gathered``
+    (``(..., s, in)``), when given, receives ``all_gather(x, seq)`` too (the row layer's backward
+    needs the whole output gradient for its weight gradient)."""
     chunk = x.contiguous()
     sl = chunk.shape[SEQ_DIM]
     out = torch.empty(chunk.shape[:-2] + (sl * g.size, weight.shape[0]), dtype=chunk.dtype, device=chunk.device)
@@ -135,6 +140,8 @@ def _ring_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
             arriving = _ring_exchange(chunk, torch.empty_like(chunk), g)
         src = (g.rank - k) % g.size  # whose sequence chunk this is
         out.narrow(SEQ_DIM, src * sl, sl).copy_(F.linear(chunk, weight, bias))
+        if gathered is not None:
+            gathered.narrow(SEQ_DIM, src * sl, sl).copy_(chunk)
         if arriving is not None:
             chunk = arriving.wait()
     return out
@@ -280,7 +287,7 @@ class _RowParallelLinearFn(torch.autograd.Function):
         if bias is not None:
             out = out.add_(bias)  # the full bias, added once (out is a buffer we own)
         ctx.save_for_backward(x, weight)
-        ctx.g, ctx.sequence_parallel, ctx.has_bias = g, sequence_parallel, bias is not None
+        ctx.g, ctx.sequence_parallel, ctx.has_bias, ctx.ring = g, sequence_parallel, bias is not None, ring
         ctx.store, ctx.targets, ctx.main = store, ((weight, bias) if store is not None else None), main
         return out
 
@@ -292,8 +299,14 @@ class _RowParallelLinearFn(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # Under sequence parallelism each rank holds the gradient of its sequence chunk; the
         # matmuls need all of it. Gathered, it also gives every rank the full bias gradient.
-        grad_full = _all_gather(grad_out, SEQ_DIM, ctx.g).wait() if ctx.sequence_parallel else grad_out
-        grad_x = grad_full @ weight if need_x else None
+        if ctx.sequence_parallel and ctx.ring and need_x:
+            # collective matmul: the gather in p ring steps, each chunk's input-gradient GEMM under the
+            # next chunk's transfer; the gathered gradient is kept for the weight gradients
+            grad_full = grad_out.new_empty(x.shape[:-1] + grad_out.shape[-1:])  # (..., s, out)
+            grad_x = _ring_gather_linear(grad_out, weight.t(), None, ctx.g, gathered=grad_full)
+        else:
+            grad_full = _all_gather(grad_out, SEQ_DIM, ctx.g).wait() if ctx.sequence_parallel else grad_out
+            grad_x = grad_full @ weight if need_x else None
         need_b = need_b and ctx.has_bias
         if ctx.store is not None:  # delay_wgrad: the weight gradients at flush
             main, g = ctx.main, ctx.g
@@ -400,7 +413,9 @@ def row_parallel_linear(
     ``(..., seq/p, out)`` with ``sequence_parallel``. ``overlap_comm`` is accepted for symmetry:
     the row backward has no collective that compute could hide. ``wgrad_store``, ``main_grads``: as
     :func:`column_parallel_linear`'s. ``collective_matmul`` (with ``sequence_parallel``): the forward
-    reduce-scatter runs as p ring steps, each block's GEMM under the running sum's transfer.
+    reduce-scatter runs as p ring steps, each block's GEMM under the running sum's transfer, and the
+    backward all-gather of the output gradient as p ring steps, each chunk's input-gradient GEMM under
+    the next chunk's transfer.
     """
     del overlap_comm
     g = resolve_group(group)

@@ -107,8 +107,9 @@ def set_overlap(model: nn.Module, *, comm: Optional[bool] = None, split_backward
     under the next chunk's compute (1 = unchunked). ``delay_wgrad``: every TP linear records its
     weight-gradient GEMMs during backward for :func:`backward_dw` to run later.
     ``collective_matmul``: every sequence-parallel TP linear runs its forward all-gather /
-    reduce-scatter as p ring steps under its GEMMs (layers without sequence parallelism are left
-    alone; fused regions then run as their two layers). Returns how many modules each setting reached."""
+    reduce-scatter (and the row layer its backward all-gather) as p ring steps under its GEMMs
+    (layers without sequence parallelism are left alone; fused regions then run as their two
+    layers). Returns how many modules each setting reached."""
     counts = {"comm": 0, "split_backward": 0, "chunks": 0, "delay_wgrad": 0, "collective_matmul": 0}
     if chunks is not None:
         require_chunks(chunks, "set_overlap")
