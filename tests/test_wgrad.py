@@ -1,6 +1,6 @@
 """delay_wgrad / backward_dw: weight gradients recorded during backward and run later are identical,
 bit for bit, to the normal backward's (every layer kind, TP 2/4, sequence parallel on/off, replicated
-KV heads, chunked regions, autocast, gradient accumulation). At TP 1 the normal path is plain
+KV heads, chunked regions, collective matmul, autocast, gradient accumulation). At TP 1 the normal path is plain
 ``F.linear`` (autograd's own linear backward), the delayed one tplayers' Function: equal to rounding."""
 import pytest
 import torch
@@ -18,6 +18,10 @@ F64 = torch.float64
 def _build(kind, group, sp):
     torch.manual_seed(0)
     p = group.size()
+    if kind in ("column_cm", "row_cm"):  # collective matmul: ring steps (sequence parallel only; else left alone)
+        layer = _build(kind[:-len("_cm")], group, sp)
+        assert tplayers.set_overlap(layer, collective_matmul=True)["collective_matmul"] == int(sp)
+        return layer
     if kind == "column":
         return ColumnParallelLinear.from_dense(torch.nn.Linear(8, 4 * p, dtype=F64), group=group, sequence_parallel=sp)
     if kind == "row":
@@ -39,7 +43,7 @@ def _build(kind, group, sp):
 
 
 def _input_dim(kind, group):
-    return {"row": 4, "attention": 16, "attention_chunked": 16, "attention_two_layer": 16}.get(kind, 8)  # row: this rank's in/p features
+    return {"row": 4, "row_cm": 4, "attention": 16, "attention_chunked": 16, "attention_two_layer": 16}.get(kind, 8)  # row: this rank's in/p features
 
 
 def _same(a, b, group):
@@ -58,7 +62,7 @@ def _step(layer, x, microbatches):
 def _delayed_equals_normal(group, kind, sp, microbatches):
     # (microbatches, b, s, in): 4 tokens per rank; a rank's own chunk (sequence parallel, or the row
     # layer's feature shard) differs per rank, a replicated input does not
-    per_rank = sp or kind == "row"
+    per_rank = sp or kind.startswith("row")
     x = torch.randn(microbatches, 3, 4, _input_dim(kind, group), dtype=F64,
                     generator=torch.Generator().manual_seed(group.rank() if per_rank else 0))
     normal = _build(kind, group, sp)
@@ -78,7 +82,8 @@ def _delayed_equals_normal(group, kind, sp, microbatches):
 
 
 @pytest.mark.parametrize("sp", [False, True])
-@pytest.mark.parametrize("kind", ["column", "row", "fused", "mlp", "mlp_chunked", "attention", "attention_two_layer"])
+@pytest.mark.parametrize("kind", ["column", "row", "column_cm", "row_cm", "fused", "mlp", "mlp_chunked", "attention",
+                                  "attention_two_layer"])
 def test_delayed_weight_gradients_equal_the_normal_backward_bit_for_bit(kind, sp):
     for tp in (1, 2, 4):
         assert all(get_world(tp).run(_delayed_equals_normal, kind, sp and tp > 1, 2))
@@ -151,7 +156,7 @@ def _main_grad_equals_grad(group, kind, sp, delay):
     """Weight-gradient GEMMs accumulating into main_grad buffers give what .grad accumulates over two
     microbatches; .grad of those parameters stays None; with delay_wgrad they fill at backward_dw."""
     x = torch.randn(2, 3, 4, _input_dim(kind, group), dtype=F64,
-                    generator=torch.Generator().manual_seed(group.rank() if sp or kind == "row" else 0))
+                    generator=torch.Generator().manual_seed(group.rank() if sp or kind.startswith("row") else 0))
     normal = _build(kind, group, sp)
     list(_step(normal, x, 2))
     fused = _build(kind, group, sp)
@@ -173,8 +178,8 @@ def _main_grad_equals_grad(group, kind, sp, delay):
 
 @pytest.mark.parametrize("delay", [False, True])
 @pytest.mark.parametrize("sp", [False, True])
-@pytest.mark.parametrize("kind", ["column", "row", "fused", "mlp", "mlp_chunked", "attention", "attention_chunked",
-                                  "attention_two_layer"])
+@pytest.mark.parametrize("kind", ["column", "row", "row_cm", "fused", "mlp", "mlp_chunked", "attention",
+                                  "attention_chunked", "attention_two_layer"])
 def test_main_grad_accumulation_equals_the_grad_path(kind, sp, delay):
     # fused: one KV head, replicated on every rank; attention: 2 KV heads, replicated at TP 4 (split
     # region, chunked region, two-layer path): their rows' contributions must be summed over the replicas
