@@ -1,0 +1,48 @@
+"""The hypothesis budget CI promises: the default profile (``ci``) runs at least 1000 property-test
+examples over the suite, derandomized (a red run reproduces), and ``deep`` ten times as many."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from hypothesis import settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Collects the suite (no test runs, no rank starts) and prints every property test's max_examples.
+_COUNT = textwrap.dedent("""
+    import json, pytest
+
+    class Count:
+        examples = []
+
+        def pytest_collection_finish(self, session):
+            for item in session.items:
+                fn = getattr(item, "obj", None)
+                configured = getattr(fn, "_hypothesis_internal_use_settings", None)
+                if configured is not None and hasattr(fn, "hypothesis"):
+                    Count.examples.append(configured.max_examples)
+
+    rc = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "tests"], plugins=[Count()])
+    print("EXAMPLES " + json.dumps([int(rc), Count.examples]))
+""")
+
+
+def _configured_examples(profile):
+    proc = subprocess.run([sys.executable, "-c", _COUNT], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HYPOTHESIS_PROFILE=profile))
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("EXAMPLES ")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rc, examples = json.loads(line[-1][len("EXAMPLES "):])
+    assert rc == 0, proc.stdout[-2000:]
+    return examples
+
+
+def test_ci_profile_runs_at_least_1000_property_examples_and_deep_ten_times_that():
+    ci, deep = _configured_examples("ci"), _configured_examples("deep")
+    assert len(ci) == len(deep) >= 20, (len(ci), len(deep))
+    assert sum(ci) >= 1000, f"the ci profile configures {sum(ci)} property-test examples over {len(ci)} tests"
+    assert sum(deep) == 10 * sum(ci), (sum(deep), sum(ci))
+    assert settings.get_profile("ci").derandomize and not settings.get_profile("deep").derandomize
