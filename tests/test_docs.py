@@ -5,7 +5,10 @@ The first line of a block is its launch command, shown to the reader too:
 NAME.py in a fresh directory and run there; torchrun gets a free port), or
 ``# fragment: why`` for a piece of a larger program (skipped, by name). A run must exit 0 and
 print something; a ```console block right after it that starts with ``$ <the launch command>``
-is the output it must print (line order free: ranks interleave).
+is the output it must print (line order free: ranks interleave). Under torchrun the ranks' output is
+collected with ``--tee 1`` (torchrun copies each rank's lines whole, prefixed ``[defaultN]:``, which
+is stripped): two ranks printing at once into one pipe can otherwise splice one rank's line into
+another's before its newline.
 """
 import importlib.util
 import os
@@ -22,6 +25,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```\n", re.M | re.S)
 SHOWN = re.compile(r"\s*```console\n\$ (.*?)\n(.*?)^```", re.M | re.S)
 RUN = re.compile(r"# run: (python|torchrun --nproc-per-node (\d+)) ([\w-]+\.py)$")
+TEE_PREFIX = re.compile(r"^\[\w+\]:")  # torchrun --tee: each rank's lines, whole, after "[default0]:"
 OPTIONAL = {"transformers": "hf", "lightning": "lightning", "safetensors": "hf"}
 
 
@@ -62,11 +66,12 @@ def test_doc_block_runs_as_shown(code, shown, tmp_path):
         cmd = [sys.executable, name]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc,
-               "--master-port", str(_free_port()), name]
+               "--master-port", str(_free_port()), "--tee", "1", "--log-dir", str(tmp_path / "torchrun-logs"), name]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{launch} {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    assert proc.stdout.strip(), f"{launch} {name} printed nothing"
+    out = proc.stdout if nproc is None else "\n".join(TEE_PREFIX.sub("", line) for line in proc.stdout.splitlines())
+    assert out.strip(), f"{launch} {name} printed nothing"
     if shown is not None and shown[0] == f"{launch} {name}":
-        assert sorted(proc.stdout.strip().splitlines()) == sorted(shown[1].strip().splitlines()), proc.stdout
+        assert sorted(out.strip().splitlines()) == sorted(shown[1].strip().splitlines()), proc.stdout
