@@ -21,14 +21,11 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tplayers import ColumnParallelLinear, RowParallelLinear, resolve_group  # noqa: E402
+from tplayers import resolve_group  # noqa: E402
 from tplayers.bench import SHAPES, fwd_bwd_step, time_steps  # noqa: E402
 from tplayers.testing import World  # noqa: E402
 
-
-def _mlp(dense: nn.Sequential, g: Any) -> nn.Sequential:
-    return nn.Sequential(ColumnParallelLinear.from_dense(dense[0], group=g), nn.GELU(),
-                         RowParallelLinear.from_dense(dense[2], group=g))
+from peers import _dense_mlp, build_tplayers  # noqa: E402  (the same MLP and TP build as peers.py)
 
 
 def _output_and_grads(model: nn.Module, x: torch.Tensor, gy: torch.Tensor):
@@ -44,15 +41,15 @@ def run(group: Any, shape: Dict[str, int], backends: List[str], iters: int, warm
     g = resolve_group(group)
     torch.manual_seed(0)
     b, s, h, ffn = shape["batch"], shape["seq"], shape["hidden"], shape["ffn"]
-    dense = nn.Sequential(nn.Linear(h, ffn), nn.GELU(), nn.Linear(ffn, h))
+    dense = _dense_mlp(h, ffn)
     x, gy = torch.randn(b, s, h), torch.randn(b, s, h)  # (b, s, h)
-    eager = _mlp(dense, g)
+    eager, _ = build_tplayers(dense, g)
     reference = _output_and_grads(eager, x, gy)
     steps = {"eager": fwd_bwd_step(eager, x.clone().requires_grad_(True), gy)}
     compile_s, errors = {}, {}
     for backend in backends:
         torch._dynamo.reset()
-        model = torch.compile(_mlp(dense, g), backend=backend, fullgraph=True)
+        model = torch.compile(build_tplayers(dense, g)[0], backend=backend, fullgraph=True)
         t0 = time.perf_counter()
         got = _output_and_grads(model, x, gy)  # the first call compiles forward and backward
         compile_s[backend] = time.perf_counter() - t0

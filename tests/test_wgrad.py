@@ -43,7 +43,8 @@ def _build(kind, group, sp):
 
 
 def _input_dim(kind, group):
-    return {"row": 4, "row_cm": 4, "attention": 16, "attention_chunked": 16, "attention_two_layer": 16}.get(kind, 8)  # row: this rank's in/p features
+    # row: this rank's in/p features
+    return {"row": 4, "row_cm": 4, "attention": 16, "attention_chunked": 16, "attention_two_layer": 16}.get(kind, 8)
 
 
 def _same(a, b, group):
