@@ -102,6 +102,11 @@ def _check_inputs(
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
 
 
+def autocast_enabled(x: torch.Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device type."""
+    return bool(_any_autocast()) and torch.is_autocast_enabled(x.device.type)
+
+
 def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
     """Apply autocast's cast before entering the custom Function (which autocast does not see)."""
     if not _any_autocast():
@@ -608,7 +613,7 @@ def split_backward_region(
     g = resolve_group(group)
     require_chunks(chunks, "split_backward_region")
     _check_inputs(x, w1, b1, w1.shape[1], "split_backward_region", sequence_parallel, g)
-    if g.size == 1 or _any_autocast() and torch.is_autocast_enabled(x.device.type):
+    if g.size == 1 or autocast_enabled(x):
         h = column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm,
                                    wgrad_store=wgrad_store, main_grads=None if main_grads is None else main_grads[:2])
         return row_parallel_linear(core(h, slice(None)), w2, b2, group=g, sequence_parallel=sequence_parallel,

@@ -73,7 +73,11 @@ class ParallelNorm(TensorParallelModule):
         if x.shape[-1] != self.hidden:
             raise ValueError(f"ParallelNorm: input's last dim is {x.shape[-1]} (shape {tuple(x.shape)}), "
                              f"expected {self.hidden}")
-        weight, bias = self._shared(self.weight), self._shared(self.bias)
+        return self.normalize(x, self._shared(self.weight), self._shared(self.bias))
+
+    def normalize(self, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The norm itself with the given parameters, no communication (an interleaved block sums the
+        parameters' gradients over the sequence shards itself)."""
         if self.kind == "layernorm":
             return F.layer_norm(x, (self.hidden,), weight, bias, self.eps)
         return F.rms_norm(x, (self.hidden,), weight, self.eps)

@@ -25,7 +25,8 @@ from einops import rearrange
 from .cache import LayerKV
 from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, attention_core,
                     check_heads, normalize_attn_mask, refuse_mask_with_cache, rotate_and_cache)
-from ..core.functional import parallel_mlp, require_chunks, split_backward_region
+from ..core.functional import autocast_enabled, require_chunks, split_backward_region
+from ..core.interleave import ResidualRegion, interleaved_residual_regions
 from ..layers.fused import FusedColumnParallelLinear
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import kv_shards as placement_kv_shards, require_divisible, require_positive
@@ -96,13 +97,21 @@ class ParallelMLP(TensorParallelModule):
             return F.silu(gate) * up
         return F.gelu(h)
 
+    def _region(self) -> Optional[Dict[str, Any]]:
+        """`split_backward_region`'s arguments for this MLP (the activation recomputed in backward), or
+        None when its two layers must run separately."""
+        sinks = region_sinks(self.fc1, self.fc2)
+        if sinks is None:
+            return None
+        return dict(w1=self.fc1.weight, b1=self.fc1.bias, w2=self.fc2.weight, b2=self.fc2.bias,
+                    core=lambda h, rows: self._act(h), recompute=True, **sinks)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        overlap, sinks = self.fc1.overlap_comm, region_sinks(self.fc1, self.fc2)
-        if (self.chunks > 1 or self.split_backward and overlap) and sinks is not None:
-            # both weight gradients under fc1's collective (or both recorded, with delay_wgrad)
-            return parallel_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self._act,
-                                group=self.tp, sequence_parallel=self.sequence_parallel, overlap_comm=overlap,
-                                chunks=self.chunks, **sinks)
+        overlap = self.fc1.overlap_comm
+        region = self._region() if self.chunks > 1 or self.split_backward and overlap else None
+        if region is not None:  # both weight gradients under fc1's collective (or both recorded, with delay_wgrad)
+            return split_backward_region(x, **region, group=self.tp, sequence_parallel=self.sequence_parallel,
+                                         overlap_comm=overlap, chunks=self.chunks)
         return self.fc2(self._act(self.fc1(x)))  # (..., s, ffn/p | 2*ffn/p) -> (..., [s or s/p], hidden)
 
     @classmethod
@@ -178,8 +187,9 @@ class ParallelAttention(TensorParallelModule):
                                              part_names=["q", "k", "v"], layer=f"{name}.qkv", **common)
         self.proj = RowParallelLinear(q_size, hidden, bias, input_is_parallel=True, **common)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                cache: Optional[LayerKV] = None) -> torch.Tensor:
+    def _local_mask(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                    cache: Optional[LayerKV]) -> Optional[torch.Tensor]:
+        """``attn_mask`` checked and normalized to ``(b | 1, this rank's heads | 1, 1 | s, s)``."""
         if x.dim() != 3:
             raise ValueError(f"ParallelAttention: expected input (batch, seq, hidden), got {tuple(x.shape)}")
         refuse_mask_with_cache(attn_mask, cache, "ParallelAttention")
@@ -187,19 +197,32 @@ class ParallelAttention(TensorParallelModule):
         mask = normalize_attn_mask(attn_mask, b, s, self.n_heads, "ParallelAttention")
         if mask is not None and mask.shape[1] > 1:  # per-head mask: this rank's heads
             mask = mask.narrow(1, self.tp.rank * self.local_heads, self.local_heads)
+        return mask
+
+    def _region(self, mask: Optional[torch.Tensor]) -> Optional[Dict[str, Any]]:
+        """`split_backward_region`'s arguments for this attention (no dropout, no cache), or None when
+        qkv and proj must run separately."""
+        sinks = region_sinks(self.qkv, self.proj)
+        if sinks is None:
+            return None
+        qkv = self.qkv
+
+        def core(h: torch.Tensor, rows: slice) -> torch.Tensor:  # a per-example mask follows the batch chunk
+            return self._core(h, mask if mask is None or mask.shape[0] == 1 else mask[rows], None, 0.0)
+
+        return dict(w1=qkv._with_replica_grads(qkv.weight), b1=None if qkv.bias is None else qkv._with_replica_grads(qkv.bias),
+                    w2=self.proj.weight, b2=self.proj.bias, core=core, recompute=False, **sinks)
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                cache: Optional[LayerKV] = None) -> torch.Tensor:
+        mask = self._local_mask(x, attn_mask, cache)
         p = self.attn_dropout if self.training else 0.0
-        overlap, sinks = self.qkv.overlap_comm, region_sinks(self.qkv, self.proj)
-        if (self.chunks > 1 or self.split_backward and overlap) and cache is None and p == 0 and sinks is not None:
-            # qkv's input-gradient collective under both qkv's and proj's weight gradients
-            qkv = self.qkv
-            bias = None if qkv.bias is None else qkv._with_replica_grads(qkv.bias)
-
-            def core(h: torch.Tensor, rows: slice) -> torch.Tensor:  # a per-example mask follows the batch chunk
-                return self._core(h, mask if mask is None or mask.shape[0] == 1 else mask[rows], None, 0.0)
-
-            return split_backward_region(x, qkv._with_replica_grads(qkv.weight), bias, self.proj.weight,
-                                         self.proj.bias, core, group=self.tp, sequence_parallel=self.sequence_parallel,
-                                         overlap_comm=overlap, chunks=self.chunks, **sinks)
+        overlap = self.qkv.overlap_comm
+        split = (self.chunks > 1 or self.split_backward and overlap) and cache is None and p == 0
+        region = self._region(mask) if split else None
+        if region is not None:  # qkv's input-gradient collective under both qkv's and proj's weight gradients
+            return split_backward_region(x, **region, group=self.tp, sequence_parallel=self.sequence_parallel,
+                                         overlap_comm=overlap, chunks=self.chunks)
         return self.proj(self._core(self.qkv(x), mask, cache, p))  # (b, s | s/p, hidden)
 
     def _core(self, qkv: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[LayerKV],
@@ -252,13 +275,21 @@ class ParallelTransformerBlock(TensorParallelModule):
     ``sequence_parallel`` (this rank's sequence chunk, e.g. from `tplayers.comm.scatter_to_sequence`).
     Residual dropout is replicated without sequence parallelism and per-shard with it; any
     dropout at TP > 1 needs ``rng``.
+
+    Batch chunks (``set_overlap(block, chunks=k)``: attention and MLP with the same ``chunks``): with
+    ``interleave_chunks`` (the default) the whole block runs as one pipeline over the chunks
+    (`tplayers.core.interleave`), so the attention's last chunk collective travels under the MLP's
+    first chunk instead of waiting alone; ``False`` chunks each sublayer on its own. Without dropout
+    in training and without a KV cache; otherwise (and in a world of one, or under autocast) the
+    sublayers run one after the other, each with its own chunks.
     """
 
     def __init__(self, config: BlockConfig, *, group: GroupLike, sequence_parallel: bool = False,
-                 rng: Optional[RNGTracker] = None, overlap_comm: bool = True, device: Any = None,
-                 dtype: Optional[torch.dtype] = None) -> None:
+                 rng: Optional[RNGTracker] = None, overlap_comm: bool = True, interleave_chunks: bool = True,
+                 device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         c = self.config = config
+        self.interleave_chunks = interleave_chunks
         self.tp = tp = resolve_group(group)
         require_rng(rng, tp, "ParallelTransformerBlock", "dropout", c.dropout)
         self.rng, self.sequence_parallel = rng, sequence_parallel
@@ -276,8 +307,33 @@ class ParallelTransformerBlock(TensorParallelModule):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 cache: Optional[LayerKV] = None) -> torch.Tensor:
+        if self._interleaves(x, cache):
+            out = self._interleaved(x, attn_mask)
+            if out is not None:
+                return out
         x = x + self._dropout(self.attn(self.attn_norm(x), attn_mask, cache))  # (b, s | s/p, h)
         return x + self._dropout(self.mlp(self.mlp_norm(x)))
+
+    def _interleaves(self, x: torch.Tensor, cache: Optional[LayerKV]) -> bool:
+        """Whether the block runs as one pipeline over batch chunks (anything unusual about ``x`` takes
+        the sublayer path, whose checks name it)."""
+        attn, mlp, c = self.attn, self.mlp, self.config
+        weight = attn.qkv.weight
+        return (self.interleave_chunks and attn.chunks > 1 and attn.chunks == mlp.chunks and cache is None
+                and not (self.training and (c.dropout > 0 or c.attn_dropout > 0)) and self.tp.size > 1
+                and attn.qkv.overlap_comm == mlp.fc1.overlap_comm and x.dim() == 3 and x.shape[-1] == c.hidden
+                and x.dtype == weight.dtype and x.device == weight.device and not autocast_enabled(x))
+
+    def _interleaved(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The block over batch chunks as one pipeline, or None if a sublayer must run as two layers."""
+        attn_region, mlp_region = self.attn._region(self.attn._local_mask(x, attn_mask, None)), self.mlp._region()
+        if attn_region is None or mlp_region is None:
+            return None
+        regions = [ResidualRegion(norm.normalize, norm.weight, norm.bias, **region)
+                   for norm, region in ((self.attn_norm, attn_region), (self.mlp_norm, mlp_region))]
+        return interleaved_residual_regions(x, regions, group=self.tp, chunks=self.attn.chunks,
+                                            sequence_parallel=self.sequence_parallel,
+                                            overlap_comm=self.attn.qkv.overlap_comm)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelTransformerBlock":

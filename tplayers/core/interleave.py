@@ -1,0 +1,263 @@
+"""Block-level interleave: a pre-norm residual stack of split regions over batch chunks, as one pipeline.
+
+A pre-norm block is a stack of regions ``y = y + row(core(column(norm(y))))`` (attention, then the
+MLP). Chunked one region at a time (`split_backward_region(chunks=k)`), a region waits for all its
+chunks' collectives before it returns, so the last chunk's collective of each region travels with
+nothing to hide under: 2 of the block's 2k forward collectives are exposed whatever the link. Batch
+chunks are independent through the whole block, so here a stage (region j, chunk i) waits only for
+its own chunk's collective from region j-1 (A = attention, B = MLP)::
+
+    forward    A0 A1 ... A(k-1)  B0 B1 ... B(k-1)      B0 waits for A0 only: A(k-1) travels under B0
+
+and only the last stage's collective is left exposed (1 of R*k). Backward is the mirror image: the
+last region's input-gradient chains chunk by chunk, each chunk's collective launched at once; that
+region's weight gradients (all chunks, one GEMM per weight) under its last collectives; then the
+region before, whose stage i waits only for chunk i's collective, and so on, the first region's
+collectives under its own weight gradients. Same numbers as the unchunked block up to summation
+order. (A software-pipeline order, A0 A1 B0 A2 B1 ..., measured the same within noise on the CPU
+emulation and is harder to follow.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .collectives import Pending, _all_gather, _all_reduce, _reduce_scatter
+from .comm import copy_to_tp
+from .functional import (SEQ_DIM, _batch_chunks, _cat, _check_main_grads, _linear_wgrads, _region_wgrads,
+                         _warn_cuda_connections_once, column_parallel_linear, row_parallel_linear)
+from .groups import TPGroup
+from .wgrad import MainGrads, WeightGradStore
+
+__all__ = ["ResidualRegion", "interleaved_residual_regions"]
+
+Norm = Callable[[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ResidualRegion:
+    """One ``y + row(core(column(norm(y))))`` of a pre-norm block. ``norm(y, weight, bias)`` must not
+    communicate (under sequence parallelism the norm parameters' gradients are summed over the group
+    here, once); ``w1``..``core``/``recompute`` as `split_backward_region`; ``wgrad_store`` /
+    ``main_grads`` where the four linear weight gradients go (as there)."""
+
+    norm: Norm
+    norm_weight: Optional[torch.Tensor]
+    norm_bias: Optional[torch.Tensor]
+    w1: torch.Tensor
+    b1: Optional[torch.Tensor]
+    w2: torch.Tensor
+    b2: Optional[torch.Tensor]
+    core: Callable[[torch.Tensor, slice], torch.Tensor]
+    recompute: bool = False
+    wgrad_store: Optional[WeightGradStore] = None
+    main_grads: MainGrads = None
+
+    def tensors(self) -> Tuple[Optional[torch.Tensor], ...]:
+        return (self.norm_weight, self.norm_bias, self.w1, self.b1, self.w2, self.b2)
+
+
+_PER_REGION = 6  # norm weight, norm bias, w1, b1, w2, b2
+
+
+@dataclass(frozen=True)
+class _Plan:
+    regions: Tuple[ResidualRegion, ...]
+    g: TPGroup
+    sequence_parallel: bool
+    overlap: bool
+    rows: Tuple[slice, ...]
+
+
+def _stages(regions: int, chunks: int) -> List[Tuple[int, int]]:
+    """``(region, chunk)`` in issue order: region by region, each over its chunks (backward: reversed
+    regions). What makes it a pipeline is that a stage waits only for its own chunk's collective."""
+    return [(j, i) for j in range(regions) for i in range(chunks)]
+
+
+def _reduce(partial: torch.Tensor, g: TPGroup, sp: bool, async_op: bool) -> Pending:
+    """The row collective: this rank's partial sum, all-reduced (reduce-scattered along the sequence)."""
+    return _reduce_scatter(partial, SEQ_DIM, g, async_op=async_op) if sp else _all_reduce(partial, g, async_op=async_op)
+
+
+def _with_bias(reduced: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return reduced if bias is None else reduced.add_(bias)  # as the row layer: the full bias once, after the sum
+
+
+class _InterleavedBlockFn(torch.autograd.Function):
+    """The pipeline of the module docstring as one Function, so that its backward follows it too.
+    (One Function per chunk with deferred waits would pipeline the forward only: the autograd engine
+    runs the newest ready node first, so each backward wait would run right after its own launch.)"""
+
+    @staticmethod
+    def forward(ctx, x, plan: _Plan, *tensors):
+        g, sp, rows, regions = plan.g, plan.sequence_parallel, plan.rows, plan.regions
+        n_regions, k = len(regions), len(rows)
+        params = [tensors[_PER_REGION * j:_PER_REGION * (j + 1)] for j in range(n_regions)]
+        ys = [[None] * n_regions for _ in rows]  # region j's input (the residual stream), chunk i
+        ns, hs, graphs = ([[None] * n_regions for _ in rows] for _ in range(3))
+        pending: List[List[Optional[Pending]]] = [[None] * n_regions for _ in rows]
+        resid = [x[r] for r in rows]  # (bc, s | s/p, hidden)
+        for j, i in _stages(n_regions, k):
+            region, (nw, nb, w1, b1, w2, _) = regions[j], params[j]
+            y = resid[i]
+            if j > 0:  # this chunk's collective from the previous region traveled under the stages since
+                y = y + _with_bias(pending[i][j - 1].wait(), params[j - 1][5])
+                pending[i][j - 1] = None
+            n = region.norm(y, nw, nb)
+            n_full = _all_gather(n, SEQ_DIM, g).wait() if sp else n  # (bc, s, hidden)
+            h = F.linear(n_full, w1, b1)  # (bc, s, local column width)
+            if region.recompute:
+                a = region.core(h, rows[i])
+            else:
+                with torch.enable_grad():  # keep the core's graph for backward (no second SDPA)
+                    h_in = h.detach().requires_grad_()
+                    a = region.core(h_in, rows[i])
+                graphs[i][j] = (h_in, a)
+                a = a.detach()
+            pending[i][j] = _reduce(F.linear(a, w2), g, sp, async_op=True)  # this rank's share, in flight
+            ys[i][j], ns[i][j], hs[i][j], resid[i] = y, n, h, y
+        last_bias = params[-1][5]
+        out = _cat([resid[i] + _with_bias(pending[i][-1].wait(), last_bias) for i in range(k)])
+        ctx.save_for_backward(x, *tensors)
+        ctx.plan, ctx.ys, ctx.ns, ctx.hs, ctx.graphs = plan, ys, ns, hs, graphs
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: rebuild the block from the differentiable layers
+            return _graph_backward(ctx, grad_out)
+        x, *tensors = ctx.saved_tensors
+        plan, ys, ns, hs, graphs = ctx.plan, ctx.ys, ctx.ns, ctx.hs, ctx.graphs
+        ctx.graphs = None
+        g, sp, rows, regions, overlap = plan.g, plan.sequence_parallel, plan.rows, plan.regions, plan.overlap
+        n_regions, k = len(regions), len(rows)
+        params = [tensors[_PER_REGION * j:_PER_REGION * (j + 1)] for j in range(n_regions)]
+        needs = [ctx.needs_input_grad[2 + _PER_REGION * j:2 + _PER_REGION * (j + 1)] for j in range(n_regions)]
+        # region 0's input-gradient collective and norm backward feed only x's and its norm's gradients
+        chain_to_x = ctx.needs_input_grad[0] or any(needs[0][:2])
+        grad_resid = [grad_out[r] for r in rows]  # the gradient of region j's output, chunk i
+        gfs, acts, grad_hs = ([[None] * n_regions for _ in rows] for _ in range(3))
+        pending: List[List[Optional[Pending]]] = [[None] * n_regions for _ in rows]
+        norm_grads: List[List[Optional[torch.Tensor]]] = [[None, None] for _ in regions]
+
+        def through_norm(i: int, j: int) -> None:
+            """Region j's input-gradient collective for chunk i has arrived: through its norm, into the residual."""
+            grad_n = pending[i][j].wait()
+            pending[i][j] = None
+            nw, nb = params[j][0], params[j][1]
+            with torch.enable_grad():
+                y_in = ys[i][j].detach().requires_grad_()
+                leaves = [None if t is None or not need else t.detach().requires_grad_()
+                          for t, need in zip((nw, nb), needs[j][:2])]
+                n = regions[j].norm(y_in, *(t if leaf is None else leaf for t, leaf in zip((nw, nb), leaves)))
+                wanted = [y_in] + [leaf for leaf in leaves if leaf is not None]
+                grad_y, *grad_norm = torch.autograd.grad(n, wanted, grad_n)
+            grad_resid[i] = grad_resid[i] + grad_y  # y feeds both the norm and the skip connection
+            got = iter(grad_norm)
+            for slot, leaf in enumerate(leaves):
+                if leaf is not None:
+                    grad = next(got)
+                    norm_grads[j][slot] = grad if norm_grads[j][slot] is None else norm_grads[j][slot] + grad
+
+        grads: List[Optional[torch.Tensor]] = [None] * (_PER_REGION * n_regions)
+
+        def weight_grads(j: int) -> None:
+            """Region j's four weight gradients over all chunks (one GEMM each), under its last collectives."""
+            region, (_, _, w1, b1, w2, b2) = regions[j], params[j]
+            need_w1, need_b1, need_w2, need_b2 = needs[j][2:]
+            need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
+            gf, act, grad_h, n_cat = (_cat([t[i][j] for i in range(k)]) for t in (gfs, acts, grad_hs, ns))
+            main = region.main_grads
+            if region.wgrad_store is not None:  # delay_wgrad: recorded, run by backward_dw (SP: gathered then)
+                targets = tuple(t if need else None for t, need in zip((w1, b1, w2, b2), needs[j][2:]))
+                if any(t is not None for t in targets):
+                    region.wgrad_store.put(targets, lambda: _region_wgrads(
+                        gf, act, grad_h, _all_gather(n_cat, SEQ_DIM, g).wait() if sp else n_cat,
+                        (need_w1, need_b1, need_w2, need_b2), main, g))
+                return
+            # its column input over all chunks travels (SP) under the row layer's weight gradient
+            gathering = _all_gather(n_cat, SEQ_DIM, g, async_op=overlap) if sp and need_w1 else None
+            grads[_PER_REGION * j + 4:_PER_REGION * (j + 1)] = _linear_wgrads(
+                gf, act, need_w2, need_b2, None if main is None else main[2:], g)
+            n_full = gathering.wait() if gathering is not None else n_cat
+            grads[_PER_REGION * j + 2:_PER_REGION * j + 4] = _linear_wgrads(
+                grad_h, n_full, need_w1, need_b1, None if main is None else main[:2], g)
+
+        for q, i in _stages(n_regions, k):
+            j = n_regions - 1 - q  # backward runs the regions last to first
+            if j + 1 < n_regions:
+                through_norm(i, j + 1)
+            region, (_, _, w1, _, w2, _) = regions[j], params[j]
+            gf = _all_gather(grad_resid[i], SEQ_DIM, g).wait() if sp else grad_resid[i]  # (bc, s, hidden)
+            graph = None if graphs is None else graphs[i][j]
+            if graph is None:  # the core, recomputed with its graph for its backward
+                with torch.enable_grad():
+                    h_in = hs[i][j].detach().requires_grad_()
+                    a = region.core(h_in, rows[i])
+            else:
+                h_in, a = graph
+            (grad_h,) = torch.autograd.grad(a, h_in, gf @ w2)  # (bc, s, local column width)
+            gfs[i][j], acts[i][j], grad_hs[i][j] = gf, a.detach(), grad_h
+            if j > 0 or chain_to_x:  # this chunk's partial input gradient (a buffer we own) travels at once
+                pending[i][j] = _reduce(grad_h @ w1, g, sp, async_op=overlap)
+            if i == k - 1:  # region j's last stage: its weight gradients now, under its last collectives
+                weight_grads(j)
+        if chain_to_x:
+            for i in range(k):
+                through_norm(i, 0)
+        for j in range(n_regions):  # norm parameters: each chunk's share summed; under SP over the group too
+            for slot in (0, 1):
+                grad = norm_grads[j][slot]
+                if grad is not None and sp:
+                    grad = _all_reduce(grad.contiguous(), g).wait()
+                grads[_PER_REGION * j + slot] = grad
+        grad_x = _cat(grad_resid) if ctx.needs_input_grad[0] else None
+        return (grad_x, None, *grads)
+
+
+def _graph_backward(ctx, grad_out):
+    """create_graph=True: the block through the differentiable column / row ops, unchunked, and its
+    gradient (each core runs again: callers keep dropout out of interleaved blocks)."""
+    x, *tensors = ctx.saved_tensors
+    plan = ctx.plan
+    ctx.graphs = None
+    g, sp = plan.g, plan.sequence_parallel
+    y = x
+    for j, region in enumerate(plan.regions):
+        nw, nb, w1, b1, w2, b2 = tensors[_PER_REGION * j:_PER_REGION * (j + 1)]
+        if sp:  # each rank normalized its own tokens: the norm parameters' gradients summed over the group
+            nw, nb = (None if t is None else copy_to_tp(t, group=g) for t in (nw, nb))
+        h = column_parallel_linear(region.norm(y, nw, nb), w1, b1, group=g, sequence_parallel=sp)
+        y = y + row_parallel_linear(region.core(h, slice(None)), w2, b2, group=g, sequence_parallel=sp)
+    inputs = (x, *tensors)
+    wanted = [i for i, (t, need) in enumerate(zip(inputs, (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:])))
+              if need and t is not None]
+    grads = torch.autograd.grad(y, [inputs[i] for i in wanted], grad_out, create_graph=True)
+    result: List[Optional[torch.Tensor]] = [None] * len(inputs)
+    for i, grad in zip(wanted, grads):
+        result[i] = grad
+    return (result[0], None, *result[1:])
+
+
+def interleaved_residual_regions(x: torch.Tensor, regions: Sequence[ResidualRegion], *, group: TPGroup,
+                                 chunks: int, sequence_parallel: bool = False,
+                                 overlap_comm: bool = True) -> torch.Tensor:
+    """``x`` through ``y = y + row(core(column(norm(y))))`` for each region in turn, run over ``chunks``
+    batch chunks as the pipeline of the module docstring. ``x``: ``(b, s, hidden)``, ``(b, s/p,
+    hidden)`` with ``sequence_parallel``; the output has its shape. ``overlap_comm=False``: the
+    backward's collectives block (the same order). Callers fall back to the regions one by one
+    where this does not apply (a world of one, autocast, dropout, a KV cache)."""
+    if x.dim() != 3:
+        raise ValueError(f"interleaved_residual_regions: expected (batch, seq, hidden), got {tuple(x.shape)}")
+    regions = tuple(region if region.main_grads is None else replace(region, main_grads=(
+        *_check_main_grads(region.main_grads[:2], region.w1, region.b1, "interleaved_residual_regions", group.size),
+        *_check_main_grads(region.main_grads[2:], region.w2, region.b2, "interleaved_residual_regions", group.size)))
+        for region in regions)
+    _warn_cuda_connections_once(x, group, overlap_comm)
+    plan = _Plan(regions, group, sequence_parallel, overlap_comm, tuple(_batch_chunks(x.shape[0], chunks)))
+    tensors = [t for region in regions for t in region.tensors()]
+    return _InterleavedBlockFn.apply(x, plan, *tensors)
