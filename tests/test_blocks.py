@@ -337,7 +337,8 @@ def _interleaved_block_pipelines(group, sequence_parallel, chunks):
     """The interleaved block equals the unchunked one and the one chunked sublayer by sublayer to
     float64 rounding, with the same row collectives as the latter, and it does not drain between its
     sublayers: the (n+1)-th forward row collective (the MLP's first chunk) leaves before the n-th (the
-    attention's last chunk) is waited on. Chunked sublayer by sublayer, the block waits first."""
+    attention's last chunk) is waited on. Chunked sublayer by sublayer, the block waits first. (Under
+    sequence parallelism the block does not use the pipeline, see its docstring; it is run directly.)"""
     p = group.size()
     torch.manual_seed(5)
     dense = DenseTransformerBlock(_PIPELINE_CONFIG, dtype=F64)
@@ -355,7 +356,11 @@ def _interleaved_block_pipelines(group, sequence_parallel, chunks):
         tplayers.set_overlap(block, chunks=k)
         xk = x.clone().requires_grad_()
         with tplayers.comm_accounting() as acct:
-            out = block(xk, mask)
+            if name == "interleaved" and sequence_parallel:  # the block chunks sublayer by sublayer under SP;
+                assert p == 1 or not block._interleaves(xk, None)  # the pipeline itself is tested directly
+                out = block._interleaved(xk, mask)
+            else:
+                out = block(xk, mask)
             (out * torch.arange(out.numel(), dtype=F64).reshape(out.shape).sin()).sum().backward()
         results[name] = ([out, xk.grad] + [param.grad for param in block.parameters()], acct.records)
     reference = results["unchunked"][0]
@@ -388,8 +393,8 @@ def test_interleaved_block_equals_unchunked_and_does_not_drain_between_sublayers
 
 
 def _interleave_applies(group):
-    """The block interleaves only where the pipeline holds: chunks equal in both sublayers, no
-    dropout in training, no KV cache, ``interleave_chunks`` on."""
+    """The block interleaves only where the pipeline holds and pays: chunks equal in both sublayers,
+    no dropout in training, no KV cache, no sequence parallelism, ``interleave_chunks`` on."""
     rng = tplayers.RNGTracker(seed=1, group=group)
     dense = DenseTransformerBlock(BlockConfig(hidden=8, n_heads=2, ffn_hidden=8, dropout=0.1), dtype=F64)
     block = ParallelTransformerBlock.from_dense(dense, group=group, rng=rng)
@@ -405,6 +410,8 @@ def _interleave_applies(group):
     assert not block._interleaves(x, None)
     block.mlp.chunks, block.interleave_chunks = 2, False
     assert not block._interleaves(x, None)
+    block.interleave_chunks, block.sequence_parallel = True, True
+    assert not block._interleaves(x, None)  # its all-gathers would queue behind the reduce-scatters
     return True
 
 

@@ -256,8 +256,10 @@ variant("ParallelTransformerBlock", "Llama: swiglu, rmsnorm, GQA, rotary", _bloc
 variant("ParallelTransformerBlock", "Llama, sequence_parallel=True", _block, tol_scale=16, sp=True, llama=True)
 variant("ParallelTransformerBlock", "Llama, sequence_parallel=True, split_backward=True", _block, tol_scale=16, sp=True,
         llama=True, split=True)
-variant("ParallelTransformerBlock", "Llama, split_backward=True, chunks=2", _block, tol_scale=16, sp=False,
-        llama=True, split=True, chunks=2)
+variant("ParallelTransformerBlock", "Llama, split_backward=True, chunks=2 (interleaved)", _block, tol_scale=16,
+        sp=False, llama=True, split=True, chunks=2)
+variant("ParallelTransformerBlock", "GPT, chunks=2 (interleaved), main_grad", _block, tol_scale=16, sp=False,
+        llama=False, chunks=2, main_grad=True)
 variant("ParallelTransformerBlock", "Llama, sequence_parallel=True, delay_wgrad=True", _block, tol_scale=16, sp=True,
         llama=True, delay=True)
 variant("ParallelTransformerBlock", "GPT, split_backward=True, main_grad", _block, tol_scale=16, sp=False,

@@ -280,8 +280,8 @@ class ParallelTransformerBlock(TensorParallelModule):
     ``interleave_chunks`` (the default) the whole block runs as one pipeline over the chunks
     (`tplayers.core.interleave`), so the attention's last chunk collective travels under the MLP's
     first chunk instead of waiting alone; ``False`` chunks each sublayer on its own. Without dropout
-    in training and without a KV cache; otherwise (and in a world of one, or under autocast) the
-    sublayers run one after the other, each with its own chunks.
+    in training, a KV cache or sequence parallelism; otherwise (and in a world of one, or under
+    autocast) the sublayers run one after the other, each with its own chunks.
     """
 
     def __init__(self, config: BlockConfig, *, group: GroupLike, sequence_parallel: bool = False,
@@ -319,7 +319,10 @@ class ParallelTransformerBlock(TensorParallelModule):
         the sublayer path, whose checks name it)."""
         attn, mlp, c = self.attn, self.mlp, self.config
         weight = attn.qkv.weight
+        # Not under sequence parallelism: each stage's all-gather would queue behind the previous chunks'
+        # reduce-scatters on an in-order link and wait for them (measured slower than the sublayer path)
         return (self.interleave_chunks and attn.chunks > 1 and attn.chunks == mlp.chunks and cache is None
+                and not self.sequence_parallel
                 and not (self.training and (c.dropout > 0 or c.attn_dropout > 0)) and self.tp.size > 1
                 and attn.qkv.overlap_comm == mlp.fc1.overlap_comm and x.dim() == 3 and x.shape[-1] == c.hidden
                 and x.dtype == weight.dtype and x.device == weight.device and not autocast_enabled(x))
