@@ -38,7 +38,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from .collectives import _all_gather, _all_reduce, _reduce_scatter, _ring_exchange, _sum_over_replica_ranks
+from .collectives import Pending, _all_gather, _all_reduce, _reduce_scatter, _ring_exchange, _sum_over_replica_ranks
 from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
 from .groups import GroupLike, TPGroup, resolve_group
 from .wgrad import (MainBuffer, MainGrads, ReplicatedRows, WeightGradStore, accumulate_matmul,
@@ -466,6 +466,21 @@ def _cat(parts: List[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
 
+def _core_graph(core: Callable[[torch.Tensor, slice], torch.Tensor], h: torch.Tensor, rows: slice):
+    """``(h_in, core(h_in, rows))`` with the core's autograd graph from a detached copy ``h_in`` of
+    ``h``, for ``torch.autograd.grad`` in a hand-ordered backward (kept from forward: no second SDPA)."""
+    with torch.enable_grad():
+        h_in = h.detach().requires_grad_()
+        return h_in, core(h_in, rows)
+
+
+def _row_reduce(partial: torch.Tensor, g: TPGroup, sequence_parallel: bool, async_op: bool) -> Pending:
+    """This rank's partial sum all-reduced (reduce-scattered along the sequence under SP)."""
+    if sequence_parallel:
+        return _reduce_scatter(partial, SEQ_DIM, g, async_op=async_op)
+    return _all_reduce(partial, g, async_op=async_op)
+
+
 class _SplitBackwardFn(torch.autograd.Function):
     """``row(core(column(x)))`` as one Function (an MLP: ``core`` = the activation; attention:
     ``core`` = rotary + SDPA over this rank's heads), so its backward orders the two layers' work
@@ -496,14 +511,11 @@ class _SplitBackwardFn(torch.autograd.Function):
             if recompute:
                 a = core(h, r)
             else:
-                with torch.enable_grad():  # keep the core's graph for backward (no second SDPA)
-                    h_in = h.detach().requires_grad_()
-                    a = core(h_in, r)
+                h_in, a = _core_graph(core, h, r)
                 graphs.append((h_in, a))
                 a = a.detach()
             partial = F.linear(a, w2)  # (bc, s, hidden): this rank's share of the sum
-            reducing.append(_reduce_scatter(partial, SEQ_DIM, g, async_op=chunked) if sp
-                            else _all_reduce(partial, g, async_op=chunked))
+            reducing.append(_row_reduce(partial, g, sp, async_op=chunked))
             hs.append(h)
         out = _cat([pending.wait() for pending in reducing])  # (b, s | s/p, hidden)
         if b2 is not None:
@@ -528,19 +540,14 @@ class _SplitBackwardFn(torch.autograd.Function):
         graphs, ctx.graphs = ctx.graphs, None
         grad_hs, acts, reducing = [], [], []
         for i, (r, h) in enumerate(zip(rows, hs)):
-            if graphs is None:
-                with torch.enable_grad():  # the core, recomputed with its graph for its backward
-                    h_in = h.detach().requires_grad_()
-                    a = ctx.core(h_in, r)
-            else:
-                h_in, a = graphs[i]
+            # the core's graph from forward, or the core recomputed with one
+            h_in, a = _core_graph(ctx.core, h, r) if graphs is None else graphs[i]
             (grad_h,) = torch.autograd.grad(a, h_in, grad_full[r] @ w2)  # (bc, s, local column width)
             grad_hs.append(grad_h)
             acts.append(a.detach())
             if need_x:  # this chunk's partial input gradient (a buffer we own) travels at once
                 grad_x = grad_h @ w1
-                reducing.append(_reduce_scatter(grad_x, SEQ_DIM, g, async_op=overlap) if sp
-                                else _all_reduce(grad_x, g, async_op=overlap))
+                reducing.append(_row_reduce(grad_x, g, sp, async_op=overlap))
         needs = (need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None)
         main = ctx.main
         if defer:  # delay_wgrad: all four weight gradients at flush (under SP, x is gathered then)

@@ -25,10 +25,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .collectives import Pending, _all_gather, _all_reduce, _reduce_scatter
+from .collectives import Pending, _all_gather, _all_reduce
 from .comm import copy_to_tp
-from .functional import (SEQ_DIM, _batch_chunks, _cat, _check_main_grads, _linear_wgrads, _region_wgrads,
-                         _warn_cuda_connections_once, column_parallel_linear, row_parallel_linear)
+from .functional import (SEQ_DIM, _batch_chunks, _cat, _check_main_grads, _core_graph, _linear_wgrads,
+                         _region_wgrads, _row_reduce, _warn_cuda_connections_once, column_parallel_linear,
+                         row_parallel_linear)
 from .groups import TPGroup
 from .wgrad import MainGrads, WeightGradStore
 
@@ -78,11 +79,6 @@ def _stages(regions: int, chunks: int) -> List[Tuple[int, int]]:
     return [(j, i) for j in range(regions) for i in range(chunks)]
 
 
-def _reduce(partial: torch.Tensor, g: TPGroup, sp: bool, async_op: bool) -> Pending:
-    """The row collective: this rank's partial sum, all-reduced (reduce-scattered along the sequence)."""
-    return _reduce_scatter(partial, SEQ_DIM, g, async_op=async_op) if sp else _all_reduce(partial, g, async_op=async_op)
-
-
 def _with_bias(reduced: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return reduced if bias is None else reduced.add_(bias)  # as the row layer: the full bias once, after the sum
 
@@ -113,12 +109,9 @@ class _InterleavedBlockFn(torch.autograd.Function):
             if region.recompute:
                 a = region.core(h, rows[i])
             else:
-                with torch.enable_grad():  # keep the core's graph for backward (no second SDPA)
-                    h_in = h.detach().requires_grad_()
-                    a = region.core(h_in, rows[i])
-                graphs[i][j] = (h_in, a)
+                h_in, a = graphs[i][j] = _core_graph(region.core, h, rows[i])
                 a = a.detach()
-            pending[i][j] = _reduce(F.linear(a, w2), g, sp, async_op=True)  # this rank's share, in flight
+            pending[i][j] = _row_reduce(F.linear(a, w2), g, sp, async_op=True)  # this rank's share, in flight
             ys[i][j], ns[i][j], hs[i][j], resid[i] = y, n, h, y
         last_bias = params[-1][5]
         out = _cat([resid[i] + _with_bias(pending[i][-1].wait(), last_bias) for i in range(k)])
@@ -193,17 +186,12 @@ class _InterleavedBlockFn(torch.autograd.Function):
                 through_norm(i, j + 1)
             region, (_, _, w1, _, w2, _) = regions[j], params[j]
             gf = _all_gather(grad_resid[i], SEQ_DIM, g).wait() if sp else grad_resid[i]  # (bc, s, hidden)
-            graph = None if graphs is None else graphs[i][j]
-            if graph is None:  # the core, recomputed with its graph for its backward
-                with torch.enable_grad():
-                    h_in = hs[i][j].detach().requires_grad_()
-                    a = region.core(h_in, rows[i])
-            else:
-                h_in, a = graph
+            graph = None if graphs is None else graphs[i][j]  # None: the core recomputed with its graph
+            h_in, a = _core_graph(region.core, hs[i][j], rows[i]) if graph is None else graph
             (grad_h,) = torch.autograd.grad(a, h_in, gf @ w2)  # (bc, s, local column width)
             gfs[i][j], acts[i][j], grad_hs[i][j] = gf, a.detach(), grad_h
             if j > 0 or chain_to_x:  # this chunk's partial input gradient (a buffer we own) travels at once
-                pending[i][j] = _reduce(grad_h @ w1, g, sp, async_op=overlap)
+                pending[i][j] = _row_reduce(grad_h @ w1, g, sp, async_op=overlap)
             if i == k - 1:  # region j's last stage: its weight gradients now, under its last collectives
                 weight_grads(j)
         if chain_to_x:

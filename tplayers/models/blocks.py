@@ -329,8 +329,9 @@ class ParallelTransformerBlock(TensorParallelModule):
 
     def _interleaved(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The block over batch chunks as one pipeline, or None if a sublayer must run as two layers."""
-        attn_region, mlp_region = self.attn._region(self.attn._local_mask(x, attn_mask, None)), self.mlp._region()
-        if attn_region is None or mlp_region is None:
+        mlp_region = self.mlp._region()  # first: the attention's region adds the replica-gradient ops
+        attn_region = None if mlp_region is None else self.attn._region(self.attn._local_mask(x, attn_mask, None))
+        if attn_region is None:
             return None
         regions = [ResidualRegion(norm.normalize, norm.weight, norm.bias, **region)
                    for norm, region in ((self.attn_norm, attn_region), (self.mlp_norm, mlp_region))]
