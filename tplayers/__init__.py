@@ -26,7 +26,7 @@ from .models.rng import RNGTracker
 from .models.loss import vocab_parallel_cross_entropy
 from .models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from .models.gpt import ParallelGPT
-from .convert import CoverageReport, Plan, coverage, parallelize
+from .convert import AuditError, AuditReport, CoverageReport, Plan, audit, auto_plan, coverage, parallelize
 from .layers import (backward_dw, check_replicas, check_same_inputs, clip_grad_norm_, main_grads_to_grads, pending_wgrad,
                      set_overlap, set_overlap_comm, use_main_grad, zero_main_grads)
 from .core.wgrad import WeightGradStore
@@ -74,7 +74,7 @@ __all__ = [
     "GPTConfig",
     "dense",
     # drop-in, checkpoints, 2-D parallelism
-    "parallelize", "coverage", "CoverageReport",
+    "parallelize", "coverage", "CoverageReport", "audit", "AuditError", "AuditReport", "auto_plan",
     "set_overlap_comm", "set_overlap", "backward_dw", "pending_wgrad", "WeightGradStore",
     "use_main_grad", "main_grads_to_grads", "zero_main_grads",
     "clip_grad_norm_",

@@ -5,11 +5,13 @@
     plan.py         Plan (patterns -> styles, head-count attributes), style names, the SP variant
     plans/          one file per model family (llama, gpt2) and the registry
     auto.py         the "auto" plan: a Hugging Face model's own tp_plan translated to tplayers styles
+    audit.py        the audit: each converted region vs its dense twin at the first forward
     coverage.py     CoverageReport: what parallelize did to a model (tplayers.coverage(model))
     parallelize.py  the engine: match -> check -> swap -> hooks
     mesh2d.py       make_2d_mesh: (dp, tp) DeviceMesh for TP x DDP / FSDP2
 """
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
+from .audit import AuditError, AuditReport, audit
 from .auto import HF_STYLES, SKIPPED_STYLES, auto_plan
 from .coverage import CoverageReport, coverage
 from .mesh2d import Mesh2D, make_2d_mesh
@@ -20,7 +22,7 @@ from .sequence import GatherSequence, ReplicateReduceGrad, ScatterSequence, Sequ
 from .styles import BuildContext, Built, Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead
 
 __all__ = [
-    "parallelize", "Plan", "Style", "BuildContext", "Built", "STYLE_NAMES", "sequence_parallel_variant",
+    "parallelize", "audit", "AuditError", "AuditReport", "Plan", "Style", "BuildContext", "Built", "STYLE_NAMES", "sequence_parallel_variant",
     "Column", "KVColumn", "Row", "VocabEmbedding", "VocabHead", "Replicate",
     "SequenceParallelNorm", "ScatterSequence", "GatherSequence", "ReplicateReduceGrad",
     "auto_plan", "HF_STYLES", "SKIPPED_STYLES", "CoverageReport", "coverage",

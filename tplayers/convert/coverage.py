@@ -7,7 +7,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List
+from typing import Any, Dict, Iterable, List
 
 import torch.nn as nn
 
@@ -34,6 +34,7 @@ class CoverageReport:
     skipped: Dict[str, str] = field(default_factory=dict)  # module or parameter -> why it was left as it is
     sharded_params: int = 0  # dense element count of the sharded parameters
     total_params: int = 0  # dense element count of every parameter (tied ones once)
+    audit: Any = None  # the AuditReport (tplayers.convert.audit): each distinct region vs its dense twin
 
     @property
     def sharded_fraction(self) -> float:
@@ -51,6 +52,8 @@ class CoverageReport:
         lines += _section("left dense (no plan entry)", _grouped(self.dense_layers))
         lines += _section("left out", _grouped(f"{n}: {v}" for n, v in self.skipped.items()))
         lines += _section("plan patterns that matched nothing", self.unmatched)
+        if self.audit is not None:
+            lines += ["  " + line for line in str(self.audit).splitlines()]
         return "\n".join(lines)
 
 

@@ -42,12 +42,14 @@ from ..core.collectives import bit_hash, ranks_that_differ
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, placements_of
+from .audit import AUDIT_ATTR, Auditor, find_regions
 from .auto import auto_plan
 from .coverage import REPORT_ATTR, build_report
 from .plan import Plan, resolve_style
 from .plans import get_plan
-from .sequence import check_sequence_region
-from .styles import BuildContext, Built, SequenceSwitch, Style, getattr_path
+from .sequence import ReplicateReduceGrad, check_sequence_region
+from .styles import (BuildContext, Built, Column, KVColumn, Row, SequenceSwitch, Style, VocabEmbedding, VocabHead,
+                     getattr_path)
 
 __all__ = ["parallelize"]
 
@@ -197,8 +199,39 @@ def _check_same_dense_model(model: nn.Module, tp: TPGroup) -> None:
                          "the same checkpoint, on every rank); check_consistency=False skips this check")
 
 
+def _io(style: Style, module: nn.Module) -> Union[None, Tuple[bool, bool]]:
+    """(input split, output split) of a converted module, or None for a module the style keeps as it is."""
+    if isinstance(style, (Column, KVColumn)):
+        return False, not getattr(style, "gather_output", False)
+    if isinstance(style, Row):
+        return style.input_is_parallel, False
+    if isinstance(style, VocabHead):
+        return False, not style.gather_output
+    if isinstance(style, VocabEmbedding):
+        return False, False
+    if isinstance(module, TensorParallelModule):  # a style of the user's own that builds a TP layer
+        return bool(getattr(module, "input_is_parallel", False)), not getattr(module, "gather_output", True)
+    return None
+
+
+def _auditor(model: nn.Module, built: Dict[str, Built], styles: Dict[str, Style], matched: List[Tuple[str, str]],
+             tp: TPGroup, plan_name: str) -> Auditor:
+    """The regions the audit checks (:mod:`tplayers.convert.audit`), found before the swap."""
+    style_of = dict(matched)
+    io: Dict[str, Tuple[bool, bool]] = {}
+    reduce_grad: List[str] = []
+    for name, b in built.items():
+        style = styles[style_of[name]]
+        if isinstance(style, ReplicateReduceGrad):
+            reduce_grad.append(name)
+        elif (kind := _io(style, b.module)) is not None:
+            io[name] = kind
+    return Auditor(model, find_regions(io, reduce_grad), tp, plan_name)
+
+
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
-                group: GroupLike, sequence_parallel: bool = False, check_consistency: bool = True) -> nn.Module:
+                group: GroupLike, sequence_parallel: bool = False, check_consistency: bool = True,
+                audit: bool = True) -> nn.Module:
     """Swap, in place, the modules ``plan`` names for TP layers holding this rank's shard.
 
     Every rank of ``group`` calls it on an identical dense model (same weights). Returns
@@ -209,6 +242,10 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     the sequence (its length must divide by the TP degree). ``check_consistency`` (default on):
     first verify that every rank holds the same dense model (one all-gather of two int64 hashes per
     tensor, and a pass over the weights to hash them, once), refusing a model that differs.
+    ``audit`` (default on): the first forward checks one instance of each distinct converted region
+    (an attention, an MLP, the embedding, the head) against its dense twin, output and every
+    gradient, and raises :class:`~tplayers.convert.audit.AuditError` on every rank on a mismatch
+    (see :mod:`tplayers.convert.audit`; its result is in ``tplayers.coverage(model).audit``).
     """
     tp = resolve_group(group)
     if check_consistency:  # first: a rank whose model differs may fail differently in the checks below
@@ -232,6 +269,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     _refuse_no_match(model, modules, built, styles, p)
     changes = _attr_changes(modules, p, tp)
     retie = _ties(model, modules, built)
+    auditor = _auditor(model, built, styles, matched, tp, p.name)  # reads the dense modules' attributes
     # swap -> hooks
     for name, b in built.items():
         if b.module is not modules[name]:
@@ -241,10 +279,16 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
         setattr(module, attr, value)
     for dst, a, src, a0 in retie:
         setattr(dst, a, getattr(src, a0))
+    auditor.before_hooks(model)
     for b in built.values():
         if b.finish is not None:
             b.finish()
+    auditor.after_swap(model)
+    object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict
+    if audit:
+        auditor.arm()
     _report(model, p, plan, built, modules, styles, matched, used, unmatched_keys, skipped)
+    getattr(model, REPORT_ATTR).audit = auditor.report
     return model
 
 

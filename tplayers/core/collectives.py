@@ -19,7 +19,7 @@ from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_grou
 from .placement import Placement
 
 __all__ = ["Pending", "all_gather_tensor", "all_reduce_tensor", "broadcast_tensor", "barrier", "reduce_scatter_tensor",
-           "all_reduce_", "gather_placed", "bit_hash", "ranks_that_differ"]
+           "all_reduce_", "gather_placed", "bit_hash", "ranks_that_differ", "all_gather_text"]
 
 # torch 2.13 renamed the single-tensor collectives; 2.4-2.12 only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -405,6 +405,24 @@ def ranks_that_differ(hashes: torch.Tensor, *, group: GroupLike) -> torch.Tensor
     every = all_gather_tensor(hashes[None].to(collective_device(g.process_group)), 0, group=g).cpu()  # (p, n, k)
     return (every != every[:1]).any(-1)
 
+
+
+def all_gather_text(text: str, *, group: GroupLike, limit: int = 8192) -> "list[str]":
+    """Every rank's ``text`` (UTF-8, cut to ``limit`` bytes), in rank order, on every rank: one
+    all-gather of ``limit + 8`` bytes per rank. For errors that one rank found and every rank raises."""
+    g = resolve_group(group)
+    if g.size == 1 or is_fake(g.process_group):
+        return [text]
+    data = text.encode("utf-8")[:limit]
+    buf = torch.zeros(limit + 8, dtype=torch.uint8)
+    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[8:8]
+    every = all_gather_tensor(buf[None].to(collective_device(g.process_group)), 0, group=g).cpu()  # (p, limit + 8)
+    out = []
+    for row in every:
+        n = int(row[:8].clone().view(torch.int64))
+        out.append(bytes(row[8:8 + n].tolist()).decode("utf-8", errors="replace"))
+    return out
 
 if not _TRACE_COLLECTIVES:  # older torch: dynamo must not trace them (see _TRACE_COLLECTIVES)
     _all_reduce = torch.compiler.disable(_all_reduce)

@@ -8,7 +8,7 @@ from .vocab import ParallelLMHead, VocabParallelEmbedding
 from .norm import ParallelNorm
 from .compat import ShardLayout  # deprecated 0.1 name
 from .gradients import check_replicas, clip_grad_norm_
-from .audit import check_same_inputs
+from .same_inputs import check_same_inputs
 from .lora import LoRAPiece
 
 __all__ = ["LoRAPiece", "TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",

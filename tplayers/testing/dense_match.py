@@ -18,9 +18,10 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
-from ..core.comm import all_gather_tensor, gather_placed
+from ..core.comm import all_gather_tensor
 from ..core.groups import GroupLike, resolve_group
-from ..layers.base import backward_dw, main_grads_to_grads, placements_of, zero_main_grads
+from ..layers.base import backward_dw, main_grads_to_grads, zero_main_grads
+from ..layers.dense_view import dense_parameters
 
 __all__ = ["assert_matches_dense", "MatchReport", "dense_parameters", "default_tolerance"]
 
@@ -37,30 +38,6 @@ def default_tolerance(dtype: torch.dtype) -> Tuple[float, float]:
         torch.bfloat16: (2e-2, 2e-2),
         torch.float16: (5e-3, 1e-3),
     }.get(dtype, (1e-4, 1e-5))
-
-
-def dense_parameters(module: nn.Module, *, grads: bool = False) -> Dict[str, torch.Tensor]:
-    """Every parameter (or its gradient) of ``module`` as the dense model would name and shape it.
-
-    Sharded parameters are gathered through their placement (collective: call on every rank);
-    replicated ones are taken as they are. A GPT-2 ``Conv1D`` layer's weight is transposed back to
-    the ``(in, out)`` its dense module stores.
-    """
-    out: Dict[str, torch.Tensor] = {}
-    placements = placements_of(module)
-    for name, p in module.named_parameters(recurse=False):
-        value = p.grad if grads else p
-        value = (torch.zeros_like(p) if value is None else value).detach()
-        placement = placements.get(name)
-        if placement is not None and placement.is_sharded:
-            value = gather_placed(value, placement, group=module.tp)
-        if name == "weight" and getattr(module, "dense_transposed", False):
-            value = value.t()
-        out[name] = value
-    for child_name, child in module.named_children():
-        for name, t in dense_parameters(child, grads=grads).items():
-            out[f"{child_name}.{name}"] = t
-    return out
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""An optional input audit: the TP ranks of one replica must be fed the same batch.
+"""`check_same_inputs`: the TP ranks of one replica must be fed the same batch (opt-in, per forward).
 
 Every rank of a TP group computes on the same activations; a data loader that gives each rank a
 different batch (Lightning's or DDP's distributed sampler over the TP ranks) trains a model that is

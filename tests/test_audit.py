@@ -1,0 +1,235 @@
+"""The audit: ``parallelize`` checks each converted region against its dense twin at the first forward.
+
+Every model here is written the way users write their own transformer code (nanoGPT / minGPT style,
+none of them used elsewhere in the suite), each with a plausible plan mistake that trains silently
+wrong without the audit; each must raise AuditError on every rank, naming the region and the cause,
+before an optimizer could step. The right plan for the same model passes and matches dense.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tplayers
+from tplayers import Plan
+from tplayers.convert.audit import find_regions, relative_tolerance
+from tplayers.testing import get_world
+
+H, T, B = 24, 6, 2
+
+
+class Attention(nn.Module):
+    """nanoGPT-like causal attention with one fused ``c_attn`` and head attributes read in forward.
+
+    ``width_from_input``: the forward takes the width from its input (``B, T, C = x.size()``) as
+    nanoGPT does; ``per_head_norms``: a ModuleList of per-head LayerNorms (one per head);
+    ``head_scale``: a ``(heads, head_dim)`` parameter multiplying q."""
+
+    def __init__(self, n_embd, n_head, *, width_from_input=False, per_head_norms=False, head_scale=False):
+        super().__init__()
+        self.n_embd, self.n_head, self.width_from_input = n_embd, n_head, width_from_input
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        hd = n_embd // n_head
+        self.q_norms = nn.ModuleList([nn.LayerNorm(hd) for _ in range(n_head)]) if per_head_norms else None
+        if self.q_norms is not None:
+            for norm in self.q_norms:  # distinct per head, as after training
+                nn.init.normal_(norm.weight, 1.0, 0.5)
+        self.q_scale = nn.Parameter(1 + torch.randn(n_head, hd)) if head_scale else None
+
+    def forward(self, x):  # (b, t, c)
+        b, t, c = x.size()
+        width = c if self.width_from_input else self.n_embd
+        q, k, v = self.c_attn(x).split(width, dim=2)  # (b, t, width) each
+        hd = width // self.n_head
+        q, k, v = (z.view(b, t, self.n_head, hd).transpose(1, 2) for z in (q, k, v))  # (b, nh, t, hd)
+        if self.q_norms is not None:
+            q = torch.stack([self.q_norms[i](q[:, i]) for i in range(self.n_head)], dim=1)
+        if self.q_scale is not None:
+            q = q * self.q_scale[None, :, None, :]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, nh, t, hd)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd, act=None):
+        super().__init__()
+        self.c_fc, self.act, self.c_proj = nn.Linear(n_embd, 4 * n_embd), act or nn.GELU(), nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head, act=None, **attn):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(n_embd), Attention(n_embd, n_head, **attn)
+        self.ln_2, self.mlp = nn.LayerNorm(n_embd), MLP(n_embd, act)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    """Weight tying as in nanoGPT: ``lm_head.weight is wte.weight``."""
+
+    def __init__(self, vocab=50, n_embd=H, n_head=4, n_layer=2, act=None, **attn):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(16, n_embd)
+        self.h = nn.ModuleList([Block(n_embd, n_head, act() if act else None, **attn) for _ in range(n_layer)])
+        self.ln_f, self.lm_head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+RIGHT = {"wte": "vocab_embedding", "lm_head": "vocab_head", "h.*.attn.c_attn": "fused_qkv", "h.*.attn.c_proj": "row",
+         "h.*.mlp.c_fc": "column", "h.*.mlp.c_proj": "row"}
+HEADS = {"h.*.attn": ("n_head", "n_embd")}
+
+
+def _train_step(group, model, plan, after=None, **options):
+    """parallelize, then one forward + backward (the audit runs in the forward): the logits error vs dense."""
+    model = model.double()
+    dense = copy.deepcopy(model)
+    idx = torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(1))
+    tplayers.parallelize(model, plan, group=group, **options)
+    if after is not None:
+        after(model)
+    logits = model(idx)
+    logits.square().mean().backward()
+    return float((logits - dense(idx)).detach().abs().max())
+
+
+def _expect_audit_error(group, build, plan, after=None):
+    torch.manual_seed(0)
+    try:
+        _train_step(group, build(), plan, after)
+    except tplayers.AuditError as e:
+        return str(e)
+    return None
+
+
+def _right_plan_passes(group, build, plan):
+    torch.manual_seed(0)
+    model = build()
+    err = _train_step(group, model, plan)
+    report = tplayers.coverage(model).audit
+    return err, report.passed, str(report)
+
+
+# (model, wrong plan, what the error must say)
+CASES = {
+    # a fused q/k/v declared "column": rank 0 gets all of q and part of k; logits off, no exception
+    "fused_declared_column": (lambda: TinyGPT(), Plan({**RIGHT, "h.*.attn.c_attn": "column"}, divide_attrs=HEADS),
+                              None, ["h.0.attn", "looks fused", "fused_qkv"]),
+    # a learnable scalar inside the MLP's activation: its gradient is a partial sum on each rank
+    "replicated_scalar_in_activation": (lambda: TinyGPT(act=nn.PReLU), Plan(RIGHT, divide_attrs=HEADS), None,
+                                        ["h.0.mlp", "act.weight", "partial", '"h.*.mlp.act": "replicate_reduce_grad"']),
+    # per-head norms as a module list: every rank pairs norms 0.. with its own heads (forward wrong)
+    "per_head_module_list": (lambda: TinyGPT(per_head_norms=True), Plan(RIGHT, divide_attrs=HEADS), None,
+                             ["h.0.attn", "one per head", "q_norms"]),
+    # a (heads, head_dim) weight left whole: the sharded forward raises inside the model
+    "heads_by_head_dim_weight": (lambda: TinyGPT(head_scale=True), Plan(RIGHT, divide_attrs=HEADS), None,
+                                 ["raises when sharded", "q_scale", "head count"]),
+    # head attributes divided by hand where they do not divide (3 heads at TP 2): runs, computes wrong heads
+    "hand_divided_heads": (lambda: TinyGPT(n_head=3), {k: v for k, v in RIGHT.items()},
+                           "hand", ["h.0.attn", "n_head", "does not divide"]),
+    # the forward reads the width from its input (nanoGPT's B, T, C = x.size()): raises inside the model
+    "width_from_input": (lambda: TinyGPT(width_from_input=True), Plan(RIGHT, divide_attrs={"h.*.attn": ("n_head",)}),
+                         None, ["raises when sharded", "x.size()"]),
+}
+
+
+def _hand_divide(model, p=2):
+    for block in model.h:
+        block.attn.n_head //= p
+        block.attn.n_embd //= p
+
+
+def _case(group, name):
+    build, plan, after, _ = CASES[name]
+    return _expect_audit_error(group, build, plan, _hand_divide if after == "hand" else None)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_audit_names_the_fault(name):
+    """Failed before the audit existed: each case trained without any error (or crashed inside the
+    model's forward with a reshape error that named nothing)."""
+    messages = get_world(2).run(_case, name)
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank}: {name} passed silently"
+        for needle in CASES[name][3]:
+            assert needle in message, f"rank {rank}: {needle!r} not in:\n{message}"
+
+
+def _fixed_plans_pass(group):
+    """The fixes the errors name: fused_qkv; the activation's scalar summed; both match dense, audit passed."""
+    out = {}
+    for name, build, plan in [
+            ("fused", lambda: TinyGPT(), Plan(RIGHT, divide_attrs=HEADS)),
+            ("prelu", lambda: TinyGPT(act=nn.PReLU), Plan({**RIGHT, "h.*.mlp.act": "replicate_reduce_grad"},
+                                                         divide_attrs=HEADS))]:
+        out[name] = _right_plan_passes(group, build, plan)
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_right_plans_pass_the_audit_and_match_dense(tp):
+    for rank_out in get_world(tp).run(_fixed_plans_pass):
+        for name, (err, passed, report) in rank_out.items():
+            assert passed, f"{name}: {report}"
+            assert err < 1e-12, name
+            assert "h.0.attn (Attention, x2): passed" in report and "h.0.mlp (MLP, x2): passed" in report, report
+
+
+def test_find_regions():
+    io = {"wte": (False, False), "h.0.attn.c_attn": (False, True), "h.0.attn.c_proj": (True, False),
+          "h.0.mlp.c_fc": (False, True), "h.0.mlp.c_proj": (True, False), "head": (False, False),
+          "x.q": (False, True), "x.inner.o": (True, False)}
+    assert find_regions(io, ["h.0.attn.norm", "y.z.norm"]) == ["h.0.attn", "h.0.mlp", "head", "wte", "x", "y.z"]
+    # a column and row at the top of a Sequential: the root itself
+    assert find_regions({"0": (False, True), "2": (True, False)}, []) == [""]
+    assert relative_tolerance(torch.float64) < relative_tolerance(torch.float32) < relative_tolerance(torch.bfloat16)
+
+
+def _audit_off_and_on_demand(group):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    wrong = Plan({**RIGHT, "h.*.attn.c_attn": "column"}, divide_attrs=HEADS)
+    err = _train_step(group, model, wrong, audit=False)  # silently wrong, as asked
+    try:
+        tplayers.audit(model, torch.zeros(1, 4, dtype=torch.long))
+    except tplayers.AuditError as e:
+        return err, str(e)
+    return err, None
+
+
+def test_audit_off_switch_and_on_demand():
+    for err, message in get_world(2).run(_audit_off_and_on_demand):
+        assert err > 1e-3  # audit=False: the wrong plan runs
+        assert message is not None and "looks fused" in message
+
+
+def _rng_untouched(group):
+    """The audit runs under a forked RNG: a model with dropout draws the same masks with and without it."""
+    outs = []
+    for audit in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.GELU(), nn.Linear(16, 8)).double().train()
+        tplayers.parallelize(model, {"0": "column", "3": "row"}, group=group, audit=audit)
+        torch.manual_seed(5)
+        outs.append(model(torch.ones(3, 8, dtype=torch.float64)))
+    return bool(torch.equal(outs[0], outs[1])), str(tplayers.coverage(model).audit)
+
+
+def test_audit_keeps_the_random_stream_and_audits_in_eval_mode():
+    for same, _ in get_world(2).run(_rng_untouched):
+        assert same
