@@ -197,6 +197,8 @@ def test_find_regions():
     assert find_regions(io, ["h.0.attn.norm", "y.z.norm"]) == ["h.0.attn", "h.0.mlp", "head", "wte", "x", "y.z"]
     # a column and row at the top of a Sequential: the root itself
     assert find_regions({"0": (False, True), "2": (True, False)}, []) == [""]
+    # a column alone (its split output consumed by the user: vocab-parallel logits) is a region alone
+    assert find_regions({"emb": (False, False), "head": (False, True)}, []) == ["emb", "head"]
     assert relative_tolerance(torch.float64) < relative_tolerance(torch.float32) < relative_tolerance(torch.bfloat16)
 
 

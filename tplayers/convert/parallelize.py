@@ -226,7 +226,7 @@ def _auditor(model: nn.Module, built: Dict[str, Built], styles: Dict[str, Style]
             reduce_grad.append(name)
         elif (kind := _io(style, b.module)) is not None:
             io[name] = kind
-    return Auditor(model, find_regions(io, reduce_grad), tp, plan_name)
+    return Auditor(model, find_regions(io, reduce_grad), tp, plan_name, io)
 
 
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
