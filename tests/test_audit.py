@@ -235,3 +235,21 @@ def _rng_untouched(group):
 def test_audit_keeps_the_random_stream_and_audits_in_eval_mode():
     for same, _ in get_world(2).run(_rng_untouched):
         assert same
+
+
+def _tied_model_matches_dense(group):
+    """nanoGPT ties lm_head.weight to wte.weight: assert_matches_dense compares the shared tensor once
+    (before: 'parameter names differ: only in TP ['lm_head.weight']' although the numbers matched)."""
+    torch.manual_seed(0)
+    dense = TinyGPT().double()
+    tp = tplayers.parallelize(copy.deepcopy(dense), Plan(RIGHT, divide_attrs=HEADS), group=group)
+    assert tp.lm_head.weight is tp.wte.weight
+    idx = torch.randint(0, 50, (B, T))
+    report = tplayers.testing.assert_matches_dense(tp, dense, idx, group=group)
+    return sorted(k for k in report.errors if "wte" in k or "lm_head" in k), report.grad_error
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_assert_matches_dense_on_a_tied_model(tp):
+    for names, err in get_world(tp).run(_tied_model_matches_dense):
+        assert names == ["wte.weight.grad"] and err < 1e-12

@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -246,8 +246,8 @@ class Auditor:
                                  "one eager forward first, or tplayers.audit(model, *example_inputs) before compiling, "
                                  "or parallelize(..., audit=False)")
             self.active = True
-            try:
-                _audit_region(region, result, self.tp, args, kwargs, self.plan_name)
+            try:  # the instance called (a deep copy of the model calls its own modules)
+                _audit_region(replace(region, module=module), result, self.tp, args, kwargs, self.plan_name)
             finally:
                 self.active = False
                 if all(r.status != "pending" for r in self.results.values()):

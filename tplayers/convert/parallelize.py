@@ -48,7 +48,7 @@ from .coverage import REPORT_ATTR, build_report
 from .plan import Plan, resolve_style
 from .plans import get_plan
 from .sequence import ReplicateReduceGrad, check_sequence_region
-from .styles import (BuildContext, Built, Column, KVColumn, Row, SequenceSwitch, Style, VocabEmbedding, VocabHead,
+from .styles import (BuildContext, Built, Column, FusedQKV, KVColumn, Row, SequenceSwitch, Style, VocabEmbedding, VocabHead,
                      getattr_path)
 
 __all__ = ["parallelize"]
@@ -201,7 +201,7 @@ def _check_same_dense_model(model: nn.Module, tp: TPGroup) -> None:
 
 def _io(style: Style, module: nn.Module) -> Union[None, Tuple[bool, bool]]:
     """(input split, output split) of a converted module, or None for a module the style keeps as it is."""
-    if isinstance(style, (Column, KVColumn)):
+    if isinstance(style, (Column, KVColumn, FusedQKV)):
         return False, not getattr(style, "gather_output", False)
     if isinstance(style, Row):
         return style.input_is_parallel, False
@@ -210,12 +210,12 @@ def _io(style: Style, module: nn.Module) -> Union[None, Tuple[bool, bool]]:
     if isinstance(style, VocabEmbedding):
         return False, False
     if isinstance(module, TensorParallelModule):  # a style of the user's own that builds a TP layer
-        return bool(getattr(module, "input_is_parallel", False)), not getattr(module, "gather_output", True)
+        return bool(getattr(module, "input_is_parallel", False)), not getattr(module, "gather_output", False)
     return None
 
 
 def _auditor(model: nn.Module, built: Dict[str, Built], styles: Dict[str, Style], matched: List[Tuple[str, str]],
-             tp: TPGroup, plan_name: str) -> Auditor:
+             tp: TPGroup, plan_name: str, named: bool) -> Auditor:
     """The regions the audit checks (:mod:`tplayers.convert.audit`), found before the swap."""
     style_of = dict(matched)
     io: Dict[str, Tuple[bool, bool]] = {}
@@ -226,7 +226,27 @@ def _auditor(model: nn.Module, built: Dict[str, Built], styles: Dict[str, Style]
             reduce_grad.append(name)
         elif (kind := _io(style, b.module)) is not None:
             io[name] = kind
-    return Auditor(model, find_regions(io, reduce_grad), tp, plan_name, io)
+    regions = find_regions(io, reduce_grad)
+    _refuse_lonely_rows(model, io, regions, plan_name, named)
+    return Auditor(model, regions, tp, plan_name, io)
+
+
+def _refuse_lonely_rows(model: nn.Module, io: Dict[str, Tuple[bool, bool]], regions: List[str], plan_name: str,
+                        named: bool) -> None:
+    """A row layer no column layer feeds takes its whole input as if it were this rank's shard: the
+    forward crashes inside the model, or worse. A shipped or "auto" plan that leaves one is applied to a
+    model it does not fit (the "llama" plan on fused ``qkv_proj`` / ``gate_up_proj``): refused. In a plan
+    of your own it may be meant (you split the input yourself): a warning."""
+    lonely = [n for n in regions if io.get(n, (False, False))[0]]
+    if not lonely:
+        return
+    msg = (f"parallelize: plan '{plan_name}': row-parallel {lonely[:3]} {'have' if len(lonely) > 1 else 'has'} no "
+           "column-parallel layer feeding it in any enclosing module, so it would take its whole input as this rank's "
+           "shard")
+    if named:
+        raise ValueError(f"{msg}: the plan does not fit {type(model).__name__} (are its q/k/v or gate/up projections "
+                         "fused, or named differently?); give a plan of your own")
+    warnings.warn(f"{msg}; make sure its input arrives split on the last dim", stacklevel=4)
 
 
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
@@ -269,7 +289,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     _refuse_no_match(model, modules, built, styles, p)
     changes = _attr_changes(modules, p, tp)
     retie = _ties(model, modules, built)
-    auditor = _auditor(model, built, styles, matched, tp, p.name)  # reads the dense modules' attributes
+    auditor = _auditor(model, built, styles, matched, tp, p.name, isinstance(plan, str))  # reads the dense modules' attributes
     # swap -> hooks
     for name, b in built.items():
         if b.module is not modules[name]:

@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Uni
 import torch.nn as nn
 
 from ..core.groups import TPGroup
-from ..core.placement import kv_shards
+from ..core.placement import kv_shards, qkv_placement
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -23,8 +23,8 @@ from ..layers.base import computes_linear, own_forward
 from ..layers.lora import is_peft_lora, prepare_lora
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding, embedding_scale
 
-__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "KVColumn", "Row", "VocabEmbedding", "VocabHead", "Replicate",
-           "getattr_path"]
+__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "FusedQKV", "KVColumn", "Row", "VocabEmbedding",
+           "VocabHead", "Replicate", "getattr_path"]
 
 
 class SequenceSwitch:
@@ -166,14 +166,60 @@ class Column:
                                sequence_parallel=self.sequence_parallel), ctx)
 
 
+def _count(value: Union[int, str], ctx: BuildContext, style: str, what: str) -> int:
+    """A head count given as a number or as a dotted attribute path on the parent module (the attention)."""
+    if isinstance(value, int):
+        return value
+    try:
+        count = getattr_path(ctx.parent, value)
+    except AttributeError as e:
+        raise AttributeError(f"{e}: {style} reads {what} from the attention holding '{ctx.name}'; give the count "
+                             f"itself ({style}({what}=8)) or the attribute your attention keeps it in "
+                             f"({style}({what}='n_kv_heads'))") from None
+    if not isinstance(count, int):
+        raise TypeError(f"{style}: {what} '{value}' on '{ctx.name}''s parent is {count!r}, not an int")
+    return count
+
+
+@dataclass(frozen=True)
+class FusedQKV:
+    """A fused ``[q; k; v]`` projection split by heads: q's ``heads`` and k's and v's ``kv_heads`` (None:
+    as many as ``heads``), each a number or an attribute path on the attention (``"n_head"``). Each
+    rank gets whole heads of each component; a head count that does not divide the TP degree is
+    refused (never a head cut in two), and KV heads fewer than ranks are replicated (the KV-head rule).
+    The bare name "fused_qkv" splits the three thirds without knowing the heads."""
+
+    heads: Union[int, str]
+    kv_heads: Union[None, int, str] = None
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if is_peft_lora(module):
+            return _with_lora(self, module, ctx, "column")
+        _check_linear_like(module, ctx, "FusedQKV")
+        heads = _count(self.heads, ctx, "FusedQKV", "heads")
+        kv = heads if self.kv_heads is None else _count(self.kv_heads, ctx, "FusedQKV", "kv_heads")
+        out = module.nf if is_conv1d(module) else module.out_features
+        layer = f"parallelize: module '{ctx.name}' (FusedQKV)"
+        if heads < 1 or kv < 1 or out % (heads + 2 * kv):
+            raise ValueError(f"{layer}: out_features={out} is not (heads + 2 * kv_heads) * head_dim for heads={heads}, "
+                             f"kv_heads={kv}")
+        placement = qkv_placement(heads, kv, out // (heads + 2 * kv), ctx.group.size, layer=layer)
+        parts = [part.size for part in placement.parts]
+        options = dict(parts=parts, part_shards=[part.shards for part in placement.parts])
+        if is_conv1d(module):
+            return Built(FusedColumnParallelConv1D.from_conv1d(module, group=ctx.group, **options))
+        return Built(FusedColumnParallelLinear.from_dense(module, group=ctx.group, **options))
+
+
 @dataclass(frozen=True)
 class KVColumn:
     """A K or V projection of grouped-query attention, cut by the KV-head rule
     (:func:`~tplayers.core.placement.kv_shards`): split by KV heads when they divide the TP degree,
     else each KV head is held by ``p / num_kv_heads`` consecutive ranks (replicas whose gradients
-    are summed). ``kv_heads`` is read from the parent module (the attention) by this dotted path."""
+    are summed). ``kv_heads``: the count, or the dotted attribute path on the parent module (the
+    attention) that holds it (default: Hugging Face's ``config.num_key_value_heads``)."""
 
-    kv_heads: str = "config.num_key_value_heads"
+    kv_heads: Union[int, str] = "config.num_key_value_heads"
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         if is_peft_lora(module):
@@ -182,7 +228,8 @@ class KVColumn:
             raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style 'kv_column' "
                             "needs an nn.Linear")
         _check_plain(module, nn.Linear, ctx, "kv_column")
-        shards = kv_shards(getattr_path(ctx.parent, self.kv_heads), ctx.group.size, "kv_column", self.kv_heads)
+        count = _count(self.kv_heads, ctx, "KVColumn", "kv_heads")
+        shards = kv_shards(count, ctx.group.size, "kv_column", str(self.kv_heads))
         if shards == ctx.group.size:
             return Built(ColumnParallelLinear.from_dense(module, group=ctx.group))
         return Built(FusedColumnParallelLinear.from_dense(module, group=ctx.group, parts=[module.out_features],

@@ -1,9 +1,9 @@
 """Checks on inputs every rank holds whole (token ids, targets): local, with no communication.
 
 Every rank sees the same ids, so each can check them alone and all raise together. On CPU the check
-is a compare and an ``any()``; on an accelerator it is ``torch._assert_async``: a device-side assert,
-no host sync per step (a bad id then surfaces as a device assert at the next synchronization, with
-this message in the device log).
+is a compare and an ``any()``; on an accelerator, and inside ``torch.compile``, it is
+``torch._assert_async``: a device-side assert, no host sync per step and no data-dependent branch for
+the compiler (a bad id then surfaces as an assert at the next synchronization, with this message).
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def check_index_range(index: torch.Tensor, size: int, what: str, ignore_index: O
     if ignore_index is not None:
         bad &= index != ignore_index
     allowed = f"[0, {size})" + (f" or ignore_index={ignore_index}" if ignore_index is not None else "")
-    if index.device.type != "cpu":
+    if index.device.type != "cpu" or torch.compiler.is_compiling():
+        # no data-dependent Python branch: torch.compile(fullgraph=True) traces this as one op
         torch._assert_async(~bad.any(), f"{what}: a value is outside {allowed}")
         return
     if bool(bad.any()):

@@ -1,0 +1,155 @@
+"""Plans for users' own attention code: head-aware fused q/k/v, KV heads fewer than ranks on any
+attention, and plans that do not fit a model refused before its forward crashes.
+
+The models are written as users write them (a Llama-like GQA attention with separate wq/wk/wv, the
+nanoGPT-like TinyGPT of test_audit.py), float64, compared with the dense model at TP 1, 2 and 4.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tplayers
+from tplayers import Plan
+from tplayers.convert import FusedQKV, KVColumn
+from tplayers.testing import get_world
+
+from test_audit import RIGHT, TinyGPT
+
+
+class GQAAttention(nn.Module):
+    """Llama-like: separate wq / wk / wv, ``n_kv_heads`` < ``n_heads`` (K/V heads repeated)."""
+
+    def __init__(self, dim, n_heads, n_kv_heads):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x):  # (b, s, d)
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, local heads, s, hd)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, local kv heads, s, hd)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, local heads, s, hd)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), \
+            nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=2):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.ModuleDict({"attention_norm": nn.RMSNorm(dim),
+                                                   "attention": GQAAttention(dim, n_heads, n_kv_heads),
+                                                   "ffn_norm": nn.RMSNorm(dim), "feed_forward": FeedForward(dim, 64)})
+                                    for _ in range(n_layers))
+        self.norm, self.output = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.tok_embeddings(ids)
+        for layer in self.layers:
+            h = h + layer["attention"](layer["attention_norm"](h))
+            h = h + layer["feed_forward"](layer["ffn_norm"](h))
+        return self.output(self.norm(h))
+
+
+LLAMA_PLAN = {"tok_embeddings": "vocab_embedding", "layers.*.attention.wq": "column",
+              "layers.*.attention.wk": KVColumn(kv_heads="n_kv_heads"),
+              "layers.*.attention.wv": KVColumn(kv_heads="n_kv_heads"), "layers.*.attention.wo": "row",
+              "layers.*.feed_forward.w1": "column", "layers.*.feed_forward.w3": "column",
+              "layers.*.feed_forward.w2": "row", "output": "vocab_head"}
+
+
+def _matches_dense(group, build, plan):
+    torch.manual_seed(0)
+    model = build().double()
+    dense = copy.deepcopy(model)
+    ids = torch.randint(0, 50, (2, 8))
+    tplayers.parallelize(model, plan, group=group)
+    out = model(ids)
+    out.square().mean().backward()
+    dense(ids).square().mean().backward()
+    grads = tplayers.testing.dense_parameters(model, grads=True)
+    grad_err = max(float((grads[n] - p.grad).abs().max()) for n, p in dense.named_parameters())
+    return float((out - dense(ids)).detach().abs().max()), grad_err, tplayers.coverage(model).audit.passed
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_llama_like_gqa_with_fewer_kv_heads_than_ranks(tp):
+    """2 KV heads at TP 4: each KV head on two ranks (KVColumn with the attention's own attribute)."""
+    for out_err, grad_err, audited in get_world(tp).run(_matches_dense, TinyLlama, LLAMA_PLAN):
+        assert out_err < 1e-12 and grad_err < 1e-12 and audited
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fused_qkv_by_heads(tp):
+    """nanoGPT's c_attn split by heads from the attention's n_head (the width attributes divided)."""
+    plan = Plan({**RIGHT, "h.*.attn.c_attn": FusedQKV(heads="n_head")}, divide_attrs={"h.*.attn": ("n_head", "n_embd")})
+    for out_err, grad_err, audited in get_world(tp).run(_matches_dense, TinyGPT, plan):
+        assert out_err < 1e-12 and grad_err < 1e-12 and audited
+
+
+def _refusals(group):
+    out = {}
+    cases = {
+        # 3 heads cannot split over 2 ranks: refused at parallelize, not a silently wrong head layout
+        "heads": (lambda: TinyGPT(n_head=3), Plan({**RIGHT, "h.*.attn.c_attn": FusedQKV(heads="n_head")})),
+        # an attention without the attribute the style reads: the error says how to give the count
+        "kv_path": (TinyLlama, {**LLAMA_PLAN, "layers.*.attention.wk": "kv_column"}),
+    }
+    for name, (build, plan) in cases.items():
+        torch.manual_seed(0)
+        model = build()
+        try:
+            tplayers.parallelize(model, plan, group=group)
+            out[name] = None
+        except (ValueError, AttributeError) as e:
+            out[name] = str(e)
+    return out
+
+
+def test_head_aware_styles_refuse_what_they_cannot_split():
+    for out in get_world(2).run(_refusals):
+        assert "num_heads=3 is not divisible by the TP degree 2" in out["heads"], out["heads"]
+        assert "no attribute path 'config.num_key_value_heads'" in out["kv_path"], out["kv_path"]
+        assert "KVColumn(kv_heads='n_kv_heads')" in out["kv_path"], out["kv_path"]
+
+
+def _shipped_plan_on_a_model_it_does_not_fit(group):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=None, eos_token_id=None)
+    model = transformers.Phi3ForCausalLM(config)
+    before = copy.deepcopy(model.state_dict())
+    try:
+        tplayers.parallelize(model, "llama", group=group)
+    except ValueError as e:
+        untouched = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        return str(e), untouched
+    return None, None
+
+
+def test_shipped_plan_that_does_not_fit_is_refused_before_the_forward():
+    """The "llama" plan on Phi-3 (fused qkv_proj and gate_up_proj): only o_proj / down_proj match, as row
+    layers with nothing split feeding them. Before: the forward crashed inside the model."""
+    pytest.importorskip("transformers")
+    for message, untouched in get_world(2).run(_shipped_plan_on_a_model_it_does_not_fit):
+        assert message is not None and "does not fit Phi3ForCausalLM" in message and "o_proj" in message, message
+        assert untouched
