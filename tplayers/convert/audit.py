@@ -64,6 +64,7 @@ _RELATIVE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 
 _HEAD_ATTR = re.compile(r"(^|_)(n_?heads?|num_(attention_|key_value_|kv_)?heads|n_kv_heads?|n_local_heads|"
                         r"num_heads_per_partition|heads)$")
 _WIDTH_ATTR = re.compile(r"^(n_embd|embed_dim|hidden_size|d_model|dim|n_state|all_head_size|inner_dim)$")
+_MLP_NAMES = re.compile(r"(fc|mlp|ffn|up|gate|w1|w3|dense_h_to_4h|intermediate)", re.I)
 _FUSED_NAMES = re.compile(r"(qkv|c_attn|query_key_value|wqkv|in_proj|gate_up|w13|w1_w3|fc_in_gate)", re.I)
 
 
@@ -87,6 +88,7 @@ class RegionAudit:
     errors: Dict[str, float] = field(default_factory=dict)  # what was compared -> max relative error
     tolerance: float = 0.0
     reason: str = ""  # why skipped, or the failure
+    note: str = ""  # how it was audited, when not as the model runs
 
     @property
     def worst(self) -> Tuple[str, float]:
@@ -97,7 +99,8 @@ class RegionAudit:
         if self.status == "passed":
             what, err = self.worst
             margin = f"{self.tolerance / err:.0e}x below" if err > 0 else "exact"
-            return f"{head}: passed; worst {what} {err:.1e} (tolerance {self.tolerance:g}: {margin})"
+            note = f"; {self.note}" if self.note else ""
+            return f"{head}: passed; worst {what} {err:.1e} (tolerance {self.tolerance:g}: {margin}){note}"
         return f"{head}: {self.status}" + (f" ({self.reason})" if self.reason else "")
 
 
@@ -233,7 +236,7 @@ class Auditor:
 
     def rearm(self) -> None:
         for result in self.results.values():
-            result.status, result.errors, result.reason = "pending", {}, ""
+            result.status, result.errors, result.reason, result.note = "pending", {}, "", ""
         self.arm()
 
     def _hook(self, region: _Region) -> Any:
@@ -267,9 +270,17 @@ def _signature(module: nn.Module) -> Tuple:
 # one region's audit
 
 
-def _copy_inputs(args: tuple, kwargs: dict) -> Tuple[tuple, dict, List[torch.Tensor]]:
-    """Detached copies of the call's tensors (those that required grad, else the first floating
-    one, become leaves that require grad), everything else deep-copied (caches are written to)."""
+def _float32_copy(module: nn.Module) -> nn.Module:
+    """A float32 copy of a TP region that still communicates over the same TP groups."""
+    memo: Dict[int, Any] = {id(m.tp): m.tp for m in module.modules() if isinstance(getattr(m, "tp", None), TPGroup)}
+    return copy.deepcopy(module, memo).float()
+
+
+def _copy_inputs(args: tuple, kwargs: dict, cast: Optional[torch.dtype] = None
+                 ) -> Tuple[tuple, dict, List[torch.Tensor]]:
+    """Detached copies of the call's tensors (floating ones cast to ``cast`` if given; those that
+    required grad, else the first floating one, become leaves that require grad), everything else
+    deep-copied (caches are written to)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     floating = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     want = [i for i in floating if leaves[i].requires_grad] or floating[:1]
@@ -277,7 +288,7 @@ def _copy_inputs(args: tuple, kwargs: dict) -> Tuple[tuple, dict, List[torch.Ten
     out, diff = [], []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            t = leaf.detach().clone()
+            t = leaf.detach().clone() if cast is None or not leaf.is_floating_point() else leaf.detach().to(cast)
             if i in want:
                 t.requires_grad_(True)
                 diff.append(t)
@@ -424,12 +435,20 @@ def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple
         result.status, result.reason = "skipped", "runs sequence-parallel (the plain-TP plan is audited)"
         return
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-    tol = result.tolerance = relative_tolerance(dtype)
+    cast: Optional[torch.dtype] = None
+    if dtype in (torch.bfloat16, torch.float16):
+        # A plan's faults do not depend on the precision, but 8-bit rounding through a ReLU or a softmax
+        # moves gradients by ~20% (measured: OPT's fc1 in bfloat16, TP vs dense): audit a float32 copy
+        # of the region (its TP groups shared), where TP and dense agree to ~1e-6.
+        module, cast = _float32_copy(module), torch.float32
+        region = replace(region, module=module)
+        result.note = f"audited in float32 (the model is {str(dtype).replace('torch.', '')})"
+    tol = result.tolerance = relative_tolerance(cast or dtype)
     split_in, split_out = region.split
     failure, tp_error = "", None
     with _Quiet(module):
-        a1, k1, diff1 = _copy_inputs(args, kwargs)
-        a2, k2, diff2 = _copy_inputs(args, kwargs)
+        a1, k1, diff1 = _copy_inputs(args, kwargs, cast)
+        a2, k2, diff2 = _copy_inputs(args, kwargs, cast)
         if split_in:  # a row layer alone: its dense twin takes the gathered input
             a2, k2, diff2 = _gather_first(a2, k2, tp)
         padded: List[int] = []  # a split output's last dim, every rank's shards side by side (padding included)
@@ -460,7 +479,7 @@ def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple
             raise tp_error
         if tp_error is not None:
             failure = (f"it raises when sharded but not dense: {type(tp_error).__name__}: {tp_error}\n"
-                       + _hints(region, tp, None, []))
+                       + _hints(region, tp, True, []))
         else:
             if split_out:  # this rank's columns of the output, gathered (vocabulary padding cut)
                 tp_out = all_gather_tensor(tp_out.contiguous(), -1, group=tp)[..., :dense_out.shape[-1]]
@@ -513,7 +532,8 @@ def _compare(region: _Region, result: RegionAudit, tp: TPGroup, tol: float, tp_r
              + ", ".join(f"{k} {v:.1e}" for k, v in sorted(bad.items(), key=lambda kv: -kv[1])[:4]) + ")"]
     partial = [n for n, s in zip(replicated, summed) if f"gradient of '{n}'" in bad
                and _relative_error(s, twin_dense[n], floor) <= tol]
-    return "\n".join(lines) + "\n" + _hints(region, tp, tp_out, partial, plan_name=plan_name)
+    forward_wrong = not errors["output"] <= tol
+    return "\n".join(lines) + "\n" + _hints(region, tp, forward_wrong, partial, plan_name=plan_name)
 
 
 def _sum_over_ranks(tensors: List[torch.Tensor], tp: TPGroup) -> List[torch.Tensor]:
@@ -536,19 +556,38 @@ def _pattern(name: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
-def _hints(region: _Region, tp: TPGroup, tp_out: Optional[torch.Tensor], partial: List[str],
-           plan_name: str = "") -> str:
-    """The likely causes, read off the region's structure, most specific first."""
-    module, p = region.module, tp.size
-    causes: List[str] = []
+def _partial_hints(region: _Region, p: int, partial: List[str], plan_name: str) -> List[str]:
+    causes = []
     for n in partial:
         owner = n.rpartition(".")[0]
         qual = _pattern(f"{region.name}.{owner}" if owner else region.name)
-        how = ("plan = tplayers.auto_plan(model); plan.layers[...] = ...; tplayers.parallelize(model, plan, ...)"
+        how = ("plan = tplayers.auto_plan(model).plan; plan.layers[...] = ...; tplayers.parallelize(model, plan, ...)"
                if plan_name == "auto" else "add it to your plan")
         causes.append(f"'{n}' is whole on every rank but acts on split activations: each rank's gradient is a partial "
                       f"sum, and its sum over the {p} ranks equals the dense gradient (checked). Fix: the plan line "
                       f"\"{qual}\": \"replicate_reduce_grad\" ({how})")
+    return causes
+
+
+def _likely(causes: List[str]) -> str:
+    seen: List[str] = []
+    for c in causes:
+        if c not in seen:
+            seen.append(c)
+    return "likely cause" + ("s" if len(seen) > 1 else "") + ":\n  - " + "\n  - ".join(seen)
+
+
+def _hints(region: _Region, tp: TPGroup, forward_wrong: bool, partial: List[str], plan_name: str = "") -> str:
+    """The likely causes, read off the region's structure, most specific first. ``forward_wrong``: the
+    output differs or the forward raised (a layout or a head count); else only gradients do (a
+    replicated parameter's partial gradient)."""
+    module, p = region.module, tp.size
+    causes: List[str] = []
+    if not forward_wrong:
+        return _likely(causes + _partial_hints(region, p, partial, plan_name) or [
+            "the forward matches but gradients do not, and no replicated parameter's gradient is a plain partial "
+            "sum: a parameter or buffer the forward uses on this rank's shard only (check_replicas may tell)"])
+    causes += _partial_hints(region, p, partial, plan_name)
     heads: Dict[str, int] = {}
     for rel, attrs in region.originals.items():
         for attr, value in attrs.items():
@@ -581,10 +620,11 @@ def _hints(region: _Region, tp: TPGroup, tp_out: Optional[torch.Tensor], partial
     for rel, m in mods.items():
         if isinstance(m, ColumnParallelLinear) and not m.gather_output and not isinstance(m, FusedColumnParallelLinear):
             out_f, in_f = m.out_features, m.in_features
-            if _FUSED_NAMES.search(rel.rpartition(".")[2]) or out_f in (2 * in_f, 3 * in_f):
+            leaf = rel.rpartition(".")[2]
+            if _FUSED_NAMES.search(leaf) or (out_f == 3 * in_f and not _MLP_NAMES.search(leaf)):
                 causes.append(f"'{rel}' ({in_f} -> {out_f}) looks fused ([q; k; v] or [gate; up]) but is split as one "
                               "block ('column'): rank 0 gets all of q and part of k. Use \"fused_qkv\", "
-                              "Column(parts=[...]) or FusedQKV(heads=..., kv_heads=...)")
+                              "Column(parts=[...]) or tplayers.convert.FusedQKV(heads=..., kv_heads=...)")
     for rel, attrs in region.originals.items():
         for attr, value in attrs.items():
             if isinstance(value, int) and _WIDTH_ATTR.match(attr):
@@ -598,11 +638,7 @@ def _hints(region: _Region, tp: TPGroup, tp_out: Optional[torch.Tensor], partial
     if not causes:
         causes.append("no structural cause recognised: compare the region's forward with the plan (which tensors it "
                       "reshapes with dense sizes, which parameters act on split activations)")
-    seen: List[str] = []
-    for c in causes:
-        if c not in seen:
-            seen.append(c)
-    return "likely cause" + ("s" if len(seen) > 1 else "") + ":\n  - " + "\n  - ".join(seen)
+    return _likely(causes)
 
 
 # ---------------------------------------------------------------------------------------------------
