@@ -4,18 +4,21 @@
     tplayers.parallelize(model, {"*.fc1": "column", "*.fc2": "row"}, group=tp_group)
 
 match (each module -> the first plan pattern naming it) -> check (every style builds its result,
-head-count attributes, tied parameters: nothing in the model changes yet, so an error leaves it
-untouched) -> swap (replacements put in place, attributes changed, ties restored) -> hooks (each
-``Built.finish``). Errors name the module.
+head-count attributes, tied parameters, row layers something feeds: nothing in the model changes
+yet, so an error leaves it untouched) -> swap (replacements put in place, attributes changed, ties
+restored) -> hooks (each ``Built.finish``, then the audit's first-forward hooks: see
+:mod:`tplayers.convert.audit`). Errors name the module.
 
 Style names (``STYLE_NAMES`` in :mod:`tplayers.convert.plan`):
 
     "column"           ColumnParallelLinear, output stays sharded (feeds a "row" or heads)
     "column_gather"    ColumnParallelLinear(gather_output=True): full output (e.g. an LM head)
     "fused_qkv"        column split per component of an equal-thirds fused [q; k; v] projection
+    FusedQKV(heads=..) a fused [q; k; v] split by whole heads (counts or attribute paths; KV replicas)
     Column(parts=..)   column split per component of any fused projection (gate/up, GQA qkv)
     "kv_column"        K/V projection of GQA: split by KV heads, or replicated KV heads when there
-                       are fewer than ranks (KVColumn reads the count from the parent attention)
+                       are fewer than ranks (KVColumn(kv_heads=...): the count, or the attention's
+                       attribute holding it; default HF's config.num_key_value_heads)
     "row"              RowParallelLinear, input sharded on the last dim, full output
     "vocab_embedding"  VocabParallelEmbedding (rows of the table split across ranks)
     "vocab_head"       ParallelLMHead(gather_output=True): an LM head split like the embedding
