@@ -47,6 +47,21 @@ def test_verify_in_process_tp1_and_2(capsys):
     assert "8/8 checks passed" in out
 
 
+def test_verify_checks_your_own_model_and_plan(capsys, monkeypatch):
+    """--model / --plan: examples/own_model.py's right plan passes at TP 1 and 2, its wrong one (the fused
+    c_attn as a plain column) fails with the audit's cause. Imported from the working directory."""
+    monkeypatch.chdir(ROOT)
+    rc = main(["verify", "--tp", "1,2", "--model", "examples.own_model:build", "--plan", "examples.own_model:PLAN"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "2/2 checks passed" in out, out
+    rc = main(["verify", "--tp", "2", "--model", "examples.own_model:build", "--plan", "examples.own_model:WRONG_PLAN"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "AuditError" in out and "looks fused" in out and "likely cause" in out, out
+    assert main(["verify", "--plan", "examples.own_model:PLAN"]) == 2  # --plan without --model
+    rc = main(["verify", "--tp", "1", "--model", "examples.own_model:missing"])
+    assert rc == 1 and "has no 'missing'" in capsys.readouterr().out
+
+
 def test_verify_subprocess_default_tp2():
     proc = subprocess.run([sys.executable, "-m", "tplayers", "verify", "--tp", "2"], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=120)

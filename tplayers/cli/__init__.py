@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--rtol", type=float, default=None, help="override the dtype's default rtol")
     v.add_argument("--atol", type=float, default=None, help="override the dtype's default atol")
     v.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    v.add_argument("--model", metavar="PKG.MODULE:BUILD", default=None,
+                   help="check your own model instead: BUILD() returns (a tiny dense model, example inputs); it is "
+                        "parallelized with --plan and audited region by region against its dense twin")
+    v.add_argument("--plan", metavar="PKG.MODULE:PLAN", default=None,
+                   help="the plan for --model (a dict, a Plan or a shipped plan's name; default 'auto')")
 
     from ..bench.overlap import LAYER_SHAPES, MODES, SHAPES
 
@@ -143,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _verify(args: argparse.Namespace) -> int:
     from . import verify as V
 
-    checks = V.select_checks(args.only)
+    if args.plan and not args.model:
+        print("tplayers verify: --plan goes with --model", file=sys.stderr)
+        return 2
+    checks = V.select_checks(args.only) if not args.model else [V.Check("model", args.model, V.user_model_check)]
     if args.list:
         _print("\n".join(c.name for c in V.CHECKS))
         return 0
@@ -152,7 +160,7 @@ def _verify(args: argparse.Namespace) -> int:
         return 2
     progress = args.progress if args.progress is not None else (sys.stderr.isatty() and not args.json)
     cfg = V.VerifyConfig(dtype=args.dtype, device=args.device, seed=args.seed, rtol=args.rtol, atol=args.atol,
-                         progress=progress)
+                         progress=progress, model=args.model, plan=args.plan)
     names = [c.name for c in checks]
     sizes = args.tp or [None]
     if under_torchrun() and len(sizes) > 1:
@@ -172,12 +180,15 @@ def _verify(args: argparse.Namespace) -> int:
         else:
             low_precision = DTYPES[args.dtype] in V.LOW_PRECISION  # per-check tolerances: a column
             tol = ("--rtol/--atol" if args.rtol is not None or args.atol is not None else
+                   "the audit's, relative to scale" if args.model else
                    "default_tolerance(dtype)" + (" x per-check scale" if low_precision else ""))
             count = f"{len(names)} checks" + (f" x {len(sizes)} TP sizes = {len(names) * len(sizes)}"
                                                if len(sizes) > 1 else "")
             _print(f"tplayers verify: {count}, dtype={args.dtype}, device={args.device}, "
                    f"tolerance {tol}; reference: dense torch.nn, same weights")
             _print(V.format_table(results, tolerances=low_precision))
+            if args.model:  # the audit's whole message: the region, the worst tensor, the likely cause
+                _print("\n".join(f"\nTP {r.tp}: {r.message}" for r in results if not r.passed and r.message))
     return V.exit_code(results)
 
 

@@ -31,6 +31,8 @@ class VerifyConfig:
     atol: Optional[float] = None
     tol_scale: float = 1.0  # set per check by run_checks (Check.tol_scale)
     progress: bool = False  # a progress bar on rank 0's stderr
+    model: Optional[str] = None  # --model pkg.module:build (your own model; see tplayers.cli.verify.user_model_check)
+    plan: Optional[str] = None  # --plan pkg.module:PLAN (default "auto")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -5,20 +5,29 @@ the ranks agree on each result, so the table and the exit status are the same ev
 """
 from __future__ import annotations
 
+import copy
+import importlib
 import math
+import os
+import sys
 from dataclasses import replace
 from typing import Any, Dict, Iterable, List, Sequence
 
 import torch
+import torch.nn as nn
 
 from ..bench.timing import Progress
 from ..core.comm import all_gather_tensor
+from ..convert.audit import audit
+from ..convert.parallelize import parallelize
 from ..core.groups import TPGroup, resolve_group
+from ..testing.dense_match import MatchReport
 from . import checks  # noqa: F401  (registers every check)
 from .registry import CHECKS, LOW_PRECISION, Check, CheckResult, VerifyConfig, register, select_checks, tolerance
 
 __all__ = ["VerifyConfig", "Check", "CheckResult", "CHECKS", "register", "select_checks", "run_checks", "tolerance",
-           "LOW_PRECISION", "merge_rank_results", "format_table", "report_json", "exit_code", "SCHEMA"]
+           "LOW_PRECISION", "merge_rank_results", "format_table", "report_json", "exit_code", "SCHEMA",
+           "user_model_check", "load_object"]
 
 SCHEMA = "tplayers-verify/2"  # /2 added rtol and atol to each result; every /1 key is unchanged
 
@@ -42,10 +51,70 @@ def _attempt(check: Check, g: TPGroup, cfg: VerifyConfig) -> tuple:
         return math.nan, math.nan, f"{type(e).__name__}: {e}"
 
 
+def load_object(spec: str, what: str) -> Any:
+    """``pkg.module:name`` (``name`` may be dotted) imported from the current directory or sys.path."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{what} '{spec}': expected 'pkg.module:name'")
+    if os.getcwd() not in sys.path:  # as `python -m`: the user's own package, from where they run
+        sys.path.insert(0, os.getcwd())
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{what} '{spec}': {module_name} has no '{attr}'")
+        obj = getattr(obj, part)
+    return obj
+
+
+def user_model_check(group: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    """Your own model and plan: ``build()`` (from ``--model``) returns ``(model, example_inputs)``, a
+    tiny dense instance and its inputs (a tensor or a tuple), called under the same seed on every
+    rank; the model is parallelized with ``--plan`` (default "auto") and audited region by region
+    (:mod:`tplayers.convert.audit`), then its whole output compared with the dense model's."""
+    build = load_object(cfg.model, "--model")
+    plan = load_object(cfg.plan, "--plan") if cfg.plan else "auto"
+    built = build()
+    if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
+        raise TypeError(f"--model {cfg.model}: build() must return (model, example_inputs), got {type(built).__name__}")
+    model, inputs = built
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    device, dtype = cfg.torch_device(), cfg.torch_dtype
+    model = model.to(device=device, dtype=dtype)
+    inputs = tuple(t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                   if isinstance(t, torch.Tensor) else t for t in inputs)
+    dense = copy.deepcopy(model)
+    parallelize(model, plan, group=group, audit=False)
+    report = audit(model, *inputs)  # AuditError on a mismatch, on every rank
+    with torch.no_grad():
+        out, want = _first_tensor(model(*inputs)), _first_tensor(dense(*inputs))
+    scale = float(want.abs().max()) or 1.0
+    out_err = float((out.double() - want.double()).abs().max()) / scale
+    audited = [r for r in report.regions if r.status == "passed"]
+    if not audited:
+        raise AssertionError(f"--model {cfg.model}: no region was audited:\n{report}")
+    limit = max(r.tolerance for r in audited)
+    if not out_err <= limit:
+        raise AssertionError(f"the whole model's output differs from the dense model's: relative error {out_err:.2e} "
+                             f"> {limit:g}, although every region passed (something outside the regions)")
+    grad = max(v for r in audited for k, v in r.errors.items() if "gradient" in k) if audited else 0.0
+    return MatchReport(output_error=out_err, param_grad_error=grad)
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    from torch.utils import _pytree as pytree
+    t = next((x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
+    if t is None:
+        raise TypeError("the model's output holds no floating-point tensor")
+    return t
+
+
 def run_checks(group: Any, names: Sequence[str], cfg: VerifyConfig) -> List[CheckResult]:
     """Run the named checks on this rank (collective: every rank of ``group`` calls it)."""
     g = resolve_group(group)
     by_name = {c.name: c for c in CHECKS}
+    if cfg.model:  # registered here, in the rank's process, from the spec
+        check = Check("model", cfg.model, user_model_check)
+        by_name[check.name] = check
     device = cfg.torch_device()
     results = []
     bar = Progress(len(names), f"verify tp={g.size}", cfg.progress and g.rank == 0)
