@@ -364,7 +364,7 @@ def _run(module: nn.Module, args: tuple, kwargs: dict, diff: List[torch.Tensor],
 def _random_like(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     """The output gradient both runs backpropagate: the same on every rank (fixed seed)."""
     gen = torch.Generator().manual_seed(0)
-    return torch.randn(tuple(shape), generator=gen, dtype=torch.float64).to(like.dtype).to(like.device)
+    return torch.randn(tuple(shape), generator=gen, dtype=like.dtype).to(like.device)
 
 
 def _last_dim_shard(full: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -409,7 +409,8 @@ def _relative_error(actual: Optional[torch.Tensor], expected: Optional[torch.Ten
         return 0.0 if scale == 0.0 else scale / max(scale, floor)
     if actual.shape != expected.shape:
         return float("inf")
-    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    dtype = torch.promote_types(torch.promote_types(actual.dtype, expected.dtype), torch.float32)
+    a, e = actual.detach().to(dtype), expected.detach().to(dtype)  # no copy for float32 / float64
     scale = max(float(torch.maximum(a.abs().max(), e.abs().max())) if a.numel() else 0.0, floor)
     if scale == 0.0:
         return 0.0
