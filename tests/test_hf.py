@@ -186,6 +186,8 @@ def _check_sequence_parallel(group, family: str):
     model = tplayers.parallelize(copy.deepcopy(dense), family, group=group, sequence_parallel=True)
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     _assert_lm_matches(model, dense, ids)
+    audit = tplayers.coverage(model).audit  # the sequence-parallel regions too: (b, s/p, h) in and out
+    assert all(r.status == "passed" for r in audit.regions), str(audit)
     return True
 
 

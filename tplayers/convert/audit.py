@@ -10,7 +10,8 @@ runs, and trains wrong. So the first forward after ``parallelize`` checks it:
   column -> row pair (an attention, an MLP), or a TP layer that is whole on both sides on its own
   (the embedding, the LM head). Regions of the same structure (every decoder layer's attention) are
   audited once, on the first instance the forward reaches.
-- At that instance's first call (a forward pre-hook), before the forward goes on: its inputs are
+- At that instance's first call with autograd on (a forward pre-hook; forwards under ``no_grad``,
+  such as ``generate``, wait for the first training step), before the forward goes on: its inputs are
   copied (tensors detached, caches deep-copied, so the real forward is untouched); the TP region runs
   forward and backward on them (``autograd.grad``: no ``.grad`` written); its **dense twin** (a copy
   of the region with every TP layer replaced by its ``to_dense()``, the attributes ``parallelize``
@@ -32,6 +33,7 @@ that region's dense weights and activations while it runs; nothing afterwards.
 from __future__ import annotations
 
 import copy
+import os
 import re
 import warnings
 from dataclasses import dataclass, field, replace
@@ -184,17 +186,23 @@ class _Region:
     added_hooks: Dict[str, Set[int]] = field(default_factory=dict)  # relative path -> hook ids parallelize added
     signature: Tuple = ()
     split: Tuple[bool, bool] = (False, False)  # a layer alone: its input / output split on the last dim
+    enters_sequence: bool = False  # under sequence parallelism: the region cuts its input along the sequence
+    leaves_sequence: bool = False  # ... or gathers its output (so that side is whole)
 
 
 class Auditor:
     """The regions of one ``parallelize`` call and their audit state (stored on the model)."""
 
     def __init__(self, model: nn.Module, names: List[str], tp: TPGroup, plan_name: str,
-                 io: Dict[str, Tuple[bool, bool]]) -> None:
+                 io: Dict[str, Tuple[bool, bool]], sequence_marks: Dict[str, str]) -> None:
         modules = dict(model.named_modules())
         self.tp, self.plan_name, self.model_name = tp, plan_name, type(model).__name__
+
+        def marked(region: str, mark: str) -> bool:
+            return any(_inside(n, region) for n, m in sequence_marks.items() if m == mark)
         self.regions = [_Region(n, modules[n], {rel: _simple_attrs(m) for rel, m in modules[n].named_modules()},
-                                split=io.get(n, (False, False))) for n in names]
+                                split=io.get(n, (False, False)), enters_sequence=marked(n, "enter_sequence"),
+                                leaves_sequence=marked(n, "leave_sequence")) for n in names]
         self._hooks_before: Dict[int, Set[int]] = {}
         self.handles: List[Any] = []
         self.report: Optional[AuditReport] = None
@@ -242,8 +250,8 @@ class Auditor:
     def _hook(self, region: _Region) -> Any:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             result = self.results[region.signature]
-            if result.status != "pending" or self.active:
-                return
+            if result.status != "pending" or self.active or not torch.is_grad_enabled():
+                return  # a forward under no_grad (generate, evaluation) waits for the first training step
             if torch.compiler.is_compiling():
                 raise AuditError(f"tplayers audit: region '{region.name}' is reached first inside torch.compile: run "
                                  "one eager forward first, or tplayers.audit(model, *example_inputs) before compiling, "
@@ -303,14 +311,28 @@ def _copy_inputs(args: tuple, kwargs: dict, cast: Optional[torch.dtype] = None
     return a, k, diff
 
 
-def _gather_first(args: tuple, kwargs: dict, tp: TPGroup) -> Tuple[tuple, dict, List[torch.Tensor]]:
-    """The call with its first floating tensor all-gathered along the last dim (a leaf requiring grad)."""
+def _gather_first(args: tuple, kwargs: dict, tp: TPGroup, dim: int) -> Tuple[tuple, dict, List[torch.Tensor]]:
+    """The call with its first floating tensor all-gathered along ``dim`` (a leaf requiring grad)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     i = next(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point())
-    leaves[i] = all_gather_tensor(leaves[i].detach().contiguous(), -1, group=tp).requires_grad_(True)
+    leaves[i] = all_gather_tensor(leaves[i].detach().contiguous(), dim, group=tp).requires_grad_(True)
     diff = [leaves[i]] + [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t is not leaves[i]]
     a, k = pytree.tree_unflatten(leaves, spec)
     return a, k, diff
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _refused_by_tplayers(e: BaseException) -> bool:
+    """An input error raised by tplayers itself (a sequence length that does not divide, an id out of
+    range): the forward would raise it anyway, with its own clear message."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = os.path.abspath(tb.tb_frame.f_code.co_filename) if tb is not None else ""
+    return isinstance(e, (ValueError, IndexError, TypeError)) and where.startswith(_PACKAGE + os.sep) \
+        and where != os.path.abspath(__file__)
 
 
 def _first_float(tree: Any) -> Optional[torch.Tensor]:
@@ -365,10 +387,6 @@ def _random_like(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     """The output gradient both runs backpropagate: the same on every rank (fixed seed)."""
     gen = torch.Generator().manual_seed(0)
     return torch.randn(tuple(shape), generator=gen, dtype=like.dtype).to(like.device)
-
-
-def _last_dim_shard(full: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return full.chunk(tp.size, dim=-1)[tp.rank].contiguous()
 
 
 def _dense_twin(region: _Region) -> nn.Module:
@@ -432,8 +450,8 @@ def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple
         result.reason = "its parameters are DTensors (FSDP2 / DTensor): run tplayers.audit(model, *inputs) before fully_shard"
         warnings.warn(f"tplayers audit: region '{region.name}' not audited: {result.reason}", stacklevel=4)
         return
-    if any(getattr(m, "sequence_parallel", False) for m in module.modules()):
-        result.status, result.reason = "skipped", "runs sequence-parallel (the plain-TP plan is audited)"
+    if any(getattr(m, "sequence_parallel", False) for m in module.modules()) and any(region.split):
+        result.status, result.reason = "skipped", "a sequence-parallel layer alone"
         return
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     cast: Optional[torch.dtype] = None
@@ -445,29 +463,49 @@ def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple
         region = replace(region, module=module)
         result.note = f"audited in float32 (the model is {str(dtype).replace('torch.', '')})"
     tol = result.tolerance = relative_tolerance(cast or dtype)
-    split_in, split_out = region.split
     failure, tp_error = "", None
     with _Quiet(module):
         a1, k1, diff1 = _copy_inputs(args, kwargs, cast)
         a2, k2, diff2 = _copy_inputs(args, kwargs, cast)
-        if split_in:  # a row layer alone: its dense twin takes the gathered input
-            a2, k2, diff2 = _gather_first(a2, k2, tp)
-        padded: List[int] = []  # a split output's last dim, every rank's shards side by side (padding included)
+        padded: List[int] = []  # a split output's full size, every rank's shards side by side (padding included)
+        dims: List[Optional[int]] = []  # (input dim, output dim) split on this rank, once the TP forward ran
+
+        def split_dims() -> List[Optional[int]]:
+            # Which side of the region is split, along which dim: a layer alone on the last dim (its partner
+            # is the user's code); a region running sequence-parallel takes and gives (b, s/p, h), unless it
+            # enters or leaves the sequence-parallel stream. Read after the TP forward: the hook entering the
+            # stream decides, per forward, whether it is on.
+            if not dims:
+                dims.extend([-1 if region.split[0] else None, -1 if region.split[1] else None])
+                if any(getattr(m, "sequence_parallel", False) for m in module.modules()):
+                    dims[:] = [None if region.enters_sequence else -2, None if region.leaves_sequence else -2]
+            return dims
 
         def tp_grad(out: torch.Tensor) -> torch.Tensor:
-            if not split_out:
+            out_dim = split_dims()[1]
+            if out_dim is None:
                 return _random_like(out.shape, out)
-            padded.append(out.shape[-1] * tp.size)
-            return _last_dim_shard(_random_like((*out.shape[:-1], padded[0]), out), tp)
+            padded.append(out.shape[out_dim] * tp.size)
+            full = list(out.shape)
+            full[out_dim] = padded[0]
+            return _random_like(full, out).chunk(tp.size, dim=out_dim)[tp.rank].contiguous()
 
         def dense_grad(out: torch.Tensor) -> torch.Tensor:
-            if not split_out:
+            out_dim = dims[1]
+            if out_dim is None:
                 return _random_like(out.shape, out)
-            return _random_like((*out.shape[:-1], max(padded[0], out.shape[-1])), out)[..., :out.shape[-1]]
+            full = list(out.shape)
+            full[out_dim] = max(padded[0], out.shape[out_dim])
+            return _random_like(full, out).narrow(out_dim, 0, out.shape[out_dim])
         try:
             tp_out, tp_in_grads, tp_grads = _run(module, a1, k1, diff1, tp_grad)
         except Exception as e:  # noqa: BLE001 - re-raised below with the dense twin's verdict
+            if _refused_by_tplayers(e):  # a check of tplayers' own refused this input: its message says why
+                raise
             tp_error, padded = e, padded or [0]
+        in_dim, out_dim = split_dims()
+        if in_dim is not None:  # the dense twin takes the whole input
+            a2, k2, diff2 = _gather_first(a2, k2, tp, in_dim)
         try:
             twin = _dense_twin(region)
             with _Quiet(twin):
@@ -482,10 +520,11 @@ def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple
             failure = (f"it raises when sharded but not dense: {type(tp_error).__name__}: {tp_error}\n"
                        + _hints(region, tp, True, []))
         else:
-            if split_out:  # this rank's columns of the output, gathered (vocabulary padding cut)
-                tp_out = all_gather_tensor(tp_out.contiguous(), -1, group=tp)[..., :dense_out.shape[-1]]
-            if split_in:
-                tp_in_grads = [all_gather_tensor(g.contiguous(), -1, group=tp) if g is not None and i == 0 else g
+            if out_dim is not None:  # every rank's part of the output, gathered (vocabulary padding cut)
+                tp_out = all_gather_tensor(tp_out.contiguous(), out_dim, group=tp)
+                tp_out = tp_out.narrow(out_dim, 0, dense_out.shape[out_dim])
+            if in_dim is not None:
+                tp_in_grads = [all_gather_tensor(g.contiguous(), in_dim, group=tp) if g is not None and i == 0 else g
                                for i, g in enumerate(tp_in_grads)]
             failure = _compare(region, result, tp, tol, (tp_out, tp_in_grads, tp_grads),
                                (dense_out, dense_in_grads, dense_grads, twin), plan_name)
@@ -647,7 +686,7 @@ def _hints(region: _Region, tp: TPGroup, forward_wrong: bool, partial: List[str]
 
 
 def audit(model: nn.Module, *args: Any, **kwargs: Any) -> AuditReport:
-    """Run the audit now: ``model(*args, **kwargs)`` once (no gradient recorded), auditing each
+    """Run the audit now: ``model(*args, **kwargs)`` once (with autograd on, no backward), auditing each
     distinct region at its first call; returns the :class:`AuditReport` or raises
     :class:`AuditError` on every rank. Collective: call on every rank of the TP group with the
     same inputs. Also after ``parallelize(..., audit=False)`` (e.g. eagerly, before torch.compile)."""
@@ -657,7 +696,7 @@ def audit(model: nn.Module, *args: Any, **kwargs: Any) -> AuditReport:
                          "tplayers.parallelize(model, plan, group=...) first")
     auditor.rearm()
     try:
-        with torch.no_grad():
+        with torch.enable_grad():  # as a training step's forward (hooks may depend on it); no backward
             model(*args, **kwargs)
     finally:
         auditor.disarm()

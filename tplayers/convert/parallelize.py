@@ -230,16 +230,17 @@ def _auditor(model: nn.Module, built: Dict[str, Built], styles: Dict[str, Style]
         elif (kind := _io(style, b.module)) is not None:
             io[name] = kind
     regions = find_regions(io, reduce_grad)
-    _refuse_lonely_rows(model, io, regions, plan_name, named)
-    return Auditor(model, regions, tp, plan_name, io)
+    _refuse_lonely_rows(model, io, regions, plan_name, named, tp)
+    marks = {n: b.region for n, b in built.items() if b.region is not None}  # where sequence parallelism starts, ends
+    return Auditor(model, regions, tp, plan_name, io, marks)
 
 
 def _refuse_lonely_rows(model: nn.Module, io: Dict[str, Tuple[bool, bool]], regions: List[str], plan_name: str,
-                        named: bool) -> None:
+                        named: bool, tp: TPGroup) -> None:
     """A row layer no column layer feeds takes its whole input as if it were this rank's shard: the
     forward crashes inside the model, or worse. A shipped or "auto" plan that leaves one is applied to a
     model it does not fit (the "llama" plan on fused ``qkv_proj`` / ``gate_up_proj``): refused. In a plan
-    of your own it may be meant (you split the input yourself): a warning."""
+    of your own it may be meant (you split the input yourself): a warning at TP > 1."""
     lonely = [n for n in regions if io.get(n, (False, False))[0]]
     if not lonely:
         return
@@ -249,7 +250,8 @@ def _refuse_lonely_rows(model: nn.Module, io: Dict[str, Tuple[bool, bool]], regi
     if named:
         raise ValueError(f"{msg}: the plan does not fit {type(model).__name__} (are its q/k/v or gate/up projections "
                          "fused, or named differently?); give a plan of your own")
-    warnings.warn(f"{msg}; make sure its input arrives split on the last dim", stacklevel=4)
+    if tp.size > 1:  # (a world of one splits nothing)
+        warnings.warn(f"{msg}; make sure its input arrives split on the last dim", stacklevel=4)
 
 
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
