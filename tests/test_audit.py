@@ -221,20 +221,48 @@ def test_audit_off_switch_and_on_demand():
 
 
 def _rng_untouched(group):
-    """The audit runs under a forked RNG: a model with dropout draws the same masks with and without it."""
-    outs = []
+    """The audit runs under a forked RNG and writes no .grad: a model with dropout draws the same masks,
+    and accumulates the same gradients over two micro-batches, with and without it."""
+    outs, grads, reports = [], [], []
     for audit in (True, False):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.GELU(), nn.Linear(16, 8)).double().train()
         tplayers.parallelize(model, {"0": "column", "3": "row"}, group=group, audit=audit)
         torch.manual_seed(5)
-        outs.append(model(torch.ones(3, 8, dtype=torch.float64)))
-    return bool(torch.equal(outs[0], outs[1])), str(tplayers.coverage(model).audit)
+        for _ in range(2):  # gradient accumulation
+            out = model(torch.ones(3, 8, dtype=torch.float64))
+            out.sum().backward()
+        outs.append(out.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        reports.append(tplayers.coverage(model).audit.regions[0].status)
+    same_grads = all(torch.equal(a, b) for a, b in zip(*grads))
+    return bool(torch.equal(outs[0], outs[1])), same_grads, reports
 
 
-def test_audit_keeps_the_random_stream_and_audits_in_eval_mode():
-    for same, _ in get_world(2).run(_rng_untouched):
-        assert same
+def test_audit_keeps_the_random_stream_and_the_gradients():
+    for same_out, same_grads, reports in get_world(2).run(_rng_untouched):
+        assert same_out and same_grads and reports == ["passed", "pending"]
+
+
+def _under_autocast(group, plan):
+    """A float32 model whose first step runs under CPU autocast (bfloat16 matmuls): the audit runs its
+    regions with autocast off, so it neither raises a false alarm nor lets a wrong plan through."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    idx = torch.randint(0, 50, (B, T))
+    tplayers.parallelize(model, plan, group=group)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx).float().square().mean().backward()
+    except tplayers.AuditError as e:
+        return str(e)
+    return tplayers.coverage(model).audit.passed
+
+
+def test_audit_under_autocast():
+    assert get_world(2).run(_under_autocast, Plan(RIGHT, divide_attrs=HEADS)) == [True, True]
+    for message in get_world(2).run(_under_autocast, Plan({**RIGHT, "h.*.attn.c_attn": "column"}, divide_attrs=HEADS)):
+        assert "looks fused" in message
 
 
 def _tied_model_matches_dense(group):

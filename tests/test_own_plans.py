@@ -153,3 +153,33 @@ def test_shipped_plan_that_does_not_fit_is_refused_before_the_forward():
     for message, untouched in get_world(2).run(_shipped_plan_on_a_model_it_does_not_fit):
         assert message is not None and "does not fit Phi3ForCausalLM" in message and "o_proj" in message, message
         assert untouched
+
+
+def _local_kv(attn, p):
+    return {"n_kv_heads": max(1, attn.n_kv_heads // p)}  # fewer KV heads than ranks: one (replicated) per rank
+
+
+def _gpt_plan(swiglu: bool) -> Plan:
+    """tplayers' own dense GPT (models/dense.py) through parallelize, as a user would plan it."""
+    return Plan({"embed": "vocab_embedding", "head": "vocab_head",
+                 "blocks.*.attn.qkv": FusedQKV(heads="n_heads", kv_heads="n_kv_heads"), "blocks.*.attn.proj": "row",
+                 "blocks.*.mlp.fc1": tplayers.convert.Column(parts=2) if swiglu else "column",
+                 "blocks.*.mlp.fc2": "row"},
+                divide_attrs={"blocks.*.attn": ("n_heads",)}, set_attrs={"blocks.*.attn": _local_kv})
+
+
+def _dense_gpt_through_parallelize(group, swiglu: bool, kv_heads: int):
+    from tplayers.models.dense import DenseGPT
+
+    config = tplayers.GPTConfig(hidden=32, n_heads=4, n_kv_heads=kv_heads, ffn_hidden=64, vocab_size=50,
+                                activation="swiglu" if swiglu else "gelu", norm="rmsnorm" if swiglu else "layernorm")
+    return _matches_dense(group, lambda: DenseGPT(config), _gpt_plan(swiglu))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("swiglu,kv_heads", [(False, 4), (True, 2)])
+def test_the_dense_gpt_through_parallelize_passes_the_audit(tp, swiglu, kv_heads):
+    """The suite's own GPT (GELU multi-head; SwiGLU with 2 KV heads, replicated at TP 4) converted with a
+    plan: no false alarm from the audit, and the dense model's logits and gradients."""
+    for out_err, grad_err, audited in get_world(tp).run(_dense_gpt_through_parallelize, swiglu, kv_heads):
+        assert out_err < 1e-12 and grad_err < 1e-12 and audited

@@ -340,8 +340,8 @@ def _first_float(tree: Any) -> Optional[torch.Tensor]:
 
 
 class _Quiet:
-    """Eval mode, no delayed weight gradients or main_grad accumulation, a forked RNG: the audit's
-    runs leave the model, its buffers and the training's random stream as they were."""
+    """Eval mode, no delayed weight gradients or main_grad accumulation, a forked RNG, autocast off:
+    the audit's runs leave the model, its buffers and the training's random stream as they were."""
 
     def __init__(self, *modules: nn.Module) -> None:
         self.modules = modules
@@ -361,9 +361,17 @@ class _Quiet:
         self.rng.__enter__()
         self.grad = torch.enable_grad()
         self.grad.__enter__()
+        # autocast off: a plan's faults do not depend on the precision, and mixed-precision rounding
+        # would hide them under a loose tolerance (the region runs in its parameters' dtype)
+        self.autocast = [torch.autocast(d, enabled=False) for d in ("cpu", "cuda")
+                         if d == "cpu" or torch.cuda.is_available()]
+        for a in self.autocast:
+            a.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        for a in reversed(self.autocast):
+            a.__exit__(*exc)
         self.grad.__exit__(*exc)
         self.rng.__exit__(*exc)
         for m, attr, value in self.saved:
