@@ -150,6 +150,8 @@ def _meta_then_load(group, src_dir: str):
     tplayers.load_dense(model, src_dir)
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-9, atol=1e-9)
+    audit = tplayers.coverage(model).audit  # parallelized on meta: audited at the first forward, once loaded
+    assert all(r.status == "passed" for r in audit.regions), str(audit)
     return model.lm_head.weight is model.transformer.wte.weight
 
 
