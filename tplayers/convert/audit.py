@@ -266,16 +266,43 @@ class Auditor:
         return pre_hook
 
 
+# attributes that number a layer: every layer has its own value, which says nothing of what it computes
+_POSITION_ATTR = re.compile(r"(idx|index|layer_id|layer_num|layer_number)$")
+
+
+def _behaviour(m: nn.Module) -> Tuple:
+    """A module's plain attributes (Gemma2's ``layer_type`` / ``sliding_window``), its layer number left out."""
+    return tuple(sorted((k, v) for k, v in vars(m).items() if type(v) in (int, float, bool, str, type(None))
+                        and k != "training" and not k.startswith("_") and not _POSITION_ATTR.search(k)))
+
+
 def _signature(module: nn.Module) -> Tuple:
-    """What makes two regions the same: module classes, parameter shapes and placements, by path."""
+    """What makes two regions the same: module classes, plain attributes, parameter shapes and
+    placements, by path (Gemma2's sliding-window and global layers are two regions)."""
     placements = model_placements(module)
-    return tuple((rel, type(m).__qualname__, tuple((n, tuple(p.shape), repr(placements.get(f"{rel}.{n}" if rel else n)))
-                                                    for n, p in m.named_parameters(recurse=False)))
+    return tuple((rel, type(m).__qualname__, _behaviour(m),
+                  tuple((n, tuple(p.shape), repr(placements.get(f"{rel}.{n}" if rel else n)))
+                        for n, p in m.named_parameters(recurse=False)))
                  for rel, m in module.named_modules())
 
 
 # ---------------------------------------------------------------------------------------------------
 # one region's audit
+
+
+def _tensors_in(obj: Any, depth: int = 6) -> List[torch.Tensor]:
+    """The tensors reachable from ``obj`` through attributes, lists, tuples and dicts (``depth`` levels)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth == 0 or isinstance(obj, (int, float, bool, str, bytes, type(None), nn.Module)):
+        return []
+    if isinstance(obj, dict):
+        children: Any = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        children = list(obj)
+    else:
+        children = list(getattr(obj, "__dict__", {}).values())
+    return [t for child in children for t in _tensors_in(child, depth - 1)]
 
 
 def _float32_copy(module: nn.Module) -> nn.Module:
@@ -306,6 +333,9 @@ def _copy_inputs(args: tuple, kwargs: dict, cast: Optional[torch.dtype] = None
             out.append(leaf)
     for i, leaf in enumerate(out):
         if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None))):
+            for t in _tensors_in(leaf):  # a KV cache may hold tensors autograd made (deepcopy refuses those)
+                memo.setdefault(id(t), t.detach().clone() if cast is None or not t.is_floating_point()
+                                else t.detach().to(cast))
             out[i] = copy.deepcopy(leaf, memo)
     a, k = pytree.tree_unflatten(out, spec)
     return a, k, diff
