@@ -41,6 +41,9 @@ def _train(group, targets, wrapper):
     for step in range(5):
         ids = torch.randint(0, VOCAB, (2, 10), generator=g)
         out_d, out_t = dense(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+        if step == 0:  # the first forward audited each region, the adapters' twins included
+            audit = tplayers.coverage(model if wrapper else model.base_model.model).audit
+            assert all(r.status == "passed" for r in audit.regions), str(audit)
         torch.testing.assert_close(out_t.logits, out_d.logits, rtol=1e-9, atol=1e-9)
         out_d.loss.backward(), out_t.loss.backward()
         grads = dense_parameters(model, grads=True)

@@ -124,6 +124,25 @@ def _refusals(group):
     return out
 
 
+def _kv_heads_as_plain_columns(group):
+    """2 KV heads at TP 4 declared "column": each rank would get half a KV head; before, the forward crashed
+    inside the model ("shape '[2, 8, -1, 8]' is invalid") and named nothing."""
+    torch.manual_seed(0)
+    plan = {**LLAMA_PLAN, "layers.*.attention.wk": "column", "layers.*.attention.wv": "column"}
+    try:
+        _matches_dense(group, TinyLlama, plan)
+    except tplayers.AuditError as e:
+        return str(e)
+    return None
+
+
+def test_kv_heads_fewer_than_ranks_as_plain_columns_is_explained():
+    for message in get_world(4).run(_kv_heads_as_plain_columns):
+        assert message is not None and "raises when sharded but not dense" in message, message
+        assert "n_kv_heads' = 2 does not divide by the TP degree 4" in message and "KVColumn(kv_heads='n_kv_heads')" \
+            in message, message
+
+
 def test_head_aware_styles_refuse_what_they_cannot_split():
     for out in get_world(2).run(_refusals):
         assert "num_heads=3 is not divisible by the TP degree 2" in out["heads"], out["heads"]

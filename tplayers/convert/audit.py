@@ -541,6 +541,9 @@ def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple
             if _refused_by_tplayers(e):  # a check of tplayers' own refused this input: its message says why
                 raise
             tp_error, padded = e, padded or [0]
+        # every rank learns whether any rank's sharded run raised, before the collectives below
+        raised = all_gather_text("" if tp_error is None else f"{type(tp_error).__name__}: {tp_error}", group=tp)
+        failed_on = next((r for r, m in enumerate(raised) if m), None)
         in_dim, out_dim = split_dims()
         if in_dim is not None:  # the dense twin takes the whole input
             a2, k2, diff2 = _gather_first(a2, k2, tp, in_dim)
@@ -550,12 +553,15 @@ def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple
                 dense_out, dense_in_grads, dense_grads = _run(twin, a2, k2, diff2, dense_grad)
         except Exception as e:  # noqa: BLE001 - no dense twin to compare with: say so, never pass silently
             result.status, result.reason = "skipped", f"its dense twin could not run ({type(e).__name__}: {e})"
-            if tp_error is None:
+            if failed_on is None:
                 warnings.warn(f"tplayers audit: region '{region.name}' not audited: {result.reason}", stacklevel=4)
                 return
-            raise tp_error
-        if tp_error is not None:
-            failure = (f"it raises when sharded but not dense: {type(tp_error).__name__}: {tp_error}\n"
+            if tp_error is not None:  # dense and sharded both fail: the model's own error, as it is
+                raise tp_error
+            raise RuntimeError(f"tplayers audit: region '{region.name}' raised on rank {failed_on}: "
+                               f"{raised[failed_on]}") from None
+        if failed_on is not None:
+            failure = (f"it raises when sharded but not dense (rank {failed_on}): {raised[failed_on]}\n"
                        + _hints(region, tp, True, []))
         else:
             if out_dim is not None:  # every rank's part of the output, gathered (vocabulary padding cut)
@@ -672,12 +678,20 @@ def _hints(region: _Region, tp: TPGroup, forward_wrong: bool, partial: List[str]
             if isinstance(value, int) and not isinstance(value, bool) and _HEAD_ATTR.search(attr):
                 heads[f"{rel}.{attr}" if rel else attr] = value
     mods = dict(module.named_modules())
-    for path, dense_value in heads.items():
+    # counts that cannot split first: they are the likelier cause when several head counts are undivided
+    for path, dense_value in sorted(heads.items(), key=lambda kv: kv[1] % p == 0):
         rel, _, attr = path.rpartition(".")
         now = getattr(mods.get(rel), attr, None)
-        if now == dense_value:
+        where = _pattern(f"{region.name}.{rel}" if rel else region.name)
+        if now == dense_value and dense_value % p:
+            causes.append(f"head count '{path}' = {dense_value} does not divide by the TP degree {p}: if these are the "
+                          f"K/V heads, split the K and V projections with KVColumn(kv_heads='{attr}') (each KV head "
+                          f"held by whole ranks: {'p / kv_heads' if dense_value < p else 'kv_heads / p'} of them), or "
+                          f"the fused projection with FusedQKV(heads=..., kv_heads='{attr}'); a plain 'column' cuts "
+                          "through heads")
+        elif now == dense_value:
             causes.append(f"head count '{path}' = {dense_value} is the dense count on every rank, but each rank holds "
-                          f"1/{p} of the heads: divide it (Plan(divide_attrs={{'{_pattern(region.name + '.' + rel if rel else region.name)}': ('{attr}',)}}))")
+                          f"1/{p} of the heads: divide it (Plan(divide_attrs={{'{where}': ('{attr}',)}}))")
         elif isinstance(now, int) and dense_value % p:
             causes.append(f"head count '{path}' was {dense_value} and is now {now} on this rank, but {dense_value} does "
                           f"not divide by the TP degree {p}: the heads cannot be split evenly")
