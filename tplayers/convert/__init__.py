@@ -6,6 +6,8 @@
     plans/          one file per model family (llama, gpt2) and the registry
     auto.py         the "auto" plan: a Hugging Face model's own tp_plan translated to tplayers styles
     audit.py        the audit: each converted region vs its dense twin at the first forward
+    twin.py         a region's dense twin, and running a region on a copy of its inputs
+    causes.py       the likely causes of an audit mismatch
     coverage.py     CoverageReport: what parallelize did to a model (tplayers.coverage(model))
     parallelize.py  the engine: match -> check -> swap -> hooks
     mesh2d.py       make_2d_mesh: (dp, tp) DeviceMesh for TP x DDP / FSDP2

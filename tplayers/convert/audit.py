@@ -27,12 +27,12 @@ runs, and trains wrong. So the first forward after ``parallelize`` checks it:
   all-gather of the verdict): it cannot hang where the model's own forward would not.
 
 Cost: one extra forward and backward of one instance per distinct region, at the first step, and
-that region's dense weights and activations while it runs; nothing afterwards.
+that region's dense weights and activations while it runs; nothing afterwards. The twin and the
+copied runs are in :mod:`tplayers.convert.twin`, the likely causes in :mod:`tplayers.convert.causes`.
 ``parallelize(..., audit=False)`` turns it off; :func:`audit` runs it on demand.
 """
 from __future__ import annotations
 
-import copy
 import os
 import re
 import warnings
@@ -41,15 +41,15 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from ..core.collectives import all_gather_tensor, all_gather_text
 from ..core.groups import TPGroup
-from ..core.placement import Replicated, Sharded
-from ..layers.base import PLACEMENTS_ATTR, TensorParallelModule, model_placements, placements_of
+from ..core.placement import Sharded
+from ..layers.base import model_placements
 from ..layers.dense_view import dense_tensors
-from ..layers.fused import FusedColumnParallelLinear
-from ..layers.linear import ColumnParallelLinear
+from .causes import likely_causes
+from .twin import (Quiet, copy_inputs, dense_twin, float32_copy, gather_first, random_like, relative_error, run_region,
+                   scale_of, within)
 
 __all__ = ["AuditError", "AuditReport", "RegionAudit", "audit", "relative_tolerance", "AUDIT_ATTR"]
 
@@ -62,12 +62,6 @@ AUDIT_ATTR = "_tplayers_auditor"
 # about half of it), above every entry.
 _RELATIVE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
-# attribute names a forward may read as a head count or a width
-_HEAD_ATTR = re.compile(r"(^|_)(n_?heads?|num_(attention_|key_value_|kv_)?heads|n_kv_heads?|n_local_heads|"
-                        r"num_heads_per_partition|heads)$")
-_WIDTH_ATTR = re.compile(r"^(n_embd|embed_dim|hidden_size|d_model|dim|n_state|all_head_size|inner_dim)$")
-_MLP_NAMES = re.compile(r"(fc|mlp|ffn|up|gate|w1|w3|dense_h_to_4h|intermediate)", re.I)
-_FUSED_NAMES = re.compile(r"(qkv|c_attn|query_key_value|wqkv|in_proj|gate_up|w13|w1_w3|fc_in_gate)", re.I)
 
 
 class AuditError(RuntimeError):
@@ -127,10 +121,6 @@ class AuditReport:
 # finding the regions (at parallelize time, before the swap)
 
 
-def _inside(name: str, ancestor: str) -> bool:
-    return ancestor == "" or name == ancestor or name.startswith(ancestor + ".")
-
-
 def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
@@ -150,7 +140,7 @@ def find_regions(io: Dict[str, Tuple[bool, bool]], reduce_grad: Sequence[str]) -
     def climb(start: str, targets: List[str]) -> str:
         a = _parent(start)
         while True:
-            if any(_inside(t, a) and t != start for t in targets):
+            if any(within(t, a) and t != start for t in targets):
                 return a
             if not a:
                 return start  # no partner anywhere: the layer alone
@@ -159,15 +149,15 @@ def find_regions(io: Dict[str, Tuple[bool, bool]], reduce_grad: Sequence[str]) -
     for r in split_in:
         found.add(climb(r, split_out))
     for c in split_out:
-        if not any(_inside(c, f) for f in found):
+        if not any(within(c, f) for f in found):
             found.add(climb(c, split_in))
     for n, (i, o) in io.items():
-        if not i and not o and not any(_inside(n, f) for f in found):
+        if not i and not o and not any(within(n, f) for f in found):
             found.add(n)
     for n in reduce_grad:
-        if not any(_inside(n, f) for f in found):
+        if not any(within(n, f) for f in found):
             found.add(_parent(n))
-    return sorted(f for f in found if not any(g != f and _inside(f, g) for g in found))
+    return sorted(f for f in found if not any(g != f and within(f, g) for g in found))
 
 
 def _simple_attrs(module: nn.Module) -> Dict[str, Any]:
@@ -199,7 +189,7 @@ class Auditor:
         self.tp, self.plan_name, self.model_name = tp, plan_name, type(model).__name__
 
         def marked(region: str, mark: str) -> bool:
-            return any(_inside(n, region) for n, m in sequence_marks.items() if m == mark)
+            return any(within(n, region) for n, m in sequence_marks.items() if m == mark)
         self.regions = [_Region(n, modules[n], {rel: _simple_attrs(m) for rel, m in modules[n].named_modules()},
                                 split=io.get(n, (False, False)), enters_sequence=marked(n, "enter_sequence"),
                                 leaves_sequence=marked(n, "leave_sequence")) for n in names]
@@ -290,67 +280,6 @@ def _signature(module: nn.Module) -> Tuple:
 # one region's audit
 
 
-def _tensors_in(obj: Any, depth: int = 6) -> List[torch.Tensor]:
-    """The tensors reachable from ``obj`` through attributes, lists, tuples and dicts (``depth`` levels)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if depth == 0 or isinstance(obj, (int, float, bool, str, bytes, type(None), nn.Module)):
-        return []
-    if isinstance(obj, dict):
-        children: Any = list(obj.values())
-    elif isinstance(obj, (list, tuple, set)):
-        children = list(obj)
-    else:
-        children = list(getattr(obj, "__dict__", {}).values())
-    return [t for child in children for t in _tensors_in(child, depth - 1)]
-
-
-def _float32_copy(module: nn.Module) -> nn.Module:
-    """A float32 copy of a TP region that still communicates over the same TP groups."""
-    memo: Dict[int, Any] = {id(m.tp): m.tp for m in module.modules() if isinstance(getattr(m, "tp", None), TPGroup)}
-    return copy.deepcopy(module, memo).float()
-
-
-def _copy_inputs(args: tuple, kwargs: dict, cast: Optional[torch.dtype] = None
-                 ) -> Tuple[tuple, dict, List[torch.Tensor]]:
-    """Detached copies of the call's tensors (floating ones cast to ``cast`` if given; those that
-    required grad, else the first floating one, become leaves that require grad), everything else
-    deep-copied (caches are written to)."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    floating = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    want = [i for i in floating if leaves[i].requires_grad] or floating[:1]
-    memo: Dict[int, Any] = {}
-    out, diff = [], []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            t = leaf.detach().clone() if cast is None or not leaf.is_floating_point() else leaf.detach().to(cast)
-            if i in want:
-                t.requires_grad_(True)
-                diff.append(t)
-            memo[id(leaf)] = t
-            out.append(t)
-        else:
-            out.append(leaf)
-    for i, leaf in enumerate(out):
-        if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None))):
-            for t in _tensors_in(leaf):  # a KV cache may hold tensors autograd made (deepcopy refuses those)
-                memo.setdefault(id(t), t.detach().clone() if cast is None or not t.is_floating_point()
-                                else t.detach().to(cast))
-            out[i] = copy.deepcopy(leaf, memo)
-    a, k = pytree.tree_unflatten(out, spec)
-    return a, k, diff
-
-
-def _gather_first(args: tuple, kwargs: dict, tp: TPGroup, dim: int) -> Tuple[tuple, dict, List[torch.Tensor]]:
-    """The call with its first floating tensor all-gathered along ``dim`` (a leaf requiring grad)."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    i = next(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point())
-    leaves[i] = all_gather_tensor(leaves[i].detach().contiguous(), dim, group=tp).requires_grad_(True)
-    diff = [leaves[i]] + [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t is not leaves[i]]
-    a, k = pytree.tree_unflatten(leaves, spec)
-    return a, k, diff
-
-
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -363,118 +292,6 @@ def _refused_by_tplayers(e: BaseException) -> bool:
     where = os.path.abspath(tb.tb_frame.f_code.co_filename) if tb is not None else ""
     return isinstance(e, (ValueError, IndexError, TypeError)) and where.startswith(_PACKAGE + os.sep) \
         and where != os.path.abspath(__file__)
-
-
-def _first_float(tree: Any) -> Optional[torch.Tensor]:
-    return next((t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
-
-
-class _Quiet:
-    """Eval mode, no delayed weight gradients or main_grad accumulation, a forked RNG, autocast off:
-    the audit's runs leave the model, its buffers and the training's random stream as they were."""
-
-    def __init__(self, *modules: nn.Module) -> None:
-        self.modules = modules
-
-    def __enter__(self) -> "_Quiet":
-        self.saved = []
-        for root in self.modules:
-            for m in root.modules():
-                self.saved.append((m, "training", m.training))
-                for attr in ("delay_wgrad", "accumulate_main_grad"):
-                    if isinstance(getattr(m, attr, None), bool):
-                        self.saved.append((m, attr, getattr(m, attr)))
-                        setattr(m, attr, False)
-                m.training = False
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        self.rng = torch.random.fork_rng(devices=devices)
-        self.rng.__enter__()
-        self.grad = torch.enable_grad()
-        self.grad.__enter__()
-        # autocast off: a plan's faults do not depend on the precision, and mixed-precision rounding
-        # would hide them under a loose tolerance (the region runs in its parameters' dtype)
-        self.autocast = [torch.autocast(d, enabled=False) for d in ("cpu", "cuda")
-                         if d == "cpu" or torch.cuda.is_available()]
-        for a in self.autocast:
-            a.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for a in reversed(self.autocast):
-            a.__exit__(*exc)
-        self.grad.__exit__(*exc)
-        self.rng.__exit__(*exc)
-        for m, attr, value in self.saved:
-            setattr(m, attr, value)
-
-
-def _run(module: nn.Module, args: tuple, kwargs: dict, diff: List[torch.Tensor], grad_for: Any
-         ) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]], Dict[int, Optional[torch.Tensor]]]:
-    """Forward, then backward of ``grad_for(output)``: (output, input grads, {id(param): grad})."""
-    out = _first_float(module(*args, **kwargs))
-    if out is None:
-        raise TypeError("its output holds no floating-point tensor to compare")
-    params = [p for p in module.parameters() if p.requires_grad]
-    targets = list(diff) + params
-    grads = torch.autograd.grad([out], targets, [grad_for(out)], allow_unused=True) if out.requires_grad and targets \
-        else [None] * len(targets)
-    return out.detach(), list(grads[:len(diff)]), {id(p): g for p, g in zip(params, grads[len(diff):])}
-
-
-def _random_like(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-    """The output gradient both runs backpropagate: the same on every rank (fixed seed)."""
-    gen = torch.Generator().manual_seed(0)
-    return torch.randn(tuple(shape), generator=gen, dtype=like.dtype).to(like.device)
-
-
-def _dense_twin(region: _Region) -> nn.Module:
-    """The region with every TP layer replaced by its ``to_dense()`` (collective, in module order),
-    its attributes as they were before ``parallelize`` and without the hooks ``parallelize`` added."""
-    memo: Dict[int, Any] = {}
-    outer: List[str] = []
-    for rel, m in region.module.named_modules():
-        if isinstance(m, TensorParallelModule) and not any(_inside(rel, o) for o in outer):
-            outer.append(rel)
-            memo[id(m)] = m.to_dense()
-    if "" in outer:
-        return memo[id(region.module)]
-    twin = copy.deepcopy(region.module, memo)
-    for rel, m in twin.named_modules():
-        for hook_id in region.added_hooks.get(rel, ()):
-            for hooks in (m._forward_pre_hooks, m._forward_hooks, m._forward_pre_hooks_with_kwargs,
-                          m._forward_hooks_with_kwargs, m._forward_hooks_always_called):
-                hooks.pop(hook_id, None)
-        if PLACEMENTS_ATTR in vars(m):
-            delattr(m, PLACEMENTS_ATTR)
-        for attr, value in region.originals.get(rel, {}).items():
-            if attr in vars(m) and vars(m)[attr] != value:
-                setattr(m, attr, value)
-    for p in twin.parameters():
-        p.grad = None
-    return twin
-
-
-def _relative_error(actual: Optional[torch.Tensor], expected: Optional[torch.Tensor], floor: float = 0.0) -> float:
-    """max|actual - expected| / max(max|actual|, max|expected|, floor). ``floor``: below it a tensor is
-    noise (the gradient of a key bias, zero in exact arithmetic, is ~1e-17 on both sides and differs)."""
-    if actual is None and expected is None:
-        return 0.0
-    if actual is None or expected is None:
-        other = (expected if actual is None else actual).detach()
-        scale = float(other.abs().max()) if other.numel() else 0.0
-        return 0.0 if scale == 0.0 else scale / max(scale, floor)
-    if actual.shape != expected.shape:
-        return float("inf")
-    dtype = torch.promote_types(torch.promote_types(actual.dtype, expected.dtype), torch.float32)
-    a, e = actual.detach().to(dtype), expected.detach().to(dtype)  # no copy for float32 / float64
-    scale = max(float(torch.maximum(a.abs().max(), e.abs().max())) if a.numel() else 0.0, floor)
-    if scale == 0.0:
-        return 0.0
-    return float((a - e).abs().max().nan_to_num(nan=float("inf"))) / scale
-
-
-def _scale(t: Optional[torch.Tensor]) -> float:
-    return float(t.detach().abs().max()) if t is not None and t.numel() else 0.0
 
 
 def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple, kwargs: dict,
@@ -497,14 +314,14 @@ def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple
         # A plan's faults do not depend on the precision, but 8-bit rounding through a ReLU or a softmax
         # moves gradients by ~20% (measured: OPT's fc1 in bfloat16, TP vs dense): audit a float32 copy
         # of the region (its TP groups shared), where TP and dense agree to ~1e-6.
-        module, cast = _float32_copy(module), torch.float32
+        module, cast = float32_copy(module), torch.float32
         region = replace(region, module=module)
         result.note = f"audited in float32 (the model is {str(dtype).replace('torch.', '')})"
     tol = result.tolerance = relative_tolerance(cast or dtype)
     failure, tp_error = "", None
-    with _Quiet(module):
-        a1, k1, diff1 = _copy_inputs(args, kwargs, cast)
-        a2, k2, diff2 = _copy_inputs(args, kwargs, cast)
+    with Quiet(module):
+        a1, k1, diff1 = copy_inputs(args, kwargs, cast)
+        a2, k2, diff2 = copy_inputs(args, kwargs, cast)
         padded: List[int] = []  # a split output's full size, every rank's shards side by side (padding included)
         dims: List[Optional[int]] = []  # (input dim, output dim) split on this rank, once the TP forward ran
 
@@ -522,21 +339,21 @@ def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple
         def tp_grad(out: torch.Tensor) -> torch.Tensor:
             out_dim = split_dims()[1]
             if out_dim is None:
-                return _random_like(out.shape, out)
+                return random_like(out.shape, out)
             padded.append(out.shape[out_dim] * tp.size)
             full = list(out.shape)
             full[out_dim] = padded[0]
-            return _random_like(full, out).chunk(tp.size, dim=out_dim)[tp.rank].contiguous()
+            return random_like(full, out).chunk(tp.size, dim=out_dim)[tp.rank].contiguous()
 
         def dense_grad(out: torch.Tensor) -> torch.Tensor:
             out_dim = dims[1]
             if out_dim is None:
-                return _random_like(out.shape, out)
+                return random_like(out.shape, out)
             full = list(out.shape)
             full[out_dim] = max(padded[0], out.shape[out_dim])
-            return _random_like(full, out).narrow(out_dim, 0, out.shape[out_dim])
+            return random_like(full, out).narrow(out_dim, 0, out.shape[out_dim])
         try:
-            tp_out, tp_in_grads, tp_grads = _run(module, a1, k1, diff1, tp_grad)
+            tp_out, tp_in_grads, tp_grads = run_region(module, a1, k1, diff1, tp_grad)
         except Exception as e:  # noqa: BLE001 - re-raised below with the dense twin's verdict
             if _refused_by_tplayers(e):  # a check of tplayers' own refused this input: its message says why
                 raise
@@ -546,11 +363,11 @@ def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple
         failed_on = next((r for r, m in enumerate(raised) if m), None)
         in_dim, out_dim = split_dims()
         if in_dim is not None:  # the dense twin takes the whole input
-            a2, k2, diff2 = _gather_first(a2, k2, tp, in_dim)
+            a2, k2, diff2 = gather_first(a2, k2, tp, in_dim)
         try:
-            twin = _dense_twin(region)
-            with _Quiet(twin):
-                dense_out, dense_in_grads, dense_grads = _run(twin, a2, k2, diff2, dense_grad)
+            twin = dense_twin(region.module, region.originals, region.added_hooks)
+            with Quiet(twin):
+                dense_out, dense_in_grads, dense_grads = run_region(twin, a2, k2, diff2, dense_grad)
         except Exception as e:  # noqa: BLE001 - no dense twin to compare with: say so, never pass silently
             result.status, result.reason = "skipped", f"its dense twin could not run ({type(e).__name__}: {e})"
             if failed_on is None:
@@ -562,7 +379,7 @@ def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple
                                f"{raised[failed_on]}") from None
         if failed_on is not None:
             failure = (f"it raises when sharded but not dense (rank {failed_on}): {raised[failed_on]}\n"
-                       + _hints(region, tp, True, []))
+                       + likely_causes(region.name, region.module, region.originals, tp.size, True, []))
         else:
             if out_dim is not None:  # every rank's part of the output, gathered (vocabulary padding cut)
                 tp_out = all_gather_tensor(tp_out.contiguous(), out_dim, group=tp)
@@ -593,15 +410,15 @@ def _compare(region: _Region, result: RegionAudit, tp: TPGroup, tol: float, tp_r
     dense_out, dense_in_grads, dense_grads, twin = dense_run
     module = region.module
     errors = result.errors
-    errors["output"] = _relative_error(tp_out, dense_out)
+    errors["output"] = relative_error(tp_out, dense_out)
     for i, (a, e) in enumerate(zip(tp_in_grads, dense_in_grads)):
-        errors[f"input gradient {i}"] = _relative_error(a, e)
+        errors[f"input gradient {i}"] = relative_error(a, e)
     tp_dense = dense_tensors(module, lambda name, p: tp_grads.get(id(p)))  # sharded gathered: collective
     twin_dense = {n: dense_grads.get(id(p)) for n, p in twin.named_parameters()}
     # a parameter gradient below tol x the region's largest one is noise at this precision
-    floor = tol * max([_scale(g) for g in twin_dense.values()] + [0.0])
+    floor = tol * max([scale_of(g) for g in twin_dense.values()] + [0.0])
     for name in sorted(set(tp_dense) & set(twin_dense)):
-        errors[f"gradient of '{name}'"] = _relative_error(tp_dense[name], twin_dense[name], floor)
+        errors[f"gradient of '{name}'"] = relative_error(tp_dense[name], twin_dense[name], floor)
     placements = model_placements(module)
     replicated = [n for n in sorted(tp_dense) if n in twin_dense and not isinstance(placements.get(n), Sharded)]
     summed = _sum_over_ranks([tp_dense[n] for n in replicated], tp)  # one collective, on every rank
@@ -615,9 +432,9 @@ def _compare(region: _Region, result: RegionAudit, tp: TPGroup, tol: float, tp_r
     lines = [f"{worst}: max relative error {err:.2e} > tolerance {tol:g} ({len(bad)} of {len(errors)} tensors off: "
              + ", ".join(f"{k} {v:.1e}" for k, v in sorted(bad.items(), key=lambda kv: -kv[1])[:4]) + ")"]
     partial = [n for n, s in zip(replicated, summed) if f"gradient of '{n}'" in bad
-               and _relative_error(s, twin_dense[n], floor) <= tol]
+               and relative_error(s, twin_dense[n], floor) <= tol]
     forward_wrong = not errors["output"] <= tol
-    return "\n".join(lines) + "\n" + _hints(region, tp, forward_wrong, partial, plan_name=plan_name)
+    return "\n".join(lines) + "\n" + likely_causes(region.name, module, region.originals, tp.size, forward_wrong, partial, plan_name)
 
 
 def _sum_over_ranks(tensors: List[torch.Tensor], tp: TPGroup) -> List[torch.Tensor]:
@@ -634,103 +451,6 @@ def _sum_over_ranks(tensors: List[torch.Tensor], tp: TPGroup) -> List[torch.Tens
 
 # ---------------------------------------------------------------------------------------------------
 # likely causes
-
-
-def _pattern(name: str) -> str:
-    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
-
-
-def _partial_hints(region: _Region, p: int, partial: List[str], plan_name: str) -> List[str]:
-    causes = []
-    for n in partial:
-        owner = n.rpartition(".")[0]
-        qual = _pattern(f"{region.name}.{owner}" if owner else region.name)
-        how = ("plan = tplayers.auto_plan(model).plan; plan.layers[...] = ...; tplayers.parallelize(model, plan, ...)"
-               if plan_name == "auto" else "add it to your plan")
-        causes.append(f"'{n}' is whole on every rank but acts on split activations: each rank's gradient is a partial "
-                      f"sum, and its sum over the {p} ranks equals the dense gradient (checked). Fix: the plan line "
-                      f"\"{qual}\": \"replicate_reduce_grad\" ({how})")
-    return causes
-
-
-def _likely(causes: List[str]) -> str:
-    seen: List[str] = []
-    for c in causes:
-        if c not in seen:
-            seen.append(c)
-    return "likely cause" + ("s" if len(seen) > 1 else "") + ":\n  - " + "\n  - ".join(seen)
-
-
-def _hints(region: _Region, tp: TPGroup, forward_wrong: bool, partial: List[str], plan_name: str = "") -> str:
-    """The likely causes, read off the region's structure, most specific first. ``forward_wrong``: the
-    output differs or the forward raised (a layout or a head count); else only gradients do (a
-    replicated parameter's partial gradient)."""
-    module, p = region.module, tp.size
-    causes: List[str] = []
-    if not forward_wrong:
-        return _likely(causes + _partial_hints(region, p, partial, plan_name) or [
-            "the forward matches but gradients do not, and no replicated parameter's gradient is a plain partial "
-            "sum: a parameter or buffer the forward uses on this rank's shard only (check_replicas may tell)"])
-    causes += _partial_hints(region, p, partial, plan_name)
-    heads: Dict[str, int] = {}
-    for rel, attrs in region.originals.items():
-        for attr, value in attrs.items():
-            if isinstance(value, int) and not isinstance(value, bool) and _HEAD_ATTR.search(attr):
-                heads[f"{rel}.{attr}" if rel else attr] = value
-    mods = dict(module.named_modules())
-    # counts that cannot split first: they are the likelier cause when several head counts are undivided
-    for path, dense_value in sorted(heads.items(), key=lambda kv: kv[1] % p == 0):
-        rel, _, attr = path.rpartition(".")
-        now = getattr(mods.get(rel), attr, None)
-        where = _pattern(f"{region.name}.{rel}" if rel else region.name)
-        if now == dense_value and dense_value % p:
-            causes.append(f"head count '{path}' = {dense_value} does not divide by the TP degree {p}: if these are the "
-                          f"K/V heads, split the K and V projections with KVColumn(kv_heads='{attr}') (each KV head "
-                          f"held by whole ranks: {'p / kv_heads' if dense_value < p else 'kv_heads / p'} of them), or "
-                          f"the fused projection with FusedQKV(heads=..., kv_heads='{attr}'); a plain 'column' cuts "
-                          "through heads")
-        elif now == dense_value:
-            causes.append(f"head count '{path}' = {dense_value} is the dense count on every rank, but each rank holds "
-                          f"1/{p} of the heads: divide it (Plan(divide_attrs={{'{where}': ('{attr}',)}}))")
-        elif isinstance(now, int) and dense_value % p:
-            causes.append(f"head count '{path}' was {dense_value} and is now {now} on this rank, but {dense_value} does "
-                          f"not divide by the TP degree {p}: the heads cannot be split evenly")
-        for child_rel, child in mods.items():
-            if isinstance(child, nn.ModuleList) and len(child) == dense_value and dense_value > 1 and _inside(child_rel, rel):
-                causes.append(f"'{child_rel}' holds {len(child)} modules, one per head ('{path}'), whole on every rank, "
-                              f"while rank r computes heads r*{dense_value // p or 1}..: a forward indexing them from 0 "
-                              "pairs them with the wrong heads; per-head modules cannot be split by a plan yet, "
-                              "leave this attention out of the plan ('replicate')")
-    placements = model_placements(module)
-    for n, prm in module.named_parameters():
-        if isinstance(placements.get(n), (Sharded,)) or prm.dim() < 2:
-            continue
-        if any(prm.shape[0] == v and v % p == 0 and v > 1 for v in heads.values()):
-            causes.append(f"parameter '{n}' {tuple(prm.shape)} is whole on every rank, and its first dim is a head "
-                          "count: it acts on heads this rank does not hold; it needs splitting by heads, which a "
-                          "plan cannot express yet: leave this attention out of the plan ('replicate')")
-    for rel, m in mods.items():
-        if isinstance(m, ColumnParallelLinear) and not m.gather_output and not isinstance(m, FusedColumnParallelLinear):
-            out_f, in_f = m.out_features, m.in_features
-            leaf = rel.rpartition(".")[2]
-            if _FUSED_NAMES.search(leaf) or (out_f == 3 * in_f and not _MLP_NAMES.search(leaf)):
-                causes.append(f"'{rel}' ({in_f} -> {out_f}) looks fused ([q; k; v] or [gate; up]) but is split as one "
-                              "block ('column'): rank 0 gets all of q and part of k. Use \"fused_qkv\", "
-                              "Column(parts=[...]) or tplayers.convert.FusedQKV(heads=..., kv_heads=...)")
-    for rel, attrs in region.originals.items():
-        for attr, value in attrs.items():
-            if isinstance(value, int) and _WIDTH_ATTR.match(attr):
-                now = getattr(mods.get(rel), attr, None)
-                if now == value:
-                    causes.append(f"width '{(rel + '.') if rel else ''}{attr}' = {value} is the dense width on every "
-                                  "rank; if the forward splits or reshapes the sharded projections with it (or with a "
-                                  "width read from its input, B, T, C = x.size()), each rank needs its local width "
-                                  f"{value // p if value % p == 0 else value / p}: divide it (divide_attrs) or compute "
-                                  "it from the projection's output")
-    if not causes:
-        causes.append("no structural cause recognised: compare the region's forward with the plan (which tensors it "
-                      "reshapes with dense sizes, which parameters act on split activations)")
-    return _likely(causes)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""The likely causes of an audit mismatch, read off a region's structure (most specific first).
+
+The audit (:mod:`tplayers.convert.audit`) knows that a region differs from its dense twin; these rules
+say why it probably does, in the plan's terms: a fused projection split as one block, a head count the
+forward reads but the plan does not divide (or that cannot be divided), a replicated parameter whose
+gradient is a partial sum (proven by the audit, with the plan line that fixes it), per-head modules,
+``(heads, d)`` weights, a width read from the input.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List
+
+import torch.nn as nn
+
+from ..core.placement import Sharded
+from ..layers.base import model_placements
+from ..layers.fused import FusedColumnParallelLinear
+from ..layers.linear import ColumnParallelLinear
+from .twin import within
+
+__all__ = ["likely_causes"]
+
+# attribute names a forward may read as a head count or a width
+_HEAD_ATTR = re.compile(r"(^|_)(n_?heads?|num_(attention_|key_value_|kv_)?heads|n_kv_heads?|n_local_heads|"
+                        r"num_heads_per_partition|heads)$")
+_WIDTH_ATTR = re.compile(r"^(n_embd|embed_dim|hidden_size|d_model|dim|n_state|all_head_size|inner_dim)$")
+_MLP_NAMES = re.compile(r"(fc|mlp|ffn|up|gate|w1|w3|dense_h_to_4h|intermediate)", re.I)
+_FUSED_NAMES = re.compile(r"(qkv|c_attn|query_key_value|wqkv|in_proj|gate_up|w13|w1_w3|fc_in_gate)", re.I)
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def _partial_hints(name: str, p: int, partial: List[str], plan_name: str) -> List[str]:
+    causes = []
+    for n in partial:
+        owner = n.rpartition(".")[0]
+        qual = _pattern(f"{name}.{owner}" if owner else name)
+        how = ("plan = tplayers.auto_plan(model).plan; plan.layers[...] = ...; tplayers.parallelize(model, plan, ...)"
+               if plan_name == "auto" else "add it to your plan")
+        causes.append(f"'{n}' is whole on every rank but acts on split activations: each rank's gradient is a partial "
+                      f"sum, and its sum over the {p} ranks equals the dense gradient (checked). Fix: the plan line "
+                      f"\"{qual}\": \"replicate_reduce_grad\" ({how})")
+    return causes
+
+
+def _likely(causes: List[str]) -> str:
+    seen: List[str] = []
+    for c in causes:
+        if c not in seen:
+            seen.append(c)
+    return "likely cause" + ("s" if len(seen) > 1 else "") + ":\n  - " + "\n  - ".join(seen)
+
+
+def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, Any]], p: int, forward_wrong: bool,
+                  partial: List[str], plan_name: str = "") -> str:
+    """The likely causes, read off the region's structure, most specific first. ``forward_wrong``: the
+    output differs or the forward raised (a layout or a head count); else only gradients do (a
+    replicated parameter's partial gradient)."""
+    causes: List[str] = []
+    if not forward_wrong:
+        return _likely(causes + _partial_hints(name, p, partial, plan_name) or [
+            "the forward matches but gradients do not, and no replicated parameter's gradient is a plain partial "
+            "sum: a parameter or buffer the forward uses on this rank's shard only (check_replicas may tell)"])
+    causes += _partial_hints(name, p, partial, plan_name)
+    heads: Dict[str, int] = {}
+    for rel, attrs in originals.items():
+        for attr, value in attrs.items():
+            if isinstance(value, int) and not isinstance(value, bool) and _HEAD_ATTR.search(attr):
+                heads[f"{rel}.{attr}" if rel else attr] = value
+    mods = dict(module.named_modules())
+    # counts that cannot split first: they are the likelier cause when several head counts are undivided
+    for path, dense_value in sorted(heads.items(), key=lambda kv: kv[1] % p == 0):
+        rel, _, attr = path.rpartition(".")
+        now = getattr(mods.get(rel), attr, None)
+        where = _pattern(f"{name}.{rel}" if rel else name)
+        if now == dense_value and dense_value % p:
+            causes.append(f"head count '{path}' = {dense_value} does not divide by the TP degree {p}: if these are the "
+                          f"K/V heads, split the K and V projections with KVColumn(kv_heads='{attr}') (each KV head "
+                          f"held by whole ranks: {'p / kv_heads' if dense_value < p else 'kv_heads / p'} of them), or "
+                          f"the fused projection with FusedQKV(heads=..., kv_heads='{attr}'); a plain 'column' cuts "
+                          "through heads")
+        elif now == dense_value:
+            causes.append(f"head count '{path}' = {dense_value} is the dense count on every rank, but each rank holds "
+                          f"1/{p} of the heads: divide it (Plan(divide_attrs={{'{where}': ('{attr}',)}}))")
+        elif isinstance(now, int) and dense_value % p:
+            causes.append(f"head count '{path}' was {dense_value} and is now {now} on this rank, but {dense_value} does "
+                          f"not divide by the TP degree {p}: the heads cannot be split evenly")
+        for child_rel, child in mods.items():
+            if isinstance(child, nn.ModuleList) and len(child) == dense_value and dense_value > 1 and within(child_rel, rel):
+                causes.append(f"'{child_rel}' holds {len(child)} modules, one per head ('{path}'), whole on every rank, "
+                              f"while rank r computes heads r*{dense_value // p or 1}..: a forward indexing them from 0 "
+                              "pairs them with the wrong heads; per-head modules cannot be split by a plan yet, "
+                              "leave this attention out of the plan ('replicate')")
+    placements = model_placements(module)
+    for n, prm in module.named_parameters():
+        if isinstance(placements.get(n), (Sharded,)) or prm.dim() < 2:
+            continue
+        if any(prm.shape[0] == v and v % p == 0 and v > 1 for v in heads.values()):
+            causes.append(f"parameter '{n}' {tuple(prm.shape)} is whole on every rank, and its first dim is a head "
+                          "count: it acts on heads this rank does not hold; it needs splitting by heads, which a "
+                          "plan cannot express yet: leave this attention out of the plan ('replicate')")
+    for rel, m in mods.items():
+        if isinstance(m, ColumnParallelLinear) and not m.gather_output and not isinstance(m, FusedColumnParallelLinear):
+            out_f, in_f = m.out_features, m.in_features
+            leaf = rel.rpartition(".")[2]
+            if _FUSED_NAMES.search(leaf) or (out_f == 3 * in_f and not _MLP_NAMES.search(leaf)):
+                causes.append(f"'{rel}' ({in_f} -> {out_f}) looks fused ([q; k; v] or [gate; up]) but is split as one "
+                              "block ('column'): rank 0 gets all of q and part of k. Use \"fused_qkv\", "
+                              "Column(parts=[...]) or tplayers.convert.FusedQKV(heads=..., kv_heads=...)")
+    for rel, attrs in originals.items():
+        for attr, value in attrs.items():
+            if isinstance(value, int) and _WIDTH_ATTR.match(attr):
+                now = getattr(mods.get(rel), attr, None)
+                if now == value:
+                    causes.append(f"width '{(rel + '.') if rel else ''}{attr}' = {value} is the dense width on every "
+                                  "rank; if the forward splits or reshapes the sharded projections with it (or with a "
+                                  "width read from its input, B, T, C = x.size()), each rank needs its local width "
+                                  f"{value // p if value % p == 0 else value / p}: divide it (divide_attrs) or compute "
+                                  "it from the projection's output")
+    if not causes:
+        causes.append("no structural cause recognised: compare the region's forward with the plan (which tensors it "
+                      "reshapes with dense sizes, which parameters act on split activations)")
+    return _likely(causes)

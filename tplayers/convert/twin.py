@@ -1,0 +1,202 @@
+"""A converted region's dense twin, and running a region on a copy of its inputs (for the audit).
+
+The **dense twin** of a region is what it computed before ``parallelize``: a copy with every TP layer
+replaced by its ``to_dense()``, the attributes ``parallelize`` (or the user) changed since restored, and
+the hooks ``parallelize`` added removed. :func:`run_region` runs a region forward and backward on copied
+inputs (``autograd.grad``: no ``.grad`` written) inside :class:`Quiet` (eval mode, forked RNG, autocast
+off), so the model, its buffers and the training's random stream stay as they were.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ..core.collectives import all_gather_tensor
+from ..core.groups import TPGroup
+from ..layers.base import PLACEMENTS_ATTR, TensorParallelModule
+
+__all__ = ["within", "float32_copy", "copy_inputs", "gather_first", "first_float", "Quiet", "run_region", "random_like",
+           "dense_twin", "relative_error", "scale_of"]
+
+
+def within(name: str, ancestor: str) -> bool:
+    """Module ``name`` is ``ancestor`` or inside it ("" is the root)."""
+    return ancestor == "" or name == ancestor or name.startswith(ancestor + ".")
+
+
+def _tensors_in(obj: Any, depth: int = 6) -> List[torch.Tensor]:
+    """The tensors reachable from ``obj`` through attributes, lists, tuples and dicts (``depth`` levels)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth == 0 or isinstance(obj, (int, float, bool, str, bytes, type(None), nn.Module)):
+        return []
+    if isinstance(obj, dict):
+        children: Any = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        children = list(obj)
+    else:
+        children = list(getattr(obj, "__dict__", {}).values())
+    return [t for child in children for t in _tensors_in(child, depth - 1)]
+
+
+def float32_copy(module: nn.Module) -> nn.Module:
+    """A float32 copy of a TP region that still communicates over the same TP groups."""
+    memo: Dict[int, Any] = {id(m.tp): m.tp for m in module.modules() if isinstance(getattr(m, "tp", None), TPGroup)}
+    return copy.deepcopy(module, memo).float()
+
+
+def copy_inputs(args: tuple, kwargs: dict, cast: Optional[torch.dtype] = None
+                 ) -> Tuple[tuple, dict, List[torch.Tensor]]:
+    """Detached copies of the call's tensors (floating ones cast to ``cast`` if given; those that
+    required grad, else the first floating one, become leaves that require grad), everything else
+    deep-copied (caches are written to)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    floating = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    want = [i for i in floating if leaves[i].requires_grad] or floating[:1]
+    memo: Dict[int, Any] = {}
+    out, diff = [], []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().clone() if cast is None or not leaf.is_floating_point() else leaf.detach().to(cast)
+            if i in want:
+                t.requires_grad_(True)
+                diff.append(t)
+            memo[id(leaf)] = t
+            out.append(t)
+        else:
+            out.append(leaf)
+    for i, leaf in enumerate(out):
+        if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None))):
+            for t in _tensors_in(leaf):  # a KV cache may hold tensors autograd made (deepcopy refuses those)
+                memo.setdefault(id(t), t.detach().clone() if cast is None or not t.is_floating_point()
+                                else t.detach().to(cast))
+            out[i] = copy.deepcopy(leaf, memo)
+    a, k = pytree.tree_unflatten(out, spec)
+    return a, k, diff
+
+
+def gather_first(args: tuple, kwargs: dict, tp: TPGroup, dim: int) -> Tuple[tuple, dict, List[torch.Tensor]]:
+    """The call with its first floating tensor all-gathered along ``dim`` (a leaf requiring grad)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    i = next(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    leaves[i] = all_gather_tensor(leaves[i].detach().contiguous(), dim, group=tp).requires_grad_(True)
+    diff = [leaves[i]] + [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t is not leaves[i]]
+    a, k = pytree.tree_unflatten(leaves, spec)
+    return a, k, diff
+
+
+def first_float(tree: Any) -> Optional[torch.Tensor]:
+    return next((t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+
+
+class Quiet:
+    """Eval mode, no delayed weight gradients or main_grad accumulation, a forked RNG, autocast off:
+    the audit's runs leave the model, its buffers and the training's random stream as they were."""
+
+    def __init__(self, *modules: nn.Module) -> None:
+        self.modules = modules
+
+    def __enter__(self) -> "Quiet":
+        self.saved = []
+        for root in self.modules:
+            for m in root.modules():
+                self.saved.append((m, "training", m.training))
+                for attr in ("delay_wgrad", "accumulate_main_grad"):
+                    if isinstance(getattr(m, attr, None), bool):
+                        self.saved.append((m, attr, getattr(m, attr)))
+                        setattr(m, attr, False)
+                m.training = False
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        self.rng = torch.random.fork_rng(devices=devices)
+        self.rng.__enter__()
+        self.grad = torch.enable_grad()
+        self.grad.__enter__()
+        # autocast off: a plan's faults do not depend on the precision, and mixed-precision rounding
+        # would hide them under a loose tolerance (the region runs in its parameters' dtype)
+        self.autocast = [torch.autocast(d, enabled=False) for d in ("cpu", "cuda")
+                         if d == "cpu" or torch.cuda.is_available()]
+        for a in self.autocast:
+            a.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for a in reversed(self.autocast):
+            a.__exit__(*exc)
+        self.grad.__exit__(*exc)
+        self.rng.__exit__(*exc)
+        for m, attr, value in self.saved:
+            setattr(m, attr, value)
+
+
+def run_region(module: nn.Module, args: tuple, kwargs: dict, diff: List[torch.Tensor], grad_for: Any
+         ) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]], Dict[int, Optional[torch.Tensor]]]:
+    """Forward, then backward of ``grad_for(output)``: (output, input grads, {id(param): grad})."""
+    out = first_float(module(*args, **kwargs))
+    if out is None:
+        raise TypeError("its output holds no floating-point tensor to compare")
+    params = [p for p in module.parameters() if p.requires_grad]
+    targets = list(diff) + params
+    grads = torch.autograd.grad([out], targets, [grad_for(out)], allow_unused=True) if out.requires_grad and targets \
+        else [None] * len(targets)
+    return out.detach(), list(grads[:len(diff)]), {id(p): g for p, g in zip(params, grads[len(diff):])}
+
+
+def random_like(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """The output gradient both runs backpropagate: the same on every rank (fixed seed)."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(tuple(shape), generator=gen, dtype=like.dtype).to(like.device)
+
+
+def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_hooks: Dict[str, Set[int]]) -> nn.Module:
+    """``region`` with every TP layer replaced by its ``to_dense()`` (collective, in module order), the
+    attributes ``originals`` records (relative module path -> name -> value before ``parallelize``)
+    restored, and without the hooks ``parallelize`` added (``added_hooks``: relative path -> hook ids)."""
+    memo: Dict[int, Any] = {}
+    outer: List[str] = []
+    for rel, m in region.named_modules():
+        if isinstance(m, TensorParallelModule) and not any(within(rel, o) for o in outer):
+            outer.append(rel)
+            memo[id(m)] = m.to_dense()
+    if "" in outer:
+        return memo[id(region)]
+    twin = copy.deepcopy(region, memo)
+    for rel, m in twin.named_modules():
+        for hook_id in added_hooks.get(rel, ()):
+            for hooks in (m._forward_pre_hooks, m._forward_hooks, m._forward_pre_hooks_with_kwargs,
+                          m._forward_hooks_with_kwargs, m._forward_hooks_always_called):
+                hooks.pop(hook_id, None)
+        if PLACEMENTS_ATTR in vars(m):
+            delattr(m, PLACEMENTS_ATTR)
+        for attr, value in originals.get(rel, {}).items():
+            if attr in vars(m) and vars(m)[attr] != value:
+                setattr(m, attr, value)
+    for p in twin.parameters():
+        p.grad = None
+    return twin
+
+
+def relative_error(actual: Optional[torch.Tensor], expected: Optional[torch.Tensor], floor: float = 0.0) -> float:
+    """max|actual - expected| / max(max|actual|, max|expected|, floor). ``floor``: below it a tensor is
+    noise (the gradient of a key bias, zero in exact arithmetic, is ~1e-17 on both sides and differs)."""
+    if actual is None and expected is None:
+        return 0.0
+    if actual is None or expected is None:
+        other = (expected if actual is None else actual).detach()
+        scale = float(other.abs().max()) if other.numel() else 0.0
+        return 0.0 if scale == 0.0 else scale / max(scale, floor)
+    if actual.shape != expected.shape:
+        return float("inf")
+    dtype = torch.promote_types(torch.promote_types(actual.dtype, expected.dtype), torch.float32)
+    a, e = actual.detach().to(dtype), expected.detach().to(dtype)  # no copy for float32 / float64
+    scale = max(float(torch.maximum(a.abs().max(), e.abs().max())) if a.numel() else 0.0, floor)
+    if scale == 0.0:
+        return 0.0
+    return float((a - e).abs().max().nan_to_num(nan=float("inf"))) / scale
+
+
+def scale_of(t: Optional[torch.Tensor]) -> float:
+    return float(t.detach().abs().max()) if t is not None and t.numel() else 0.0
