@@ -31,6 +31,7 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "attn_implementation": "eager"}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "attn_implementation": "eager"}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"eos_token_id": None}),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),  # xIELU: learnable scalars inside the MLP
     "olmo": ("OlmoConfig", "OlmoForCausalLM", {"eos_token_id": None}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"eos_token_id": None}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": None, "eos_token_id": None}),
@@ -58,7 +59,7 @@ MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 # These norms compute in float32 even for float64 inputs, and their inputs' gradients arrive as
 # per-rank partial sums (per-head q/k norms), so TP and dense round at float32 in a different order:
 # they agree to float32 precision, not float64's. A missing gradient reduction is off by O(1).
-FLOAT32_NORM_FAMILIES = {"qwen3", "gemma3", "qwen3_moe"}
+FLOAT32_NORM_FAMILIES = {"qwen3", "gemma3", "qwen3_moe", "apertus"}
 
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon"]
                                   if f != "llama_mha")
@@ -175,6 +176,30 @@ def test_auto_plan_matches_dense(family, tp):
             assert skipped and all("experts" in s for s in skipped) and fraction > 0.15
         else:
             assert not skipped and fraction > (0.7 if family in OWN_CONFIG else 0.95)  # learned positions stay whole
+
+
+def _apertus_without_its_addition(group):
+    """Apertus' own tp_plan leaves its xIELU activation's learnable scalars (alpha_p, alpha_n) whole between
+    up_proj and down_proj: forward exact, their gradients per-rank partial sums. Without tplayers' family
+    addition (as "auto" was before it, and as any family like it still is) the first step's audit stops it,
+    naming the plan line; with that line the model trains like the dense one."""
+    dense = _build("apertus")
+    model = copy.deepcopy(dense)
+    plan = tplayers.auto_plan(model).plan
+    del plan.layers["model.layers.0.mlp.act_fn"], plan.layers["model.layers.1.mlp.act_fn"]
+    tplayers.parallelize(model, plan, group=group)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(tplayers.AuditError) as caught:
+        model(ids, labels=ids)
+    return str(caught.value)
+
+
+def test_the_audit_finds_apertus_partial_activation_gradients():
+    _build("apertus")
+    for message in get_world(2).run(_apertus_without_its_addition):
+        assert "'act_fn.alpha_n', 'act_fn.alpha_p' are whole on every rank" in message or \
+            "'act_fn.alpha_p', 'act_fn.alpha_n' are whole on every rank" in message, message
+        assert '"model.layers.*.mlp.act_fn": "replicate_reduce_grad"' in message, message
 
 
 def _falcon_groups_do_not_fit(group):

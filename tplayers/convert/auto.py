@@ -76,10 +76,13 @@ _REFUSED: Dict[str, str] = {
 
 
 # Entries transformers' own plans miss, by ``config.model_type``: the shared expert of Qwen2-MoE is
-# a dense MLP (HF's plan names ``mlp.gate_proj``, which that model does not have).
+# a dense MLP (HF's plan names ``mlp.gate_proj``, which that model does not have); Apertus' activation.
 FAMILY_ADDITIONS: Dict[str, Dict[str, str]] = {
     "qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise", "layers.*.mlp.shared_expert.up_proj": "colwise",
                   "layers.*.mlp.shared_expert.down_proj": "rowwise"},
+    # Apertus' xIELU activation has learnable scalars (alpha_p, alpha_n) between up_proj and down_proj: on
+    # split activations each rank's gradient is a partial sum (found by the audit)
+    "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
 }
 
 

@@ -34,13 +34,17 @@ def _pattern(name: str) -> str:
 
 
 def _partial_hints(name: str, p: int, partial: List[str], plan_name: str) -> List[str]:
-    causes = []
+    """One fix per module owning parameters whose gradients were proven partial sums."""
+    owners: Dict[str, List[str]] = {}
     for n in partial:
-        owner = n.rpartition(".")[0]
+        owners.setdefault(n.rpartition(".")[0], []).append(n)
+    how = ("plan = tplayers.auto_plan(model).plan; plan.layers[...] = ...; tplayers.parallelize(model, plan, ...)"
+           if plan_name == "auto" else "add it to your plan")
+    causes = []
+    for owner, names in owners.items():
         qual = _pattern(f"{name}.{owner}" if owner else name)
-        how = ("plan = tplayers.auto_plan(model).plan; plan.layers[...] = ...; tplayers.parallelize(model, plan, ...)"
-               if plan_name == "auto" else "add it to your plan")
-        causes.append(f"'{n}' is whole on every rank but acts on split activations: each rank's gradient is a partial "
+        causes.append(f"{', '.join(repr(n) for n in names)} {'is' if len(names) == 1 else 'are'} whole on every rank but "
+                      f"{'acts' if len(names) == 1 else 'act'} on split activations: each rank's gradient is a partial "
                       f"sum, and its sum over the {p} ranks equals the dense gradient (checked). Fix: the plan line "
                       f"\"{qual}\": \"replicate_reduce_grad\" ({how})")
     return causes
