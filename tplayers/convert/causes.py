@@ -50,6 +50,18 @@ def _partial_hints(name: str, p: int, partial: List[str], plan_name: str) -> Lis
     return causes
 
 
+def _config_head_counts(module: nn.Module) -> set:
+    """Head counts a Hugging Face module reads from its ``config`` (not divided by ``parallelize``)."""
+    out = set()
+    for m in module.modules():
+        config = vars(m).get("config")
+        for attr in ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads"):
+            value = getattr(config, attr, None) if config is not None else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                out.add(value)
+    return out
+
+
 def _likely(causes: List[str]) -> str:
     seen: List[str] = []
     for c in causes:
@@ -99,10 +111,11 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
                               "pairs them with the wrong heads; per-head modules cannot be split by a plan yet, "
                               "leave this attention out of the plan ('replicate')")
     placements = model_placements(module)
+    counts = set(heads.values()) | _config_head_counts(module)
     for n, prm in module.named_parameters():
-        if isinstance(placements.get(n), (Sharded,)) or prm.dim() < 2:
+        if isinstance(placements.get(n), Sharded) or prm.dim() == 0:
             continue
-        if any(prm.shape[0] == v and v % p == 0 and v > 1 for v in heads.values()):
+        if any(prm.shape[0] == v and v % p == 0 and v > 1 for v in counts):
             causes.append(f"parameter '{n}' {tuple(prm.shape)} is whole on every rank, and its first dim is a head "
                           "count: it acts on heads this rank does not hold; it needs splitting by heads, which a "
                           "plan cannot express yet: leave this attention out of the plan ('replicate')")
