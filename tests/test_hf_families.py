@@ -202,6 +202,26 @@ def test_the_audit_finds_apertus_partial_activation_gradients():
         assert '"model.layers.*.mlp.act_fn": "replicate_reduce_grad"' in message, message
 
 
+def _doge_per_head_parameter(group):
+    """Doge's attention keeps one learnable value per head (``A``) and reads head counts from its config:
+    "auto" leaves ``A`` whole while the heads are split. Before: a bare broadcast error inside the model."""
+    torch.manual_seed(0)
+    model = transformers.DogeForCausalLM(transformers.DogeConfig(**COMMON)).double().eval()
+    tplayers.parallelize(model, "auto", group=group)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with pytest.raises(tplayers.AuditError) as caught:
+        model(ids, labels=ids)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_audit_explains_doges_per_head_parameter(tp):
+    if not hasattr(transformers, "DogeConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no DogeConfig")
+    for message in get_world(tp).run(_doge_per_head_parameter):
+        assert "model.layers.0.self_attn" in message and "parameter 'A'" in message and "head count" in message, message
+
+
 def _falcon_groups_do_not_fit(group):
     from transformers import FalconConfig, FalconForCausalLM
 

@@ -280,18 +280,20 @@ def _signature(module: nn.Module) -> Tuple:
 # one region's audit
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where tplayers refuses the input a user fed (ids out of range, a sequence length that does not divide):
+# the forward would raise the same error with its own message, so the audit lets it through as it is.
+_INPUT_CHECKS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), *f)
+                      for f in (("core", "validate.py"), ("convert", "sequence.py")))
 
 
 def _refused_by_tplayers(e: BaseException) -> bool:
-    """An input error raised by tplayers itself (a sequence length that does not divide, an id out of
-    range): the forward would raise it anyway, with its own clear message."""
+    """An input refusal raised by tplayers itself (see ``_INPUT_CHECKS``); any other error of a sharded
+    run (a tplayers layer handed a tensor of the wrong width included) is the audit's to explain."""
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     where = os.path.abspath(tb.tb_frame.f_code.co_filename) if tb is not None else ""
-    return isinstance(e, (ValueError, IndexError, TypeError)) and where.startswith(_PACKAGE + os.sep) \
-        and where != os.path.abspath(__file__)
+    return isinstance(e, (ValueError, IndexError)) and where in _INPUT_CHECKS
 
 
 def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple, kwargs: dict,

@@ -115,7 +115,7 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
     for n, prm in module.named_parameters():
         if isinstance(placements.get(n), Sharded) or prm.dim() == 0:
             continue
-        if any(prm.shape[0] == v and v % p == 0 and v > 1 for v in counts):
+        if any(prm.shape[0] == v and v > 1 for v in counts):
             causes.append(f"parameter '{n}' {tuple(prm.shape)} is whole on every rank, and its first dim is a head "
                           "count: it acts on heads this rank does not hold; it needs splitting by heads, which a "
                           "plan cannot express yet: leave this attention out of the plan ('replicate')")
