@@ -281,3 +281,23 @@ def _tied_model_matches_dense(group):
 def test_assert_matches_dense_on_a_tied_model(tp):
     for names, err in get_world(tp).run(_tied_model_matches_dense):
         assert names == ["wte.weight.grad"] and err < 1e-12
+
+
+def _failure_sticks(group):
+    """A caught AuditError does not let the model train on: every later forward raises it again."""
+    torch.manual_seed(0)
+    model = TinyGPT(act=nn.PReLU).double()
+    tplayers.parallelize(model, Plan(RIGHT, divide_attrs=HEADS), group=group)
+    idx = torch.randint(0, 50, (B, T))
+    messages = []
+    for _ in range(2):
+        try:
+            model(idx).sum().backward()
+        except tplayers.AuditError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_a_failed_audit_stops_every_later_forward():
+    for first, again in get_world(2).run(_failure_sticks):
+        assert first == again and "act.weight" in first

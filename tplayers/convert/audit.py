@@ -23,6 +23,7 @@ runs, and trains wrong. So the first forward after ``parallelize`` checks it:
   :class:`AuditError` on every rank, before the optimizer can step, naming the region, the worst
   tensor against its tolerance and the likely cause. A replicated parameter whose gradient is proven
   a partial sum (its sum over the ranks is the dense gradient) gets the plan line that fixes it.
+  Every later forward through that region raises the same error (a caught error does not train on).
 - Every collective it issues is issued by every rank in the same order (to_dense, the gathers, one
   all-gather of the verdict): it cannot hang where the model's own forward would not.
 
@@ -83,7 +84,8 @@ class RegionAudit:
     status: str = "pending"  # "pending" (not reached yet), "passed", "failed", "skipped"
     errors: Dict[str, float] = field(default_factory=dict)  # what was compared -> max relative error
     tolerance: float = 0.0
-    reason: str = ""  # why skipped, or the failure
+    reason: str = ""  # why skipped, or the failure's first line
+    message: str = ""  # a failure's whole error, raised again by every later forward through the region
     note: str = ""  # how it was audited, when not as the model runs
 
     @property
@@ -221,7 +223,7 @@ class Auditor:
         """Install the first-call hooks on every instance of each region not audited yet."""
         self.disarm()
         for region in self.regions:
-            if self.results[region.signature].status != "pending":
+            if self.results[region.signature].status not in ("pending", "failed"):
                 continue
             hook = self._hook(region)
             self.handles.append(region.module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
@@ -234,12 +236,14 @@ class Auditor:
 
     def rearm(self) -> None:
         for result in self.results.values():
-            result.status, result.errors, result.reason, result.note = "pending", {}, "", ""
+            result.status, result.errors, result.reason, result.note, result.message = "pending", {}, "", "", ""
         self.arm()
 
     def _hook(self, region: _Region) -> Any:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             result = self.results[region.signature]
+            if result.status == "failed" and not self.active:  # a model known to be wrong stays stopped
+                raise AuditError(result.message)
             if result.status != "pending" or self.active or not torch.is_grad_enabled():
                 return  # a forward under no_grad (generate, evaluation) waits for the first training step
             if torch.compiler.is_compiling():
@@ -251,8 +255,8 @@ class Auditor:
                 _audit_region(replace(region, module=module), result, self.tp, args, kwargs, self.plan_name)
             finally:
                 self.active = False
-                if all(r.status != "pending" for r in self.results.values()):
-                    self.disarm()
+                if all(r.status in ("passed", "skipped") for r in self.results.values()):
+                    self.disarm()  # (a failed region keeps its hook: every later forward raises again)
         return pre_hook
 
 
@@ -400,9 +404,10 @@ def _audit_region(region: _Region, result: RegionAudit, tp: TPGroup, args: tuple
     result.status, result.reason = "failed", message.split("\n", 1)[0]
     where = f"region '{region.name}' ({type(module).__name__}" + (
         f", audited for {result.instances} regions like it" if result.instances > 1 else "") + ")"
-    raise AuditError(f"tplayers audit (plan '{plan_name}', TP {tp.size}, rank {rank}): {where} does not compute what "
-                     f"its dense twin computes: {message}\nThe forward stopped before any optimizer step. Fix the plan "
-                     "(docs/models.md, 'Plans for your own model'), or parallelize(..., audit=False) to skip the audit.")
+    result.message = (f"tplayers audit (plan '{plan_name}', TP {tp.size}, rank {rank}): {where} does not compute what "
+                      f"its dense twin computes: {message}\nThe forward stopped before any optimizer step. Fix the plan "
+                      "(docs/models.md, 'Plans for your own model'), or parallelize(..., audit=False) to skip the audit.")
+    raise AuditError(result.message)
 
 
 def _compare(region: _Region, result: RegionAudit, tp: TPGroup, tol: float, tp_run: tuple, dense_run: tuple,
