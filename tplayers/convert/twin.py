@@ -115,6 +115,10 @@ class Quiet:
         self.rng.__enter__()
         self.grad = torch.enable_grad()
         self.grad.__enter__()
+        # the innermost saved-tensor hooks apply: identity ones keep the audit's tensors out of an enclosing
+        # activation checkpoint (which would count them and fail its recomputation) or offloading
+        self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        self.saved_hooks.__enter__()
         # autocast off: a plan's faults do not depend on the precision, and mixed-precision rounding
         # would hide them under a loose tolerance (the region runs in its parameters' dtype)
         self.autocast = [torch.autocast(d, enabled=False) for d in ("cpu", "cuda")
@@ -126,6 +130,7 @@ class Quiet:
     def __exit__(self, *exc: Any) -> None:
         for a in reversed(self.autocast):
             a.__exit__(*exc)
+        self.saved_hooks.__exit__(*exc)
         self.grad.__exit__(*exc)
         self.rng.__exit__(*exc)
         for m, attr, value in self.saved:
