@@ -155,10 +155,10 @@ def _audit_margins(group, dtype):
     return out
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2])  # TP 4: measured the same margins (0.010); 12 s of suite time, trimmed
 def test_audit_passes_on_every_family_in_bfloat16(tp):
     """No false alarm at low precision: bfloat16 weights, the audit's dtype tolerance (float64 is
-    checked by test_auto_plan_matches_dense). Measured 2026-11-25, worst error / tolerance over 20 families:
+    checked at TP 2 and 4 by test_auto_plan_matches_dense). Measured 2026-11-25, worst error / tolerance over 20 families:
     float64 0.09 (Qwen3 / Gemma3: HF norms compute in float32), float32 0.018, bfloat16 0.010 (TP 2 and 4)."""
     for out in get_world(tp).run(_audit_margins, torch.bfloat16):
         assert out, "no family built"
