@@ -20,6 +20,7 @@ from ..bench.timing import Progress
 from ..core.comm import all_gather_tensor
 from ..convert.audit import audit
 from ..convert.parallelize import parallelize
+from ..convert.twin import first_float
 from ..core.groups import TPGroup, resolve_group
 from ..testing.dense_match import MatchReport
 from . import checks  # noqa: F401  (registers every check)
@@ -86,7 +87,9 @@ def user_model_check(group: TPGroup, cfg: VerifyConfig) -> MatchReport:
     parallelize(model, plan, group=group, audit=False)
     report = audit(model, *inputs)  # AuditError on a mismatch, on every rank
     with torch.no_grad():
-        out, want = _first_tensor(model(*inputs)), _first_tensor(dense(*inputs))
+        out, want = first_float(model(*inputs)), first_float(dense(*inputs))
+    if out is None or want is None:
+        raise TypeError(f"--model {cfg.model}: the model's output holds no floating-point tensor")
     scale = float(want.abs().max()) or 1.0
     out_err = float((out.double() - want.double()).abs().max()) / scale
     audited = [r for r in report.regions if r.status == "passed"]
@@ -96,16 +99,8 @@ def user_model_check(group: TPGroup, cfg: VerifyConfig) -> MatchReport:
     if not out_err <= limit:
         raise AssertionError(f"the whole model's output differs from the dense model's: relative error {out_err:.2e} "
                              f"> {limit:g}, although every region passed (something outside the regions)")
-    grad = max(v for r in audited for k, v in r.errors.items() if "gradient" in k) if audited else 0.0
+    grad = max((v for r in audited for k, v in r.errors.items() if "gradient" in k), default=0.0)
     return MatchReport(output_error=out_err, param_grad_error=grad)
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    from torch.utils import _pytree as pytree
-    t = next((x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
-    if t is None:
-        raise TypeError("the model's output holds no floating-point tensor")
-    return t
 
 
 def run_checks(group: Any, names: Sequence[str], cfg: VerifyConfig) -> List[CheckResult]:

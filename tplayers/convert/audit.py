@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.collectives import all_gather_tensor, all_gather_text
+from ..core.collectives import all_gather_tensor, all_gather_text, all_reduce_tensor
 from ..core.groups import TPGroup
 from ..core.placement import Sharded
 from ..layers.base import model_placements
@@ -62,7 +62,6 @@ AUDIT_ATTR = "_tplayers_auditor"
 # every partial sum to 8 bits. A wrong plan is off by 1e-3 .. O(1) (a partial gradient at TP 2 misses
 # about half of it), above every entry.
 _RELATIVE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
-
 
 
 class AuditError(RuntimeError):
@@ -188,7 +187,7 @@ class Auditor:
     def __init__(self, model: nn.Module, names: List[str], tp: TPGroup, plan_name: str,
                  io: Dict[str, Tuple[bool, bool]], sequence_marks: Dict[str, str]) -> None:
         modules = dict(model.named_modules())
-        self.tp, self.plan_name, self.model_name = tp, plan_name, type(model).__name__
+        self.tp, self.plan_name = tp, plan_name
 
         def marked(region: str, mark: str) -> bool:
             return any(within(n, region) for n, m in sequence_marks.items() if m == mark)
@@ -448,16 +447,12 @@ def _sum_over_ranks(tensors: List[torch.Tensor], tp: TPGroup) -> List[torch.Tens
     if not tensors or tp.size == 1:
         return list(tensors)
     flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
-    total = all_gather_tensor(flat[None], 0, group=tp).sum(0)
+    total = all_reduce_tensor(flat, group=tp)  # one all-reduce for every replicated gradient of the region
     out, start = [], 0
     for t in tensors:
         out.append(total[start:start + t.numel()].view(t.shape).to(t.dtype))
         start += t.numel()
     return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# likely causes
 
 
 # ---------------------------------------------------------------------------------------------------

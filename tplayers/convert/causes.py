@@ -15,7 +15,6 @@ import torch.nn as nn
 
 from ..core.placement import Sharded
 from ..layers.base import model_placements
-from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear
 from .twin import within
 
@@ -63,10 +62,7 @@ def _config_head_counts(module: nn.Module) -> set:
 
 
 def _likely(causes: List[str]) -> str:
-    seen: List[str] = []
-    for c in causes:
-        if c not in seen:
-            seen.append(c)
+    seen = list(dict.fromkeys(causes))  # each once, in order
     return "likely cause" + ("s" if len(seen) > 1 else "") + ":\n  - " + "\n  - ".join(seen)
 
 
@@ -75,12 +71,11 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
     """The likely causes, read off the region's structure, most specific first. ``forward_wrong``: the
     output differs or the forward raised (a layout or a head count); else only gradients do (a
     replicated parameter's partial gradient)."""
-    causes: List[str] = []
+    causes = _partial_hints(name, p, partial, plan_name)
     if not forward_wrong:
-        return _likely(causes + _partial_hints(name, p, partial, plan_name) or [
+        return _likely(causes or [
             "the forward matches but gradients do not, and no replicated parameter's gradient is a plain partial "
             "sum: a parameter or buffer the forward uses on this rank's shard only (check_replicas may tell)"])
-    causes += _partial_hints(name, p, partial, plan_name)
     heads: Dict[str, int] = {}
     for rel, attrs in originals.items():
         for attr, value in attrs.items():
@@ -120,7 +115,7 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
                           "count: it acts on heads this rank does not hold; it needs splitting by heads, which a "
                           "plan cannot express yet: leave this attention out of the plan ('replicate')")
     for rel, m in mods.items():
-        if isinstance(m, ColumnParallelLinear) and not m.gather_output and not isinstance(m, FusedColumnParallelLinear):
+        if isinstance(m, ColumnParallelLinear) and not m.gather_output:  # (a FusedColumnParallelLinear is not one)
             out_f, in_f = m.out_features, m.in_features
             leaf = rel.rpartition(".")[2]
             if _FUSED_NAMES.search(leaf) or (out_f == 3 * in_f and not _MLP_NAMES.search(leaf)):

@@ -59,9 +59,12 @@ def copy_inputs(args: tuple, kwargs: dict, cast: Optional[torch.dtype] = None
     want = [i for i in floating if leaves[i].requires_grad] or floating[:1]
     memo: Dict[int, Any] = {}
     out, diff = [], []
+    def copied(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone() if cast is None or not t.is_floating_point() else t.detach().to(cast)
+
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            t = leaf.detach().clone() if cast is None or not leaf.is_floating_point() else leaf.detach().to(cast)
+            t = copied(leaf)
             if i in want:
                 t.requires_grad_(True)
                 diff.append(t)
@@ -72,8 +75,7 @@ def copy_inputs(args: tuple, kwargs: dict, cast: Optional[torch.dtype] = None
     for i, leaf in enumerate(out):
         if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None))):
             for t in _tensors_in(leaf):  # a KV cache may hold tensors autograd made (deepcopy refuses those)
-                memo.setdefault(id(t), t.detach().clone() if cast is None or not t.is_floating_point()
-                                else t.detach().to(cast))
+                memo.setdefault(id(t), copied(t))
             out[i] = copy.deepcopy(leaf, memo)
     a, k = pytree.tree_unflatten(out, spec)
     return a, k, diff
@@ -138,7 +140,7 @@ class Quiet:
 
 
 def run_region(module: nn.Module, args: tuple, kwargs: dict, diff: List[torch.Tensor], grad_for: Any
-         ) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]], Dict[int, Optional[torch.Tensor]]]:
+               ) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]], Dict[int, Optional[torch.Tensor]]]:
     """Forward, then backward of ``grad_for(output)``: (output, input grads, {id(param): grad})."""
     out = first_float(module(*args, **kwargs))
     if out is None:

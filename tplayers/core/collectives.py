@@ -406,7 +406,6 @@ def ranks_that_differ(hashes: torch.Tensor, *, group: GroupLike) -> torch.Tensor
     return (every != every[:1]).any(-1)
 
 
-
 def all_gather_text(text: str, *, group: GroupLike, limit: int = 8192) -> "list[str]":
     """Every rank's ``text`` (UTF-8, cut to ``limit`` bytes), in rank order, on every rank: one
     all-gather of ``limit + 8`` bytes per rank. For errors that one rank found and every rank raises."""
@@ -423,6 +422,7 @@ def all_gather_text(text: str, *, group: GroupLike, limit: int = 8192) -> "list[
         n = int(row[:8].clone().view(torch.int64))
         out.append(bytes(row[8:8 + n].tolist()).decode("utf-8", errors="replace"))
     return out
+
 
 if not _TRACE_COLLECTIVES:  # older torch: dynamo must not trace them (see _TRACE_COLLECTIVES)
     _all_reduce = torch.compiler.disable(_all_reduce)
