@@ -301,3 +301,26 @@ def _failure_sticks(group):
 def test_a_failed_audit_stops_every_later_forward():
     for first, again in get_world(2).run(_failure_sticks):
         assert first == again and "act.weight" in first
+
+
+class _OwnEmbeddingStyle:
+    """A style of the user's own building a TP layer that has no ``gather_output`` (whole on both sides)."""
+
+    def build(self, module, ctx):
+        from tplayers.convert import Built
+        return Built(tplayers.VocabParallelEmbedding.from_dense(module, group=ctx.group))
+
+
+def _own_style_layer(group):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8)).double()
+    tplayers.parallelize(model, {"0": _OwnEmbeddingStyle()}, group=group)
+    model(torch.randint(0, 10, (2, 5))).sum().backward()
+    return [(r.name, r.status) for r in tplayers.coverage(model).audit.regions]
+
+
+def test_a_user_style_layer_whole_on_both_sides_is_audited_as_such():
+    """Before: a TP layer from a user's style without gather_output was taken as split on its output
+    (its output gathered along the last dim: a false alarm)."""
+    for regions in get_world(2).run(_own_style_layer):
+        assert regions == [("0", "passed")], regions

@@ -45,6 +45,7 @@ from ..core.collectives import bit_hash, ranks_that_differ
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, placements_of
+from ..layers.fused import FusedColumnParallelLinear
 from .audit import AUDIT_ATTR, Auditor, find_regions
 from .auto import auto_plan
 from .coverage import REPORT_ATTR, build_report
@@ -213,7 +214,8 @@ def _io(style: Style, module: nn.Module) -> Union[None, Tuple[bool, bool]]:
     if isinstance(style, VocabEmbedding):
         return False, False
     if isinstance(module, TensorParallelModule):  # a style of the user's own that builds a TP layer
-        return bool(getattr(module, "input_is_parallel", False)), not getattr(module, "gather_output", False)
+        split_out = isinstance(module, FusedColumnParallelLinear) or getattr(module, "gather_output", True) is False
+        return bool(getattr(module, "input_is_parallel", False)), split_out
     return None
 
 
