@@ -324,3 +324,25 @@ def test_a_user_style_layer_whole_on_both_sides_is_audited_as_such():
     (its output gathered along the last dim: a false alarm)."""
     for regions in get_world(2).run(_own_style_layer):
         assert regions == [("0", "passed")], regions
+
+
+def _comm_per_step(group):
+    """(first step, second step) collectives with the audit, and one step without: the audit adds only to
+    the first step, and the steps after send exactly what a model without it sends."""
+    out = []
+    for audit in (True, False):
+        torch.manual_seed(0)
+        model = TinyGPT().double()
+        tplayers.parallelize(model, Plan(RIGHT, divide_attrs=HEADS), group=group, audit=audit)
+        idx = torch.randint(0, 50, (B, T))
+        for _ in range(2 if audit else 1):
+            with tplayers.comm_accounting() as acct:
+                model(idx).sum().backward()
+            out.append((acct.counts(), acct.total_bytes()))
+    return out
+
+
+def test_the_audit_sends_nothing_after_the_first_step():
+    for (first, first_bytes), (second, second_bytes), (plain, plain_bytes) in get_world(2).run(_comm_per_step):
+        assert second == plain and second_bytes == plain_bytes
+        assert first_bytes > plain_bytes  # the audit's gathers and verdicts, once
