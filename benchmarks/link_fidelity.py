@@ -12,7 +12,7 @@ import time
 import torch
 
 import tplayers
-from tplayers.core.collectives import _all_gather, _all_reduce, _reduce_scatter
+from tplayers.core.collectives import all_gather, all_reduce, reduce_scatter
 from tplayers.testing import World
 
 SIZES = [4 << 10, 256 << 10, 4 << 20]  # bytes of the full buffer
@@ -24,9 +24,9 @@ def _ratios(group, spec: str, iters: int):
     out = {}
     for nbytes in SIZES:
         n = nbytes // 4
-        ops = {"all_reduce": lambda: _all_reduce(torch.ones(n), g).wait(),
-               "all_gather": lambda: _all_gather(torch.ones(n // g.size), 0, g).wait(),
-               "reduce_scatter": lambda: _reduce_scatter(torch.ones(n), 0, g).wait()}
+        ops = {"all_reduce": lambda: all_reduce(torch.ones(n), g).wait(),
+               "all_gather": lambda: all_gather(torch.ones(n // g.size), 0, g).wait(),
+               "reduce_scatter": lambda: reduce_scatter(torch.ones(n), 0, g).wait()}
         for op, call in ops.items():
             modeled = link.seconds(op, nbytes, g.size)
             times = []

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tplayers
-from tplayers.core.collectives import _all_reduce, all_reduce_tensor
+from tplayers.core.collectives import all_reduce, all_reduce_tensor
 from tplayers.dense import DenseTransformerBlock
 from tplayers.testing import get_world
 
@@ -70,7 +70,7 @@ def test_link_model_formulas():
 
 
 def test_parse_link_specs():
-    assert tplayers.parse_link("h100-nvlink") == tplayers.core.link.PRESETS["h100-nvlink"]
+    assert tplayers.parse_link("h100-nvlink") == tplayers.bench.link.PRESETS["h100-nvlink"]
     assert tplayers.parse_link("0.05/20") == tplayers.LinkModel(0.05, 20.0, "0.05/20")
     assert tplayers.parse_link("3").latency_us == 0.0
     matched = tplayers.parse_link("match:h100-nvlink", tflops=0.989)  # a machine 1000x slower than an H100
@@ -93,7 +93,7 @@ def _emulated(group):
         one = time.perf_counter() - t0
         # two async collectives on one link run one after the other
         t0 = time.perf_counter()
-        first, second = _all_reduce(x.clone(), g, async_op=True), _all_reduce(x.clone(), g, async_op=True)
+        first, second = all_reduce(x.clone(), g, async_op=True), all_reduce(x.clone(), g, async_op=True)
         first.wait(), second.wait()
         two = time.perf_counter() - t0
     after = all_reduce_tensor(x, group=group)
@@ -165,13 +165,13 @@ def test_cuda_link_runs_on_the_gpu_timeline_without_blocking_the_host(fake_world
     a = torch.randn(2048, 2048, device="cuda")
     a @ a
     with tplayers.emulated_link(link):  # warm-up: the link stream, the sleep kernel's clock rate
-        _all_reduce(buf, g).wait()
+        all_reduce(buf, g).wait()
     torch.cuda.synchronize()
     with tplayers.emulated_link(link), tplayers.comm_accounting() as acct:
         t0 = time.perf_counter()
-        _all_reduce(buf, g).wait()  # blocking: the stream stalls 50 ms, the host does not
+        all_reduce(buf, g).wait()  # blocking: the stream stalls 50 ms, the host does not
         host_s = time.perf_counter() - t0
-        pending = _all_reduce(buf, g, async_op=True)
+        pending = all_reduce(buf, g, async_op=True)
         for _ in range(20):  # GPU work under the second collective
             a = (a @ a).tanh_()
         pending.wait()

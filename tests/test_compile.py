@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import tplayers
-from tplayers.core.collectives import _TRACE_COLLECTIVES
+from tplayers.core.collectives import TRACE_COLLECTIVES
 from tplayers.testing import get_world
 
 
@@ -44,7 +44,7 @@ def _check_compiled(group, backend: str, overlap: bool, fullgraph: bool):
     x = torch.randn(2, 4, 8, dtype=torch.float64)
     dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, backend=backend, fullgraph=fullgraph and _TRACE_COLLECTIVES)
+    compiled = torch.compile(model, backend=backend, fullgraph=fullgraph and TRACE_COLLECTIVES)
     results = []
     for step in range(2):  # second call reuses the compiled graph
         xs = [(x + step).requires_grad_() for _ in range(2)]
@@ -69,7 +69,7 @@ def _check_compiled(group, backend: str, overlap: bool, fullgraph: bool):
 def test_compiled_tp_model_matches_eager(backend, overlap, fullgraph):
     for breaks, err in get_world(2).run(_check_compiled, backend, overlap, fullgraph, timeout=500):
         assert err < 1e-10
-        if _TRACE_COLLECTIVES:
+        if TRACE_COLLECTIVES:
             assert breaks == {}, breaks
         else:  # older torch: breaks at the collectives (run eagerly, torch.compiler.disable)
             assert breaks, breaks
@@ -111,7 +111,7 @@ def _check_compiled_vocab(group):
     return None
 
 
-@pytest.mark.skipif(not _TRACE_COLLECTIVES, reason="torch < 2.13 graph-breaks at collectives")
+@pytest.mark.skipif(not TRACE_COLLECTIVES, reason="torch < 2.13 graph-breaks at collectives")
 def test_fullgraph_compile_with_vocab_parallel_layers_matches_eager():
     for message in get_world(2).run(_check_compiled_vocab, timeout=500):
         assert message is not None and "outside [0, 40)" in message

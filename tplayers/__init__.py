@@ -30,8 +30,8 @@ from .convert import AuditError, AuditReport, CoverageReport, Plan, audit, auto_
 from .layers import (backward_dw, check_replicas, check_same_inputs, clip_grad_norm_, main_grads_to_grads, pending_wgrad,
                      set_overlap, set_overlap_comm, use_main_grad, zero_main_grads)
 from .core.wgrad import WeightGradStore
-from .core.accounting import CommAccounting, CommRecord, EmulatedLink, comm_accounting, emulated_link
-from .core.link import LinkModel, parse_link
+from .bench.accounting import CommAccounting, CommRecord, EmulatedLink, comm_accounting, emulated_link
+from .bench.link import LinkModel, parse_link
 from .convert.mesh2d import Mesh2D, make_2d_mesh
 from .io import state_dict as sharding
 from .io import load_checkpoint, load_dense, save_checkpoint, save_dense

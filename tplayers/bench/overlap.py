@@ -25,11 +25,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.accounting import comm_accounting, emulated_link
+from .accounting import comm_accounting, emulated_link
 from ..core.comm import all_gather_tensor, all_reduce_, all_reduce_tensor, broadcast_tensor, reduce_scatter_tensor
-from ..core.link import LinkModel, matmul_tflops, parse_link
+from .link import LinkModel, matmul_tflops, parse_link
 from ..core.dtypes import DTYPES
-from ..core.functional import SEQ_DIM
+from ..core.collectives import SEQ_DIM
 from ..core.groups import GroupLike, TPGroup, collective_device, resolve_group
 from ..layers import ColumnParallelLinear, RowParallelLinear, set_overlap, set_overlap_comm
 from ..models.blocks import ParallelMLP, ParallelTransformerBlock
@@ -94,7 +94,7 @@ class BenchConfig:
     progress: bool = False
     trace_dir: Optional[str] = None
     trace_iters: int = 3
-    link: Optional[str] = None  # an emulated interconnect (tplayers.core.link spec), None: the real backend
+    link: Optional[str] = None  # an emulated interconnect (tplayers.bench.link spec), None: the real backend
     accounting_iters: int = 10  # overlapped iterations run again under comm_accounting (exposed comm, counts)
     chunks: int = 2  # mode tp_chunked: batch chunks (forward overlap, Domino-style)
 

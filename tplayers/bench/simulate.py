@@ -5,7 +5,7 @@ backend: collectives return at once and move nothing). Its compute is real: the 
 at one rank's shapes. Its collectives are timed by an emulated link (`tplayers.emulated_link`):
 each completes at launch (or the previous collective's end) + its alpha-beta time, so overlap and
 exposure come out as on a real rank whose peers keep pace (on a GPU, ``--device cuda``: the link
-runs on the GPU's timeline, see `tplayers.core.accounting`). Outputs are meaningless (nothing is
+runs on the GPU's timeline, see `tplayers.bench.accounting`). Outputs are meaningless (nothing is
 summed): only the times, counts, bytes and memory are. Every rank of a real TP group does the same
 work, so one rank stands for all (no stragglers, no contention between groups: see the docs).
 """

@@ -1,165 +1,108 @@
-"""The collectives under everything: private primitives that return `Pending` handles (so callers can
-overlap them with compute), and public non-differentiable helpers (rebuilding dense weights,
-coordination, benchmarks). The differentiable ops built on the primitives are in :mod:`.comm`.
+"""The collectives under everything.
+
+Primitives (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``ring_exchange``, ...) return a
+`Pending` handle, so callers can overlap them with compute; they are core's own tools (the
+differentiable ops of :mod:`.comm` and the schedules of :mod:`.functional` are built on them) and
+take a `TPGroup`. Public helpers (``all_gather_tensor`` ...) are non-differentiable, copy, and take
+any ``group=``: rebuilding dense weights, coordination, checks.
 
 Ownership rule: a primitive that works in place only ever touches a buffer its caller allocated for
-it; the public helpers copy (``all_reduce_`` is the one explicit in-place exception).
+it; the helpers copy (``all_reduce_`` is the one explicit in-place exception).
+
+Core knows nothing of benchmarks: every collective goes through :func:`_launch`, where one
+`Observer` (installed by ``tplayers.comm_accounting`` / ``tplayers.emulated_link``, on the bench
+floor) may watch it; with none installed that costs one truth test.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol  # the compiled paths
 
-from . import accounting
 from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
 from .placement import Placement
 
-__all__ = ["Pending", "all_gather_tensor", "all_reduce_tensor", "broadcast_tensor", "barrier", "reduce_scatter_tensor",
-           "all_reduce_", "gather_placed", "bit_hash", "ranks_that_differ", "all_gather_text"]
+__all__ = ["Pending", "Observer", "set_observer", "all_reduce", "all_gather", "reduce_scatter", "ring_exchange",
+           "sum_over_replica_ranks", "split", "owned_copy", "all_gather_tensor", "all_reduce_tensor",
+           "broadcast_tensor", "barrier", "reduce_scatter_tensor", "all_reduce_", "gather_placed", "bit_hash",
+           "ranks_that_differ", "all_gather_text", "TRACE_COLLECTIVES", "SEQ_DIM", "sum_partials"]
+
+SEQ_DIM = -2  # batch-first activations (b, s, h): the sequence dim is the one before hidden
 
 # torch 2.13 renamed the single-tensor collectives; 2.4-2.12 only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+# Under torch.compile the primitives issue torch's functional collectives (``_c10d_functional``):
+# they trace into the graph with no break, run asynchronously until ``wait_tensor`` (which
+# ``Pending.wait`` calls), so the overlap the schedule asks for survives compilation. In-place
+# torch.distributed calls with ``async_op=True`` do not trace (torch 2.13 graph-breaks; torch 2.11's
+# dynamo rewrote them and returned a tensor where tplayers expected a Work: wrong numbers).
+# Verified on torch 2.13 (CPU/gloo: same results as eager). On torch 2.11 (the lent GPU machine)
+# dynamo mis-traced both forms (in-place: a tensor where a Work was due; functional: wrong outputs),
+# so older torch breaks the graph at each collective instead and runs it eagerly: correct, without
+# the collective inside the graph.
+TRACE_COLLECTIVES = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_eager_on_old_torch = (lambda f: f) if TRACE_COLLECTIVES else torch.compiler.disable
+
 
 class Pending:
     """A collective in flight. ``wait()`` blocks until it is done and returns its result."""
 
-    __slots__ = ("_work", "_finish", "_result", "_record")
+    __slots__ = ("_work", "_finish", "_result", "_observed")
 
-    def __init__(self, work: Optional[object], finish: Callable[[], torch.Tensor],
-                 record: Optional[accounting.CommRecord] = None) -> None:
+    def __init__(self, work: Optional[object], finish: Callable[[], torch.Tensor], observed: Any = None) -> None:
         self._work = work
         self._finish = finish
         self._result: Optional[torch.Tensor] = None
-        self._record = record  # set only under comm_accounting / emulated_link
+        self._observed = observed  # (observer, its token) when an observer saw the launch
 
+    @_eager_on_old_torch
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            started = time.perf_counter() if self._record is not None else 0.0
+            started = time.perf_counter() if self._observed is not None else 0.0
             if self._work is not None:
                 self._work.wait()
-            if self._record is not None and self._work is not None:
-                accounting.finished(self._record, started)
+            if self._observed is not None and self._work is not None:
+                observer, token = self._observed
+                observer.finished(token, started)
             self._result = self._finish()
         return self._result
 
 
+class Observer(Protocol):
+    """What watches tplayers' collectives from a floor above (``tplayers.comm_accounting``, the
+    emulated link). Installed with :func:`set_observer`; core knows nothing else of it."""
+
+    def launch(self, op: str, nbytes: int, g: TPGroup, device: Optional[torch.device],
+               call: Callable[[], Any]) -> Tuple[Any, Any]:
+        """Run ``call()`` (the torch.distributed call) and return ``(its work or None, a token)``;
+        ``nbytes``: the full buffer (all-gather output, reduce-scatter input)."""
+
+    def finished(self, token: Any, wait_started: float) -> None:
+        """The caller's ``wait()`` on that collective's work returned (``wait_started``: when it began)."""
+
+
+_OBSERVER: List[Optional[Observer]] = [None]  # the one hook; None: nothing watches
+
+
+def set_observer(observer: Optional[Observer]) -> Optional[Observer]:
+    """Install ``observer`` (None: remove it); returns the one it replaces."""
+    previous, _OBSERVER[0] = _OBSERVER[0], observer
+    return previous
+
+
 def _launch(op: str, nbytes: int, g: TPGroup, call: Callable[[], Any],
-            device: Optional[torch.device] = None) -> "tuple[Any, Optional[accounting.CommRecord]]":
-    """Run the ``dist`` call; under accounting / an emulated link, also record it (and for a blocking
-    call, which returns no work, account its whole duration and sleep out the modeled rest now)."""
-    if not accounting.active():
+            device: Optional[torch.device] = None) -> Tuple[Any, Any]:
+    """Run the ``dist`` call, through the observer when one is installed: ``(work, observed)``."""
+    observer = _OBSERVER[0]
+    if observer is None:
         return call(), None
-    t0 = time.perf_counter()
-    _INSIDE[0] = True  # torch.distributed may be wrapped too (emulated_link(everywhere=True)): not twice
-    try:
-        work = call()
-    finally:
-        _INSIDE[0] = False
-    record = accounting.launched(op, nbytes, g.process_group, g.size, t0, device)
-    if work is None:
-        accounting.finished(record, t0)
-    return work, record
-
-
-_INSIDE = [False]  # a tplayers primitive is calling torch.distributed right now
-
-
-class _SlowWork:
-    """A torch.distributed Work whose ``wait()`` also sleeps until the emulated link's modeled end."""
-
-    def __init__(self, work: Any, end: float) -> None:
-        self._work, self._end = work, end
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._work.wait(*args, **kwargs)
-        _sleep_until(self._end)
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-def _sleep_until(end: float) -> None:
-    left = end - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
-
-
-def _group_size(group: Any) -> int:
-    if isinstance(group, tuple):  # functional collectives: (DeviceMesh, mesh_dim)
-        return group[0].size(group[1])
-    if hasattr(group, "size") and not isinstance(group, dist.ProcessGroup):  # a 1-D DeviceMesh
-        return group.size()
-    return dist.get_world_size(group)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-# name -> (op, bytes of the full buffer from (args, result), index of the group argument)
-_TORCH_DISTRIBUTED = {
-    "all_reduce": ("all_reduce", lambda a, r: _nbytes(a[0]), 2),
-    "broadcast": ("broadcast", lambda a, r: _nbytes(a[0]), 2),
-    "all_gather_into_tensor": ("all_gather", lambda a, r: _nbytes(a[0]), 2),
-    "_all_gather_base": ("all_gather", lambda a, r: _nbytes(a[0]), 2),
-    "reduce_scatter_tensor": ("reduce_scatter", lambda a, r: _nbytes(a[1]), 3),
-    "_reduce_scatter_base": ("reduce_scatter", lambda a, r: _nbytes(a[1]), 3),
-}
-_FUNCTIONAL = {  # torch.distributed._functional_collectives (DTensor): they return the result tensor
-    "all_reduce": ("all_reduce", lambda a, r: _nbytes(a[0]), 2),
-    "all_gather_tensor": ("all_gather", lambda a, r: _nbytes(r), 2),
-    "all_gather_single": ("all_gather", lambda a, r: _nbytes(r), 2),
-    "reduce_scatter_tensor": ("reduce_scatter", lambda a, r: _nbytes(a[0]), 3),
-    "reduce_scatter_single": ("reduce_scatter", lambda a, r: _nbytes(a[0]), 3),
-}
-
-
-def wrap_torch_distributed(link: Any) -> Callable[[], None]:
-    """Route other libraries' collectives through the emulated ``link`` too (DTensor's functional
-    collectives, megatron-core's and fairscale's torch.distributed calls): each completes no earlier
-    than its modeled end (functional ones block until then: their waits are implicit). Returns the
-    function that restores the originals. tplayers' own collectives are not counted twice."""
-    import torch.distributed._functional_collectives as funcol
-
-    saved = []
-
-    def install(module: Any, table: Dict[str, Any], functional: bool) -> None:
-        for name, (op, nbytes_of, group_at) in table.items():
-            original = getattr(module, name, None)
-            if original is None:
-                continue
-
-            def wrapper(*args: Any, _original: Any = original, _op: str = op, _nbytes_of: Any = nbytes_of,
-                        _group_at: int = group_at, **kwargs: Any) -> Any:
-                if _INSIDE[0]:
-                    return _original(*args, **kwargs)
-                t0 = time.perf_counter()
-                result = _original(*args, **kwargs)
-                group = kwargs.get("group", args[_group_at] if len(args) > _group_at else None)
-                end = link.modeled_end(_op, _nbytes_of(args, result), group, _group_size(group), t0)
-                if functional or result is None:  # blocking: the caller has it now
-                    _sleep_until(end)
-                    return result
-                return _SlowWork(result, end)
-
-            saved.append((module, name, original))
-            setattr(module, name, wrapper)
-
-    install(dist, _TORCH_DISTRIBUTED, False)
-    install(funcol, _FUNCTIONAL, True)
-
-    def restore() -> None:
-        for module, name, original in saved:
-            setattr(module, name, original)
-
-    return restore
+    work, token = observer.launch(op, nbytes, g, device, call)
+    return work, (observer, token)
 
 
 def _done(t: torch.Tensor) -> Pending:
@@ -174,30 +117,16 @@ def _check_divisible(size: int, g: TPGroup, what: str) -> None:
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-# Under torch.compile the primitives issue torch's functional collectives (``_c10d_functional``):
-# they trace into the graph with no break, run asynchronously until ``wait_tensor`` (which
-# ``Pending.wait`` calls), so the overlap the schedule asks for survives compilation. In-place
-# torch.distributed calls with ``async_op=True`` do not trace (torch 2.13 graph-breaks; torch 2.11's
-# dynamo rewrote them and returned a tensor where tplayers expected a Work: wrong numbers).
-
-
 def _functional_pg(g: TPGroup) -> Any:
     return g.process_group if g.process_group is not None else dist.group.WORLD
-
-
-# Functional collectives under compile are verified on torch 2.13 (CPU/gloo: same results as eager).
-# On torch 2.11 (the lent GPU machine) dynamo mis-traced both forms (in-place: a tensor where a Work
-# was due; functional: wrong outputs), so older torch breaks the graph at each collective instead
-# and runs it eagerly (the primitives are wrapped in torch.compiler.disable at the end of this module):
-# correct, without the collective inside the graph.
-_TRACE_COLLECTIVES = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str = "sum") -> Pending:
+@_eager_on_old_torch
+def all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str = "sum") -> Pending:
     """Sum (or ``op="max"``) ``buf`` over the group, in place. ``buf`` must be a contiguous
     tensor the caller owns."""
     if g.size == 1:
@@ -206,12 +135,12 @@ def _all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: st
     if _compiling():
         reduced = funcol.all_reduce(buf, op, _functional_pg(g))
         return Pending(None, lambda: buf.copy_(funcol.wait_tensor(reduced)))
-    work, record = _launch("all_reduce", buf.numel() * buf.element_size(), g, lambda: dist.all_reduce(
+    work, observed = _launch("all_reduce", buf.numel() * buf.element_size(), g, lambda: dist.all_reduce(
         buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op), buf.device)
-    return Pending(work, lambda: buf, record)
+    return Pending(work, lambda: buf, observed)
 
 
-def _sum_over_replica_ranks(rows: torch.Tensor, g: TPGroup, num_shards: int) -> torch.Tensor:
+def sum_over_replica_ranks(rows: torch.Tensor, g: TPGroup, num_shards: int) -> torch.Tensor:
     """``rows`` summed over the ranks that hold the same replica of them: the group's ranks in
     ``num_shards`` consecutive runs of ``p // num_shards`` (KV heads replicated over more ranks than
     there are heads). One all-reduce of a ``(num_shards, *rows.shape)`` buffer with this rank's rows
@@ -219,10 +148,11 @@ def _sum_over_replica_ranks(rows: torch.Tensor, g: TPGroup, num_shards: int) -> 
     slot = g.rank // (g.size // num_shards)
     buf = rows.new_zeros((num_shards,) + tuple(rows.shape))
     buf[slot].copy_(rows)
-    return _all_reduce(buf, g).wait()[slot]
+    return all_reduce(buf, g).wait()[slot]
 
 
-def _all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False) -> Pending:
+@_eager_on_old_torch
+def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False) -> Pending:
     """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
     if g.size == 1:
         return _done(x)
@@ -230,15 +160,15 @@ def _all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False
     src = x.contiguous()
     if _compiling():
         gathered = funcol.all_gather_tensor(src, 0, _functional_pg(g))  # (p*d0, ...)
-        work, record, result = None, None, lambda: funcol.wait_tensor(gathered)
+        work, observed, result = None, None, lambda: funcol.wait_tensor(gathered)
     else:
         out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-        work, record = _launch("all_gather", out.numel() * out.element_size(), g,
+        work, observed = _launch("all_gather", out.numel() * out.element_size(), g,
                                lambda: _all_gather_single(out, src, group=g.process_group, async_op=async_op),
                                out.device)
         result = lambda: out  # noqa: E731
     if dim == 0:
-        return Pending(work, result, record)
+        return Pending(work, result, observed)
 
     def finish() -> torch.Tensor:
         # (p*d0, ...) -> (p, d0, ..., d_dim, ...) -> (d0, ..., p, d_dim, ...) -> merge p into dim
@@ -247,10 +177,11 @@ def _all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False
         shape[dim] *= g.size
         return parts.reshape(shape)
 
-    return Pending(work, finish, record)
+    return Pending(work, finish, observed)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False) -> Pending:
+@_eager_on_old_torch
+def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False) -> Pending:
     """Sum over the group, then keep this rank's chunk along ``dim``. Never modifies ``x``."""
     if g.size == 1:
         return _done(x)
@@ -271,21 +202,29 @@ def _reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = F
         return Pending(None, lambda: funcol.wait_tensor(scattered).reshape(out_shape))
     if dim == 0:
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-        work, record = _launch("reduce_scatter", nbytes, g,
+        work, observed = _launch("reduce_scatter", nbytes, g,
                                lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op),
                                out.device)
-        return Pending(work, lambda: out, record)
+        return Pending(work, lambda: out, observed)
     chunk_shape = list(src.shape[1:])
     src = src.reshape([g.size * chunk_shape[0]] + chunk_shape[1:])  # the collective splits dim 0
     out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
-    work, record = _launch("reduce_scatter", nbytes, g,
+    work, observed = _launch("reduce_scatter", nbytes, g,
                            lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op),
                            out.device)
-    return Pending(work, lambda: out.reshape(out_shape), record)
+    return Pending(work, lambda: out.reshape(out_shape), observed)
 
 
+def sum_partials(partial: torch.Tensor, g: TPGroup, sequence_parallel: bool, *, async_op: bool = False) -> Pending:
+    """Every rank's ``partial`` summed (a buffer the caller owns): all-reduced, or under sequence
+    parallelism reduce-scattered along the sequence (each rank keeps its chunk of the sum)."""
+    if sequence_parallel:
+        return reduce_scatter(partial, SEQ_DIM, g, async_op=async_op)
+    return all_reduce(partial, g, async_op=async_op)
 
-def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, g: TPGroup) -> Pending:
+
+@_eager_on_old_torch
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, g: TPGroup) -> Pending:
     """Send ``send`` to the next rank of the ring (group rank + 1) and receive the previous rank's
     into ``recv``, asynchronously (one step of a decomposed all-gather / reduce-scatter). Both
     contiguous, same shape on every rank."""
@@ -294,7 +233,7 @@ def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, g: TPGroup) -> Pendin
     if pg is not None:
         nxt, prv = dist.get_global_rank(pg, nxt), dist.get_global_rank(pg, prv)
     ops = [dist.P2POp(dist.isend, send, nxt, group=pg), dist.P2POp(dist.irecv, recv, prv, group=pg)]
-    works, record = _launch("send", send.numel() * send.element_size(), g, lambda: dist.batch_isend_irecv(ops),
+    works, observed = _launch("send", send.numel() * send.element_size(), g, lambda: dist.batch_isend_irecv(ops),
                             send.device)
 
     class _All:  # one wait for both directions
@@ -302,9 +241,10 @@ def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, g: TPGroup) -> Pendin
             for work in works:
                 work.wait()
 
-    return Pending(_All(), lambda: recv, record)
+    return Pending(_All(), lambda: recv, observed)
 
-def _split(x: torch.Tensor, dim: int, g: TPGroup) -> torch.Tensor:
+
+def split(x: torch.Tensor, dim: int, g: TPGroup) -> torch.Tensor:
     """This rank's chunk of ``x`` along ``dim`` (torch.chunk order), as an owned contiguous tensor."""
     if g.size == 1:
         return x
@@ -312,14 +252,14 @@ def _split(x: torch.Tensor, dim: int, g: TPGroup) -> torch.Tensor:
     return x.chunk(g.size, dim=dim)[g.rank].contiguous()
 
 
-def _owned_copy(x: torch.Tensor) -> torch.Tensor:
+def owned_copy(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
 def all_gather_tensor(x: torch.Tensor, dim: int, *, group: GroupLike) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (no autograd). Used to rebuild dense weights."""
     with torch.no_grad():
-        return _all_gather(x.detach(), dim, resolve_group(group)).wait()
+        return all_gather(x.detach(), dim, resolve_group(group)).wait()
 
 
 def all_reduce_tensor(x: torch.Tensor, *, group: GroupLike, op: str = "sum") -> torch.Tensor:
@@ -329,7 +269,7 @@ def all_reduce_tensor(x: torch.Tensor, *, group: GroupLike, op: str = "sum") -> 
         raise ValueError(f"all_reduce_tensor: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
     with torch.no_grad():
         g = resolve_group(group)
-        return x.detach() if g.size == 1 else _all_reduce(_owned_copy(x.detach()), g, op=op).wait()
+        return x.detach() if g.size == 1 else all_reduce(owned_copy(x.detach()), g, op=op).wait()
 
 
 def barrier(group: GroupLike) -> None:
@@ -344,7 +284,7 @@ def reduce_scatter_tensor(x: torch.Tensor, dim: int, *, group: GroupLike) -> tor
     """This rank's chunk (along ``dim``) of the sum of every rank's ``x``, as a new tensor (no autograd)."""
     with torch.no_grad():
         g = resolve_group(group)
-        return x.detach() if g.size == 1 else _reduce_scatter(x.detach(), dim, g).wait()
+        return x.detach() if g.size == 1 else reduce_scatter(x.detach(), dim, g).wait()
 
 
 def all_reduce_(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
@@ -356,7 +296,7 @@ def all_reduce_(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
     if not x.is_contiguous():
         raise ValueError("all_reduce_: the buffer must be contiguous (a reduction into a copy would be lost)")
     with torch.no_grad():
-        return _all_reduce(x, g).wait()
+        return all_reduce(x, g).wait()
 
 
 def broadcast_tensor(x: torch.Tensor, src_rank: int, *, group: GroupLike) -> torch.Tensor:
@@ -365,7 +305,7 @@ def broadcast_tensor(x: torch.Tensor, src_rank: int, *, group: GroupLike) -> tor
         g = resolve_group(group)
         if g.size == 1:
             return x.detach()
-        buf = _owned_copy(x.detach())
+        buf = owned_copy(x.detach())
         src = dist.get_global_rank(g.process_group, src_rank) if g.process_group is not None else src_rank
         _launch("broadcast", buf.numel() * buf.element_size(), g, lambda: dist.broadcast(buf, src=src, group=g.process_group))
         return buf
@@ -424,9 +364,3 @@ def all_gather_text(text: str, *, group: GroupLike, limit: int = 8192) -> "list[
     return out
 
 
-if not _TRACE_COLLECTIVES:  # older torch: dynamo must not trace them (see _TRACE_COLLECTIVES)
-    _all_reduce = torch.compiler.disable(_all_reduce)
-    _all_gather = torch.compiler.disable(_all_gather)
-    _reduce_scatter = torch.compiler.disable(_reduce_scatter)
-    _ring_exchange = torch.compiler.disable(_ring_exchange)
-    Pending.wait = torch.compiler.disable(Pending.wait)  # type: ignore[method-assign]

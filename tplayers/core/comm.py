@@ -1,6 +1,6 @@
 """Differentiable collectives over a TP group: the paper's f and g, and their sequence twins.
 
-Three tiers, as in Megatron-core: private collectives (``_all_reduce`` ..., in :mod:`.collectives`)
+Three tiers, as in Megatron-core: core's primitives (``all_reduce`` ..., in :mod:`.collectives`)
 that return a `Pending` handle so callers can overlap them with compute; private autograd
 Functions; public snake_case wrappers. The non-differentiable helpers (``all_gather_tensor`` ...)
 live in :mod:`.collectives` and are re-exported here. Every collective is a no-op copy-free pass-through on a world of one.
@@ -20,9 +20,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from .collectives import (Pending, _all_gather, _all_reduce, _owned_copy, _reduce_scatter, _split,
-                          _sum_over_replica_ranks, all_gather_tensor, all_reduce_, all_reduce_tensor, barrier,
-                          broadcast_tensor, gather_placed, reduce_scatter_tensor)
+from .collectives import (Pending, all_gather, all_reduce, all_gather_tensor, all_reduce_, all_reduce_tensor, barrier,
+                          broadcast_tensor, gather_placed, owned_copy, reduce_scatter,
+                          reduce_scatter_tensor, split, sum_over_replica_ranks)
 from .groups import GroupLike, TPGroup, resolve_group
 
 __all__ = [
@@ -70,7 +70,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, g: TPGroup) -> torch.Tensor:
         ctx.g = g
-        return _all_reduce(_owned_copy(x), g).wait()
+        return all_reduce(owned_copy(x), g).wait()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -83,7 +83,7 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, g: TPGroup) -> torch.Tensor:
         ctx.g = g
-        return _split(x, -1, g)
+        return split(x, -1, g)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -96,7 +96,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, g: TPGroup) -> torch.Tensor:
         ctx.g = g
-        return _all_gather(x, -1, g).wait()
+        return all_gather(x, -1, g).wait()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -109,7 +109,7 @@ class _ScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, g: TPGroup, dim: int) -> torch.Tensor:
         ctx.g, ctx.dim = g, dim
-        return _split(x, dim, g)
+        return split(x, dim, g)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -123,7 +123,7 @@ class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, g: TPGroup, dim: int, grad_is_partial: bool) -> torch.Tensor:
         ctx.g, ctx.dim, ctx.partial = g, dim, grad_is_partial
-        return _all_gather(x, dim, g).wait()
+        return all_gather(x, dim, g).wait()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -138,7 +138,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, g: TPGroup, dim: int) -> torch.Tensor:
         ctx.g, ctx.dim = g, dim
-        return _reduce_scatter(x, dim, g).wait()
+        return reduce_scatter(x, dim, g).wait()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -176,7 +176,7 @@ class _ReduceOverReplicas(torch.autograd.Function):
     @staticmethod
     def forward(ctx, grad: torch.Tensor, g: TPGroup, num_shards: int, start: int, stop: int) -> torch.Tensor:
         ctx.g, ctx.num_shards, ctx.rows = g, num_shards, (start, stop)
-        summed = _sum_over_replica_ranks(grad[start:stop], g, num_shards)
+        summed = sum_over_replica_ranks(grad[start:stop], g, num_shards)
         if start == 0 and stop == grad.shape[0]:
             return summed
         out = grad.clone(memory_format=torch.contiguous_format)  # never write into autograd's grad

@@ -25,13 +25,13 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .collectives import Pending, _all_gather, _all_reduce
+from .collectives import SEQ_DIM, Pending, all_gather, all_reduce, sum_partials
 from .comm import copy_to_tp
-from .functional import (SEQ_DIM, _batch_chunks, _cat, _check_main_grads, _core_graph, _linear_wgrads,
-                         _region_wgrads, _row_reduce, _warn_cuda_connections_once, column_parallel_linear,
-                         row_parallel_linear)
+from .functional import column_parallel_linear, differentiable_grads, row_parallel_linear
 from .groups import TPGroup
-from .wgrad import MainGrads, WeightGradStore
+from .region import Core, batch_chunks, cat_rows, check_region_main_grads, core_graph
+from .validate import warn_cuda_connections_once
+from .wgrad import MainGrads, WeightGradStore, linear_wgrads, region_wgrads
 
 __all__ = ["ResidualRegion", "interleaved_residual_regions"]
 
@@ -52,7 +52,7 @@ class ResidualRegion:
     b1: Optional[torch.Tensor]
     w2: torch.Tensor
     b2: Optional[torch.Tensor]
-    core: Callable[[torch.Tensor, slice], torch.Tensor]
+    core: Core
     recompute: bool = False
     wgrad_store: Optional[WeightGradStore] = None
     main_grads: MainGrads = None
@@ -65,7 +65,7 @@ _PER_REGION = 6  # norm weight, norm bias, w1, b1, w2, b2
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _Schedule:
     regions: Tuple[ResidualRegion, ...]
     g: TPGroup
     sequence_parallel: bool
@@ -89,8 +89,8 @@ class _InterleavedBlockFn(torch.autograd.Function):
     runs the newest ready node first, so each backward wait would run right after its own launch.)"""
 
     @staticmethod
-    def forward(ctx, x, plan: _Plan, *tensors):
-        g, sp, rows, regions = plan.g, plan.sequence_parallel, plan.rows, plan.regions
+    def forward(ctx, x, schedule: _Schedule, *tensors):
+        g, sp, rows, regions = schedule.g, schedule.sequence_parallel, schedule.rows, schedule.regions
         n_regions, k = len(regions), len(rows)
         params = [tensors[_PER_REGION * j:_PER_REGION * (j + 1)] for j in range(n_regions)]
         ys = [[None] * n_regions for _ in rows]  # region j's input (the residual stream), chunk i
@@ -104,30 +104,31 @@ class _InterleavedBlockFn(torch.autograd.Function):
                 y = y + _with_bias(pending[i][j - 1].wait(), params[j - 1][5])
                 pending[i][j - 1] = None
             n = region.norm(y, nw, nb)
-            n_full = _all_gather(n, SEQ_DIM, g).wait() if sp else n  # (bc, s, hidden)
+            n_full = all_gather(n, SEQ_DIM, g).wait() if sp else n  # (bc, s, hidden)
             h = F.linear(n_full, w1, b1)  # (bc, s, local column width)
             if region.recompute:
                 a = region.core(h, rows[i])
             else:
-                h_in, a = graphs[i][j] = _core_graph(region.core, h, rows[i])
+                h_in, a = graphs[i][j] = core_graph(region.core, h, rows[i])
                 a = a.detach()
-            pending[i][j] = _row_reduce(F.linear(a, w2), g, sp, async_op=True)  # this rank's share, in flight
+            pending[i][j] = sum_partials(F.linear(a, w2), g, sp, async_op=True)  # this rank's share, in flight
             ys[i][j], ns[i][j], hs[i][j], resid[i] = y, n, h, y
         last_bias = params[-1][5]
-        out = _cat([resid[i] + _with_bias(pending[i][-1].wait(), last_bias) for i in range(k)])
-        ctx.save_for_backward(x, *tensors)
-        ctx.plan, ctx.ys, ctx.ns, ctx.hs, ctx.graphs = plan, ys, ns, hs, graphs
+        out = cat_rows([resid[i] + _with_bias(pending[i][-1].wait(), last_bias) for i in range(k)])
+        kept = [t for stage in (ys, ns, hs) for chunk in stage for t in chunk]  # (3, k, regions), flattened
+        ctx.save_for_backward(x, *tensors, *kept)
+        ctx.schedule, ctx.graphs = schedule, graphs  # graphs: autograd's (their tensors saved through it)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         if torch.is_grad_enabled():  # create_graph=True: rebuild the block from the differentiable layers
             return _graph_backward(ctx, grad_out)
-        x, *tensors = ctx.saved_tensors
-        plan, ys, ns, hs, graphs = ctx.plan, ctx.ys, ctx.ns, ctx.hs, ctx.graphs
-        ctx.graphs = None
-        g, sp, rows, regions, overlap = plan.g, plan.sequence_parallel, plan.rows, plan.regions, plan.overlap
+        schedule, graphs, ctx.graphs = ctx.schedule, ctx.graphs, None
+        g, sp, rows, regions, overlap = (schedule.g, schedule.sequence_parallel, schedule.rows, schedule.regions,
+                                         schedule.overlap)
         n_regions, k = len(regions), len(rows)
+        x, tensors, ys, ns, hs = _unpack(ctx.saved_tensors, n_regions, k)
         params = [tensors[_PER_REGION * j:_PER_REGION * (j + 1)] for j in range(n_regions)]
         needs = [ctx.needs_input_grad[2 + _PER_REGION * j:2 + _PER_REGION * (j + 1)] for j in range(n_regions)]
         # region 0's input-gradient collective and norm backward feed only x's and its norm's gradients
@@ -163,21 +164,21 @@ class _InterleavedBlockFn(torch.autograd.Function):
             region, (_, _, w1, b1, w2, b2) = regions[j], params[j]
             need_w1, need_b1, need_w2, need_b2 = needs[j][2:]
             need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
-            gf, act, grad_h, n_cat = (_cat([t[i][j] for i in range(k)]) for t in (gfs, acts, grad_hs, ns))
+            gf, act, grad_h, n_cat = (cat_rows([t[i][j] for i in range(k)]) for t in (gfs, acts, grad_hs, ns))
             main = region.main_grads
             if region.wgrad_store is not None:  # delay_wgrad: recorded, run by backward_dw (SP: gathered then)
                 targets = tuple(t if need else None for t, need in zip((w1, b1, w2, b2), needs[j][2:]))
                 if any(t is not None for t in targets):
-                    region.wgrad_store.put(targets, lambda: _region_wgrads(
-                        gf, act, grad_h, _all_gather(n_cat, SEQ_DIM, g).wait() if sp else n_cat,
+                    region.wgrad_store.put(targets, lambda: region_wgrads(
+                        gf, act, grad_h, all_gather(n_cat, SEQ_DIM, g).wait() if sp else n_cat,
                         (need_w1, need_b1, need_w2, need_b2), main, g))
                 return
             # its column input over all chunks travels (SP) under the row layer's weight gradient
-            gathering = _all_gather(n_cat, SEQ_DIM, g, async_op=overlap) if sp and need_w1 else None
-            grads[_PER_REGION * j + 4:_PER_REGION * (j + 1)] = _linear_wgrads(
+            gathering = all_gather(n_cat, SEQ_DIM, g, async_op=overlap) if sp and need_w1 else None
+            grads[_PER_REGION * j + 4:_PER_REGION * (j + 1)] = linear_wgrads(
                 gf, act, need_w2, need_b2, None if main is None else main[2:], g)
             n_full = gathering.wait() if gathering is not None else n_cat
-            grads[_PER_REGION * j + 2:_PER_REGION * j + 4] = _linear_wgrads(
+            grads[_PER_REGION * j + 2:_PER_REGION * j + 4] = linear_wgrads(
                 grad_h, n_full, need_w1, need_b1, None if main is None else main[:2], g)
 
         for q, i in _stages(n_regions, k):
@@ -185,13 +186,13 @@ class _InterleavedBlockFn(torch.autograd.Function):
             if j + 1 < n_regions:
                 through_norm(i, j + 1)
             region, (_, _, w1, _, w2, _) = regions[j], params[j]
-            gf = _all_gather(grad_resid[i], SEQ_DIM, g).wait() if sp else grad_resid[i]  # (bc, s, hidden)
+            gf = all_gather(grad_resid[i], SEQ_DIM, g).wait() if sp else grad_resid[i]  # (bc, s, hidden)
             graph = None if graphs is None else graphs[i][j]  # None: the core recomputed with its graph
-            h_in, a = _core_graph(region.core, hs[i][j], rows[i]) if graph is None else graph
+            h_in, a = core_graph(region.core, hs[i][j], rows[i]) if graph is None else graph
             (grad_h,) = torch.autograd.grad(a, h_in, gf @ w2)  # (bc, s, local column width)
             gfs[i][j], acts[i][j], grad_hs[i][j] = gf, a.detach(), grad_h
             if j > 0 or chain_to_x:  # this chunk's partial input gradient (a buffer we own) travels at once
-                pending[i][j] = _row_reduce(grad_h @ w1, g, sp, async_op=overlap)
+                pending[i][j] = sum_partials(grad_h @ w1, g, sp, async_op=overlap)
             if i == k - 1:  # region j's last stage: its weight gradients now, under its last collectives
                 weight_grads(j)
         if chain_to_x:
@@ -201,34 +202,39 @@ class _InterleavedBlockFn(torch.autograd.Function):
             for slot in (0, 1):
                 grad = norm_grads[j][slot]
                 if grad is not None and sp:
-                    grad = _all_reduce(grad.contiguous(), g).wait()
+                    grad = all_reduce(grad.contiguous(), g).wait()
                 grads[_PER_REGION * j + slot] = grad
-        grad_x = _cat(grad_resid) if ctx.needs_input_grad[0] else None
+        grad_x = cat_rows(grad_resid) if ctx.needs_input_grad[0] else None
         return (grad_x, None, *grads)
+
+
+def _unpack(saved, n_regions: int, k: int):
+    """``ctx.saved_tensors`` back into ``x``, the regions' tensors, and ys, ns, hs as ``[chunk][region]``."""
+    tensors, kept = saved[1:1 + _PER_REGION * n_regions], saved[1 + _PER_REGION * n_regions:]
+    ys, ns, hs = ([[kept[(stage * k + i) * n_regions + j] for j in range(n_regions)] for i in range(k)]
+                  for stage in range(3))
+    return saved[0], tensors, ys, ns, hs
 
 
 def _graph_backward(ctx, grad_out):
     """create_graph=True: the block through the differentiable column / row ops, unchunked, and its
     gradient (each core runs again: callers keep dropout out of interleaved blocks)."""
-    x, *tensors = ctx.saved_tensors
-    plan = ctx.plan
-    ctx.graphs = None
-    g, sp = plan.g, plan.sequence_parallel
-    y = x
-    for j, region in enumerate(plan.regions):
-        nw, nb, w1, b1, w2, b2 = tensors[_PER_REGION * j:_PER_REGION * (j + 1)]
-        if sp:  # each rank normalized its own tokens: the norm parameters' gradients summed over the group
-            nw, nb = (None if t is None else copy_to_tp(t, group=g) for t in (nw, nb))
-        h = column_parallel_linear(region.norm(y, nw, nb), w1, b1, group=g, sequence_parallel=sp)
-        y = y + row_parallel_linear(region.core(h, slice(None)), w2, b2, group=g, sequence_parallel=sp)
-    inputs = (x, *tensors)
-    wanted = [i for i, (t, need) in enumerate(zip(inputs, (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:])))
-              if need and t is not None]
-    grads = torch.autograd.grad(y, [inputs[i] for i in wanted], grad_out, create_graph=True)
-    result: List[Optional[torch.Tensor]] = [None] * len(inputs)
-    for i, grad in zip(wanted, grads):
-        result[i] = grad
-    return (result[0], None, *result[1:])
+    schedule, ctx.graphs = ctx.schedule, None
+    g, sp = schedule.g, schedule.sequence_parallel
+    x, tensors, *_ = _unpack(ctx.saved_tensors, len(schedule.regions), len(schedule.rows))
+
+    def forward(y, *tensors):
+        for j, region in enumerate(schedule.regions):
+            nw, nb, w1, b1, w2, b2 = tensors[_PER_REGION * j:_PER_REGION * (j + 1)]
+            if sp:  # each rank normalized its own tokens: the norm parameters' gradients summed over the group
+                nw, nb = (None if t is None else copy_to_tp(t, group=g) for t in (nw, nb))
+            h = column_parallel_linear(region.norm(y, nw, nb), w1, b1, group=g, sequence_parallel=sp)
+            y = y + row_parallel_linear(region.core(h, slice(None)), w2, b2, group=g, sequence_parallel=sp)
+        return y
+
+    needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:])
+    grads = differentiable_grads(forward, (x, *tensors), needs, grad_out)
+    return (grads[0], None, *grads[1:])
 
 
 def interleaved_residual_regions(x: torch.Tensor, regions: Sequence[ResidualRegion], *, group: TPGroup,
@@ -241,11 +247,10 @@ def interleaved_residual_regions(x: torch.Tensor, regions: Sequence[ResidualRegi
     where this does not apply (a world of one, autocast, dropout, a KV cache)."""
     if x.dim() != 3:
         raise ValueError(f"interleaved_residual_regions: expected (batch, seq, hidden), got {tuple(x.shape)}")
-    regions = tuple(region if region.main_grads is None else replace(region, main_grads=(
-        *_check_main_grads(region.main_grads[:2], region.w1, region.b1, "interleaved_residual_regions", group.size),
-        *_check_main_grads(region.main_grads[2:], region.w2, region.b2, "interleaved_residual_regions", group.size)))
+    regions = tuple(region if region.main_grads is None else replace(region, main_grads=check_region_main_grads(
+        region.main_grads, region.w1, region.b1, region.w2, region.b2, "interleaved_residual_regions", group))
         for region in regions)
-    _warn_cuda_connections_once(x, group, overlap_comm)
-    plan = _Plan(regions, group, sequence_parallel, overlap_comm, tuple(_batch_chunks(x.shape[0], chunks)))
+    warn_cuda_connections_once(x, group, overlap_comm)
+    schedule = _Schedule(regions, group, sequence_parallel, overlap_comm, tuple(batch_chunks(x.shape[0], chunks)))
     tensors = [t for region in regions for t in region.tensors()]
-    return _InterleavedBlockFn.apply(x, plan, *tensors)
+    return _InterleavedBlockFn.apply(x, schedule, *tensors)

@@ -26,7 +26,11 @@ from typing import Callable, Deque, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["WeightGradStore", "ReplicatedRows", "accumulate_matmul", "check_main_grads"]
+from .collectives import SEQ_DIM, Pending, all_gather, sum_over_replica_ranks
+from .groups import TPGroup
+
+__all__ = ["WeightGradStore", "WgradSink", "ReplicatedRows", "accumulate_matmul", "check_main_grads",
+           "linear_wgrads", "region_wgrads"]
 
 
 class ReplicatedRows(NamedTuple):
@@ -123,3 +127,114 @@ class WeightGradStore:
     def clear(self) -> None:
         """Drop the recorded work without running it (e.g. after a skipped step)."""
         self._work.clear()
+
+
+# ---------------------------------------------------------------------------- routing one layer's gradients
+
+
+class WgradSink:
+    """Where a fused op's weight and bias gradients go, fixed when its forward runs: returned now
+    (autograd writes ``.grad``), added into ``main_grad`` buffers (``main``), or recorded in a
+    `WeightGradStore` and computed at its flush (``store``: delay_wgrad). ``targets``: the weights
+    and biases exactly as the autograd Function received them (the store's flush sends each gradient
+    through autograd from there). ``gather_input``: the layer's input is this rank's sequence chunk
+    (sequence parallelism): a recorded computation gathers it at flush."""
+
+    __slots__ = ("g", "store", "main", "targets", "gather_input")
+
+    def __init__(self, g: TPGroup, store: Optional[WeightGradStore] = None, main: MainGrads = None,
+                 targets: Sequence[Optional[torch.Tensor]] = (), gather_input: bool = False) -> None:
+        self.g, self.store, self.main, self.gather_input = g, store, main, gather_input
+        self.targets = tuple(targets) if store is not None else ()  # held only until recorded
+
+    @property
+    def now(self) -> bool:
+        return self.store is None
+
+    def input(self, x: torch.Tensor, need_w: bool, *, async_op: bool) -> Union[torch.Tensor, Pending]:
+        """What the weight gradient will multiply: ``x``, or under sequence parallelism (computed now)
+        the gather of every rank's chunk, launched here so that it travels under the caller's next GEMM."""
+        if self.gather_input and need_w and self.now:
+            return all_gather(x, SEQ_DIM, self.g, async_op=async_op)
+        return x
+
+    def linear(self, grad_out: torch.Tensor, x: Union[torch.Tensor, Pending], need_w: bool,
+               need_b: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(grad_W, grad_b)`` of ``y = x W^T + b`` (from :meth:`input`'s ``x``); None where not needed,
+        added into a main_grad buffer, or recorded for later."""
+        return self.route((need_w, need_b), lambda: linear_wgrads(grad_out, self.whole(x), need_w, need_b,
+                                                                   self.main, self.g))
+
+    def whole(self, x: Union[torch.Tensor, Pending]) -> torch.Tensor:
+        """:meth:`input`'s result as the whole input: the gather waited for; or, computed at a flush,
+        the shard gathered then."""
+        if isinstance(x, Pending):
+            return x.wait()
+        return all_gather(x, SEQ_DIM, self.g).wait() if self.gather_input and not self.now else x
+
+    def route(self, needs: Sequence[bool], compute: Callable[[], Sequence[Optional[torch.Tensor]]]
+              ) -> Tuple[Optional[torch.Tensor], ...]:
+        """``compute()`` now; or recorded in the store for the targets that need a gradient (Nones now)."""
+        if self.store is None:
+            return tuple(compute())
+        wanted = tuple(t if need else None for t, need in zip(self.targets, needs))
+        if any(t is not None for t in wanted):
+            self.store.put(wanted, compute)
+        self.targets = ()
+        return (None,) * len(needs)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def linear_wgrads(grad_out: torch.Tensor, x: torch.Tensor, need_w: bool, need_b: bool, main: MainGrads,
+                  g: TPGroup) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(grad_out^T x, grad_out summed)`` over all leading dims, each only when needed; with
+    ``main`` = (weight buffer, bias buffer), each is accumulated into its buffer instead (None returned)."""
+    grad_flat = _flat(grad_out)
+    main_w, main_b = main if main is not None else (None, None)
+    grad_w = grad_b = None
+    if need_w:
+        if main_w is not None:
+            x_flat = _flat(x)  # (tokens, in), once for every row range
+            _accumulate(main_w, grad_flat.t(), g, lambda out, a: accumulate_matmul(out, a, x_flat))
+        else:
+            grad_w = grad_flat.t() @ _flat(x)
+    if need_b:
+        if main_b is not None:
+            _accumulate(main_b, grad_flat.t(), g, lambda out, a: out.add_(a.sum(1, dtype=out.dtype)))
+        else:
+            grad_b = grad_flat.sum(0)
+    return grad_w, grad_b
+
+
+def region_wgrads(grad_full: torch.Tensor, act: torch.Tensor, grad_h: torch.Tensor, x_full: torch.Tensor,
+                  needs: Sequence[bool], main: MainGrads, g: TPGroup) -> Tuple[Optional[torch.Tensor], ...]:
+    """A column -> core -> row region's weight gradients ``(w1, b1, w2, b2)``: the row layer's first,
+    then the column layer's (``needs`` in that order; ``main``: the four main_grad buffers, or None)."""
+    need_w1, need_b1, need_w2, need_b2 = needs
+    grad_w2, grad_b2 = linear_wgrads(grad_full, act, need_w2, need_b2, None if main is None else main[2:], g)
+    grad_w1, grad_b1 = linear_wgrads(grad_h, x_full, need_w1, need_b1, None if main is None else main[:2], g)
+    return grad_w1, grad_b1, grad_w2, grad_b2
+
+
+def _accumulate(main: MainBuffer, grad_t: torch.Tensor, g: TPGroup,
+                add: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """``add(out, rows of grad_t)`` into ``main`` row by row range (``grad_t``: ``(out, tokens)``, its
+    row i the output gradient of the parameter's row i). A `ReplicatedRows` buffer's replicated runs
+    are first added into a zero buffer and summed over their replica ranks (as the ``.grad`` path
+    sums them), so the buffer gains complete gradients only."""
+    if not isinstance(main, ReplicatedRows):
+        add(main, grad_t)
+        return
+    buf, done = main.buffer, 0
+    for start, stop, num_shards in main.runs:
+        if done < start:
+            add(buf[done:start], grad_t[done:start])
+        part = buf.new_zeros(buf[start:stop].shape)
+        add(part, grad_t[start:stop])
+        buf[start:stop].add_(sum_over_replica_ranks(part, g, num_shards) if num_shards < g.size else part)
+        done = stop
+    if done < buf.shape[0]:
+        add(buf[done:], grad_t[done:])

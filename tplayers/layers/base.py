@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..core.collectives import bit_hash, gather_placed, ranks_that_differ
-from ..core.functional import require_chunks
+from ..core.validate import require_chunks
 from ..core.wgrad import ReplicatedRows, WeightGradStore
 from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement

@@ -148,8 +148,7 @@ class RowParallelLinear(TensorParallelModule):
             return F.linear(x, self.weight, self.bias)
         return row_parallel_linear(x, self.weight, self.bias, group=self.tp,  # (..., out)
                                    input_is_parallel=self.input_is_parallel,
-                                   sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
-                                   **grad_sinks(self))
+                                   sequence_parallel=self.sequence_parallel, **grad_sinks(self))
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "RowParallelLinear":

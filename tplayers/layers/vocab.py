@@ -24,7 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.comm import gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence
-from ..core.functional import SEQ_DIM, column_parallel_linear
+from ..core.collectives import SEQ_DIM
+from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range

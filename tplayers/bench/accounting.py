@@ -22,8 +22,9 @@ one block of one SM while it runs (NCCL's kernels take more). With ``CUDA_DEVICE
 (one hardware queue) the waiting stream's event is queued behind the link's end, so the stall still
 happens but is counted as compute: measure exposure with the default (several queues).
 
-Both are context managers holding explicit objects; the primitives check one module-level list
-(empty when nothing is active: the cost when off is one truth test per collective).
+Both are context managers holding explicit objects. They watch core's collectives through core's
+one observer hook (`tplayers.core.collectives.set_observer`), installed while any is active and
+removed after: when none is, a collective costs core one truth test.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
+from ..core import collectives
+from ..core.groups import TPGroup
+from .everywhere import sleep_until, wrap_torch_distributed
 from .link import LinkModel, parse_link
 
 __all__ = ["CommRecord", "CommAccounting", "comm_accounting", "EmulatedLink", "emulated_link"]
@@ -78,11 +82,11 @@ class CommAccounting:
 
         self._hooks = [module_hooks.register_module_forward_pre_hook(self._push),
                        module_hooks.register_module_forward_hook(self._pop, always_call=True)]
-        _ACTIVE.append(self)
+        _activate(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _ACTIVE.remove(self)
+        _deactivate(self)
         for h in self._hooks:
             h.remove()
         self._stack.clear()
@@ -160,15 +164,13 @@ class EmulatedLink:
     _streams: Dict[Tuple[int, int], Any] = field(default_factory=dict)  # CUDA: (device, group) -> link stream
 
     def __enter__(self) -> "EmulatedLink":
-        _ACTIVE.append(self)
+        _activate(self)
         if self.everywhere:
-            from .collectives import wrap_torch_distributed  # (collectives imports this module)
-
-            self._restore = wrap_torch_distributed(self)
+            self._restore = wrap_torch_distributed(self, inside=lambda: _OBSERVER.inside)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _ACTIVE.remove(self)
+        _deactivate(self)
         if self._restore is not None:
             self._restore()
             self._restore = None
@@ -220,18 +222,57 @@ def _cycles_per_second(device: torch.device) -> float:
 
 
 def emulated_link(spec: Union[str, LinkModel], *, everywhere: bool = False) -> EmulatedLink:
-    """``with tplayers.emulated_link("h100-nvlink"): ...``: see :mod:`tplayers.core.link` for specs.
+    """``with tplayers.emulated_link("h100-nvlink"): ...``: see :mod:`tplayers.bench.link` for specs.
     ``everywhere=True``: other libraries' collectives too (benchmarks/peers.py: DTensor,
     megatron-core, fairscale over the same wire)."""
     return EmulatedLink(parse_link(spec), everywhere)
 
 
-# ---------------------------------------------------------------------------- hooks for the primitives
+# ---------------------------------------------------------------------------- core's observer hook
+
+
+class _Observer:
+    """Core's one observer while anything here is active: times each launch, records it for every
+    active accounting and models it on every active link."""
+
+    def __init__(self) -> None:
+        self.inside = False  # a tplayers primitive is calling torch.distributed right now
+
+    def launch(self, op: str, nbytes: int, g: TPGroup, device: Optional[torch.device], call: Any) -> Tuple[Any, Any]:
+        t0 = time.perf_counter()
+        self.inside = True  # torch.distributed may be wrapped too (emulated_link(everywhere=True)): not twice
+        try:
+            work = call()
+        finally:
+            self.inside = False
+        record = launched(op, nbytes, g.process_group, g.size, t0, device)
+        if work is None:  # a blocking call: its whole duration now, and the modeled rest slept out
+            finished(record, t0)
+        return work, record
+
+    def finished(self, token: CommRecord, wait_started: float) -> None:
+        finished(token, wait_started)
+
+
+_OBSERVER = _Observer()
+
+
+def _activate(thing: Any) -> None:
+    if not _ACTIVE:
+        collectives.set_observer(_OBSERVER)
+    _ACTIVE.append(thing)
+
+
+def _deactivate(thing: Any) -> None:
+    _ACTIVE.remove(thing)
+    if not _ACTIVE:
+        collectives.set_observer(None)
 
 
 def launched(op: str, nbytes: int, group: Any, group_size: int, t0: float,
              device: Optional[torch.device] = None) -> CommRecord:
-    """Called by a primitive right after launching a collective (only when something is active)."""
+    """A collective was launched at ``t0``: its record, kept by every active accounting (the
+    innermost one names its phase and module) and given its modeled end by every active link."""
     accountings = [a for a in _ACTIVE if isinstance(a, CommAccounting)]
     phase, module = accountings[-1]._where() if accountings else ("", "")
     record = CommRecord(op, nbytes, group_size, phase, module, t0)
@@ -247,9 +288,9 @@ def launched(op: str, nbytes: int, group: Any, group_size: int, t0: float,
 
 
 def finished(record: CommRecord, wait_started: float) -> None:
-    """Called when the caller's wait (or the blocking call, then ``wait_started`` = launch) returns:
-    sleep out the rest of the modeled duration, then account the time blocked. CUDA link: the
-    current stream waits for the link's end event instead (the host does not block)."""
+    """The caller's wait (or the blocking call, then ``wait_started`` = launch) returned: sleep out
+    the rest of the modeled duration, then account the time blocked. CUDA link: the current stream
+    waits for the link's end event instead (the host does not block)."""
     if record.events is not None:
         end = record.events[1]
         waiting = torch.cuda.current_stream()  # the waiter's stream, on the device it launched from
@@ -260,9 +301,7 @@ def finished(record: CommRecord, wait_started: float) -> None:
         record.completed, record.wait_started = time.perf_counter(), wait_started
         return
     if record.modeled_end is not None:
-        left = record.modeled_end - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+        sleep_until(record.modeled_end)
     record.completed = time.perf_counter()
     record.wait_started = wait_started
     record.blocked_s += record.completed - wait_started

@@ -1,0 +1,204 @@
+"""Column -> core -> row as one region: both layers' backward ordered together, batch chunks in flight.
+
+Two separate layers (:mod:`.functional`) hide the column layer's input-gradient collective under the
+column layer's weight gradient only: the row layer's weight gradient ran earlier, with nothing in
+flight. As one autograd Function the region runs the input-gradient chain first (row, core, column),
+launches the column layer's collective, and computes BOTH layers' weight gradients under it::
+
+    Two layers                                One region (split backward)
+    row:    grad_a = grad_y @ W2              grad_a = grad_y @ W2; grad_h = core'(grad_a)
+            grad_W2 = grad_y^T @ a            grad_x = grad_h @ W1; pending = all_reduce(grad_x)
+    column: grad_x = grad_h @ W1              grad_W2 = grad_y^T @ a       # under the all-reduce
+            pending = all_reduce(grad_x)      grad_W1 = grad_h^T @ x       # under the all-reduce
+            grad_W1 = grad_h^T @ x            grad_x = pending.wait()
+            grad_x = pending.wait()
+
+Same ops, new order: the same numbers bit for bit. ``chunks > 1`` (Domino-style forward overlap)
+splits the batch: forward launches each chunk's row collective as soon as it exists, so it travels
+while the next chunk computes; backward likewise each chunk's input-gradient collective.
+
+The kit the region and the block pipeline (:mod:`.interleave`) share: `batch_chunks` / `cat_rows`
+(chunking), `core_graph` (the core's autograd graph for a hand-ordered backward).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .collectives import SEQ_DIM, all_gather, sum_partials
+from .functional import column_parallel_linear, differentiable_grads, row_parallel_linear
+from .groups import GroupLike, TPGroup, resolve_group
+from .validate import autocast_enabled, check_linear_inputs, require_chunks, warn_cuda_connections_once
+from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, region_wgrads
+
+__all__ = ["split_backward_region", "parallel_mlp", "batch_chunks", "cat_rows", "core_graph", "Core"]
+
+Core = Callable[[torch.Tensor, slice], torch.Tensor]  # (this rank's (bc, s, width) columns, batch rows) -> row input
+
+
+def batch_chunks(batch: int, chunks: int) -> List[slice]:
+    """``chunks`` contiguous row ranges covering ``range(batch)`` (fewer when the batch is smaller)."""
+    n = max(1, min(chunks, batch))
+    bounds = [batch * i // n for i in range(n + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def cat_rows(parts: List[torch.Tensor]) -> torch.Tensor:
+    """Batch chunks back into one tensor (dim 0)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+
+
+def core_graph(core: Core, h: torch.Tensor, rows: slice) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(h_in, core(h_in, rows))`` with the core's autograd graph from a detached copy ``h_in`` of
+    ``h``, for ``torch.autograd.grad`` in a hand-ordered backward (kept from forward: no second SDPA)."""
+    with torch.enable_grad():
+        h_in = h.detach().requires_grad_()
+        return h_in, core(h_in, rows)
+
+
+class _SplitBackwardFn(torch.autograd.Function):
+    """The region of the module docstring. ``recompute``: the core runs again in backward (cheap
+    activations: its output is not kept); otherwise its autograd graph from forward is kept."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, core: Core, g: TPGroup, sequence_parallel: bool, overlap: bool,
+                recompute: bool, rows: List[slice], sink: WgradSink):
+        sp, chunked = sequence_parallel, len(rows) > 1
+        gathers = [all_gather(x[rows[0]], SEQ_DIM, g, async_op=chunked)] if sp else []
+        hs, graphs, reducing = [], [], []
+        for i, r in enumerate(rows):
+            if sp and i + 1 < len(rows):  # the next chunk's input travels while this one computes
+                gathers.append(all_gather(x[rows[i + 1]], SEQ_DIM, g, async_op=True))
+            x_full = gathers[i].wait() if sp else x[r]  # (bc, s, hidden)
+            h = F.linear(x_full, w1, b1)  # (bc, s, local column width)
+            if recompute:
+                a = core(h, r)
+            else:
+                h_in, a = core_graph(core, h, r)
+                graphs.append((h_in, a))
+                a = a.detach()
+            reducing.append(sum_partials(F.linear(a, w2), g, sp, async_op=chunked))  # this rank's share, in flight
+            hs.append(h)
+        out = cat_rows([pending.wait() for pending in reducing])  # (b, s | s/p, hidden)
+        if b2 is not None:
+            out = out.add_(b2)
+        ctx.save_for_backward(x, w1, b1, w2, b2, *hs)
+        ctx.graphs = graphs or None  # autograd graphs (their tensors saved through autograd), not tensors
+        ctx.core, ctx.g, ctx.sequence_parallel, ctx.overlap, ctx.rows, ctx.sink = core, g, sp, overlap, rows, sink
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: rebuilt from the differentiable layers
+            ctx.graphs = None
+            return (*_split_graph_grads(ctx, grad_out), None, None, None, None, None, None, None)
+        x, w1, b1, w2, b2, *hs = ctx.saved_tensors
+        g, sp, overlap, rows, sink = ctx.g, ctx.sequence_parallel, ctx.overlap, ctx.rows, ctx.sink
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        grad_full = all_gather(grad_out, SEQ_DIM, g).wait() if sp else grad_out  # (b, s, hidden)
+        x_full = sink.input(x, need_w1, async_op=overlap)  # SP: in flight under the chain below
+        graphs, ctx.graphs = ctx.graphs, None
+        grad_hs, acts, reducing = [], [], []
+        for i, (r, h) in enumerate(zip(rows, hs)):  # the input-gradient chain, chunk by chunk
+            h_in, a = core_graph(ctx.core, h, r) if graphs is None else graphs[i]
+            (grad_h,) = torch.autograd.grad(a, h_in, grad_full[r] @ w2)  # (bc, s, local column width)
+            grad_hs.append(grad_h)
+            acts.append(a.detach())
+            if need_x:  # this chunk's partial input gradient (a buffer we own) travels at once
+                reducing.append(sum_partials(grad_h @ w1, g, sp, async_op=overlap))
+        needs = (need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None)
+        act, grad_h = cat_rows(acts), cat_rows(grad_hs)
+        grads = sink.route(needs, lambda: region_wgrads(  # under the collectives (or recorded: delay_wgrad)
+            grad_full, act, grad_h, sink.whole(x_full), needs, sink.main, g))
+        grad_x = cat_rows([pending.wait() for pending in reducing]) if need_x else None
+        return (grad_x, *grads, None, None, None, None, None, None, None)
+
+
+def _split_graph_grads(ctx, grad_out):
+    """create_graph=True: the same region through the differentiable column / row ops, unchunked (the
+    core runs again: callers keep dropout out of split regions)."""
+    g, sp = ctx.g, ctx.sequence_parallel
+
+    def forward(x, w1, b1, w2, b2):
+        h = column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sp)
+        return row_parallel_linear(ctx.core(h, slice(None)), w2, b2, group=g, sequence_parallel=sp)
+
+    return differentiable_grads(forward, ctx.saved_tensors[:5], ctx.needs_input_grad[:5], grad_out)
+
+
+def split_backward_region(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: Optional[torch.Tensor],
+    w2: torch.Tensor,
+    b2: Optional[torch.Tensor],
+    core: Core,
+    *,
+    group: GroupLike,
+    sequence_parallel: bool = False,
+    overlap_comm: bool = True,
+    recompute: bool = False,
+    chunks: int = 1,
+    wgrad_store: Optional[WeightGradStore] = None,
+    main_grads: MainGrads = None,
+) -> torch.Tensor:
+    """``row(core(column(x)))`` with the split backward of the module docstring. ``core(h, rows)``
+    maps this rank's ``(bc, s, local width)`` columns of the batch rows ``rows`` (a slice of dim 0) to
+    the row layer's ``(bc, s, local width)`` input; it must not mix ranks nor draw random numbers.
+    ``chunks > 1``: the batch runs in that many chunks (fewer if the batch is smaller); results equal
+    the unchunked path up to rounding. Shapes as :func:`column_parallel_linear` (``w1``) then
+    :func:`row_parallel_linear` (``w2``); ``x`` is ``(b, s, hidden)`` (``(b, s/p, hidden)`` with
+    ``sequence_parallel``). ``wgrad_store``: backward computes the input-gradient chain only and records
+    the four weight and bias gradients there; ``main_grads``: the four buffers for w1, b1, w2, b2 (as
+    :func:`column_parallel_linear`'s). Under autocast, or in a world of one, it composes the two
+    layers instead."""
+    g = resolve_group(group)
+    require_chunks(chunks, "split_backward_region")
+    check_linear_inputs("split_backward_region", x, w1, b1, w1.shape[1], g, sequence_parallel)
+    if g.size == 1 or autocast_enabled(x):
+        h = column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm,
+                                   wgrad_store=wgrad_store, main_grads=None if main_grads is None else main_grads[:2])
+        return row_parallel_linear(core(h, slice(None)), w2, b2, group=g, sequence_parallel=sequence_parallel,
+                                   wgrad_store=wgrad_store, main_grads=None if main_grads is None else main_grads[2:])
+    if chunks > 1 and x.dim() < 3:
+        raise ValueError(f"split_backward_region: chunks={chunks} splits the batch dim of a (b, s, hidden) input, "
+                         f"got shape {tuple(x.shape)}")
+    warn_cuda_connections_once(x, g, overlap_comm)
+    rows = batch_chunks(x.shape[0], chunks) if x.dim() >= 3 else [slice(None)]
+    sink = WgradSink(g, wgrad_store, check_region_main_grads(main_grads, w1, b1, w2, b2, "split_backward_region", g),
+                     (w1, b1, w2, b2), gather_input=sequence_parallel)
+    return _SplitBackwardFn.apply(x, w1, b1, w2, b2, core, g, sequence_parallel, overlap_comm, recompute, rows, sink)
+
+
+def check_region_main_grads(main_grads: MainGrads, w1, b1, w2, b2, op: str, g: TPGroup) -> MainGrads:
+    """A region's four main_grad buffers (w1, b1, w2, b2) checked against its parameters, or None."""
+    if main_grads is None:
+        return None
+    return (*check_main_grads(main_grads[:2], w1, b1, op, g.size), *check_main_grads(main_grads[2:], w2, b2, op, g.size))
+
+
+def parallel_mlp(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: Optional[torch.Tensor],
+    w2: torch.Tensor,
+    b2: Optional[torch.Tensor],
+    act: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    group: GroupLike,
+    sequence_parallel: bool = False,
+    overlap_comm: bool = True,
+    chunks: int = 1,
+    wgrad_store: Optional[WeightGradStore] = None,
+    main_grads: MainGrads = None,
+) -> torch.Tensor:
+    """An MLP ``row(act(column(x)))`` with the split backward (:func:`split_backward_region`); the
+    activation is recomputed in backward, so the row layer's input is not kept. ``act`` maps this
+    rank's ``(..., ffn/p)`` columns (SwiGLU: its local ``[gate_r; up_r]``). ``chunks``: forward overlap
+    over batch chunks; ``wgrad_store``: weight gradients recorded for later; ``main_grads``: the four
+    accumulation buffers; all as in :func:`split_backward_region`."""
+    return split_backward_region(x, w1, b1, w2, b2, lambda h, rows: act(h), group=group,
+                                 sequence_parallel=sequence_parallel, overlap_comm=overlap_comm, recompute=True,
+                                 chunks=chunks, wgrad_store=wgrad_store, main_grads=main_grads)
