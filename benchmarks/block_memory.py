@@ -20,8 +20,8 @@ from typing import Dict, List, Tuple
 import torch
 
 from tplayers import BlockConfig, ParallelTransformerBlock
-from tplayers.comm import scatter_to_sequence
-from tplayers.dense import DenseTransformerBlock
+from tplayers.core.comm import scatter_to_sequence
+from tplayers.models.dense import DenseTransformerBlock
 from tplayers.testing import get_world, shutdown_worlds
 
 

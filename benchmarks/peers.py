@@ -185,7 +185,7 @@ def run_peers(group: Any, shape: Dict[str, int], peers: List[str], iters: int, w
             continue
         steps[peer] = fwd_bwd(model)
     # every rank must time the same steps: drop peers that failed on any rank
-    from tplayers.comm import all_gather_tensor
+    from tplayers.core.collectives import all_gather_tensor
 
     ok = torch.tensor([[0.0 if p in steps else 1.0 for p in peers]])
     failed_any = all_gather_tensor(ok, 0, group=g).amax(0) if g.size > 1 else ok[0]

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from tplayers import (BlockConfig, VocabParallelEmbedding, GPTConfig, ParallelAttention, ParallelGPT, ParallelMLP, ParallelTransformerBlock,
                       RNGTracker)
-from tplayers.comm import gather_from_sequence, scatter_to_sequence
-from tplayers.dense import DenseAttention, DenseGPT, DenseMLP, DenseTransformerBlock
-from tplayers.groups import TPGroup, resolve_group
+from tplayers.core.comm import gather_from_sequence, scatter_to_sequence
+from tplayers.models.dense import DenseAttention, DenseGPT, DenseMLP, DenseTransformerBlock
+from tplayers.core.groups import TPGroup, resolve_group
 from tplayers.layers import TensorParallelModule
 from tplayers.testing import assert_matches_dense, dense_parameters, get_world
 
@@ -692,7 +692,7 @@ def test_column_linear_under_sequence_parallelism_saves_only_the_input_shard():
 
 def test_norm_conversion_keeps_frozen_parameters_frozen():
     # like every other from_dense/to_dense: requires_grad follows the source parameter, bias included
-    from tplayers.norm import ParallelNorm
+    from tplayers.layers.norm import ParallelNorm
     dense = nn.LayerNorm(4)
     dense.bias.requires_grad_(False)
     tp = ParallelNorm.from_dense(dense, group=None)
@@ -708,7 +708,7 @@ def test_norm_conversion_keeps_frozen_parameters_frozen():
 def test_rmsnorm_default_eps_follows_the_input_dtype():
     # nn.RMSNorm(eps=None) uses the INPUT dtype's epsilon at call time; freezing the weight
     # dtype's (float32: 1.2e-7) changed the result for float64 (or autocast bf16) inputs
-    from tplayers.norm import ParallelNorm
+    from tplayers.layers.norm import ParallelNorm
     dense = nn.RMSNorm(4)
     tp = ParallelNorm.from_dense(dense, group=None)
     x = torch.full((2, 4), 1e-4, dtype=F64)
@@ -720,7 +720,7 @@ def test_rmsnorm_default_eps_follows_the_input_dtype():
 
 def _gpt_overlap_switch(group):
     torch.manual_seed(0)
-    dense = tplayers.dense.DenseGPT(GPTConfig(vocab_size=13, hidden=16, n_heads=4, n_kv_heads=2, ffn_hidden=32,
+    dense = tplayers.models.dense.DenseGPT(GPTConfig(vocab_size=13, hidden=16, n_heads=4, n_kv_heads=2, ffn_hidden=32,
                                               n_layers=2, activation="swiglu", norm="rmsnorm")).double()
     ids = torch.randint(0, 13, (2, 8), generator=torch.Generator().manual_seed(1))
     grads = []

@@ -9,13 +9,13 @@ import torch
 import torch.nn as nn
 
 import tplayers
-from tplayers.checkpoint import CheckpointError, dense_state_dict
-from tplayers.groups import resolve_group
+from tplayers.io import CheckpointError, dense_state_dict
+from tplayers.core.groups import resolve_group
 from tplayers.core.placement import Sharded
 from tplayers.layers import TensorParallelModule
 from tplayers.layers.base import placements_of
-from tplayers.plan import Column
-from tplayers.sharding import qkv_layout
+from tplayers.convert import Column
+from tplayers.io.state_dict import qkv_layout
 from tplayers.testing import get_world
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 1, 2  # GQA with one KV head: replicated KV shards at TP > 1
@@ -362,23 +362,17 @@ def test_loading_into_meta_tensors_is_refused(tmp_path):
             tplayers.load_dense(model, str(tmp_path / "dense.safetensors"))
 
 
-def _deprecated_keyword(group, root):
-    """Each call that had ``process_group=`` still works with it, and warns; both keywords are refused."""
-    import warnings
-
+def _group_keyword(group, root):
+    """Each collective save / load takes its ranks as ``group=`` (the one name; ``process_group=`` is refused)."""
     model, fresh = _build(group, seed=3), _build(group, seed=4)
     ckpt, dense = os.path.join(root, "ck"), os.path.join(root, "dense.safetensors")
     calls = [(tplayers.save_checkpoint, model, ckpt), (tplayers.load_checkpoint, fresh, ckpt)]
     if importlib.util.find_spec("safetensors") is not None:
         calls.append((tplayers.save_dense, model, dense))
-    warned = []
     for fn, m, path in calls:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        fn(m, path, group=group)
+        with pytest.raises(TypeError, match="process_group"):
             fn(m, path, process_group=group)
-        warned.append([str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)])
-        with pytest.raises(TypeError, match="pass group= only"):
-            fn(m, path, group=group, process_group=group)
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     if len(calls) == 3:  # load_dense takes group= too (checked only: it needs no communication)
         other = _build(group, seed=5)
@@ -387,14 +381,11 @@ def _deprecated_keyword(group, root):
                                                               other.state_dict().values()))
         with pytest.raises(TypeError, match="load_dense: group must be None"):
             tplayers.load_dense(other, dense, group="world")
-    return [fn.__name__ for fn, _, _ in calls], warned, same
+    return same
 
 
-def test_process_group_keyword_still_works_with_a_deprecation_warning(tmp_path):
-    for names, warned, same in get_world(2).run(_deprecated_keyword, str(tmp_path)):
-        assert same
-        for name, messages in zip(names, warned):
-            assert f"{name}: process_group= is deprecated, pass group=" in messages, (name, messages)
+def test_saves_and_loads_take_their_ranks_as_group(tmp_path):
+    assert all(get_world(2).run(_group_keyword, str(tmp_path)))
 
 
 def _save_to_per_rank_paths(group, root):
@@ -438,7 +429,7 @@ def _corrupt_and_load(group, path, how):
             manifest.pop("files")
             manifest["version"] = 1
             _json.dump(manifest, open(os.path.join(path, "tplayers.json"), "w"))
-    tplayers.comm.barrier(group)  # rank 0 has damaged it before anyone loads
+    tplayers.core.collectives.barrier(group)  # rank 0 has damaged it before anyone loads
     fresh = _build(group, seed=7)
     try:
         tplayers.load_checkpoint(fresh, path)

@@ -362,7 +362,7 @@ def test_bench_block_overlap_on_off_dense_and_sequence_parallel(capsys):
 def test_bench_block_collectives_alone(monkeypatch, sp, expect_all, expect_bwd):
     """The block's comm modes issue what the block issues, on (b, s, h) activations."""
     import tplayers.bench.overlap as B
-    from tplayers.groups import TPGroup
+    from tplayers.core.groups import TPGroup
 
     calls = []
 

@@ -8,7 +8,7 @@ import torch
 
 import tplayers
 from tplayers.core.collectives import all_reduce, all_reduce_tensor
-from tplayers.dense import DenseTransformerBlock
+from tplayers.models.dense import DenseTransformerBlock
 from tplayers.testing import get_world
 
 B, S, H = 2, 8, 16  # b * s * h = 256 elements per activation

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tplayers
-from tplayers.dense import DenseGPT, GPTConfig
+from tplayers.models.dense import DenseGPT, GPTConfig
 from tplayers.models.cache import KVCache
 from tplayers.testing import get_world
 

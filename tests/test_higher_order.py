@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tplayers
-from tplayers.comm import gather_from_sequence, reduce_from_tp, scatter_to_sequence, sum_over_replicas
+from tplayers.core.comm import gather_from_sequence, reduce_from_tp, scatter_to_sequence, sum_over_replicas
 from tplayers.testing import dense_parameters, get_world
 
 f64 = torch.float64
@@ -148,7 +148,7 @@ def test_double_backward_through_the_loss_raises_instead_of_a_wrong_number(tp):
 def _gpt_penalty(group):
     torch.manual_seed(0)
     config = tplayers.GPTConfig(vocab_size=19, hidden=16, n_heads=4, n_kv_heads=2, ffn_hidden=32, n_layers=1)
-    model = tplayers.ParallelGPT.from_dense(tplayers.dense.DenseGPT(config).double(), group=group)
+    model = tplayers.ParallelGPT.from_dense(tplayers.models.dense.DenseGPT(config).double(), group=group)
     ids = torch.randint(0, 19, (1, 4))
     loss = model.loss(ids, ids)
     (gw,) = torch.autograd.grad(loss, model.blocks[0].mlp.fc2.weight, create_graph=True)
@@ -163,7 +163,7 @@ def test_double_backward_through_a_gpt_loss_raises():
 
 def _split_mlp_penalty(group, sp, activation):
     """The split-backward MLP (one Function over both layers) under create_graph=True."""
-    from tplayers.dense import DenseMLP
+    from tplayers.models.dense import DenseMLP
 
     torch.manual_seed(1)
     dense = DenseMLP(8, 16, activation, True, dtype=f64)

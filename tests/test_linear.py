@@ -369,7 +369,7 @@ def test_collective_matmul_matches_dense_and_the_collective_form(kind, batch, se
 
 
 def _block_with_collective_matmul(group):
-    from tplayers.dense import DenseTransformerBlock
+    from tplayers.models.dense import DenseTransformerBlock
 
     torch.manual_seed(0)
     config = tplayers.BlockConfig(hidden=16, n_heads=4, n_kv_heads=2, ffn_hidden=32, activation="swiglu",

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import tplayers
-from tplayers.sharding import model_layouts, shard_state_dict
+from tplayers.io.state_dict import model_layouts, shard_state_dict
 from tplayers.testing import get_world
 
 STEPS, GLOBAL_BATCH, SEQ, HIDDEN = 3, 4, 3, 8
@@ -33,7 +33,7 @@ class AttnNet(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.attn = tplayers.dense.DenseAttention(HIDDEN, n_heads=2, n_kv_heads=1)
+        self.attn = tplayers.models.dense.DenseAttention(HIDDEN, n_heads=2, n_kv_heads=1)
         self.head = nn.Linear(HIDDEN, 5)
 
     def forward(self, x):  # (b, s, h)
@@ -134,7 +134,7 @@ def test_make_2d_mesh_rejects_wrong_sizes():
 def _fsdp2_checkpoint_refused(group, path):
     from torch.distributed.fsdp import fully_shard
 
-    from tplayers.checkpoint import CheckpointError
+    from tplayers.io import CheckpointError
 
     mesh = tplayers.make_2d_mesh(dp=2, tp=2)
     model = tplayers.parallelize(MLPNet().double(), PLAN, group=mesh.mesh)
@@ -148,7 +148,7 @@ def _fsdp2_checkpoint_refused(group, path):
                              path)  # DDP replicas of one shard are written once
     tp4 = tplayers.parallelize(MLPNet().double(), PLAN, group=group)  # all 4 ranks as one TP group
     tplayers.load_checkpoint(tp4, path)
-    loaded = tplayers.checkpoint.dense_state_dict(tp4)
+    loaded = tplayers.io.dense_state_dict(tp4)
     return all(torch.equal(loaded[k], v) for k, v in dense.state_dict().items())
 
 
@@ -160,7 +160,7 @@ def test_checkpoint_of_dp2_tp2_model_loads_at_tp4_and_fsdp2_is_refused_clearly(t
 def test_default_mesh_device_follows_the_backend():
     """init_process_group() without a backend reports 'undefined'; on a GPU machine the mesh must
     still be a CUDA mesh (a CPU mesh makes FSDP2 move the model to the CPU)."""
-    from tplayers.parallel2d import _default_device_type
+    from tplayers.convert.mesh2d import _default_device_type
 
     assert _default_device_type("undefined", cuda_available=True) == "cuda"
     assert _default_device_type("cpu:gloo,cuda:nccl", cuda_available=True) == "cuda"

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from conftest import examples
 
 import tplayers
-from tplayers.fused import FusedColumnParallelLinear
-from tplayers.plan import Column, Plan
+from tplayers.layers.fused import FusedColumnParallelLinear
+from tplayers.convert import Column, Plan
 from tplayers.testing import assert_matches_dense, get_world
 
 
@@ -141,7 +141,7 @@ def _parallelize_twice(group):
     with pytest.raises(ValueError, match=r"module 'blocks.0.gate_up' is already tensor-parallel"):
         tplayers.parallelize(model, PLAN, group=group)
     sp = SPNet()
-    sp_plan = {"first": "scatter_sequence", "norm": tplayers.plan.SequenceParallelNorm(gather_output=True)}
+    sp_plan = {"first": "scatter_sequence", "norm": tplayers.convert.SequenceParallelNorm(gather_output=True)}
     tplayers.parallelize(sp, sp_plan, group=group)
     hooks = len(sp.first._forward_pre_hooks), len(sp.norm._forward_hooks)
     with pytest.raises(ValueError, match=r"module 'first' already has the scatter_sequence hooks"):
@@ -172,7 +172,7 @@ def _check_sp_norm_survives_param_replacement(group):
         dense.norm.weight.normal_()
         dense.norm.bias.normal_()
     model = tplayers.parallelize(copy.deepcopy(dense), {"enter": "scatter_sequence",
-                                                        "norm": tplayers.plan.SequenceParallelNorm(gather_output=True)},
+                                                        "norm": tplayers.convert.SequenceParallelNorm(gather_output=True)},
                                  group=group)
     assert list(model.state_dict()) == list(dense.state_dict())
     placements = tplayers.layers.model_placements(model)

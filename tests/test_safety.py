@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import tplayers
-from tplayers.dense import DenseAttention
+from tplayers.models.dense import DenseAttention
 from tplayers.testing import get_world
 
 TP_SIZES = [2, 4]
@@ -87,7 +87,7 @@ def _gpt(group, seed=0, sequence_parallel=False):
     torch.manual_seed(seed)
     config = tplayers.GPTConfig(vocab_size=8 * 4 + 3, hidden=32, n_heads=4, n_kv_heads=1, ffn_hidden=64, n_layers=2,
                                 activation="swiglu", norm="rmsnorm")
-    dense = tplayers.dense.DenseGPT(config).double()
+    dense = tplayers.models.dense.DenseGPT(config).double()
     tp = tplayers.ParallelGPT.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
     ids = torch.randint(0, config.vocab_size, (2, 8))
     dense.loss(ids, ids).backward()

@@ -8,7 +8,7 @@ from conftest import examples
 from hypothesis import strategies as st
 
 from tplayers.core.placement import Replicated, Sharded
-from tplayers.sharding import (
+from tplayers.io.state_dict import (
     conv1d_to_linear_weight,
     fuse,
     fused_layout,

@@ -10,9 +10,9 @@ from conftest import examples
 from hypothesis import strategies as st
 
 from tplayers import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
-from tplayers.comm import all_gather_tensor, gather_placed
+from tplayers.core.collectives import all_gather_tensor, gather_placed
 from tplayers.core.placement import Sharded
-from tplayers.groups import resolve_group
+from tplayers.core.groups import resolve_group
 from tplayers.testing import RankFailed, assert_matches_dense, get_world
 
 TP_SIZES = [1, 2, 4]

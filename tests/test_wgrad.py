@@ -9,7 +9,7 @@ import tplayers
 from tplayers import (ColumnParallelLinear, FusedColumnParallelLinear, GPTConfig, ParallelAttention, ParallelGPT,
                       ParallelMLP, RowParallelLinear)
 from tplayers.core.wgrad import ReplicatedRows
-from tplayers.dense import DenseAttention, DenseGPT, DenseMLP
+from tplayers.models.dense import DenseAttention, DenseGPT, DenseMLP
 from tplayers.testing import get_world
 
 F64 = torch.float64

@@ -12,15 +12,10 @@ The package reads bottom-up, one folder per floor; each floor imports only the f
     bench/    timing harness and the overlap microbenchmark
     cli/      ``tplayers verify`` and ``tplayers bench``
 """
-import importlib as _importlib
-import sys as _sys
-
-from .core import comm, functional
 from .core.functional import column_parallel_linear, row_parallel_linear
 from .core.groups import TPGroup, resolve_group
 from .layers import (ColumnParallelLinear, FusedColumnParallelLinear, ParallelLMHead, ParallelNorm, RowParallelLinear,
                      TensorParallelModule, VocabParallelEmbedding)
-from .models import dense
 from .models.dense import BlockConfig, GPTConfig
 from .models.rng import RNGTracker
 from .models.loss import vocab_parallel_cross_entropy
@@ -33,21 +28,10 @@ from .core.wgrad import WeightGradStore
 from .bench.accounting import CommAccounting, CommRecord, EmulatedLink, comm_accounting, emulated_link
 from .bench.link import LinkModel, parse_link
 from .convert.mesh2d import Mesh2D, make_2d_mesh
-from .io import state_dict as sharding
 from .io import load_checkpoint, load_dense, save_checkpoint, save_dense
 from . import testing
 
 from ._version import __version__
-
-# Module paths of tplayers 0.1 (a flat package): they keep importing, as the module now in their place.
-_OLD_PATHS = {
-    "groups": "core.groups", "comm": "core.comm", "functional": "core.functional",
-    "embedding": "layers.vocab", "fused": "layers.fused", "norm": "layers.norm",
-    "dense": "models.dense", "rng": "models.rng", "loss": "models.loss", "blocks": "models.blocks", "gpt": "models.gpt",
-    "plan": "convert", "parallel2d": "convert.mesh2d", "checkpoint": "io", "sharding": "io.state_dict",
-}
-for _old, _new in _OLD_PATHS.items():
-    _sys.modules[f"{__name__}.{_old}"] = globals()[_old] = _importlib.import_module(f".{_new}", __name__)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -57,8 +41,6 @@ __all__ = [
     "resolve_group",
     "column_parallel_linear",
     "row_parallel_linear",
-    "comm",
-    "functional",
     "testing",
     "VocabParallelEmbedding",
     "ParallelLMHead",
@@ -72,7 +54,6 @@ __all__ = [
     "ParallelGPT",
     "BlockConfig",
     "GPTConfig",
-    "dense",
     # drop-in, checkpoints, 2-D parallelism
     "parallelize", "coverage", "CoverageReport", "audit", "AuditError", "AuditReport", "auto_plan",
     "set_overlap_comm", "set_overlap", "backward_dw", "pending_wgrad", "WeightGradStore",
@@ -92,7 +73,6 @@ __all__ = [
     "load_checkpoint",
     "save_dense",
     "load_dense",
-    "sharding",
     "make_2d_mesh",
     "Mesh2D",
 ]

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .accounting import comm_accounting, emulated_link
-from ..core.comm import all_gather_tensor, all_reduce_, all_reduce_tensor, broadcast_tensor, reduce_scatter_tensor
+from ..core.collectives import all_gather_tensor, all_reduce_, all_reduce_tensor, broadcast_tensor, reduce_scatter_tensor
 from .link import LinkModel, matmul_tflops, parse_link
 from ..core.dtypes import DTYPES
 from ..core.collectives import SEQ_DIM

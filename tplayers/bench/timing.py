@@ -12,7 +12,7 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn as nn
 
-from ..core.comm import all_gather_tensor, barrier
+from ..core.collectives import all_gather_tensor, barrier
 from ..core.groups import GroupLike, collective_device, is_fake, resolve_group
 
 __all__ = ["Timing", "Progress", "barrier", "time_steps", "fwd_bwd_step", "leaf", "sync"]

@@ -3,7 +3,7 @@
 Three tiers, as in Megatron-core: core's primitives (``all_reduce`` ..., in :mod:`.collectives`)
 that return a `Pending` handle so callers can overlap them with compute; private autograd
 Functions; public snake_case wrappers. The non-differentiable helpers (``all_gather_tensor`` ...)
-live in :mod:`.collectives` and are re-exported here. Every collective is a no-op copy-free pass-through on a world of one.
+live in :mod:`.collectives`. Every collective is a no-op copy-free pass-through on a world of one.
 
 Ownership rule: a collective that works in place only ever touches a buffer this module
 allocated. Autograd can hand the same gradient tensor to several consumers, and a
@@ -20,9 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .collectives import (Pending, all_gather, all_reduce, all_gather_tensor, all_reduce_, all_reduce_tensor, barrier,
-                          broadcast_tensor, gather_placed, owned_copy, reduce_scatter,
-                          reduce_scatter_tensor, split, sum_over_replica_ranks)
+from .collectives import all_gather, all_reduce, owned_copy, reduce_scatter, split, sum_over_replica_ranks
 from .groups import GroupLike, TPGroup, resolve_group
 
 __all__ = [
@@ -34,14 +32,6 @@ __all__ = [
     "gather_from_sequence",
     "reduce_scatter_to_sequence",
     "sum_over_replicas",
-    "all_gather_tensor",
-    "all_reduce_tensor",
-    "broadcast_tensor",
-    "barrier",
-    "reduce_scatter_tensor",
-    "all_reduce_",
-    "gather_placed",
-    "Pending",
 ]
 
 # ---------------------------------------------------------------- autograd Functions

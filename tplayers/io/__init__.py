@@ -5,7 +5,7 @@
     unpickle.py     DCP metadata through an allow-list unpickler
     dcp.py          save_checkpoint / load_checkpoint at any TP size
     safetensors.py  save_dense / load_dense in Hugging Face's layout
-    state_dict.py   pure whole-state-dict shard / unshard / reshard (tplayers.sharding)
+    state_dict.py   pure whole-state-dict shard / unshard / reshard (tplayers.io.state_dict)
 """
 from .dcp import load_checkpoint, save_checkpoint
 from .safetensors import load_dense, save_dense

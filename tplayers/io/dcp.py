@@ -129,19 +129,18 @@ def _manifest(model: nn.Module) -> Dict[str, Any]:
     }
 
 
-def save_checkpoint(model: nn.Module, path: str, *, group: Any = None, process_group: Any = None) -> None:
+def save_checkpoint(model: nn.Module, path: str, *, group: Any = None) -> None:
     """Save ``model`` (TP or not, any TP size) as a DCP checkpoint directory at ``path``.
 
     Collective: every rank of ``group`` calls it: the ranks that write this checkpoint together
-    (default: the whole world, e.g. every TP and data-parallel rank), not the TP group.
-    ``process_group=`` is the deprecated name of ``group=``. Replaces an existing checkpoint at
+    (default: the whole world, e.g. every TP and data-parallel rank), not the TP group. Replaces an existing checkpoint at
     ``path`` only once the new one is complete.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
     path = os.path.abspath(os.fspath(path))
-    pg, rank = coord_group(group, process_group, "save_checkpoint")
+    pg, rank = coord_group(group, "save_checkpoint")
     require_same_path(pg, path, "save_checkpoint")
     tmp = f"{path}.tmp-{agree_token(pg, rank)}"
     state, _ = _dcp_state(model, for_save=True)
@@ -240,18 +239,17 @@ def _check_against(manifest: Dict[str, Any], model: nn.Module, path: str) -> Non
                                   f"the model's layer has {lw}")
 
 
-def load_checkpoint(model: nn.Module, path: str, *, group: Any = None, process_group: Any = None) -> None:
+def load_checkpoint(model: nn.Module, path: str, *, group: Any = None) -> None:
     """Load a :func:`save_checkpoint` directory into ``model`` at any TP size (bit-exact).
 
-    Collective over ``group`` (as in :func:`save_checkpoint`; default: the whole world;
-    ``process_group=`` is its deprecated name). Raises :class:`CheckpointError`
+    Collective over ``group`` (as in :func:`save_checkpoint`; default: the whole world). Raises :class:`CheckpointError`
     naming the tensor when names, full shapes or fused layouts differ, and naming the file when one is
     missing or its sha256 differs from the one recorded at save (each rank hashes a share of the files).
     """
     import torch.distributed.checkpoint as dcp
 
     path = os.path.abspath(os.fspath(path))
-    pg, rank = coord_group(group, process_group, "load_checkpoint")
+    pg, rank = coord_group(group, "load_checkpoint")
     require_same_path(pg, path, "load_checkpoint")
     manifest = _read_manifest(path)
     _check_against(manifest, model, path)

@@ -42,15 +42,9 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def coord_group(group: Any, process_group: Any, caller: str) -> Tuple[Any, int]:
+def coord_group(group: Any, caller: str) -> Tuple[Any, int]:
     """(the process group of every rank taking part in a collective save/load, this rank in it);
-    (None, 0) without torch.distributed. ``group=None`` is the whole world; ``process_group`` is
-    the deprecated name of ``group``."""
-    if process_group is not None:
-        if group is not None:
-            raise TypeError(f"{caller}: pass group= only (process_group= is its deprecated name)")
-        warnings.warn(f"{caller}: process_group= is deprecated, pass group=", DeprecationWarning, stacklevel=3)
-        group = process_group
+    (None, 0) without torch.distributed. ``group=None`` is the whole world."""
     if not (dist.is_available() and dist.is_initialized()):
         return None, 0
     if group is None:

@@ -26,13 +26,11 @@ def _safetensors() -> None:
                           "(or tplayers[hf])") from None
 
 
-def save_dense(model: nn.Module, path: str, *, group: Any = None, metadata: Optional[Dict[str, str]] = None,
-               process_group: Any = None) -> None:
+def save_dense(model: nn.Module, path: str, *, group: Any = None, metadata: Optional[Dict[str, str]] = None) -> None:
     """Write the unsharded state dict of ``model`` to one safetensors file (atomically, rank 0).
 
     Collective: every rank of ``group`` calls it (default: the whole world; the TP modules gather
-    over their own TP groups, then rank 0 of ``group`` writes; ``process_group=`` is the deprecated
-    name of ``group=``). The file is what the dense model's ``save_pretrained`` would write (Conv1D
+    over their own TP groups, then rank 0 of ``group`` writes). The file is what the dense model's ``save_pretrained`` would write (Conv1D
     weights ``(in, out)``, tied weights once), so Hugging Face loads it. The directory is created
     if missing (as ``save_checkpoint`` does); a model with a Hugging Face ``config`` also gets its
     ``config.json`` beside the file, so ``from_pretrained(directory)`` loads a ``model.safetensors``.
@@ -45,7 +43,7 @@ def save_dense(model: nn.Module, path: str, *, group: Any = None, metadata: Opti
         raise CheckpointError(f"save_dense: {path} is a directory; pass the file to write, e.g. {path}/model.safetensors")
     state = dense_state_dict(model)
     config = _hf_config(model)
-    pg, rank = coord_group(group, process_group, "save_dense")
+    pg, rank = coord_group(group, "save_dense")
     require_same_path(pg, path, "save_dense")
 
     def write() -> None:
@@ -163,7 +161,7 @@ def load_dense(model: nn.Module, path: str, *, strict: bool = True,
     _safetensors()
     from safetensors import safe_open
 
-    coord_group(group, None, "load_dense")
+    coord_group(group, "load_dense")
     path = os.fspath(path)
     files = _dense_files(path)
     prefix = getattr(model, "base_model_prefix", None) or None

@@ -1,4 +1,4 @@
-"""Whole-model state dicts between dense and TP form, pure (no communication); ``tplayers.sharding``.
+"""Whole-model state dicts between dense and TP form, pure (no communication); ``tplayers.io.state_dict``.
 
 Driven by placements (:mod:`tplayers.core.placement`): a *placement map* is ``{param_name: Placement}``
 for a whole model, read off its TP modules by :func:`model_placements`; names absent from it are

@@ -8,7 +8,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.comm import gather_placed
+from ..core.collectives import gather_placed
 from ..core.groups import TPGroup
 from ..core.placement import Part, Piece, Sharded
 from ..layers.base import TensorParallelModule, placements_of

@@ -8,7 +8,6 @@ weights between dense and sharded form reads that map.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -54,11 +53,6 @@ class TensorParallelModule(nn.Module):
             raise NotImplementedError(f"{type(self).__name__} has parameters {direct} but does not define "
                                       "param_placements()")
         return {}
-
-    def param_layouts(self) -> Dict[str, Placement]:
-        """Deprecated name of :meth:`param_placements`."""
-        warnings.warn("param_layouts() is deprecated: use param_placements()", DeprecationWarning, stacklevel=2)
-        return self.param_placements()
 
     def gather_param(self, name: str) -> torch.Tensor:
         """The dense tensor of direct parameter ``name``, on every rank (collective; no autograd)."""

@@ -82,5 +82,5 @@ class RowParallelConv1D(_Conv1DDense, RowParallelLinear):
 
 
 class FusedColumnParallelConv1D(_Conv1DDense, FusedColumnParallelLinear):
-    """:class:`~tplayers.fused.FusedColumnParallelLinear` built from (and converting back to) a
+    """:class:`~tplayers.layers.fused.FusedColumnParallelLinear` built from (and converting back to) a
     GPT-2 ``Conv1D`` (``c_attn``: q, k, v fused, each split by heads)."""

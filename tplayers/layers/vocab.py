@@ -30,7 +30,6 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range
 from .base import TensorParallelModule, dense_linear_init, load_full_params, new_param, own_forward
-from .compat import PaddedShardLayout, padded_vocab_size, vocab_range  # noqa: F401  (0.1 names, deprecated)
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead", "ScaledEmbedding", "embedding_scale"]
 

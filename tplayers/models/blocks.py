@@ -10,7 +10,7 @@ all-gathers its input shard and the row linear reduce-scatters its output, the s
 as the all-reduce, while norms and dropout work on 1/p of the tokens. Norm weights then see
 only this rank's tokens, and `ParallelNorm` all-reduces their gradients.
 
-Every module converts both ways with its plain-torch twin in `tplayers.dense`
+Every module converts both ways with its plain-torch twin in `tplayers.models.dense`
 (``from_dense`` / ``to_dense``), with identical parameter names.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ class ParallelMLP(TensorParallelModule):
 
     SwiGLU: ``fc1`` is the fused ``[gate; up]``, gate and up each split across ranks, so rank r
     computes ``silu(gate_r) * up_r`` locally. ``ffn_hidden`` must divide the TP degree.
-    ``split_backward``: one fused backward (`tplayers.functional.parallel_mlp`) runs fc1's
+    ``split_backward``: one fused backward (`tplayers.core.region.parallel_mlp`) runs fc1's
     input-gradient collective under both layers' weight gradients instead of fc1's alone; the
     same numbers, bit for bit (off with ``overlap_comm=False``).
     ``chunks`` > 1: the same fused region, run over that many batch chunks so each chunk's fc2
@@ -118,7 +118,7 @@ class ParallelMLP(TensorParallelModule):
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelMLP":
         if not isinstance(dense, DenseMLP):
-            raise TypeError(f"ParallelMLP.from_dense expects a tplayers.dense.DenseMLP, got {type(dense).__name__}")
+            raise TypeError(f"ParallelMLP.from_dense expects a tplayers.models.dense.DenseMLP, got {type(dense).__name__}")
         w = dense.fc1.weight
         mlp = cls(dense.hidden, dense.ffn_hidden, dense.activation, dense.fc1.bias is not None, group=group,
                   device="meta", dtype=w.dtype, **options)
@@ -240,7 +240,7 @@ class ParallelAttention(TensorParallelModule):
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelAttention":
         if not isinstance(dense, DenseAttention):
-            raise TypeError(f"ParallelAttention.from_dense expects a tplayers.dense.DenseAttention, got {type(dense).__name__}")
+            raise TypeError(f"ParallelAttention.from_dense expects a tplayers.models.dense.DenseAttention, got {type(dense).__name__}")
         attn = cls(dense.hidden, dense.n_heads, dense.n_kv_heads, dense.head_dim, dense.qkv.bias is not None,
                    group=group, causal=dense.causal, rotary=dense.rotary, rope_theta=dense.rope_theta,
                    attn_dropout=dense.attn_dropout, device="meta", dtype=dense.qkv.weight.dtype, **options)
@@ -273,7 +273,7 @@ class ParallelTransformerBlock(TensorParallelModule):
     ``x + drop(mlp(norm(x)))``, with attention and MLP tensor-parallel.
 
     Input/output ``(b, s, hidden)`` replicated, or ``(b, s/p, hidden)`` with
-    ``sequence_parallel`` (this rank's sequence chunk, e.g. from `tplayers.comm.scatter_to_sequence`).
+    ``sequence_parallel`` (this rank's sequence chunk, e.g. from `tplayers.core.comm.scatter_to_sequence`).
     Residual dropout is replicated without sequence parallelism and per-shard with it; any
     dropout at TP > 1 needs ``rng``.
 

@@ -5,7 +5,7 @@
        ──ParallelLMHead──> logits shard (b, s, V'/p)         [the vocabulary split, never gathered]
        ──vocab_parallel_cross_entropy(..., vocab_size=V)──> loss
 
-Its dense twin is `tplayers.dense.DenseGPT` (same parameter names): ``ParallelGPT.from_dense``
+Its dense twin is `tplayers.models.dense.DenseGPT` (same parameter names): ``ParallelGPT.from_dense``
 shards one, ``to_dense`` gathers it back.
 
     rng = tplayers.RNGTracker(seed, group=g)            # only needed when dropout > 0
@@ -86,7 +86,7 @@ class ParallelGPT(TensorParallelModule):
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelGPT":
         if not isinstance(dense, DenseGPT):
-            raise TypeError(f"ParallelGPT.from_dense expects a tplayers.dense.DenseGPT, got {type(dense).__name__}")
+            raise TypeError(f"ParallelGPT.from_dense expects a tplayers.models.dense.DenseGPT, got {type(dense).__name__}")
         tp = resolve_group(group)
         model = cls(dense.config, group=tp, device="meta", dtype=dense.head.weight.dtype, **options)
         sp = dict(sequence_parallel=model.sequence_parallel)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch._C import _functions as _autograd_functions
 
-from ..core.comm import all_reduce_tensor
+from ..core.collectives import all_reduce_tensor
 from ..core.placement import padded_size
 from ..core.validate import check_index_range
 from ..core.groups import GroupLike, TPGroup, resolve_group
