@@ -16,6 +16,7 @@ from tplayers.layers import TensorParallelModule
 from tplayers.testing import assert_matches_dense
 
 TP_SIZES = [1, 2, 4]
+MULTI_RANK = [2, 4]  # tests of what crosses ranks (collectives, ranks that disagree): TP 1 has none
 F64 = torch.float64
 
 

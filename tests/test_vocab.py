@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 
 from conftest import examples
+from _helpers import TP_SIZES
 from hypothesis import strategies as st
 
 from tplayers import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -14,8 +15,6 @@ from tplayers.comm import all_gather_tensor, gather_placed
 from tplayers.core.placement import Sharded
 from tplayers.groups import resolve_group
 from tplayers.testing import RankFailed, assert_matches_dense, get_world
-
-TP_SIZES = [1, 2, 4]
 
 
 # ------------------------------------------------------------------ embedding
