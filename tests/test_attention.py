@@ -1,5 +1,6 @@
 """ParallelAttention vs DenseAttention: grouped-query heads (replicated when fewer KV heads than
 ranks), causal and rotary, boolean, additive and key-padding masks, sequence parallelism."""
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -43,24 +44,24 @@ def _check_key_padding_mask(group, kind, causal, sequence_parallel):
                          **_io_dims(sequence_parallel))
 
 
-def test_attention_key_padding_mask_broadcasts_over_queries():
-    for tp in (1, 2):
-        for kind in ("bool", "float"):
-            for causal in (False, True):
-                get_world(tp).run(_check_key_padding_mask, kind, causal, tp == 2)
+@pytest.mark.parametrize("tp", [1, 2])  # TP 2 under sequence parallelism
+def test_attention_key_padding_mask_broadcasts_over_queries(tp):
+    for kind in ("bool", "float"):
+        for causal in (False, True):
+            get_world(tp).run(_check_key_padding_mask, kind, causal, tp == 2)
 
 
+@pytest.mark.parametrize("tp", TP_SIZES)
 @settings(max_examples=examples(12))
 @given(hidden=st.integers(1, 8), heads=heads, head_dim=st.sampled_from([2, 4]), causal=st.booleans(),
        rotary=st.booleans(), mask_kind=st.sampled_from(["none", "bool", "float"]), batch=st.integers(1, 3),
        seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16),
        split_backward=st.booleans(), chunks=st.sampled_from([1, 1, 2, 3]), delay_wgrad=st.booleans())
-def test_attention_matches_dense(hidden, heads, head_dim, causal, rotary, mask_kind, batch, seq, sequence_parallel,
+def test_attention_matches_dense(tp, hidden, heads, head_dim, causal, rotary, mask_kind, batch, seq, sequence_parallel,
                                  seed, split_backward, chunks, delay_wgrad):
     n_heads, n_kv = heads
-    for tp in TP_SIZES:
-        get_world(tp).run(_check_attention, hidden, n_heads, n_kv, head_dim, causal, rotary, mask_kind, batch, seq,
-                          sequence_parallel, seed, split_backward, chunks, delay_wgrad)
+    get_world(tp).run(_check_attention, hidden, n_heads, n_kv, head_dim, causal, rotary, mask_kind, batch, seq,
+                      sequence_parallel, seed, split_backward, chunks, delay_wgrad)
 
 
 def test_gqa_with_fewer_kv_heads_than_ranks_replicates_them():

@@ -14,24 +14,23 @@ from tplayers.groups import TPGroup, resolve_group
 from tplayers.testing import dense_parameters, get_world
 
 from conftest import examples
-from _helpers import F64, TP_SIZES, _check_block, configs
+from _helpers import F64, MULTI_RANK, TP_SIZES, _check_block, configs
 
 
-def test_block_float32_within_default_tolerance():
+@pytest.mark.parametrize("tp", MULTI_RANK)
+def test_block_float32_within_default_tolerance(tp):
     # fp32: only the order of the partial sums differs from dense (rtol 1e-4, atol 1e-5)
     config = BlockConfig(hidden=16, n_heads=4, ffn_hidden=32, n_kv_heads=2, activation="swiglu", norm="rmsnorm",
                          rotary=True)
-    for tp in (2, 4):
-        get_world(tp).run(_check_block, config, 2, 8, "bool", True, 1, torch.float32)
+    get_world(tp).run(_check_block, config, 2, 8, "bool", True, 1, torch.float32)
 
 
-
+@pytest.mark.parametrize("tp", TP_SIZES)
 @settings(max_examples=examples(8))
 @given(config=configs, batch=st.integers(1, 2), seq=st.sampled_from([4, 8]),
        mask_kind=st.sampled_from(["none", "bool"]), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
-def test_block_matches_dense(config, batch, seq, mask_kind, sequence_parallel, seed):
-    for tp in TP_SIZES:
-        get_world(tp).run(_check_block, config, batch, seq, mask_kind, sequence_parallel, seed)
+def test_block_matches_dense(tp, config, batch, seq, mask_kind, sequence_parallel, seed):
+    get_world(tp).run(_check_block, config, batch, seq, mask_kind, sequence_parallel, seed)
 
 
 def _block_sp_equals_no_sp(group, config, seed):

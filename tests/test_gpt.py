@@ -1,4 +1,5 @@
 """ParallelGPT vs DenseGPT: logits, loss (ignored targets included) and every parameter's gradient."""
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,13 +34,13 @@ def _check_gpt(group, config, batch, seq, sequence_parallel, seed):
     return float(loss.detach())
 
 
+@pytest.mark.parametrize("tp", TP_SIZES)
 @settings(max_examples=examples(4))
 @given(vocab=st.integers(3, 13), activation=st.sampled_from(["gelu", "swiglu"]),
        norm=st.sampled_from(["layernorm", "rmsnorm"]), n_kv=st.sampled_from([1, 2, 4]), batch=st.integers(1, 2),
        sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
-def test_gpt_logits_loss_and_grads_match_dense(vocab, activation, norm, n_kv, batch, sequence_parallel, seed):
+def test_gpt_logits_loss_and_grads_match_dense(tp, vocab, activation, norm, n_kv, batch, sequence_parallel, seed):
     config = GPTConfig(hidden=8, n_heads=4, ffn_hidden=8, n_kv_heads=n_kv, activation=activation, norm=norm,
                        vocab_size=vocab, n_layers=2)
-    for tp in TP_SIZES:
-        losses = get_world(tp).run(_check_gpt, config, batch, 4, sequence_parallel, seed)
-        assert len(set(losses)) == 1
+    losses = get_world(tp).run(_check_gpt, config, batch, 4, sequence_parallel, seed)
+    assert len(set(losses)) == 1

@@ -12,20 +12,20 @@ from tplayers.dense import DenseTransformerBlock
 from tplayers.testing import get_world
 
 from conftest import examples
-from _helpers import F64, TP_SIZES, _check_block, configs
+from _helpers import F64, MULTI_RANK, TP_SIZES, _check_block, configs
 
 
+@pytest.mark.parametrize("tp", TP_SIZES)
 @settings(max_examples=examples(6))
 @given(config=configs, batch=st.integers(2, 5), seq=st.sampled_from([4, 8]),
        mask_kind=st.sampled_from(["none", "bool", "float"]), sequence_parallel=st.booleans(),
        seed=st.integers(0, 2**16), chunks=st.sampled_from([2, 3, 8]), delay_wgrad=st.booleans(),
        main_grad=st.booleans())
-def test_interleaved_block_matches_dense(config, batch, seq, mask_kind, sequence_parallel, seed, chunks, delay_wgrad,
-                                         main_grad):
+def test_interleaved_block_matches_dense(tp, config, batch, seq, mask_kind, sequence_parallel, seed, chunks,
+                                         delay_wgrad, main_grad):
     # chunks 8 > batch: one chunk per example; "float": a per-head additive mask, per example
-    for tp in TP_SIZES:
-        get_world(tp).run(_check_block, config, batch, seq, mask_kind, sequence_parallel, seed, chunks=chunks,
-                          delay_wgrad=delay_wgrad, main_grad=main_grad)
+    get_world(tp).run(_check_block, config, batch, seq, mask_kind, sequence_parallel, seed, chunks=chunks,
+                      delay_wgrad=delay_wgrad, main_grad=main_grad)
 
 
 _PIPELINE_CONFIG = BlockConfig(hidden=16, n_heads=4, ffn_hidden=32, n_kv_heads=2, activation="swiglu", norm="layernorm",
@@ -84,11 +84,11 @@ def _interleaved_block_pipelines(group, sequence_parallel, chunks):
     return True
 
 
+@pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_interleaved_block_equals_unchunked_and_does_not_drain_between_sublayers(sequence_parallel):
-    for tp in TP_SIZES:
-        for chunks in (2, 3, 8):  # 8 > batch 5: one chunk per example
-            assert all(get_world(tp).run(_interleaved_block_pipelines, sequence_parallel, chunks))
+def test_interleaved_block_equals_unchunked_and_does_not_drain_between_sublayers(tp, sequence_parallel):
+    for chunks in (2, 3, 8):  # 8 > batch 5: one chunk per example
+        assert all(get_world(tp).run(_interleaved_block_pipelines, sequence_parallel, chunks))
 
 
 def _interleave_applies(group):
@@ -137,6 +137,6 @@ def _interleaved_first_order_under_create_graph(group):
     return True
 
 
-def test_interleaved_block_under_create_graph_matches_dense():
-    for tp in (2, 4):
-        assert all(get_world(tp).run(_interleaved_first_order_under_create_graph))
+@pytest.mark.parametrize("tp", MULTI_RANK)
+def test_interleaved_block_under_create_graph_matches_dense(tp):
+    assert all(get_world(tp).run(_interleaved_first_order_under_create_graph))

@@ -1,5 +1,6 @@
 """ParallelMLP vs DenseMLP: outputs, gradients and parameter layouts, any activation, sequence
 parallelism, split backward, chunks and delayed weight gradients."""
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,13 +26,13 @@ def _check_parallel_mlp(group, hidden, ffn, activation, bias, batch, seq, sequen
     return assert_matches_dense(tp, dense, x, group=group, **_io_dims(sequence_parallel)).grad_error
 
 
+@pytest.mark.parametrize("tp", TP_SIZES)
 @settings(max_examples=examples(8))
 @given(hidden=st.integers(1, 8), ffn_per_rank=st.integers(1, 3), activation=st.sampled_from(["gelu", "swiglu"]),
        bias=st.booleans(), batch=st.integers(1, 3), seq=st.sampled_from([4, 8]), sequence_parallel=st.booleans(),
        seed=st.integers(0, 2**16), split_backward=st.booleans(), chunks=st.sampled_from([1, 1, 2, 3]),
        delay_wgrad=st.booleans())
-def test_mlp_matches_dense(hidden, ffn_per_rank, activation, bias, batch, seq, sequence_parallel, seed, split_backward,
-                           chunks, delay_wgrad):
-    for tp in TP_SIZES:
-        get_world(tp).run(_check_parallel_mlp, hidden, ffn_per_rank * 4, activation, bias, batch, seq, sequence_parallel,
-                          seed, split_backward, chunks, delay_wgrad)
+def test_mlp_matches_dense(tp, hidden, ffn_per_rank, activation, bias, batch, seq, sequence_parallel, seed,
+                           split_backward, chunks, delay_wgrad):
+    get_world(tp).run(_check_parallel_mlp, hidden, ffn_per_rank * 4, activation, bias, batch, seq, sequence_parallel,
+                      seed, split_backward, chunks, delay_wgrad)

@@ -9,7 +9,7 @@ from tplayers import GPTConfig, ParallelAttention, ParallelGPT, ParallelMLP
 from tplayers.dense import DenseAttention, DenseMLP
 from tplayers.testing import get_world
 
-from _helpers import F64
+from _helpers import F64, MULTI_RANK
 
 
 def _region_module(module, seed):
@@ -39,11 +39,11 @@ def _split_equals_megatron(group, module, sequence_parallel):
     return all(torch.equal(a, b) for a, b in zip(grads[0][:-1], grads[1][:-1]))
 
 
+@pytest.mark.parametrize("tp", MULTI_RANK)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("module", ["gelu", "swiglu", "attention"])  # MLP activations, and attention
-def test_split_backward_is_bit_identical_to_the_two_layer_schedule(module, sequence_parallel):
-    for tp in (2, 4):
-        assert all(get_world(tp).run(_split_equals_megatron, module, sequence_parallel))
+def test_split_backward_is_bit_identical_to_the_two_layer_schedule(tp, module, sequence_parallel):
+    assert all(get_world(tp).run(_split_equals_megatron, module, sequence_parallel))
 
 
 def _chunked_equals_unchunked(group, module, sequence_parallel, chunks):
@@ -80,12 +80,12 @@ def _chunked_equals_unchunked(group, module, sequence_parallel, chunks):
     return True
 
 
+@pytest.mark.parametrize("tp", MULTI_RANK)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("module", ["gelu", "swiglu", "attention"])
-def test_chunked_region_equals_unchunked_and_overlaps_its_forward(module, sequence_parallel):
-    for tp in (2, 4):
-        for chunks in (2, 3, 8):  # 8 > batch 5: one chunk per example
-            assert all(get_world(tp).run(_chunked_equals_unchunked, module, sequence_parallel, chunks))
+def test_chunked_region_equals_unchunked_and_overlaps_its_forward(tp, module, sequence_parallel):
+    for chunks in (2, 3, 8):  # 8 > batch 5: one chunk per example
+        assert all(get_world(tp).run(_chunked_equals_unchunked, module, sequence_parallel, chunks))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
@@ -96,7 +96,6 @@ def test_chunks_must_be_a_positive_integer(bad):
         ParallelAttention(8, 2, group=None, chunks=bad)
     with pytest.raises(ValueError, match="set_overlap: chunks"):
         tplayers.set_overlap(ParallelMLP(8, 16, group=None), chunks=bad)
-
 
 
 def _gpt_overlap_switch(group):
