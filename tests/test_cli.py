@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,8 @@ from tplayers.cli import verify as V
 from tplayers.cli.bench_cmd import format_report, plot_report
 from tplayers.layers import ColumnParallelLinear, RowParallelLinear
 from tplayers.testing import get_world
+
+from _helpers import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,12 +71,6 @@ def test_verify_subprocess_default_tp2():
         line = next(l for l in proc.stdout.splitlines() if l.startswith(check.name + " "))
         assert line.split()[-4:][0] == "2" and line.endswith("PASS"), line
     assert f"{len(V.CHECKS)}/{len(V.CHECKS)} checks passed" in proc.stdout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_verify_under_torchrun_env():

@@ -8,11 +8,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import examples
+from _helpers import TP_SIZES
 
 from tplayers.core import collectives, comm
 from tplayers.testing import get_world
-
-TP_SIZES = [1, 2, 4]
 
 
 def _rank_tensor(seed, rank, shape):

@@ -14,11 +14,12 @@ import importlib.util
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from _helpers import _free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -37,12 +38,6 @@ def _blocks():
             shown = SHOWN.match(text, m.end())
             yield pytest.param(m.group(1), shown and (shown.group(1), shown.group(2)),
                                id=f"{path.relative_to(ROOT)}:{line}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_docs_have_python_blocks():

@@ -14,8 +14,7 @@ import tplayers
 from tplayers.core.comm import gather_from_sequence, reduce_from_tp, scatter_to_sequence, sum_over_replicas
 from tplayers.testing import dense_parameters, get_world
 
-f64 = torch.float64
-TP_SIZES = [2, 4]
+from _helpers import F64, MULTI_RANK
 
 
 class _MLP(nn.Module):
@@ -36,7 +35,7 @@ class _MLP(nn.Module):
 
 def _build(group, sp, layout):
     torch.manual_seed(0)
-    up, down = nn.Linear(8, 16, dtype=f64), nn.Linear(16, 8, dtype=f64)
+    up, down = nn.Linear(8, 16, dtype=F64), nn.Linear(16, 8, dtype=F64)
     dense = _MLP(up, down)
     opts = dict(gather_output=True) if layout == "gathered" else dict(sequence_parallel=sp)
     col = tplayers.ColumnParallelLinear.from_dense(up, group=group, **opts)
@@ -56,7 +55,7 @@ def _penalty(model, x, loss):
 
 def _mlp_penalty(group, sp, layout, loss):
     dense, tp = _build(group, sp, layout)
-    x = torch.randn(2, 4, 8, dtype=f64)
+    x = torch.randn(2, 4, 8, dtype=F64)
     gx_dense, gx_tp = _penalty(dense, x, loss), _penalty(tp, x, loss)
     errors = {"x": float((gx_dense - gx_tp).abs().max())}
     for name in ("up", "down"):
@@ -69,7 +68,7 @@ def _mlp_penalty(group, sp, layout, loss):
     return errors
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 @pytest.mark.parametrize("sp, layout", [(False, "mlp"), (True, "mlp"), (False, "gathered")])
 @pytest.mark.parametrize("loss", ["square", "linear"])
 def test_gradient_penalty_through_parallel_linears_matches_dense(tp, sp, layout, loss):
@@ -83,9 +82,9 @@ def _critic_penalty(group):
     """A one-layer WGAN critic: its output gradient is a constant, so once_differentiable attached no
     error and the penalty's gradient silently lost the weight's term (rank-dependent wrong numbers)."""
     torch.manual_seed(0)
-    dense = nn.Linear(8, 1, dtype=f64)
+    dense = nn.Linear(8, 1, dtype=F64)
     tp = tplayers.RowParallelLinear.from_dense(dense, group=group, input_is_parallel=False)
-    x = torch.randn(3, 8, dtype=f64)
+    x = torch.randn(3, 8, dtype=F64)
     for model in (dense, tp):
         xi = x.clone().requires_grad_()
         (gx,) = torch.autograd.grad(model(xi).sum(), xi, create_graph=True)
@@ -93,7 +92,7 @@ def _critic_penalty(group):
     return float((dense_parameters(tp, grads=True)["weight"] - dense.weight.grad).abs().max())
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 def test_gradient_penalty_of_a_linear_critic_matches_dense(tp):
     assert max(get_world(tp).run(_critic_penalty)) < 1e-12
 
@@ -101,8 +100,8 @@ def test_gradient_penalty_of_a_linear_critic_matches_dense(tp):
 def _replica_penalty(group, rows):
     g = tplayers.resolve_group(group)
     torch.manual_seed(0)
-    w0 = torch.randn(4, 3, dtype=f64)  # one replica held by every rank (num_shards=1)
-    c = torch.randn(g.size, 4, 3, dtype=f64)  # what each rank multiplies it by
+    w0 = torch.randn(4, 3, dtype=F64)  # one replica held by every rank (num_shards=1)
+    c = torch.randn(g.size, 4, 3, dtype=F64)  # what each rank multiplies it by
 
     def dense_loss(w):
         return sum((w * c[r]).sin().sum() for r in range(g.size))
@@ -121,7 +120,7 @@ def _replica_penalty(group, rows):
     return float((out[0] - out[1]).abs().max())
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 @pytest.mark.parametrize("rows", [None, (1, 3)])
 def test_gradient_penalty_through_sum_over_replicas_matches_dense(tp, rows):
     assert max(get_world(tp).run(_replica_penalty, rows)) < 1e-10
@@ -131,7 +130,7 @@ def _loss_second_backward(group):
     g = tplayers.resolve_group(group)
     vocab = 8 * g.size + 3
     torch.manual_seed(0)
-    logits = torch.randn(3, (vocab + g.size - 1) // g.size, dtype=f64, requires_grad=True)
+    logits = torch.randn(3, (vocab + g.size - 1) // g.size, dtype=F64, requires_grad=True)
     loss = tplayers.vocab_parallel_cross_entropy(logits, torch.tensor([0, 5, vocab - 1]), group=group,
                                                  vocab_size=vocab)
     (glogits,) = torch.autograd.grad(loss, logits, create_graph=True)  # first order alone is fine
@@ -140,7 +139,7 @@ def _loss_second_backward(group):
     return True
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 def test_double_backward_through_the_loss_raises_instead_of_a_wrong_number(tp):
     assert all(get_world(tp).run(_loss_second_backward))
 
@@ -166,11 +165,11 @@ def _split_mlp_penalty(group, sp, activation):
     from tplayers.models.dense import DenseMLP
 
     torch.manual_seed(1)
-    dense = DenseMLP(8, 16, activation, True, dtype=f64)
+    dense = DenseMLP(8, 16, activation, True, dtype=F64)
     mlp = tplayers.ParallelMLP.from_dense(dense, group=group, sequence_parallel=sp, split_backward=True)
     tp = _MLP(mlp, nn.Identity(), group, sp)
     ref = _MLP(dense, nn.Identity())
-    x = torch.randn(2, 4, 8, dtype=f64)
+    x = torch.randn(2, 4, 8, dtype=F64)
     gx_dense, gx_tp = _penalty(ref, x, "square"), _penalty(tp, x, "square")
     torch.testing.assert_close(gx_tp, gx_dense, rtol=1e-10, atol=1e-10)
     got = dense_parameters(mlp, grads=True)

@@ -6,23 +6,21 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from conftest import examples
+from _helpers import F64, TP_SIZES
 
 import tplayers
 from tplayers import ColumnParallelLinear, RowParallelLinear
 from tplayers.testing import assert_matches_dense, get_world
 
-TP_SIZES = [1, 2, 4]
-f64 = torch.float64
-
 
 def _dense_linear(seed, in_features, out_features, bias):
     torch.manual_seed(seed)
-    return nn.Linear(in_features, out_features, bias=bias, dtype=f64)
+    return nn.Linear(in_features, out_features, bias=bias, dtype=F64)
 
 
 def _input(seed, lead, features):
     gen = torch.Generator().manual_seed(seed + 1)
-    return torch.randn(tuple(lead) + (features,), generator=gen, dtype=f64)
+    return torch.randn(tuple(lead) + (features,), generator=gen, dtype=F64)
 
 
 # ------------------------------------------------------------------ per-rank checks
@@ -67,9 +65,9 @@ class TPMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-def _check_mlp(group, seed, lead, hidden, ffn, bias, sequence_parallel, overlap):
+def _check_linear_pair_mlp(group, seed, lead, hidden, ffn, bias, sequence_parallel, overlap):
     torch.manual_seed(seed)
-    dense = DenseMLP(nn.Linear(hidden, ffn, bias=bias, dtype=f64), nn.Linear(ffn, hidden, bias=bias, dtype=f64))
+    dense = DenseMLP(nn.Linear(hidden, ffn, bias=bias, dtype=F64), nn.Linear(ffn, hidden, bias=bias, dtype=F64))
     tp = TPMLP(dense, group, sequence_parallel, overlap)
     sp = [-2] if sequence_parallel else None
     report = assert_matches_dense(tp, dense, _input(seed, lead, hidden), group=group,
@@ -123,7 +121,8 @@ def test_row_parallel_matches_dense(tp, seed, lead, in_mult, out_f, bias, input_
 def test_column_gelu_row_mlp_matches_dense(tp, seed, batch, seq_mult, hidden_mult, ffn_mult, bias,
                                            sequence_parallel, overlap):
     lead = [batch, 4 * seq_mult]
-    get_world(tp).run(_check_mlp, seed, lead, 4 * hidden_mult, 4 * ffn_mult, bias, sequence_parallel, overlap)
+    get_world(tp).run(_check_linear_pair_mlp, seed, lead, 4 * hidden_mult, 4 * ffn_mult, bias, sequence_parallel,
+                      overlap)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -159,7 +158,7 @@ def test_init_equals_dense_init_shards(tp):
 
 def _check_round_trip(group):
     torch.manual_seed(0)
-    a, b = nn.Linear(6, 8, dtype=f64), nn.Linear(8, 6, bias=False, dtype=f64)
+    a, b = nn.Linear(6, 8, dtype=F64), nn.Linear(8, 6, bias=False, dtype=F64)
     a.weight.requires_grad_(False)
     col = ColumnParallelLinear.from_dense(a, group=group)
     row = RowParallelLinear.from_dense(b, group=group)
@@ -168,7 +167,7 @@ def _check_round_trip(group):
     assert type(back_a) is nn.Linear and type(back_b) is nn.Linear
     assert torch.equal(back_a.weight, a.weight) and torch.equal(back_a.bias, a.bias)
     assert torch.equal(back_b.weight, b.weight) and back_b.bias is None
-    assert back_a.weight.dtype == f64 and not back_a.weight.requires_grad
+    assert back_a.weight.dtype == F64 and not back_a.weight.requires_grad
     # from_dense copies: training the TP layer leaves the dense module untouched
     with torch.no_grad():
         row.weight.add_(1.0)
@@ -221,7 +220,7 @@ def _check_bad_inputs(group):
     with pytest.raises(ValueError, match=r"input's last dim is 7 .* expected 8"):
         col(torch.randn(2, 7))
     with pytest.raises(TypeError, match="input dtype torch.float64 does not match the weight dtype torch.float32"):
-        col(torch.randn(2, 8, dtype=f64))
+        col(torch.randn(2, 8, dtype=F64))
     row = RowParallelLinear(8, 8, group=group)
     with pytest.raises(ValueError, match=rf"expected {8 // size}"):
         row(torch.randn(2, 8 if size > 1 else 7))
@@ -268,9 +267,9 @@ def _check_mesh_groups(group):
         tplayers.resolve_group(init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")))
     # a layer on the mesh matches dense, independently in each dp replica
     torch.manual_seed(0)
-    dense = nn.Linear(4, 8, dtype=f64)
+    dense = nn.Linear(4, 8, dtype=F64)
     col = ColumnParallelLinear.from_dense(dense, group=mesh2d, gather_output=True)
-    assert_matches_dense(col, dense, torch.randn(3, 4, dtype=f64), group=mesh2d)
+    assert_matches_dense(col, dense, torch.randn(3, 4, dtype=F64), group=mesh2d)
     # a group this rank is not in
     other = dist.new_group([0, 1])
     if rank >= 2:
@@ -288,24 +287,24 @@ def test_device_mesh_and_group_membership():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _check_mlp_on_cuda(group, seed):
+def _check_linear_pair_mlp_on_cuda(group, seed):
     torch.cuda.set_device(0)
     torch.manual_seed(seed)
-    dense = DenseMLP(nn.Linear(16, 32, dtype=f64), nn.Linear(32, 16, dtype=f64)).cuda()
+    dense = DenseMLP(nn.Linear(16, 32, dtype=F64), nn.Linear(32, 16, dtype=F64)).cuda()
     tp = TPMLP(dense, group)
-    x = torch.randn(2, 4, 16, dtype=f64, device="cuda")
+    x = torch.randn(2, 4, 16, dtype=F64, device="cuda")
     report = assert_matches_dense(tp, dense, x, group=group)
     return report.output_error, report.grad_error
 
 
 @cuda
 def test_cuda_nccl_world_of_one():
-    get_world(1, backend="nccl").run(_check_mlp_on_cuda, 0)
+    get_world(1, backend="nccl").run(_check_linear_pair_mlp_on_cuda, 0)
 
 
 @cuda
 def test_cuda_tensors_over_gloo_two_ranks():
-    get_world(2).run(_check_mlp_on_cuda, 0)
+    get_world(2).run(_check_linear_pair_mlp_on_cuda, 0)
 
 
 # ------------------------------------------------------------------ collective matmul (SP forward as ring steps)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import tplayers
 from tplayers.testing import get_world
 
-TP_SIZES = [2, 4]
+from _helpers import MULTI_RANK
 
 
 def _model(group):
@@ -25,7 +25,7 @@ def _grad_on_one_rank(group):
     return True
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 def test_check_replicas_names_a_gradient_missing_on_some_ranks(tp):
     assert all(get_world(tp).run(_grad_on_one_rank))
 
@@ -40,7 +40,7 @@ def _different_models(group):
     return True
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 def test_check_replicas_refuses_ranks_with_different_parameter_lists(tp):
     assert all(get_world(tp).run(_different_models))
 
@@ -58,7 +58,7 @@ def _norm_gradient_not_reduced(group):
     return tplayers.check_replicas(norm)
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 def test_check_replicas_catches_a_sequence_parallel_norm_gradient_that_was_not_reduced(tp):
     assert get_world(tp).run(_norm_gradient_not_reduced) == [2] * tp  # weight value and gradient
 
@@ -70,7 +70,7 @@ def _clip_with_grads_on_one_rank(group):
     return float(tplayers.clip_grad_norm_(model, 1.0))  # used to hang: only rank 0 entered the all-reduce
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 def test_clip_grad_norm_with_gradients_on_some_ranks_gives_every_rank_one_norm(tp):
     norms = get_world(tp).run(_clip_with_grads_on_one_rank)
     assert len(set(norms)) == 1 and norms[0] > 0, norms
@@ -132,6 +132,6 @@ def _inputs_audit(group):
     return True
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 def test_check_same_inputs_names_a_batch_that_differs_across_tp_ranks(tp):
     assert all(get_world(tp).run(_inputs_audit))

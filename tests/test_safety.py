@@ -15,7 +15,8 @@ import tplayers
 from tplayers.models.dense import DenseAttention
 from tplayers.testing import get_world
 
-TP_SIZES = [2, 4]
+from _helpers import MULTI_RANK
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -31,7 +32,7 @@ def _embedding_ids(group, bad):
     return True
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 @pytest.mark.parametrize("bad", ["first_padding_row", "past_padding", "negative"])
 def test_embedding_refuses_out_of_range_ids_on_every_rank(tp, bad):
     assert all(get_world(tp).run(_embedding_ids, bad))
@@ -51,7 +52,7 @@ def _cross_entropy_targets(group):
     return True
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 def test_cross_entropy_refuses_out_of_range_targets_on_every_rank(tp):
     assert all(get_world(tp).run(_cross_entropy_targets))
 
@@ -182,7 +183,7 @@ def _parallelize_different_models(group, check):
     return "refused"
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 def test_parallelize_refuses_ranks_with_different_dense_models(tp):
     assert get_world(tp).run(_parallelize_different_models, True) == ["refused"] * tp
     assert get_world(tp).run(_parallelize_different_models, False) == ["refused by the layer"] * tp
@@ -197,7 +198,7 @@ def _layers_built_under_different_seeds(group):
     return True
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 def test_layers_built_under_per_rank_rng_states_are_refused(tp):
     assert all(get_world(tp).run(_layers_built_under_different_seeds))
 
@@ -210,7 +211,7 @@ def _tracker_seeds(group):
     return True
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", MULTI_RANK)
 def test_rng_tracker_refuses_per_rank_seeds(tp):
     assert all(get_world(tp).run(_tracker_seeds))
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 
 from conftest import examples
+from _helpers import TP_SIZES
 from hypothesis import strategies as st
 
 from tplayers import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -14,8 +15,6 @@ from tplayers.core.collectives import all_gather_tensor, gather_placed
 from tplayers.core.placement import Sharded
 from tplayers.core.groups import resolve_group
 from tplayers.testing import RankFailed, assert_matches_dense, get_world
-
-TP_SIZES = [1, 2, 4]
 
 
 # ------------------------------------------------------------------ embedding
@@ -40,6 +39,7 @@ def _check_embedding(group, vocab, dim, shape, sequence_parallel, padding_idx, s
     return report.output_error
 
 
+@pytest.mark.parametrize("tp", TP_SIZES)
 @settings(max_examples=examples(8))
 @given(
     vocab=st.integers(1, 13),
@@ -50,11 +50,10 @@ def _check_embedding(group, vocab, dim, shape, sequence_parallel, padding_idx, s
     use_padding_idx=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_embedding_matches_dense(vocab, dim, batch, seq_per_rank, sequence_parallel, use_padding_idx, seed):
-    for tp in TP_SIZES:
-        shape = (batch, seq_per_rank * tp)
-        padding_idx = (seed % vocab) if use_padding_idx else None
-        get_world(tp).run(_check_embedding, vocab, dim, shape, sequence_parallel, padding_idx, seed)
+def test_embedding_matches_dense(tp, vocab, dim, batch, seq_per_rank, sequence_parallel, use_padding_idx, seed):
+    shape = (batch, seq_per_rank * tp)
+    padding_idx = (seed % vocab) if use_padding_idx else None
+    get_world(tp).run(_check_embedding, vocab, dim, shape, sequence_parallel, padding_idx, seed)
 
 
 def _check_embedding_init(group, vocab, dim):
@@ -123,12 +122,12 @@ def _check_lm_head(group, vocab, dim, batch, seq, sequence_parallel, seed):
     assert not full[..., vocab:].any(), "padding logits must be zero"
 
 
+@pytest.mark.parametrize("tp", TP_SIZES)
 @settings(max_examples=examples(5))
 @given(vocab=st.integers(1, 11), dim=st.integers(1, 5), batch=st.integers(1, 2),
        seq_per_rank=st.integers(1, 2), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
-def test_lm_head_matches_dense(vocab, dim, batch, seq_per_rank, sequence_parallel, seed):
-    for tp in TP_SIZES:
-        get_world(tp).run(_check_lm_head, vocab, dim, batch, seq_per_rank * tp, sequence_parallel, seed)
+def test_lm_head_matches_dense(tp, vocab, dim, batch, seq_per_rank, sequence_parallel, seed):
+    get_world(tp).run(_check_lm_head, vocab, dim, batch, seq_per_rank * tp, sequence_parallel, seed)
 
 
 # ------------------------------------------------------------------ cross-entropy
@@ -173,6 +172,7 @@ def _check_cross_entropy(group, shape, vocab, ignore_frac, smoothing, reduction,
     return float(loss.detach().sum())
 
 
+@pytest.mark.parametrize("tp", TP_SIZES)
 @settings(max_examples=examples(12))
 @given(
     shape=st.lists(st.integers(1, 4), min_size=1, max_size=2).map(tuple),
@@ -183,11 +183,10 @@ def _check_cross_entropy(group, shape, vocab, ignore_frac, smoothing, reduction,
     scale=st.sampled_from([1.0, 1e3]),
     seed=st.integers(0, 2**16),
 )
-def test_cross_entropy_matches_dense(shape, vocab, ignore_frac, smoothing, reduction, scale, seed):
-    for tp in TP_SIZES:
-        losses = get_world(tp).run(_check_cross_entropy, shape, vocab, ignore_frac, smoothing, reduction, scale,
-                                   torch.float64, seed)
-        assert len(set(losses)) == 1, f"ranks disagree on the loss: {losses}"
+def test_cross_entropy_matches_dense(tp, shape, vocab, ignore_frac, smoothing, reduction, scale, seed):
+    losses = get_world(tp).run(_check_cross_entropy, shape, vocab, ignore_frac, smoothing, reduction, scale,
+                               torch.float64, seed)
+    assert len(set(losses)) == 1, f"ranks disagree on the loss: {losses}"
 
 
 def test_cross_entropy_float32_large_logits_is_stable():
@@ -267,9 +266,9 @@ def _check_tied(group, vocab, dim, seed):
     torch.testing.assert_close(full_grad, dense.embed.weight.grad)
 
 
-def test_tied_embedding_and_lm_head():
-    for tp in TP_SIZES:
-        get_world(tp).run(_check_tied, 7, 4, tp)
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_tied_embedding_and_lm_head(tp):
+    get_world(tp).run(_check_tied, 7, 4, tp)
 
 
 def _ce_narrow_target(group, dtype):
@@ -282,11 +281,11 @@ def _ce_narrow_target(group, dtype):
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_cross_entropy_accepts_narrow_integer_targets():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cross_entropy_accepts_narrow_integer_targets(tp):
     # F.cross_entropy takes uint8 targets; int16/int32 ids (e.g. from a tokenizer's numpy array) work too
-    for tp in (1, 2):
-        for dtype in (torch.uint8, torch.int16, torch.int32):
-            get_world(tp).run(_ce_narrow_target, dtype)
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        get_world(tp).run(_ce_narrow_target, dtype)
 
 
 def _ce_bf16_reduced(group, seed):
@@ -304,10 +303,10 @@ def _ce_bf16_reduced(group, seed):
     return max(errors)
 
 
-def test_cross_entropy_bf16_reduction_is_rounded_once():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cross_entropy_bf16_reduction_is_rounded_once(tp):
     # the per-token losses are reduced in float32 and rounded to bfloat16 once: the result is the
     # exact loss of these bf16 logits within half a bf16 ulp (2**-8 relative), not a sum of rounded terms
-    for tp in (1, 2):
-        for seed in range(8):
-            err = get_world(tp).run(_ce_bf16_reduced, seed)[0]
-            assert err <= 2 ** -8, f"TP {tp}, seed {seed}: relative error {err:.2e}"
+    for seed in range(8):
+        err = get_world(tp).run(_ce_bf16_reduced, seed)[0]
+        assert err <= 2 ** -8, f"TP {tp}, seed {seed}: relative error {err:.2e}"

@@ -12,7 +12,7 @@ from tplayers.core.wgrad import ReplicatedRows
 from tplayers.models.dense import DenseAttention, DenseGPT, DenseMLP
 from tplayers.testing import get_world
 
-F64 = torch.float64
+from _helpers import F64
 
 
 def _build(kind, group, sp):
