@@ -1,5 +1,6 @@
-"""The package's floors are checked, not promised: no module imports from a floor above its own, and
-only core/comm and core/functional issue torch.distributed collectives. Parses source; no processes."""
+"""The package's floors are checked, not promised: no module imports from a floor above its own, no
+module takes another module's private (``_x``) names, and only core/collectives issues
+torch.distributed collectives. Parses source; no processes."""
 import ast
 import pathlib
 from typing import List
@@ -13,7 +14,7 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "barrier", "monitored_barrier", "send",
                "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all", "all_to_all_single", "gather", "scatter",
                "all_gather_object", "broadcast_object_list", "reduce"}
-COMM_MODULES = {"core/collectives.py", "core/comm.py", "core/functional.py"}
+COMM_MODULES = {"core/collectives.py"}
 
 
 def _imported_modules(path: pathlib.Path, root: pathlib.Path) -> List[str]:
@@ -52,20 +53,19 @@ def upward_imports(root: pathlib.Path) -> List[str]:
     return errors
 
 
-def private_imports_across_floors(root: pathlib.Path) -> List[str]:
-    """``"file: from module import _name"`` for each private name imported from another floor."""
+def private_imports_across_modules(root: pathlib.Path) -> List[str]:
+    """``"file: from module import _name"`` for each private name one module imports from another
+    (within a floor too: what a module shares is public, under a name that says what it is)."""
     errors = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
-        if len(rel.parts) < 2:
-            continue
         package = ["tplayers"] + list(rel.parent.parts)
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if not isinstance(node, ast.ImportFrom) or not node.module:
+            if not isinstance(node, ast.ImportFrom):
                 continue
             base = package[: len(package) - node.level + 1] if node.level else []
-            parts = (base + [node.module]) if node.level else node.module.split(".")
-            if parts[0] != "tplayers" or len(parts) < 2 or parts[1] == rel.parts[0]:
+            parts = (base + ([node.module] if node.module else [])) if node.level else (node.module or "").split(".")
+            if parts[0] != "tplayers":
                 continue
             errors += [f"{rel}: from {'.'.join(parts)} import {a.name}" for a in node.names
                        if a.name.startswith("_") and not a.name.startswith("__")]
@@ -73,7 +73,7 @@ def private_imports_across_floors(root: pathlib.Path) -> List[str]:
 
 
 def collectives_outside_comm(root: pathlib.Path) -> List[str]:
-    """``"file:line dist.op"`` for each torch.distributed collective called outside core/comm, core/functional."""
+    """``"file:line dist.op"`` for each torch.distributed collective called outside core/collectives."""
     errors = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
@@ -95,8 +95,8 @@ def test_no_floor_imports_from_above():
     assert upward_imports(PACKAGE) == []
 
 
-def test_no_private_names_cross_floors():
-    assert private_imports_across_floors(PACKAGE) == []
+def test_no_private_names_cross_modules():
+    assert private_imports_across_modules(PACKAGE) == []
 
 
 def test_collectives_are_issued_only_from_core_comm():
@@ -118,6 +118,22 @@ def test_the_floor_check_catches_an_upward_import(tmp_path, line, expected):
     linear.write_text(linear.read_text() + line)
     errors = upward_imports(copy)
     assert len(errors) == 1 and errors[0].startswith("layers/linear.py") and expected in errors[0], errors
+
+
+@pytest.mark.parametrize("target, line", [
+    ("core/functional.py", "from .collectives import _launch\n"),  # within a floor
+    ("layers/linear.py", "from ..core.wgrad import _flat\n"),  # across floors
+])
+def test_the_private_name_check_catches_a_private_import(tmp_path, target, line):
+    import shutil
+
+    copy = tmp_path / "tplayers"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    module = copy / target
+    module.write_text(module.read_text() + line)
+    absolute = line.strip().replace("from ..core.", "from tplayers.core.").replace("from .", "from tplayers.core.")
+    found = private_imports_across_modules(copy)
+    assert f"{target}: {absolute}" in found and len(found) == len(private_imports_across_modules(PACKAGE)) + 1, found
 
 
 def test_the_collective_check_catches_a_stray_collective(tmp_path):

@@ -106,8 +106,8 @@ def _gpt_overlap_switch(group):
     grads = []
     for split in (False, True):
         model = ParallelGPT.from_dense(dense, group=group)
-        counts = tplayers.set_overlap(model, split_backward=split, comm=True)
-        assert counts == {"comm": 2 * 4 + 1, "split_backward": 4, "chunks": 0, "delay_wgrad": 0, "collective_matmul": 0}  # 4 linears per block + the head; MLP, attention
+        counts = tplayers.set_overlap(model, split_backward=split, overlap_comm=True)
+        assert counts == {"overlap_comm": 2 * 4 + 1, "split_backward": 4, "chunks": 0, "delay_wgrad": 0, "collective_matmul": 0}  # 4 linears per block + the head; MLP, attention
         model.loss(ids, ids.roll(-1, 1)).backward()
         grads.append([p.grad for p in model.parameters()])
     return all(torch.equal(a, b) for a, b in zip(*grads))

@@ -23,7 +23,7 @@ from .models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBl
 from .models.gpt import ParallelGPT
 from .convert import AuditError, AuditReport, CoverageReport, Plan, audit, auto_plan, coverage, parallelize
 from .layers import (backward_dw, check_replicas, check_same_inputs, clip_grad_norm_, main_grads_to_grads, pending_wgrad,
-                     set_overlap, set_overlap_comm, use_main_grad, zero_main_grads)
+                     set_overlap, use_main_grad, zero_main_grads)
 from .core.wgrad import WeightGradStore
 from .bench.accounting import CommAccounting, CommRecord, EmulatedLink, comm_accounting, emulated_link
 from .bench.link import LinkModel, parse_link
@@ -56,7 +56,7 @@ __all__ = [
     "GPTConfig",
     # drop-in, checkpoints, 2-D parallelism
     "parallelize", "coverage", "CoverageReport", "audit", "AuditError", "AuditReport", "auto_plan",
-    "set_overlap_comm", "set_overlap", "backward_dw", "pending_wgrad", "WeightGradStore",
+    "set_overlap", "backward_dw", "pending_wgrad", "WeightGradStore",
     "use_main_grad", "main_grads_to_grads", "zero_main_grads",
     "clip_grad_norm_",
     "check_replicas",

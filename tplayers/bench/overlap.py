@@ -31,7 +31,7 @@ from .link import LinkModel, matmul_tflops, parse_link
 from ..core.dtypes import DTYPES
 from ..core.collectives import SEQ_DIM
 from ..core.groups import GroupLike, TPGroup, collective_device, resolve_group
-from ..layers import ColumnParallelLinear, RowParallelLinear, set_overlap, set_overlap_comm
+from ..layers import ColumnParallelLinear, RowParallelLinear, set_overlap
 from ..models.blocks import ParallelMLP, ParallelTransformerBlock
 from ..models.dense import BlockConfig, DenseMLP, DenseTransformerBlock
 from .report import backend_name, summarize
@@ -218,7 +218,7 @@ _MODULES: Dict[str, _Module] = {
 def _tp_model(dense: nn.Module, cfg: BenchConfig, g: TPGroup, overlap: bool) -> nn.Module:
     """The TP twin of ``dense`` with ``overlap_comm`` set on every submodule that has it."""
     model = _MODULES[cfg.module].tp(dense, g, cfg.sequence_parallel)
-    set_overlap_comm(model, overlap)
+    set_overlap(model, overlap_comm=overlap)
     return model
 
 

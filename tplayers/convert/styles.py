@@ -19,7 +19,7 @@ from ..core.placement import kv_shards, qkv_placement
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
-from ..layers.base import computes_linear, own_forward
+from ..layers.from_dense import computes_linear, own_forward
 from ..layers.lora import is_peft_lora, prepare_lora
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding, embedding_scale
 

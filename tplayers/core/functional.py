@@ -53,10 +53,10 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
     """``x @ W_r^T + b_r``: forward gathers x under SP; backward hides the input-gradient collective."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, overlap: bool, sink: WgradSink,
+    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, overlap_comm: bool, sink: WgradSink,
                 ring: bool):
         ctx.save_for_backward(x, weight)  # under sequence parallelism x is only this rank's shard
-        ctx.g, ctx.sequence_parallel, ctx.overlap, ctx.sink = g, sequence_parallel, overlap, sink
+        ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink = g, sequence_parallel, overlap_comm, sink
         ctx.has_bias = bias is not None
         if sequence_parallel and ring:
             return ring_gather_linear(x, weight, bias, g)  # the gather in p ring steps under the GEMMs
@@ -68,13 +68,13 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
             return (*_column_graph_grads(ctx, grad_out), None, None, None, None, None)
         x, weight = ctx.saved_tensors
-        g, sp, overlap, sink = ctx.g, ctx.sequence_parallel, ctx.overlap, ctx.sink
+        g, sp, overlap_comm, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        x_full = sink.input(x, need_w, async_op=overlap)  # SP: the gather of x, in flight under the next GEMM
+        x_full = sink.input(x, need_w, async_op=overlap_comm)  # SP: the gather of x, in flight under the next GEMM
         grad_x = reducing = None
         if need_x:
             grad_x = grad_out @ weight  # (..., s, in): this rank's partial sum, a buffer we own
-            reducing = sum_partials(grad_x, g, sp, async_op=overlap)  # f: all-reduce (SP: reduce-scatter)
+            reducing = sum_partials(grad_x, g, sp, async_op=overlap_comm)  # f: all-reduce (SP: reduce-scatter)
         grad_w, grad_b = sink.linear(grad_out, x_full, need_w, need_b and ctx.has_bias)  # under the collective
         if reducing is not None:
             grad_x = reducing.wait()

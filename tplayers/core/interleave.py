@@ -69,7 +69,7 @@ class _Schedule:
     regions: Tuple[ResidualRegion, ...]
     g: TPGroup
     sequence_parallel: bool
-    overlap: bool
+    overlap_comm: bool
     rows: Tuple[slice, ...]
 
 
@@ -124,88 +124,99 @@ class _InterleavedBlockFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         if torch.is_grad_enabled():  # create_graph=True: rebuild the block from the differentiable layers
             return _graph_backward(ctx, grad_out)
-        schedule, graphs, ctx.graphs = ctx.schedule, ctx.graphs, None
-        g, sp, rows, regions, overlap = (schedule.g, schedule.sequence_parallel, schedule.rows, schedule.regions,
-                                         schedule.overlap)
-        n_regions, k = len(regions), len(rows)
-        x, tensors, ys, ns, hs = _unpack(ctx.saved_tensors, n_regions, k)
-        params = [tensors[_PER_REGION * j:_PER_REGION * (j + 1)] for j in range(n_regions)]
-        needs = [ctx.needs_input_grad[2 + _PER_REGION * j:2 + _PER_REGION * (j + 1)] for j in range(n_regions)]
+        return _BlockBackward(ctx, grad_out).run()
+
+
+class _BlockBackward:
+    """The backward of `_InterleavedBlockFn`: regions last to first, chunk by chunk (module docstring)."""
+
+    def __init__(self, ctx, grad_out: torch.Tensor) -> None:
+        s = ctx.schedule
+        self.graphs, ctx.graphs = ctx.graphs, None
+        self.g, self.sp, self.rows, self.regions, self.overlap_comm = (s.g, s.sequence_parallel, s.rows, s.regions,
+                                                                       s.overlap_comm)
+        n, k = self.n_regions, self.k = len(self.regions), len(self.rows)
+        self.needs_x = ctx.needs_input_grad[0]
+        _, tensors, self.ys, self.ns, self.hs = _unpack(ctx.saved_tensors, n, k)
+        self.params = [tensors[_PER_REGION * j:_PER_REGION * (j + 1)] for j in range(n)]
+        self.needs = [ctx.needs_input_grad[2 + _PER_REGION * j:2 + _PER_REGION * (j + 1)] for j in range(n)]
+        self.grad_resid = [grad_out[r] for r in self.rows]  # the gradient of region j's output, chunk i
+        self.gfs, self.acts, self.grad_hs = ([[None] * n for _ in range(k)] for _ in range(3))
+        self.pending: List[List[Optional[Pending]]] = [[None] * n for _ in range(k)]
+        self.norm_grads: List[List[Optional[torch.Tensor]]] = [[None, None] for _ in range(n)]
+        self.grads: List[Optional[torch.Tensor]] = [None] * (_PER_REGION * n)
+
+    def run(self):
+        g, sp, n, k = self.g, self.sp, self.n_regions, self.k
         # region 0's input-gradient collective and norm backward feed only x's and its norm's gradients
-        chain_to_x = ctx.needs_input_grad[0] or any(needs[0][:2])
-        grad_resid = [grad_out[r] for r in rows]  # the gradient of region j's output, chunk i
-        gfs, acts, grad_hs = ([[None] * n_regions for _ in rows] for _ in range(3))
-        pending: List[List[Optional[Pending]]] = [[None] * n_regions for _ in rows]
-        norm_grads: List[List[Optional[torch.Tensor]]] = [[None, None] for _ in regions]
-
-        def through_norm(i: int, j: int) -> None:
-            """Region j's input-gradient collective for chunk i has arrived: through its norm, into the residual."""
-            grad_n = pending[i][j].wait()
-            pending[i][j] = None
-            nw, nb = params[j][0], params[j][1]
-            with torch.enable_grad():
-                y_in = ys[i][j].detach().requires_grad_()
-                leaves = [None if t is None or not need else t.detach().requires_grad_()
-                          for t, need in zip((nw, nb), needs[j][:2])]
-                n = regions[j].norm(y_in, *(t if leaf is None else leaf for t, leaf in zip((nw, nb), leaves)))
-                wanted = [y_in] + [leaf for leaf in leaves if leaf is not None]
-                grad_y, *grad_norm = torch.autograd.grad(n, wanted, grad_n)
-            grad_resid[i] = grad_resid[i] + grad_y  # y feeds both the norm and the skip connection
-            got = iter(grad_norm)
-            for slot, leaf in enumerate(leaves):
-                if leaf is not None:
-                    grad = next(got)
-                    norm_grads[j][slot] = grad if norm_grads[j][slot] is None else norm_grads[j][slot] + grad
-
-        grads: List[Optional[torch.Tensor]] = [None] * (_PER_REGION * n_regions)
-
-        def weight_grads(j: int) -> None:
-            """Region j's four weight gradients over all chunks (one GEMM each), under its last collectives."""
-            region, (_, _, w1, b1, w2, b2) = regions[j], params[j]
-            need_w1, need_b1, need_w2, need_b2 = needs[j][2:]
-            need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
-            gf, act, grad_h, n_cat = (cat_rows([t[i][j] for i in range(k)]) for t in (gfs, acts, grad_hs, ns))
-            main = region.main_grads
-            if region.wgrad_store is not None:  # delay_wgrad: recorded, run by backward_dw (SP: gathered then)
-                targets = tuple(t if need else None for t, need in zip((w1, b1, w2, b2), needs[j][2:]))
-                if any(t is not None for t in targets):
-                    region.wgrad_store.put(targets, lambda: region_wgrads(
-                        gf, act, grad_h, all_gather(n_cat, SEQ_DIM, g).wait() if sp else n_cat,
-                        (need_w1, need_b1, need_w2, need_b2), main, g))
-                return
-            # its column input over all chunks travels (SP) under the row layer's weight gradient
-            gathering = all_gather(n_cat, SEQ_DIM, g, async_op=overlap) if sp and need_w1 else None
-            grads[_PER_REGION * j + 4:_PER_REGION * (j + 1)] = linear_wgrads(
-                gf, act, need_w2, need_b2, None if main is None else main[2:], g)
-            n_full = gathering.wait() if gathering is not None else n_cat
-            grads[_PER_REGION * j + 2:_PER_REGION * j + 4] = linear_wgrads(
-                grad_h, n_full, need_w1, need_b1, None if main is None else main[:2], g)
-
-        for q, i in _stages(n_regions, k):
-            j = n_regions - 1 - q  # backward runs the regions last to first
-            if j + 1 < n_regions:
-                through_norm(i, j + 1)
-            region, (_, _, w1, _, w2, _) = regions[j], params[j]
-            gf = all_gather(grad_resid[i], SEQ_DIM, g).wait() if sp else grad_resid[i]  # (bc, s, hidden)
-            graph = None if graphs is None else graphs[i][j]  # None: the core recomputed with its graph
-            h_in, a = core_graph(region.core, hs[i][j], rows[i]) if graph is None else graph
+        chain_to_x = self.needs_x or any(self.needs[0][:2])
+        for q, i in _stages(n, k):
+            j = n - 1 - q  # backward runs the regions last to first
+            if j + 1 < n:
+                self.through_norm(i, j + 1)
+            region, (_, _, w1, _, w2, _) = self.regions[j], self.params[j]
+            gf = all_gather(self.grad_resid[i], SEQ_DIM, g).wait() if sp else self.grad_resid[i]  # (bc, s, hidden)
+            graph = None if self.graphs is None else self.graphs[i][j]  # None: the core recomputed with its graph
+            h_in, a = core_graph(region.core, self.hs[i][j], self.rows[i]) if graph is None else graph
             (grad_h,) = torch.autograd.grad(a, h_in, gf @ w2)  # (bc, s, local column width)
-            gfs[i][j], acts[i][j], grad_hs[i][j] = gf, a.detach(), grad_h
+            self.gfs[i][j], self.acts[i][j], self.grad_hs[i][j] = gf, a.detach(), grad_h
             if j > 0 or chain_to_x:  # this chunk's partial input gradient (a buffer we own) travels at once
-                pending[i][j] = sum_partials(grad_h @ w1, g, sp, async_op=overlap)
+                self.pending[i][j] = sum_partials(grad_h @ w1, g, sp, async_op=self.overlap_comm)
             if i == k - 1:  # region j's last stage: its weight gradients now, under its last collectives
-                weight_grads(j)
+                self.weight_grads(j)
         if chain_to_x:
             for i in range(k):
-                through_norm(i, 0)
-        for j in range(n_regions):  # norm parameters: each chunk's share summed; under SP over the group too
+                self.through_norm(i, 0)
+        for j in range(n):  # norm parameters: each chunk's share summed; under SP over the group too
             for slot in (0, 1):
-                grad = norm_grads[j][slot]
+                grad = self.norm_grads[j][slot]
                 if grad is not None and sp:
                     grad = all_reduce(grad.contiguous(), g).wait()
-                grads[_PER_REGION * j + slot] = grad
-        grad_x = cat_rows(grad_resid) if ctx.needs_input_grad[0] else None
-        return (grad_x, None, *grads)
+                self.grads[_PER_REGION * j + slot] = grad
+        grad_x = cat_rows(self.grad_resid) if self.needs_x else None
+        return (grad_x, None, *self.grads)
+
+    def through_norm(self, i: int, j: int) -> None:
+        """Region j's input-gradient collective for chunk i has arrived: through its norm, into the residual."""
+        grad_n = self.pending[i][j].wait()
+        self.pending[i][j] = None
+        nw, nb = self.params[j][0], self.params[j][1]
+        with torch.enable_grad():
+            y_in = self.ys[i][j].detach().requires_grad_()
+            leaves = [None if t is None or not need else t.detach().requires_grad_()
+                      for t, need in zip((nw, nb), self.needs[j][:2])]
+            n = self.regions[j].norm(y_in, *(t if leaf is None else leaf for t, leaf in zip((nw, nb), leaves)))
+            wanted = [y_in] + [leaf for leaf in leaves if leaf is not None]
+            grad_y, *grad_norm = torch.autograd.grad(n, wanted, grad_n)
+        self.grad_resid[i] = self.grad_resid[i] + grad_y  # y feeds both the norm and the skip connection
+        got, sums = iter(grad_norm), self.norm_grads[j]
+        for slot, leaf in enumerate(leaves):
+            if leaf is not None:
+                grad = next(got)
+                sums[slot] = grad if sums[slot] is None else sums[slot] + grad
+
+    def weight_grads(self, j: int) -> None:
+        """Region j's four weight gradients over all chunks (one GEMM each), under its last collectives."""
+        g, sp, k = self.g, self.sp, self.k
+        region, (_, _, w1, b1, w2, b2) = self.regions[j], self.params[j]
+        need_w1, need_b1, need_w2, need_b2 = self.needs[j][2:]
+        need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
+        gf, act, grad_h, n_cat = (cat_rows([t[i][j] for i in range(k)]) for t in (self.gfs, self.acts, self.grad_hs, self.ns))
+        main = region.main_grads
+        if region.wgrad_store is not None:  # delay_wgrad: recorded, run by backward_dw (SP: gathered then)
+            targets = tuple(t if need else None for t, need in zip((w1, b1, w2, b2), self.needs[j][2:]))
+            if any(t is not None for t in targets):
+                region.wgrad_store.put(targets, lambda: region_wgrads(
+                    gf, act, grad_h, all_gather(n_cat, SEQ_DIM, g).wait() if sp else n_cat,
+                    (need_w1, need_b1, need_w2, need_b2), main, g))
+            return
+        # its column input over all chunks travels (SP) under the row layer's weight gradient
+        gathering = all_gather(n_cat, SEQ_DIM, g, async_op=self.overlap_comm) if sp and need_w1 else None
+        base = _PER_REGION * j
+        self.grads[base + 4:base + 6] = linear_wgrads(gf, act, need_w2, need_b2, None if main is None else main[2:], g)
+        n_full = gathering.wait() if gathering is not None else n_cat
+        self.grads[base + 2:base + 4] = linear_wgrads(grad_h, n_full, need_w1, need_b1,
+                                                      None if main is None else main[:2], g)
 
 
 def _unpack(saved, n_regions: int, k: int):

@@ -63,7 +63,7 @@ class _SplitBackwardFn(torch.autograd.Function):
     activations: its output is not kept); otherwise its autograd graph from forward is kept."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, core: Core, g: TPGroup, sequence_parallel: bool, overlap: bool,
+    def forward(ctx, x, w1, b1, w2, b2, core: Core, g: TPGroup, sequence_parallel: bool, overlap_comm: bool,
                 recompute: bool, rows: List[slice], sink: WgradSink):
         sp, chunked = sequence_parallel, len(rows) > 1
         gathers = [all_gather(x[rows[0]], SEQ_DIM, g, async_op=chunked)] if sp else []
@@ -86,7 +86,7 @@ class _SplitBackwardFn(torch.autograd.Function):
             out = out.add_(b2)
         ctx.save_for_backward(x, w1, b1, w2, b2, *hs)
         ctx.graphs = graphs or None  # autograd graphs (their tensors saved through autograd), not tensors
-        ctx.core, ctx.g, ctx.sequence_parallel, ctx.overlap, ctx.rows, ctx.sink = core, g, sp, overlap, rows, sink
+        ctx.core, ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.rows, ctx.sink = core, g, sp, overlap_comm, rows, sink
         return out
 
     @staticmethod
@@ -95,10 +95,10 @@ class _SplitBackwardFn(torch.autograd.Function):
             ctx.graphs = None
             return (*_split_graph_grads(ctx, grad_out), None, None, None, None, None, None, None)
         x, w1, b1, w2, b2, *hs = ctx.saved_tensors
-        g, sp, overlap, rows, sink = ctx.g, ctx.sequence_parallel, ctx.overlap, ctx.rows, ctx.sink
+        g, sp, overlap_comm, rows, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.rows, ctx.sink
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         grad_full = all_gather(grad_out, SEQ_DIM, g).wait() if sp else grad_out  # (b, s, hidden)
-        x_full = sink.input(x, need_w1, async_op=overlap)  # SP: in flight under the chain below
+        x_full = sink.input(x, need_w1, async_op=overlap_comm)  # SP: in flight under the chain below
         graphs, ctx.graphs = ctx.graphs, None
         grad_hs, acts, reducing = [], [], []
         for i, (r, h) in enumerate(zip(rows, hs)):  # the input-gradient chain, chunk by chunk
@@ -107,7 +107,7 @@ class _SplitBackwardFn(torch.autograd.Function):
             grad_hs.append(grad_h)
             acts.append(a.detach())
             if need_x:  # this chunk's partial input gradient (a buffer we own) travels at once
-                reducing.append(sum_partials(grad_h @ w1, g, sp, async_op=overlap))
+                reducing.append(sum_partials(grad_h @ w1, g, sp, async_op=overlap_comm))
         needs = (need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None)
         act, grad_h = cat_rows(acts), cat_rows(grad_hs)
         grads = sink.route(needs, lambda: region_wgrads(  # under the collectives (or recorded: delay_wgrad)

@@ -1,7 +1,7 @@
 """Floor 2, layers: nn.Modules over the core ops (linear, fused, vocabulary, norm, GPT-2 Conv1D)."""
 from ..core.placement import require_divisible
-from .base import (TensorParallelModule, backward_dw, main_grads_to_grads, model_placements, pending_wgrad,
-                   set_overlap, set_overlap_comm, use_main_grad, zero_main_grads)
+from .base import TensorParallelModule, model_placements
+from .switches import backward_dw, main_grads_to_grads, pending_wgrad, set_overlap, use_main_grad, zero_main_grads
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .fused import FusedColumnParallelLinear
 from .vocab import ParallelLMHead, VocabParallelEmbedding
@@ -11,5 +11,5 @@ from .same_inputs import check_same_inputs
 from .lora import LoRAPiece
 
 __all__ = ["LoRAPiece", "TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",
-           "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "model_placements", "set_overlap_comm", "set_overlap", "backward_dw", "pending_wgrad", "use_main_grad", "main_grads_to_grads", "zero_main_grads", "require_divisible",
+           "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "model_placements", "set_overlap", "backward_dw", "pending_wgrad", "use_main_grad", "main_grads_to_grads", "zero_main_grads", "require_divisible",
            "clip_grad_norm_", "check_replicas", "check_same_inputs"]

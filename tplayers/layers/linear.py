@@ -22,8 +22,9 @@ from ..core.functional import column_parallel_linear, row_parallel_linear
 from ..core.groups import GroupLike, resolve_group
 from ..core.wgrad import WeightGradStore
 from ..core.placement import Placement, Replicated, Sharded, require_divisible, require_positive
-from .base import (TensorParallelModule, check_dense_linear, grad_sinks, linear_to_dense, load_full_params,
-                   reset_linear_params)
+from .base import TensorParallelModule
+from .from_dense import check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
+from .switches import grad_sinks
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 

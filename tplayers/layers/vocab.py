@@ -29,7 +29,8 @@ from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range
-from .base import TensorParallelModule, dense_linear_init, load_full_params, new_param, own_forward
+from .base import TensorParallelModule
+from .from_dense import dense_linear_init, load_full_params, new_param, own_forward
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead", "ScaledEmbedding", "embedding_scale"]
 

@@ -31,7 +31,8 @@ from ..core.interleave import ResidualRegion, interleaved_residual_regions
 from ..layers.fused import FusedColumnParallelLinear
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import kv_shards as placement_kv_shards, require_divisible, require_positive
-from ..layers.base import TensorParallelModule, grad_sinks
+from ..layers.base import TensorParallelModule
+from ..layers.switches import grad_sinks
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.norm import ParallelNorm
 from .rng import PARALLEL, RNGTracker, activation_dropout, dropout_context, require_rng

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..core.collectives import all_gather_tensor
 from ..core.groups import GroupLike, resolve_group
-from ..layers.base import backward_dw, main_grads_to_grads, zero_main_grads
+from ..layers.switches import backward_dw, main_grads_to_grads, zero_main_grads
 from ..layers.dense_view import dense_parameters
 
 __all__ = ["assert_matches_dense", "MatchReport", "dense_parameters", "default_tolerance"]
