@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import tplayers
 from tplayers import Plan
-from tplayers.convert.audit import find_regions, relative_tolerance
+from tplayers.convert.audit import find_regions
+from tplayers.convert.audit_region import relative_tolerance
 from tplayers.testing import get_world
 
 H, T, B = 24, 6, 2

@@ -13,7 +13,8 @@
     mesh2d.py       make_2d_mesh: (dp, tp) DeviceMesh for TP x DDP / FSDP2
 """
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
-from .audit import AuditError, AuditReport, audit
+from .audit import AuditReport, audit
+from .audit_region import AuditError
 from .auto import HF_STYLES, SKIPPED_STYLES, auto_plan
 from .coverage import CoverageReport, coverage
 from .mesh2d import Mesh2D, make_2d_mesh
