@@ -399,12 +399,14 @@ def test_bench_block_bad_heads_is_a_usage_error(capsys):
     (["bench", "--warmup", "-1"], "warmup=-1 must be >= 0"),
 ])
 def test_unusable_arguments_fail_before_anything_runs(capsys, monkeypatch, argv, message):
-    import tplayers.cli as cli
+    import tplayers.cli.bench_cmd as bench_cmd
+    import tplayers.cli.verify as verify
 
     def never(*args, **kwargs):
         raise AssertionError("ranks started before the arguments were checked")
 
-    monkeypatch.setattr(cli, "run_on_ranks", never)  # refused up front, not after a timed run
+    for command in (bench_cmd, verify):  # refused up front, not after a timed run
+        monkeypatch.setattr(command, "run_on_ranks", never)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1  # one line
@@ -422,13 +424,13 @@ def test_bench_outputs_that_cannot_be_written_are_refused_first(capsys, tmp_path
 def test_bench_save_into_a_missing_directory_fails_before_the_run(monkeypatch, capsys):
     """Checked before any rank starts: the benchmark itself is never reached (a structural check,
     not a timed one: a wall-clock bound fails on a loaded machine)."""
-    import tplayers.cli as cli
+    import tplayers.cli.bench_cmd as bench_cmd
 
     def never(args):
         raise AssertionError("the benchmark ran before its output path was checked")
 
-    monkeypatch.setattr(cli, "_bench", never)
-    assert cli.main(["bench", "--save", "/no/such/dir/x.json"]) == 2
+    monkeypatch.setattr(bench_cmd, "bench_command", never)
+    assert main(["bench", "--save", "/no/such/dir/x.json"]) == 2
     assert "the directory /no/such/dir does not exist" in capsys.readouterr().err
 
 
@@ -443,18 +445,18 @@ def test_bench_save_into_a_missing_directory_fails_in_one_line():
 def test_bench_prints_its_result_before_a_write_that_fails(capsys, tmp_path, monkeypatch):
     import shutil
 
-    import tplayers.cli as cli
+    import tplayers.cli.bench_cmd as bench_cmd
 
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    run = cli.run_on_ranks
+    run = bench_cmd.run_on_ranks
 
     def run_then_lose_the_directory(*args, **kwargs):
         result = run(*args, **kwargs)
         shutil.rmtree(out_dir)  # valid when checked, gone when written
         return result
 
-    monkeypatch.setattr(cli, "run_on_ranks", run_then_lose_the_directory)
+    monkeypatch.setattr(bench_cmd, "run_on_ranks", run_then_lose_the_directory)
     rc = main(["bench", "--tp", "1", "--module", "column", "--batch", "1", "--seq", "4", "--hidden", "8", "--iters", "1",
                "--warmup", "0", "--modes", "tp,dense", "--no-progress", "--save", str(out_dir / "b.json")])
     captured = capsys.readouterr()
