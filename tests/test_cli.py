@@ -357,31 +357,33 @@ def test_bench_block_overlap_on_off_dense_and_sequence_parallel(capsys):
 
 @pytest.mark.parametrize("sp, expect_all, expect_bwd", [
     (False, ["ar"] * 4, ["ar"] * 2),  # 2 row forward all-reduces; qkv and fc1 input-grad all-reduces
-    (True, ["ag", "rs", "ag", "rs", "ag", "ag", "rs", "ag", "ag", "rs"], ["ag", "rs"] * 2),
+    (True, ["ag", "rs", "ag", "rs", "ag", "ag", "rs", "norm", "norm", "ag", "ag", "rs", "norm", "norm"], ["ag", "rs"] * 2),
 ])
 def test_bench_block_collectives_alone(monkeypatch, sp, expect_all, expect_bwd):
-    """The block's comm modes issue what the block issues, on (b, s, h) activations."""
-    import tplayers.bench.overlap as B
-    from tplayers.groups import TPGroup
+    """The block's comm modes replay what its overlapped step issues, on (b, s, h) activations (and,
+    under sequence parallelism, the norm-weight gradient all-reduces: h values each); comm_bwd: the
+    input-gradient collectives of qkv and fc1 (under SP: the re-gather of x and the reduce-scatter)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    calls = []
+    from tplayers.bench.overlap import BenchConfig, BenchInputs
+    from tplayers.core.accounting import comm_accounting
+    from tplayers.core.groups import resolve_group
 
-    def fake(name):
-        def collective(t, *args, group):
-            calls.append(name)
-            assert t.shape[-1] == 16 and t.shape[-2] in (8, 4)  # (b, s, h) or (b, s/p, h)
-            return t
-        return collective
-
-    for fn, name in (("all_reduce_", "ar"), ("all_gather_tensor", "ag"), ("reduce_scatter_tensor", "rs")):
-        monkeypatch.setattr(B, fn, fake(name))
-    cfg = B.BenchConfig(module="block", batch=1, seq=8, hidden=16, ffn=32, heads=2, sequence_parallel=sp)
-    everything, bwd = B._comm_steps(cfg, TPGroup(object(), 0, 2), torch.float32, torch.device("cpu"))
-    everything()
-    assert calls == expect_all
-    calls.clear()
-    bwd()
-    assert calls == expect_bwd
+    act = 1 * 8 * 16 * 4  # (b, s, h) float32
+    names = {("all_reduce", act): "ar", ("all_gather", act): "ag", ("reduce_scatter", act): "rs",
+             ("all_reduce", 16 * 4): "norm"}
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)  # one simulated rank of 2
+    try:
+        cfg = BenchConfig(module="block", batch=1, seq=8, hidden=16, ffn=32, heads=2, sequence_parallel=sp)
+        everything, bwd = BenchInputs.create(resolve_group(dist.group.WORLD), cfg).comm
+        for step, expected in ((everything, expect_all), (bwd, expect_bwd)):
+            with comm_accounting() as acct:
+                step()
+            assert [names[r.op, r.nbytes] for r in acct.records] == expected
+    finally:
+        dist.destroy_process_group()
 
 
 def test_bench_block_bad_heads_is_a_usage_error(capsys):
