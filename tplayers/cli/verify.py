@@ -122,7 +122,7 @@ def run_checks(group: Any, names: Sequence[str], cfg: VerifyConfig) -> List[Chec
         bar.step(0, name)
         check = by_name[name]
         cfg = replace(cfg, tol_scale=check.tol_scale)
-        rtol, atol = tolerance(cfg)  # what the check compares with (checks._match)
+        rtol, atol = tolerance(cfg)  # what the check compares with (checks.match_dense)
         fwd, grad, message = _attempt(check, g, cfg)
         failed = 1.0 if message else 0.0
         fwd, grad, any_failed = _agree(g, [fwd, grad, failed], device)
