@@ -4,6 +4,7 @@ Tests call ``tplayers.testing.get_world(n).run(fn, ...)`` with a module-level ``
 the worlds of 1, 2 and 4 ranks are started once per session and rebuilt after a failure.
 """
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -40,3 +41,16 @@ def examples(base: int) -> int:
 def _stop_worlds():
     yield
     shutdown_worlds()
+
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: `python -m tplayers` subprocesses run from here
+
+
+def subprocess_env() -> dict:
+    """The environment of a ``python -m tplayers`` subprocess: this checkout first on PYTHONPATH, and
+    none of torchrun's variables (the command would take them for a launcher's)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(var, None)
+    return env

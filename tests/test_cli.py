@@ -1,37 +1,24 @@
-"""The ``tplayers`` command: verify (table, exit status, torchrun) and bench (JSON schema, table)."""
+"""The ``tplayers verify`` command: its table, JSON and exit status, failing checks, torchrun.
+
+(``tplayers bench``: test_cli_bench.py; arguments refused before anything runs: test_cli_args.py.)
+"""
 import json
 import math
-import os
+import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
-from tplayers.bench import MODES, SCHEMA
-from tplayers.cli import main
+from conftest import ROOT, subprocess_env
+
 from tplayers.cli import checks as C
+from tplayers.cli import main
 from tplayers.cli import verify as V
-from tplayers.cli.bench_cmd import format_report, plot_report
 from tplayers.layers import ColumnParallelLinear, RowParallelLinear
 from tplayers.testing import get_world
-
-from _helpers import _free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(var, None)
-    return env
-
-
-# ---------------------------------------------------------------------------- verify
 
 
 def test_verify_in_process_tp1_and_2(capsys):
@@ -64,7 +51,7 @@ def test_verify_checks_your_own_model_and_plan(capsys, monkeypatch):
 
 
 def test_verify_subprocess_default_tp2():
-    proc = subprocess.run([sys.executable, "-m", "tplayers", "verify", "--tp", "2"], cwd=ROOT, env=_env(),
+    proc = subprocess.run([sys.executable, "-m", "tplayers", "verify", "--tp", "2"], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for check in V.CHECKS:  # every registered check appears once, passing, at TP 2
@@ -73,12 +60,18 @@ def test_verify_subprocess_default_tp2():
     assert f"{len(V.CHECKS)}/{len(V.CHECKS)} checks passed" in proc.stdout
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_verify_under_torchrun_env():
     """The same code runs directly on ranks a launcher started (torchrun's env:// variables)."""
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = _env()
+        env = subprocess_env()
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, "-m", "tplayers", "verify", "-k", "sequence_parallel", "--json"],
@@ -110,7 +103,7 @@ def _broken_column(g, cfg):
     tp = ColumnParallelLinear.from_dense(dense, group=g)
     with torch.no_grad():
         tp.bias.add_(0.5)  # wrong by 0.5 in the output, right in the gradients
-    return C._match(tp, dense, torch.randn(2, 8, dtype=torch.float64), g, cfg, output_shard_dim=-1)
+    return C.match_dense(tp, dense, torch.randn(2, 8, dtype=torch.float64), g, cfg, output_shard_dim=-1)
 
 
 def test_failing_check_is_reported_and_exits_nonzero(broken_check):
@@ -131,7 +124,7 @@ def _broken_on_rank1(g, cfg):
     if g.rank == 1:
         with torch.no_grad():
             tp.bias.add_(0.5)  # the replicated output is wrong on rank 1 only
-    return C._match(tp, dense, torch.randn(2, 8, dtype=torch.float64), g, cfg, input_shard_dims=[-1])
+    return C.match_dense(tp, dense, torch.randn(2, 8, dtype=torch.float64), g, cfg, input_shard_dims=[-1])
 
 
 def _run_with_check_failing_on_one_rank(group):
@@ -170,6 +163,12 @@ def test_verify_json_is_strict_json_when_an_error_is_unmeasured():
     assert report["passed"] is False
 
 
+def test_verify_tolerances_scale_only_in_low_precision():
+    assert V.tolerance(V.VerifyConfig(dtype="float64", tol_scale=16)) == (1e-9, 1e-9)
+    assert V.tolerance(V.VerifyConfig(dtype="bfloat16", tol_scale=4)) == pytest.approx((8e-2, 8e-2))
+    assert V.tolerance(V.VerifyConfig(dtype="bfloat16", tol_scale=4, rtol=1e-3)) == pytest.approx((1e-3, 8e-2))
+
+
 def test_verify_low_precision_table_shows_each_checks_tolerance(capsys):
     checks = V.select_checks(["RowParallelLinear(input_is_parallel=True)", "ParallelGPT(loss, seq*"])
     assert [c.tol_scale for c in checks] == [1, 32]  # two different scales
@@ -199,7 +198,7 @@ def test_verify_json_schema_2_only_adds_the_tolerances():
 def test_verify_json_into_a_closed_pipe_is_quiet(read_first_line):
     """`tplayers verify --json | head -1`: the reader leaving early is no error (no traceback, exit 0)."""
     proc = subprocess.Popen([sys.executable, "-m", "tplayers", "verify", "--tp", "1", "-k", "RowParallel", "--json"],
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         if read_first_line:  # like head -1: whether the rest is written before the close is a race
             assert proc.stdout.readline() == b"{\n"
@@ -220,287 +219,6 @@ def test_verify_usage_errors(capsys):
         main(["verify", "--tp", "0"])
 
 
-# ---------------------------------------------------------------------------- bench
-
-
-def test_bench_json_schema_and_table(capsys, tmp_path):
-    rc = main(["bench", "--tp", "2", "--batch", "1", "--seq", "8", "--hidden", "8", "--ffn", "16",
-               "--iters", "3", "--warmup", "1", "--json", "--no-progress", "--save", str(tmp_path / "b.json")])
-    out = capsys.readouterr().out
-    assert rc == 0
-    report = json.loads(out)
-    assert report == json.loads((tmp_path / "b.json").read_text())
-    assert report["schema"] == SCHEMA
-    assert report["config"]["hidden"] == 8 and report["config"]["iters"] == 3
-    assert report["environment"]["tp"] == 2 and report["environment"]["backend"] == "gloo"
-    assert set(report["timings"]) == set(MODES) - {"tp_chunked", "tp_cm"}  # naive runs at TP 2
-    assert "need --batch >= 2" in report["skipped"]["tp_chunked"]  # a batch of 1 has nothing to chunk
-    for timing in report["timings"].values():
-        assert set(timing) == {"min_ms", "median_ms", "mean_ms", "n"} and timing["n"] == 3
-        assert 0 < timing["min_ms"] <= timing["median_ms"]
-    s = report["summary"]
-    assert {"overlap_saving_ms", "comm_bwd_ms", "hidden_fraction", "speedup_vs_dense", "speedup_vs_naive",
-            "overlap_saving_ci_ms", "hidden_fraction_ci", "within_noise"} <= set(s)
-    lo, hi = s["overlap_saving_ci_ms"]
-    assert lo <= s["overlap_saving_ms"] <= hi and s["within_noise"] == (lo <= 0 <= hi)
-    table = format_report(report)
-    assert "TP fwd+bwd, overlap on" in table and "communication hidden by overlap" in table
-    assert "95% interval" in table and (("WITHIN NOISE" in table) == s["within_noise"])
-    if _has_matplotlib():
-        plot_report(report, str(tmp_path / "b.png"))
-        assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_median_interval_brackets_the_median_and_narrows_with_n():
-    from tplayers.bench.report import median_interval
-
-    assert median_interval([3.0]) == (3.0, 3.0)
-    assert median_interval([5.0, 1.0, 3.0]) == (1.0, 5.0)  # too few values: the whole range
-    wide = median_interval([float(i) for i in range(10)])
-    narrow = median_interval([float(i % 10) for i in range(1000)])
-    assert wide[0] <= 4.5 <= wide[1] and narrow[0] <= 4.5 <= narrow[1]
-    assert narrow[1] - narrow[0] < wide[1] - wide[0]
-    # n = 100: k = floor(50 - 9.8) = 40, the 41st and 60th values (the textbook 95% interval)
-    assert median_interval([float(i) for i in range(100)]) == (40.0, 59.0)
-
-
-def _has_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def test_bench_tp1_column_skips_naive(capsys):
-    rc = main(["bench", "--tp", "1", "--module", "column", "--batch", "1", "--seq", "4", "--hidden", "8",
-               "--iters", "2", "--warmup", "0", "--modes", "tp,dense,naive,comm_bwd,tp_blocking", "--no-progress"])
-    out = capsys.readouterr().out
-    assert rc == 0
-    assert "skipped" in out and "needs --tp 2" in out
-    assert "no collective at TP 1" in out
-
-
-def test_bench_bad_shape_is_a_usage_error(capsys):
-    assert main(["bench", "--tp", "2", "--ffn", "15", "--iters", "1"]) == 2
-    assert "ffn=15 is not divisible by the TP degree 2" in capsys.readouterr().err
-    assert main(["bench", "--modes", "tp,warp", "--iters", "1"]) == 2
-
-
-def test_verify_tolerances_scale_only_in_low_precision():
-    assert V.tolerance(V.VerifyConfig(dtype="float64", tol_scale=16)) == (1e-9, 1e-9)
-    assert V.tolerance(V.VerifyConfig(dtype="bfloat16", tol_scale=4)) == pytest.approx((8e-2, 8e-2))
-    assert V.tolerance(V.VerifyConfig(dtype="bfloat16", tol_scale=4, rtol=1e-3)) == pytest.approx((1e-3, 8e-2))
-
-
-
-def test_bench_split_backward_mode_reports_its_own_accounting(capsys):
-    for module in ("mlp", "block"):
-        rc = main(["bench", "--tp", "2", "--module", module, "--batch", "1", "--seq", "8", "--hidden", "16", "--heads",
-                   "2", "--iters", "1", "--warmup", "0", "--modes", "tp,tp_split,comm_bwd", "--json", "--no-progress"])
-        report = json.loads(capsys.readouterr().out)
-        assert rc == 0 and "tp_split" in report["timings"]
-        split = report["split_backward"]
-        assert split["collectives_per_step"] == report["summary"]["collectives_per_step"]  # the same collectives
-        assert 0.0 <= split["exposed_comm_ms"] and split["backward_hidden_fraction_measured"] is not None
-    rc = main(["bench", "--tp", "2", "--module", "column", "--batch", "1", "--seq", "4", "--hidden", "8", "--ffn", "8",
-               "--iters", "1", "--warmup", "0", "--modes", "tp,tp_split", "--json", "--no-progress"])
-    report = json.loads(capsys.readouterr().out)
-    assert rc == 0 and "split backward needs a column and a row layer" in report["skipped"]["tp_split"]
-
-
-def test_bench_chunked_mode_runs_one_collective_per_chunk(capsys):
-    for module in ("mlp", "block"):
-        rc = main(["bench", "--tp", "2", "--module", module, "--batch", "5", "--seq", "4", "--hidden", "16", "--heads",
-                   "2", "--iters", "1", "--warmup", "0", "--modes", "tp,tp_chunked", "--chunks", "3", "--json",
-                   "--no-progress"])
-        report = json.loads(capsys.readouterr().out)
-        assert rc == 0 and "tp_chunked" in report["timings"]
-        chunked, plain = report["chunked"], report["summary"]["collectives_per_step"]
-        assert chunked["chunks"] == 3
-        assert chunked["collectives_per_step"]["all_reduce/forward"] == 3 * plain["all_reduce/forward"]
-        assert chunked["forward_hidden_fraction"] is not None
-        assert "batch chunks (mode tp_chunked, k=3)" in format_report(report)
-        assert set(report["timeline"]) == {"tp", "tp_chunked"}
-    with pytest.raises(SystemExit):
-        main(["bench", "--chunks", "0"])
-
-
-def test_bench_collective_matmul_mode_moves_the_forward_in_ring_steps(capsys):
-    rc = main(["bench", "--tp", "2", "--module", "mlp", "--sequence-parallel", "--batch", "2", "--seq", "8", "--hidden",
-               "16", "--iters", "1", "--warmup", "0", "--modes", "tp,tp_cm", "--json", "--no-progress"])
-    report = json.loads(capsys.readouterr().out)
-    assert rc == 0 and "tp_cm" in report["timings"]
-    cm, plain = report["collective_matmul"]["collectives_per_step"], report["summary"]["collectives_per_step"]
-    assert "all_gather/forward" in plain and "all_gather/forward" not in cm and cm["send/forward"] == 2  # p-1 each
-    assert "collective matmul (mode tp_cm)" in format_report(report)
-
-
-def test_bench_block_overlap_on_off_dense_and_sequence_parallel(capsys):
-    rc = main(["bench", "--tp", "2", "--module", "block", "--batch", "1", "--seq", "8", "--hidden", "16",
-               "--heads", "2", "--iters", "2", "--warmup", "1", "--json", "--no-progress"])
-    report = json.loads(capsys.readouterr().out)
-    assert rc == 0 and report["config"]["module"] == "block" and report["config"]["heads"] == 2
-    assert set(report["timings"]) == set(MODES) - {"naive", "tp_chunked", "tp_cm"} and "naive" in report["skipped"]
-    assert report["summary"]["hidden_fraction"] is not None and "speedup_vs_dense" in report["summary"]
-    rc = main(["bench", "--tp", "2", "--module", "block", "--sequence-parallel", "--batch", "1", "--seq", "8",
-               "--hidden", "16", "--heads", "2", "--iters", "1", "--warmup", "0", "--modes", "tp,tp_blocking,comm_bwd",
-               "--no-progress"])
-    out = capsys.readouterr().out
-    assert rc == 0 and "block sequence-parallel" in out and "heads=2" in out
-
-
-@pytest.mark.parametrize("sp, expect_all, expect_bwd", [
-    (False, ["ar"] * 4, ["ar"] * 2),  # 2 row forward all-reduces; qkv and fc1 input-grad all-reduces
-    (True, ["ag", "rs", "ag", "rs", "ag", "ag", "rs", "ag", "ag", "rs"], ["ag", "rs"] * 2),
-])
-def test_bench_block_collectives_alone(monkeypatch, sp, expect_all, expect_bwd):
-    """The block's comm modes issue what the block issues, on (b, s, h) activations."""
-    import tplayers.bench.overlap as B
-    from tplayers.core.groups import TPGroup
-
-    calls = []
-
-    def fake(name):
-        def collective(t, *args, group):
-            calls.append(name)
-            assert t.shape[-1] == 16 and t.shape[-2] in (8, 4)  # (b, s, h) or (b, s/p, h)
-            return t
-        return collective
-
-    for fn, name in (("all_reduce_", "ar"), ("all_gather_tensor", "ag"), ("reduce_scatter_tensor", "rs")):
-        monkeypatch.setattr(B, fn, fake(name))
-    cfg = B.BenchConfig(module="block", batch=1, seq=8, hidden=16, ffn=32, heads=2, sequence_parallel=sp)
-    everything, bwd = B._comm_steps(cfg, TPGroup(object(), 0, 2), torch.float32, torch.device("cpu"))
-    everything()
-    assert calls == expect_all
-    calls.clear()
-    bwd()
-    assert calls == expect_bwd
-
-
-def test_bench_block_bad_heads_is_a_usage_error(capsys):
-    assert main(["bench", "--tp", "2", "--module", "block", "--hidden", "16", "--heads", "3", "--iters", "1"]) == 2
-    assert "hidden=16 is not divisible by heads=3" in capsys.readouterr().err
-    assert main(["bench", "--tp", "4", "--module", "block", "--hidden", "16", "--heads", "2", "--iters", "1"]) == 2
-    assert "heads=2 is not divisible by the TP degree 4" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "--save", "/no/such/dir/x.json"], "--save /no/such/dir/x.json: the directory /no/such/dir does not exist"),
-    (["bench", "--plot", "/no/such/p.png"], "--plot /no/such/p.png: the directory /no/such does not exist"),
-    (["bench", "--trace", "/no/such/dir/trace"], "--trace /no/such/dir/trace: cannot create it"),
-    (["verify", "--backend", "nccl"], "--backend nccl needs --device cuda"),
-    (["bench", "--warmup", "-1"], "warmup=-1 must be >= 0"),
-])
-def test_unusable_arguments_fail_before_anything_runs(capsys, monkeypatch, argv, message):
-    import tplayers.cli as cli
-
-    def never(*args, **kwargs):
-        raise AssertionError("ranks started before the arguments were checked")
-
-    monkeypatch.setattr(cli, "run_on_ranks", never)  # refused up front, not after a timed run
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1  # one line
-
-
-def test_bench_outputs_that_cannot_be_written_are_refused_first(capsys, tmp_path, monkeypatch):
-    for flag in ("--save", "--plot"):  # an existing directory instead of a file name
-        assert main(["bench", flag, str(tmp_path)]) == 2
-        assert f"{flag} {tmp_path}: is a directory" in capsys.readouterr().err
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if tplayers[plot] were not installed
-    assert main(["bench", "--plot", str(tmp_path / "p.png")]) == 2
-    assert capsys.readouterr().err == "tplayers bench: --plot needs matplotlib: pip install 'tplayers[plot]'\n"
-
-
-def test_bench_save_into_a_missing_directory_fails_before_the_run(monkeypatch, capsys):
-    """Checked before any rank starts: the benchmark itself is never reached (a structural check,
-    not a timed one: a wall-clock bound fails on a loaded machine)."""
-    import tplayers.cli as cli
-
-    def never(args):
-        raise AssertionError("the benchmark ran before its output path was checked")
-
-    monkeypatch.setattr(cli, "_bench", never)
-    assert cli.main(["bench", "--save", "/no/such/dir/x.json"]) == 2
-    assert "the directory /no/such/dir does not exist" in capsys.readouterr().err
-
-
-def test_bench_save_into_a_missing_directory_fails_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "tplayers", "bench", "--save", "/no/such/dir/x.json"], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines() == ["tplayers bench: --save /no/such/dir/x.json: the directory /no/such/dir "
-                                        "does not exist or is not writable"]
-
-
-def test_bench_prints_its_result_before_a_write_that_fails(capsys, tmp_path, monkeypatch):
-    import shutil
-
-    import tplayers.cli as cli
-
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    run = cli.run_on_ranks
-
-    def run_then_lose_the_directory(*args, **kwargs):
-        result = run(*args, **kwargs)
-        shutil.rmtree(out_dir)  # valid when checked, gone when written
-        return result
-
-    monkeypatch.setattr(cli, "run_on_ranks", run_then_lose_the_directory)
-    rc = main(["bench", "--tp", "1", "--module", "column", "--batch", "1", "--seq", "4", "--hidden", "8", "--iters", "1",
-               "--warmup", "0", "--modes", "tp,dense", "--no-progress", "--save", str(out_dir / "b.json")])
-    captured = capsys.readouterr()
-    assert rc == 1 and "TP fwd+bwd, overlap on" in captured.out  # the result is not lost
-    assert captured.err.startswith("tplayers bench: could not write the result (printed above): ")
-    assert captured.err.count("\n") == 1
-
-
-def test_every_option_has_help_and_the_readme_names_the_default_shape():
-    from tplayers.bench.overlap import SHAPES
-    from tplayers.cli import build_parser
-
-    parser = build_parser()
-    subparsers = next(a for a in parser._actions if a.choices and "verify" in a.choices).choices
-    for name, sub in subparsers.items():
-        for action in sub._actions:
-            assert action.help, f"tplayers {name} {action.option_strings}: no help text"
-    bench_default = subparsers["bench"].get_default("shape")
-    readme = (ROOT / "docs" / "cli.md").read_text()
-    row = next(line for line in readme.splitlines() if line.startswith("| `--shape"))
-    assert f"default {bench_default}" in row
-    for name, dims in SHAPES.items():  # each named shape with its dimensions
-        assert f"{name} [{dims['batch']}, {dims['seq']}, {dims['hidden']}] ffn {dims['ffn']}" in row, row
-
-
-@pytest.mark.parametrize("argv", [["verify", "--timeout", "-1"], ["verify", "--timeout", "0"], ["verify", "--tp", "0"],
-                                  ["bench", "--timeout", "nan"]])
-def test_bad_numbers_are_usage_errors(argv):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
-def test_cuda_without_a_gpu_is_refused(capsys):
-    assert main(["verify", "--device", "cuda"]) == 2
-    assert "torch.cuda.is_available() is False" in capsys.readouterr().err
-
-
-def test_bench_trace_writes_one_trace_per_rank_without_profiler_noise(tmp_path):
-    """The profiler's C++ side printed 'USDT: ... profiler_start' lines on stderr; they are kept out."""
-    proc = subprocess.run([sys.executable, "-m", "tplayers", "bench", "--tp", "2", "--batch", "1", "--seq", "8",
-                           "--hidden", "8", "--ffn", "16", "--iters", "2", "--warmup", "1", "--no-progress",
-                           "--trace", str(tmp_path / "tr")], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.strip() == "", proc.stderr
-    assert sorted(p.name for p in (tmp_path / "tr").iterdir()) == ["bench_trace_rank0.json", "bench_trace_rank1.json"]
-    assert "profiler trace (rank 0)" in proc.stdout
-
-
 def test_docs_verify_sample_lists_every_check():
     """The sample output in docs/cli.md is what `tplayers verify` prints: every registered check, in order."""
     text = (ROOT / "docs" / "cli.md").read_text()
@@ -508,65 +226,3 @@ def test_docs_verify_sample_lists_every_check():
     rows = [line.split("  ")[0] for line in sample.splitlines() if line.endswith("PASS")]
     assert rows == [c.name for c in V.CHECKS]
     assert f"tplayers verify: {len(V.CHECKS)} checks," in sample and f"{len(V.CHECKS)}/{len(V.CHECKS)} checks passed" in sample
-
-
-def test_bench_emulated_link_json_keys(capsys):
-    rc = main(["bench", "--tp", "2", "--batch", "1", "--seq", "8", "--hidden", "8", "--ffn", "16", "--iters", "3",
-               "--warmup", "1", "--json", "--no-progress", "--link", "0.5/10"])
-    assert rc == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["config"]["link"] == "0.5/10"  # the spec as given
-    assert report["link"] == {"spec": "0.5/10", "bandwidth_gbps": 0.5, "latency_us": 10.0, "emulated": True}
-    s = report["summary"]
-    for key in ("hidden_fraction", "forward_hidden_fraction", "backward_hidden_fraction_measured", "exposed_comm_ms",
-                "exposed_comm_fwd_ms", "exposed_comm_bwd_ms", "exposed_comm_estimate_ms"):
-        assert isinstance(s[key], float), key
-    assert abs(s["forward_hidden_fraction"]) < 0.05  # the forward all-reduce blocks: nothing hides it
-    for mode in ("tp", "tp_blocking"):  # one step's intervals, for the timeline plot
-        tl = report["timeline"][mode]
-        assert [(c["op"], c["phase"]) for c in tl["collectives"]] == [("all_reduce", "forward"), ("all_reduce", "backward")]
-        assert all(0 <= c["launch_ms"] <= c["wait_ms"] <= c["end_ms"] <= tl["step_ms"] for c in tl["collectives"])
-    # Column -> GELU -> Row MLP without SP: one all-reduce forward (fc2), one backward (fc1), (1, 8, 8) float32
-    assert s["collectives_per_step"] == {"all_reduce/backward": 1, "all_reduce/forward": 1}
-    assert s["bytes_per_step"] == {"all_reduce/backward": 256, "all_reduce/forward": 256}
-    # 256 bytes at 0.5 GB/s on 2 ranks: 0.5 us of bandwidth + 2 x 10 us of latency per all-reduce, all blocked on
-    assert s["exposed_comm_fwd_ms"] >= 0.0205
-
-
-def test_bench_bad_link_is_a_usage_error(capsys):
-    assert main(["bench", "--link", "warp-drive"]) == 2
-    assert "link 'warp-drive': expected a preset (h100-nvlink, pcie5, ib-ndr)" in capsys.readouterr().err
-
-
-def _simulated(capsys, tp):
-    rc = main(["bench", "--simulate", "--tp", str(tp), "--module", "block", "--batch", "2", "--seq", "16",
-               "--hidden", "32", "--ffn", "64", "--heads", "8", "--iters", "2", "--warmup", "1", "--json",
-               "--no-progress", "--link", "1/5"])
-    assert rc == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def test_bench_simulate_any_tp_size_in_one_process(capsys):
-    """--simulate: one rank of TP 1, 2 or 8 on a fake process group, collectives timed by the link."""
-    reports = {tp: _simulated(capsys, tp) for tp in (1, 2, 8)}
-    for tp, report in reports.items():
-        assert report["simulation"]["tp"] == tp and report["environment"]["backend"] == "fake (simulated)"
-        assert report["config"]["link"] == "1/5" and report["summary"]["step_ms"] > 0
-        assert "dense" not in report["timings"] and "naive" not in report["timings"]
-    act = 2 * 16 * 32 * 4  # one (b, s, h) float32 activation
-    for tp in (2, 8):  # the block's textbook collectives, whatever the TP size
-        s = reports[tp]["summary"]
-        assert s["collectives_per_step"] == {"all_reduce/backward": 2, "all_reduce/forward": 2}
-        assert s["bytes_per_step"] == {"all_reduce/backward": 2 * act, "all_reduce/forward": 2 * act}
-        # each all-reduce blocks at least its latency term 2 (p-1) x 5 us in forward (no overlap there)
-        assert s["exposed_comm_fwd_ms"] >= 2 * 2 * (tp - 1) * 5e-3
-    params = [reports[tp]["simulation"]["param_bytes"] for tp in (1, 2, 8)]
-    assert params[0] > params[1] > params[2]  # sharded weights shrink with TP; norms stay replicated
-    assert "collectives_per_step" not in reports[1]["summary"]  # TP 1: no collectives at all
-
-
-def test_bench_simulate_needs_no_launcher_and_refuses_bad_input(capsys):
-    assert main(["bench", "--simulate", "--tp", "3", "--iters", "1"]) == 2  # ffn 256 does not split in 3
-    assert "not divisible by the TP degree 3" in capsys.readouterr().err
-    assert main(["bench", "--shape", "llama3-8b", "--module", "mlp"]) == 2
-    assert "--shape llama3-8b is a transformer layer" in capsys.readouterr().err

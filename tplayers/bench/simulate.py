@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from ..core.dtypes import DTYPES
 from ..core.groups import resolve_group
-from .overlap import _MODULES, BenchConfig, _tp_model, run_overlap_bench
+from .modules import MODULES, tp_model
+from .overlap import BenchConfig, run_overlap_bench
 
 __all__ = ["simulate", "rank_memory"]
 
@@ -69,8 +70,8 @@ def simulate(cfg: BenchConfig, tp: int) -> Dict[str, Any]:
         report = run_overlap_bench(group, cfg)
         torch.manual_seed(cfg.seed)
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-        dense = _MODULES[cfg.module].dense(cfg).to(device, DTYPES[cfg.dtype])
-        model = _tp_model(dense, cfg, resolve_group(group), True)
+        dense = MODULES[cfg.module].dense(cfg).to(device, DTYPES[cfg.dtype])
+        model = tp_model(dense, cfg, resolve_group(group), True)
         seq = cfg.seq // tp if cfg.sequence_parallel else cfg.seq
         param = next(model.parameters())
         x = torch.randn(cfg.batch, seq, cfg.hidden, device=param.device, dtype=param.dtype, requires_grad=True)

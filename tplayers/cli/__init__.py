@@ -3,43 +3,21 @@
 Both run the same per-rank code either on ranks they spawn themselves (no arguments needed:
 2 CPU ranks on gloo) or, when torchrun's environment is present (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), on the ranks torchrun started, single- or multi-node.
+
+This module holds the argument parser and the dispatch; the commands' bodies are
+:func:`tplayers.cli.verify.verify_command` and :func:`tplayers.cli.bench_cmd.bench_command`.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from ..core.dtypes import DTYPES
-from ._launch import finish_torchrun, run_on_ranks, under_torchrun
+from ._launch import finish_torchrun
+from .output import flush_stdout
 
 __all__ = ["main", "build_parser"]
-
-
-def _stdout_gone() -> None:
-    """The reader of stdout went away (``tplayers verify --json | head -1``): as CLIs do, say nothing
-    more there. Later writes, and the interpreter's final flush, go to /dev/null instead of raising."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
-
-def _flush_stdout() -> None:
-    try:
-        sys.stdout.flush()
-    except BrokenPipeError:
-        _stdout_gone()
-
-
-def _print(text: str) -> None:
-    """``print`` for the command's output: a closed stdout is not an error (the run's exit status stands)."""
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        _stdout_gone()
 
 
 def _tp_list(text: str) -> List[int]:
@@ -69,31 +47,29 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tplayers", description="Tensor-parallel layers: verify and benchmark.")
-    sub = parser.add_subparsers(dest="command", metavar="{verify,bench}")
-    sub.required = True
+def _common(p: argparse.ArgumentParser, dtype: str) -> None:
+    """The options both commands take (where and how the ranks run)."""
+    p.add_argument("--dtype", choices=list(DTYPES), default=dtype, help=f"parameter/activation dtype (default {dtype})")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda uses NCCL (default cpu/gloo)")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                   help="override the process-group backend (e.g. gloo for several ranks on one GPU)")
+    p.add_argument("--threads", type=_positive, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--timeout", type=_positive_seconds, default=600.0,
+                   help="seconds before a hung run is abandoned (default 600)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs, the same on every rank (default 0)")
+    prog = p.add_mutually_exclusive_group()
+    prog.add_argument("--progress", dest="progress", action="store_true", default=None,
+                      help="show a progress bar on stderr (default: when stderr is a terminal)")
+    prog.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
 
-    def common(p: argparse.ArgumentParser, dtype: str) -> None:
-        p.add_argument("--dtype", choices=list(DTYPES), default=dtype, help=f"parameter/activation dtype (default {dtype})")
-        p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda uses NCCL (default cpu/gloo)")
-        p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
-                       help="override the process-group backend (e.g. gloo for several ranks on one GPU)")
-        p.add_argument("--threads", type=_positive, default=1, help="torch threads per rank (default 1)")
-        p.add_argument("--timeout", type=_positive_seconds, default=600.0,
-                       help="seconds before a hung run is abandoned (default 600)")
-        p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs, the same on every rank (default 0)")
-        prog = p.add_mutually_exclusive_group()
-        prog.add_argument("--progress", dest="progress", action="store_true", default=None,
-                          help="show a progress bar on stderr (default: when stderr is a terminal)")
-        prog.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
 
+def _add_verify(sub: Any) -> None:
     v = sub.add_parser("verify", help="check every TP module against its dense reference",
                        description="Check every TP module against its dense reference (outputs, input and "
                                    "weight gradients). Exit status 1 if any check fails.")
     v.add_argument("--tp", type=_tp_list, default=None,
                    help="TP size(s), e.g. 2 or 1,2,4 (default 2; under torchrun: the world size)")
-    common(v, "float64")
+    _common(v, "float64")
     v.add_argument("-k", "--only", action="append", metavar="PATTERN",
                    help="run only checks whose name contains PATTERN (or matches a glob); repeatable")
     v.add_argument("--list", action="store_true", help="list the checks and exit")
@@ -106,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--plan", metavar="PKG.MODULE:PLAN", default=None,
                    help="the plan for --model (a dict, a Plan or a shipped plan's name; default 'auto')")
 
+
+def _add_bench(sub: Any) -> None:
     from ..bench.overlap import LAYER_SHAPES, MODES, SHAPES
 
     b = sub.add_parser("bench", help="comm-overlap microbenchmark",
@@ -128,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     b.add_argument("--chunks", type=_positive, default=2,
                    help="batch chunks of mode tp_chunked (forward overlap, Domino-style; default 2)")
-    common(b, "float32")
+    _common(b, "float32")
     b.add_argument("--link", metavar="SPEC", default=None,
                    help="emulate an interconnect: h100-nvlink | pcie5 | ib-ndr | GBPS[/LATENCY_US] | match:PRESET "
                         "(collectives still move the real data; each completes no earlier than its alpha-beta time)")
@@ -139,143 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--save", metavar="PATH", help="also write the JSON report to PATH")
     b.add_argument("--plot", metavar="PNG", help="bar chart of the timings (needs matplotlib: tplayers[plot])")
     b.add_argument("--trace", metavar="DIR", help="write a torch.profiler trace per rank showing the overlap")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tplayers", description="Tensor-parallel layers: verify and benchmark.")
+    sub = parser.add_subparsers(dest="command", metavar="{verify,bench}")
+    sub.required = True
+    _add_verify(sub)
+    _add_bench(sub)
     return parser
-
-
-# ---------------------------------------------------------------------------- verify
-
-
-def _verify(args: argparse.Namespace) -> int:
-    from . import verify as V
-
-    if args.plan and not args.model:
-        print("tplayers verify: --plan goes with --model", file=sys.stderr)
-        return 2
-    checks = V.select_checks(args.only) if not args.model else [V.Check("model", args.model, V.user_model_check)]
-    if args.list:
-        _print("\n".join(c.name for c in V.CHECKS))
-        return 0
-    if not checks:
-        print(f"tplayers verify: no check matches {args.only}; see tplayers verify --list", file=sys.stderr)
-        return 2
-    progress = args.progress if args.progress is not None else (sys.stderr.isatty() and not args.json)
-    cfg = V.VerifyConfig(dtype=args.dtype, device=args.device, seed=args.seed, rtol=args.rtol, atol=args.atol,
-                         progress=progress, model=args.model, plan=args.plan)
-    names = [c.name for c in checks]
-    sizes = args.tp or [None]
-    if under_torchrun() and len(sizes) > 1:
-        print("tplayers verify: under torchrun pass a single --tp (the ranks are fixed)", file=sys.stderr)
-        return 2
-    results: List[V.CheckResult] = []
-    reporter = True
-    for size in sizes:
-        per_rank, reporter = run_on_ranks(V.run_checks, names, cfg, tp=size, device=args.device,
-                                          backend=args.backend, threads=args.threads, timeout_s=args.timeout)
-        results += V.merge_rank_results(per_rank)
-    if under_torchrun():
-        results = _merge_over_world(results, args.device)
-    if reporter:
-        if args.json:
-            _print(json.dumps(V.report_json(results, args.dtype, args.device), indent=2, allow_nan=False))
-        else:
-            low_precision = DTYPES[args.dtype] in V.LOW_PRECISION  # per-check tolerances: a column
-            tol = ("--rtol/--atol" if args.rtol is not None or args.atol is not None else
-                   "the audit's, relative to scale" if args.model else
-                   "default_tolerance(dtype)" + (" x per-check scale" if low_precision else ""))
-            count = f"{len(names)} checks" + (f" x {len(sizes)} TP sizes = {len(names) * len(sizes)}"
-                                               if len(sizes) > 1 else "")
-            _print(f"tplayers verify: {count}, dtype={args.dtype}, device={args.device}, "
-                   f"tolerance {tol}; reference: dense torch.nn, same weights")
-            _print(V.format_table(results, tolerances=low_precision))
-            if args.model:  # the audit's whole message: the region, the worst tensor, the likely cause
-                _print("\n".join(f"\nTP {r.tp}: {r.message}" for r in results if not r.passed and r.message))
-    return V.exit_code(results)
-
-
-def _merge_over_world(results: list, device: str) -> list:
-    """Under torchrun with several TP groups: the worst result of every group, on every rank."""
-    import torch
-    import torch.distributed as dist
-
-    from ..core.groups import resolve_group
-    from .verify import _agree
-
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not results:
-        return results
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    local = [v for r in results for v in (r.forward_error, r.grad_error, 0.0 if r.passed else 1.0)]
-    worst = _agree(resolve_group(dist.group.WORLD), local, dev)  # NaN-aware max over every rank
-    for i, r in enumerate(results):
-        fwd, grad, failed = worst[3 * i: 3 * i + 3]
-        r.forward_error, r.grad_error = fwd, grad
-        if failed and r.passed:
-            r.passed, r.message = False, "failed in another TP group"
-    return results
-
-
-# ---------------------------------------------------------------------------- bench
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from ..bench.overlap import LAYER_SHAPES, SHAPES, BenchConfig, run_overlap_bench
-    from .bench_cmd import format_report, plot_report
-
-    shape = dict(SHAPES.get(args.shape) or LAYER_SHAPES[args.shape])
-    module = args.module or ("block" if args.shape in LAYER_SHAPES else "mlp")
-    if args.shape in LAYER_SHAPES and module != "block":
-        print(f"tplayers bench: --shape {args.shape} is a transformer layer: use --module block (or leave it out)",
-              file=sys.stderr)
-        return 2
-    for dim in ("batch", "seq", "hidden", "ffn"):
-        if getattr(args, dim) is not None:
-            shape[dim] = getattr(args, dim)
-    if args.ffn is None and args.hidden is not None:
-        shape["ffn"] = 4 * args.hidden
-    progress = args.progress if args.progress is not None else sys.stderr.isatty()
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    shape.setdefault("heads", args.heads)
-    tp = args.tp or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else (8 if args.simulate else 2))
-    # the default simulated wire: an H100 node's, scaled to this CPU's matmul speed (match:) or, on a
-    # GPU, as is (its compute is real)
-    link = args.link or (("h100-nvlink" if args.device == "cuda" else "match:h100-nvlink") if args.simulate else None)
-    try:
-        cfg = BenchConfig(module=module, dtype=args.dtype, device=args.device,
-                          sequence_parallel=args.sequence_parallel, iters=args.iters, warmup=args.warmup,
-                          modes=modes, seed=args.seed, progress=progress, trace_dir=args.trace, link=link,
-                          chunks=args.chunks, **shape)
-        cfg.check_tp(tp)
-        if args.simulate and under_torchrun():
-            raise ValueError("bench --simulate runs in one process: start it without torchrun")
-    except ValueError as e:
-        print(f"tplayers {e}", file=sys.stderr)
-        return 2
-    if args.simulate:
-        from ..bench.simulate import simulate
-
-        import torch
-
-        torch.set_num_threads(args.threads)
-        per_rank, reporter = [simulate(cfg, tp)], True
-    else:
-        per_rank, reporter = run_on_ranks(run_overlap_bench, cfg, tp=args.tp, device=args.device,
-                                          backend=args.backend, threads=args.threads, timeout_s=args.timeout)
-    if not reporter:
-        return 0
-    report = per_rank[0]
-    # the result first: a file that cannot be written afterwards must not lose the run
-    _print(json.dumps(report, indent=2) if args.json else format_report(report))
-    try:
-        if args.save:
-            with open(args.save, "w") as f:
-                json.dump(report, f, indent=2)
-        if args.plot:
-            plot_report(report, args.plot)
-            if not args.json:
-                _print(f"plot: {args.plot}")
-    except OSError as e:  # checked before the run, but the place can go away or fill up meanwhile
-        print(f"tplayers bench: could not write the result (printed above): {e}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _usage_error(args: argparse.Namespace) -> Optional[str]:
@@ -288,22 +138,10 @@ def _usage_error(args: argparse.Namespace) -> Optional[str]:
         return "--backend nccl needs --device cuda (NCCL moves CUDA tensors only)"
     if args.device == "cuda" and not torch.cuda.is_available():
         return f"--device cuda{' (NCCL)' if backend == 'nccl' else ''}, but torch.cuda.is_available() is False here"
-    for flag, target in (("--save", getattr(args, "save", None)), ("--plot", getattr(args, "plot", None))):
-        if target:
-            folder = os.path.dirname(os.path.abspath(target))
-            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-                return f"{flag} {target}: the directory {folder} does not exist or is not writable"
-            if os.path.isdir(target):
-                return f"{flag} {target}: is a directory (give a file name)"
-            if os.path.exists(target) and not os.access(target, os.W_OK):
-                return f"{flag} {target}: the file exists and is not writable"
-    trace = getattr(args, "trace", None)
-    if trace and os.path.exists(trace) and not (os.path.isdir(trace) and os.access(trace, os.W_OK)):
-        return f"--trace {trace}: not a writable directory"
-    if trace and not os.path.exists(trace) and not os.access(os.path.dirname(os.path.abspath(trace)) or ".", os.W_OK):
-        return f"--trace {trace}: cannot create it (its parent is missing or not writable)"
-    if getattr(args, "plot", None) and importlib.util.find_spec("matplotlib") is None:
-        return "--plot needs matplotlib: pip install 'tplayers[plot]'"
+    if args.command == "bench":
+        from .bench_cmd import output_problem
+
+        return output_problem(args)
     return None
 
 
@@ -314,14 +152,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit:  # --help, or a usage error: argparse printed it
-        _flush_stdout()
+        flush_stdout()
         raise
     problem = _usage_error(args)
     if problem:
         print(f"tplayers {args.command}: {problem}", file=sys.stderr)
         return 2
     try:
-        rc = _verify(args) if args.command == "verify" else _bench(args)
+        if args.command == "verify":
+            from .verify import verify_command as command
+        else:
+            from .bench_cmd import bench_command as command
+        rc = command(args)
     except WorldError as e:
         print(f"tplayers {args.command}: the ranks failed: {e}", file=sys.stderr)
         rc = 1

@@ -1,12 +1,111 @@
 """``tplayers bench``: the comm-overlap microbenchmark as a command (table, JSON, plot)."""
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import math
-from typing import Any, Dict
+import os
+import sys
+from typing import Any, Dict, List, Optional
 
-from ..bench.overlap import MODE_LABELS
+from ..bench.overlap import LAYER_SHAPES, MODE_LABELS, SHAPES, BenchConfig, run_overlap_bench
+from ._launch import run_on_ranks, under_torchrun
+from .output import print_out
 
-__all__ = ["format_report", "plot_report"]
+__all__ = ["bench_command", "output_problem", "format_report", "plot_report"]
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def output_problem(args: argparse.Namespace) -> Optional[str]:
+    """What makes bench's output options (--save, --plot, --trace) unusable, found before the run
+    (a run must never be lost to a path that could have been checked first), or None."""
+    for flag, target in (("--save", args.save), ("--plot", args.plot)):
+        if target:
+            folder = os.path.dirname(os.path.abspath(target))
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                return f"{flag} {target}: the directory {folder} does not exist or is not writable"
+            if os.path.isdir(target):
+                return f"{flag} {target}: is a directory (give a file name)"
+            if os.path.exists(target) and not os.access(target, os.W_OK):
+                return f"{flag} {target}: the file exists and is not writable"
+    trace = args.trace
+    if trace and os.path.exists(trace) and not (os.path.isdir(trace) and os.access(trace, os.W_OK)):
+        return f"--trace {trace}: not a writable directory"
+    if trace and not os.path.exists(trace) and not os.access(os.path.dirname(os.path.abspath(trace)) or ".", os.W_OK):
+        return f"--trace {trace}: cannot create it (its parent is missing or not writable)"
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib: pip install 'tplayers[plot]'"
+    return None
+
+
+def _config(args: argparse.Namespace, tp: int) -> BenchConfig:
+    """The BenchConfig the arguments describe (ValueError: unusable, with the message to print)."""
+    shape = dict(SHAPES.get(args.shape) or LAYER_SHAPES[args.shape])
+    module = args.module or ("block" if args.shape in LAYER_SHAPES else "mlp")
+    if args.shape in LAYER_SHAPES and module != "block":
+        raise ValueError(f"bench: --shape {args.shape} is a transformer layer: use --module block (or leave it out)")
+    for dim in ("batch", "seq", "hidden", "ffn"):
+        if getattr(args, dim) is not None:
+            shape[dim] = getattr(args, dim)
+    if args.ffn is None and args.hidden is not None:
+        shape["ffn"] = 4 * args.hidden
+    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    shape.setdefault("heads", args.heads)
+    # the default simulated wire: an H100 node's, scaled to this CPU's matmul speed (match:) or, on a
+    # GPU, as is (its compute is real)
+    link = args.link or (("h100-nvlink" if args.device == "cuda" else "match:h100-nvlink") if args.simulate else None)
+    cfg = BenchConfig(module=module, dtype=args.dtype, device=args.device,
+                      sequence_parallel=args.sequence_parallel, iters=args.iters, warmup=args.warmup,
+                      modes=modes, seed=args.seed, progress=progress, trace_dir=args.trace, link=link,
+                      chunks=args.chunks, **shape)
+    cfg.check_tp(tp)
+    if args.simulate and under_torchrun():
+        raise ValueError("bench --simulate runs in one process: start it without torchrun")
+    return cfg
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    """``tplayers bench`` with parsed arguments: run, print (table or JSON), save, plot; the exit status."""
+    tp = args.tp or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else (8 if args.simulate else 2))
+    try:
+        cfg = _config(args, tp)
+    except ValueError as e:
+        print(f"tplayers {e}", file=sys.stderr)
+        return 2
+    if args.simulate:
+        from ..bench.simulate import simulate
+
+        import torch
+
+        torch.set_num_threads(args.threads)
+        per_rank, reporter = [simulate(cfg, tp)], True
+    else:
+        per_rank, reporter = run_on_ranks(run_overlap_bench, cfg, tp=args.tp, device=args.device,
+                                          backend=args.backend, threads=args.threads, timeout_s=args.timeout)
+    if not reporter:
+        return 0
+    report = per_rank[0]
+    # the result first: a file that cannot be written afterwards must not lose the run
+    print_out(json.dumps(report, indent=2) if args.json else format_report(report))
+    try:
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump(report, f, indent=2)
+        if args.plot:
+            plot_report(report, args.plot)
+            if not args.json:
+                print_out(f"plot: {args.plot}")
+    except OSError as e:  # checked before the run, but the place can go away or fill up meanwhile
+        print(f"tplayers bench: could not write the result (printed above): {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------- the table and the plot
 
 
 def _ms(x: float) -> str:
@@ -15,7 +114,13 @@ def _ms(x: float) -> str:
 
 def format_report(report: Dict[str, Any]) -> str:
     """The human-readable table of a bench report (as returned by run_overlap_bench)."""
-    c, env, t, s = report["config"], report["environment"], report["timings"], report["summary"]
+    return "\n".join(_timings_lines(report) + _overlap_lines(report) + _accounting_lines(report)
+                     + _comparison_lines(report))
+
+
+def _timings_lines(report: Dict[str, Any]) -> List[str]:
+    """The heading (module, shape, where it ran) and one row per mode, timed or skipped."""
+    c, env, t = report["config"], report["environment"], report["timings"]
     shape = f"[b, s, h]=[{c['batch']}, {c['seq']}, {c['hidden']}] ffn={c['ffn']}"
     if c["module"] == "block":
         shape += f" heads={c['heads']}"
@@ -38,6 +143,13 @@ def format_report(report: Dict[str, Any]) -> str:
     for mode, why in report.get("skipped", {}).items():
         lines.append(f"{MODE_LABELS.get(mode, mode):<40} {'skipped':>9}  ({why})")
     lines.append("")
+    return lines
+
+
+def _overlap_lines(report: Dict[str, Any]) -> List[str]:
+    """What the overlap hides: the share of the backward collectives, or the time saved."""
+    env, t, s = report["environment"], report["timings"], report["summary"]
+    lines = []
     hidden = s.get("hidden_fraction")
     noise = ""
     if s.get("within_noise"):
@@ -63,27 +175,43 @@ def format_report(report: Dict[str, Any]) -> str:
                      f"{hi:.3f} ms; {why})")
         if noise:
             lines.append(noise)
+    return lines
+
+
+def _pct(v: Any) -> str:
+    return "n/a" if v is None else f"{100 * v:.0f}%"
+
+
+def _accounting_lines(report: Dict[str, Any]) -> List[str]:
+    """Exposed communication: measured by comm accounting (per overlapped mode), and estimated."""
+    s = report["summary"]
+    lines = []
     if "exposed_comm_ms" in s:
         lines.append(f"exposed communication, measured (callers blocked on collectives, per overlapped step): "
                      f"{s['exposed_comm_ms']:.3f} ms (forward {s['exposed_comm_fwd_ms']:.3f}, backward "
                      f"{s['exposed_comm_bwd_ms']:.3f})")
-    def pct(v: Any) -> str:
-        return "n/a" if v is None else f"{100 * v:.0f}%"
-
     for key, label in (("split_backward", "split backward (mode tp_split)"), ("chunked", "batch chunks (mode tp_chunked"),
                        ("collective_matmul", "collective matmul (mode tp_cm)")):
         m = report.get(key)
         if m is None:
             continue
         label += f", k={m['chunks']})" if key == "chunked" else ""
-        lines.append(f"{label}, measured: collectives hidden forward {pct(m['forward_hidden_fraction'])}, backward "
-                     f"{pct(m['backward_hidden_fraction_measured'])} (overlap on: forward "
-                     f"{pct(s.get('forward_hidden_fraction'))}, backward {pct(s.get('backward_hidden_fraction_measured'))}); "
+        lines.append(f"{label}, measured: collectives hidden forward {_pct(m['forward_hidden_fraction'])}, backward "
+                     f"{_pct(m['backward_hidden_fraction_measured'])} (overlap on: forward "
+                     f"{_pct(s.get('forward_hidden_fraction'))}, backward "
+                     f"{_pct(s.get('backward_hidden_fraction_measured'))}); "
                      f"exposed {m['exposed_comm_ms']:.3f} ms (forward {m['exposed_comm_fwd_ms']:.3f}, backward "
                      f"{m['exposed_comm_bwd_ms']:.3f})")
     if "exposed_comm_estimate_ms" in s:
         lines.append(f"exposed communication, estimated (TP overlapped - matmuls alone, medians of the table): "
                      f"{s['exposed_comm_estimate_ms']:.3f} ms")
+    return lines
+
+
+def _comparison_lines(report: Dict[str, Any]) -> List[str]:
+    """TP against dense and naive, the collectives per step, the simulation, the trace."""
+    s = report["summary"]
+    lines = []
     for other, label in (("dense", "dense torch.nn"), ("naive", "naive model parallel")):
         key = f"speedup_vs_{other}"
         if key in s:
@@ -100,7 +228,7 @@ def format_report(report: Dict[str, Any]) -> str:
                      f"saved activations {sim['activation_bytes'] / 2**20:.2f} MiB")
     if "trace" in report:
         lines.append(f"profiler trace (rank 0): {report['trace']}  (open in chrome://tracing or ui.perfetto.dev)")
-    return "\n".join(lines)
+    return lines
 
 
 def plot_report(report: Dict[str, Any], path: str) -> None:

@@ -40,7 +40,8 @@ def _dense(module: nn.Module, cfg: VerifyConfig) -> nn.Module:
     return module.to(cfg.torch_device(), cfg.torch_dtype)
 
 
-def _match(tp: nn.Module, dense: nn.Module, x: Any, g: TPGroup, cfg: VerifyConfig, **kw: Any) -> MatchReport:
+def match_dense(tp: nn.Module, dense: nn.Module, x: Any, g: TPGroup, cfg: VerifyConfig, **kw: Any) -> MatchReport:
+    """``assert_matches_dense`` with the check's tolerances (`tolerance`) and seed."""
     rtol, atol = tolerance(cfg)
     return assert_matches_dense(tp, dense, x, group=g, rtol=rtol, atol=atol, seed=cfg.seed, **kw)
 
@@ -57,18 +58,18 @@ def _column(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
     d = _dims(g)
     dense = _dense(nn.Linear(d["hidden"], d["ffn"]), cfg)
     tp = ColumnParallelLinear.from_dense(dense, group=g, **options)
-    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
-                  input_shard_dims=[-2] if options.get("sequence_parallel") else None,
-                  output_shard_dim=None if options.get("gather_output") else -1)
+    return match_dense(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                       input_shard_dims=[-2] if options.get("sequence_parallel") else None,
+                       output_shard_dim=None if options.get("gather_output") else -1)
 
 
 def _row(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
     d = _dims(g)
     dense = _dense(nn.Linear(d["ffn"], d["hidden"]), cfg)
     tp = RowParallelLinear.from_dense(dense, group=g, **options)
-    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["ffn"]), g, cfg,
-                  input_shard_dims=[-1] if options.get("input_is_parallel", True) else None,
-                  output_shard_dim=-2 if options.get("sequence_parallel") else None)
+    return match_dense(tp, dense, _input(cfg, cfg.batch, d["seq"], d["ffn"]), g, cfg,
+                       input_shard_dims=[-1] if options.get("input_is_parallel", True) else None,
+                       output_shard_dim=-2 if options.get("sequence_parallel") else None)
 
 
 def _mlp_pair(g: TPGroup, cfg: VerifyConfig, act: bool, **options: Any) -> MatchReport:
@@ -79,8 +80,8 @@ def _mlp_pair(g: TPGroup, cfg: VerifyConfig, act: bool, **options: Any) -> Match
     middle = [nn.GELU()] if act else []
     tp = nn.Sequential(ColumnParallelLinear.from_dense(fc1, group=g, **options), *middle,
                        RowParallelLinear.from_dense(fc2, group=g, **options))
-    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
-                  **_seq_shards(options.get("sequence_parallel", False)))
+    return match_dense(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                       **_seq_shards(options.get("sequence_parallel", False)))
 
 
 variant("ColumnParallelLinear", "gather_output=False", _column)
@@ -130,8 +131,8 @@ def _cross_entropy(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport
     target = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
     if "ignore_index" in options:
         target[0, 0] = options["ignore_index"]
-    return _match(_VocabParallelCrossEntropy(target, g, vocab, **options), _CrossEntropy(target, **options), logits, g, cfg,
-                  input_shard_dims=[-1])
+    return match_dense(_VocabParallelCrossEntropy(target, g, vocab, **options), _CrossEntropy(target, **options),
+                       logits, g, cfg, input_shard_dims=[-1])
 
 
 variant("vocab_parallel_cross_entropy", "reduction='none'", _cross_entropy, reduction="none")
@@ -146,7 +147,7 @@ def _embedding(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
     tp = VocabParallelEmbedding.from_dense(dense, group=g, **options)
     ids = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
     sp = options.get("sequence_parallel", False)
-    return _match(tp, dense, ids, g, cfg, output_shard_dim=-2 if sp else None)
+    return match_dense(tp, dense, ids, g, cfg, output_shard_dim=-2 if sp else None)
 
 
 variant("VocabParallelEmbedding", "vocab=8p+3", _embedding)
@@ -159,8 +160,8 @@ def _lm_head(g: TPGroup, cfg: VerifyConfig, padded: bool, sp: bool, **options: A
     dense = _dense(nn.Linear(d["hidden"], vocab, bias=False), cfg)
     tp = ParallelLMHead.from_dense(dense, group=g, sequence_parallel=sp, **options)
     gathered = options.get("gather_output", False)
-    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
-                  input_shard_dims=[-2] if sp else None, output_shard_dim=None if gathered else -1)
+    return match_dense(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                       input_shard_dims=[-2] if sp else None, output_shard_dim=None if gathered else -1)
 
 
 variant("ParallelLMHead", "vocab=8p+3, gather_output=True", _lm_head, padded=True, sp=False, gather_output=True)
@@ -192,15 +193,15 @@ def check_tied_embedding(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
     if tp.head.weight is not tp.embed.weight:
         raise AssertionError("the TP head and embedding do not share one weight")
     ids = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
-    return _match(tp, dense, ids, g, cfg)
+    return match_dense(tp, dense, ids, g, cfg)
 
 
 def _parallel_mlp(g: TPGroup, cfg: VerifyConfig, activation: str, sp: bool, split: bool = False) -> MatchReport:
     d = _dims(g)
     dense = _dense(DenseMLP(d["hidden"], d["ffn"], activation), cfg)
     tp = ParallelMLP.from_dense(dense, group=g, sequence_parallel=sp, split_backward=split)
-    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
-                  **_seq_shards(sp))
+    return match_dense(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                       **_seq_shards(sp))
 
 
 variant("ParallelMLP", "gelu", _parallel_mlp, tol_scale=2, activation="gelu", sp=False)
@@ -219,8 +220,8 @@ def _attention(g: TPGroup, cfg: VerifyConfig, gqa: bool, sp: bool, rotary: bool)
     dense = _dense(DenseAttention(d["hidden"], h["n_heads"], h["n_kv_heads"] if gqa else None,
                                   causal=True, rotary=rotary), cfg)
     tp = ParallelAttention.from_dense(dense, group=g, sequence_parallel=sp)
-    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
-                  **_seq_shards(sp))
+    return match_dense(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                       **_seq_shards(sp))
 
 
 variant("ParallelAttention", "MHA, causal", _attention, tol_scale=8, gqa=False, sp=False, rotary=False)
@@ -246,8 +247,8 @@ def _block(g: TPGroup, cfg: VerifyConfig, sp: bool, llama: bool, split: bool = F
                 collective_matmul=cm)
     if main_grad:  # buffers of the check's dtype: compared as the gradients
         use_main_grad(tp, dtype=DTYPES[cfg.dtype])
-    return _match(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
-                  **_seq_shards(sp))
+    return match_dense(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                       **_seq_shards(sp))
 
 
 variant("ParallelTransformerBlock", "GPT: gelu, layernorm, MHA", _block, tol_scale=16, sp=False, llama=False)
@@ -292,10 +293,10 @@ def _gpt(g: TPGroup, cfg: VerifyConfig, what: str, sp: bool) -> MatchReport:
     tp = ParallelGPT.from_dense(dense, group=g, sequence_parallel=sp)
     ids = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
     if what == "logits":  # the full (b, s, V) logits, gathered from the vocabulary shards
-        return _match(_Call(tp, "logits"), _Call(dense, "forward"), ids, g, cfg)
+        return match_dense(_Call(tp, "logits"), _Call(dense, "forward"), ids, g, cfg)
     targets = torch.randint(0, vocab, (cfg.batch, d["seq"]), device=ids.device)  # (b, s)
     targets[0, 0] = -100  # ignored
-    return _match(_Call(tp, "loss", targets), _Call(dense, "loss", targets), ids, g, cfg)
+    return match_dense(_Call(tp, "loss", targets), _Call(dense, "loss", targets), ids, g, cfg)
 
 
 variant("ParallelGPT", "logits, GQA, rotary, vocab=8p+3", _gpt, tol_scale=32, what="logits", sp=False)

@@ -5,8 +5,10 @@ the ranks agree on each result, so the table and the exit status are the same ev
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib
+import json
 import math
 import os
 import sys
@@ -21,14 +23,17 @@ from ..core.collectives import all_gather_tensor
 from ..convert.audit import audit
 from ..convert.parallelize import parallelize
 from ..convert.twin import first_float
+from ..core.dtypes import DTYPES
 from ..core.groups import TPGroup, resolve_group
 from ..testing.dense_match import MatchReport
 from . import checks  # noqa: F401  (registers every check)
+from ._launch import run_on_ranks, under_torchrun
+from .output import print_out
 from .registry import CHECKS, LOW_PRECISION, Check, CheckResult, VerifyConfig, register, select_checks, tolerance
 
 __all__ = ["VerifyConfig", "Check", "CheckResult", "CHECKS", "register", "select_checks", "run_checks", "tolerance",
            "LOW_PRECISION", "merge_rank_results", "format_table", "report_json", "exit_code", "SCHEMA",
-           "user_model_check", "load_object"]
+           "user_model_check", "load_object", "verify_command"]
 
 SCHEMA = "tplayers-verify/2"  # /2 added rtol and atol to each result; every /1 key is unchanged
 
@@ -117,7 +122,7 @@ def run_checks(group: Any, names: Sequence[str], cfg: VerifyConfig) -> List[Chec
         bar.step(0, name)
         check = by_name[name]
         cfg = replace(cfg, tol_scale=check.tol_scale)
-        rtol, atol = tolerance(cfg)  # what the check compares with (checks._match)
+        rtol, atol = tolerance(cfg)  # what the check compares with (checks.match_dense)
         fwd, grad, message = _attempt(check, g, cfg)
         failed = 1.0 if message else 0.0
         fwd, grad, any_failed = _agree(g, [fwd, grad, failed], device)
@@ -190,3 +195,72 @@ def report_json(results: Sequence[CheckResult], dtype: str, device: str) -> Dict
 def exit_code(results: Sequence[CheckResult]) -> int:
     """0 when every check passed (and there was at least one), else 1."""
     return 0 if results and all(r.passed for r in results) else 1
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def verify_command(args: argparse.Namespace) -> int:
+    """``tplayers verify`` with parsed arguments: run the checks on the ranks, print, return the exit status."""
+    if args.plan and not args.model:
+        print("tplayers verify: --plan goes with --model", file=sys.stderr)
+        return 2
+    selected = select_checks(args.only) if not args.model else [Check("model", args.model, user_model_check)]
+    if args.list:
+        print_out("\n".join(c.name for c in CHECKS))
+        return 0
+    if not selected:
+        print(f"tplayers verify: no check matches {args.only}; see tplayers verify --list", file=sys.stderr)
+        return 2
+    progress = args.progress if args.progress is not None else (sys.stderr.isatty() and not args.json)
+    cfg = VerifyConfig(dtype=args.dtype, device=args.device, seed=args.seed, rtol=args.rtol, atol=args.atol,
+                       progress=progress, model=args.model, plan=args.plan)
+    names = [c.name for c in selected]
+    sizes = args.tp or [None]
+    if under_torchrun() and len(sizes) > 1:
+        print("tplayers verify: under torchrun pass a single --tp (the ranks are fixed)", file=sys.stderr)
+        return 2
+    results: List[CheckResult] = []
+    reporter = True
+    for size in sizes:
+        per_rank, reporter = run_on_ranks(run_checks, names, cfg, tp=size, device=args.device,
+                                          backend=args.backend, threads=args.threads, timeout_s=args.timeout)
+        results += merge_rank_results(per_rank)
+    if under_torchrun():
+        results = _merge_over_world(results, args.device)
+    if reporter:
+        _print_results(args, results, len(names), len(sizes))
+    return exit_code(results)
+
+
+def _print_results(args: argparse.Namespace, results: List[CheckResult], n_checks: int, n_sizes: int) -> None:
+    if args.json:
+        print_out(json.dumps(report_json(results, args.dtype, args.device), indent=2, allow_nan=False))
+        return
+    low_precision = DTYPES[args.dtype] in LOW_PRECISION  # per-check tolerances: a column
+    tol = ("--rtol/--atol" if args.rtol is not None or args.atol is not None else
+           "the audit's, relative to scale" if args.model else
+           "default_tolerance(dtype)" + (" x per-check scale" if low_precision else ""))
+    count = f"{n_checks} checks" + (f" x {n_sizes} TP sizes = {n_checks * n_sizes}" if n_sizes > 1 else "")
+    print_out(f"tplayers verify: {count}, dtype={args.dtype}, device={args.device}, "
+              f"tolerance {tol}; reference: dense torch.nn, same weights")
+    print_out(format_table(results, tolerances=low_precision))
+    if args.model:  # the audit's whole message: the region, the worst tensor, the likely cause
+        print_out("\n".join(f"\nTP {r.tp}: {r.message}" for r in results if not r.passed and r.message))
+
+
+def _merge_over_world(results: List[CheckResult], device: str) -> List[CheckResult]:
+    """Under torchrun with several TP groups: the worst result of every group, on every rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not results:
+        return results
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    local = [v for r in results for v in (r.forward_error, r.grad_error, 0.0 if r.passed else 1.0)]
+    worst = _agree(resolve_group(dist.group.WORLD), local, dev)  # NaN-aware max over every rank
+    for i, r in enumerate(results):
+        fwd, grad, failed = worst[3 * i: 3 * i + 3]
+        r.forward_error, r.grad_error = fwd, grad
+        if failed and r.passed:
+            r.passed, r.message = False, "failed in another TP group"
+    return results
