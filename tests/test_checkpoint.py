@@ -27,11 +27,11 @@ class _GQAProj(TensorParallelModule):
 
     def __init__(self, full: torch.Tensor, group) -> None:
         super().__init__()
-        self.tp = resolve_group(group)
-        self.weight = nn.Parameter(self._layout().shard(full, self.tp.rank, self.tp.size).clone())
+        self.group = resolve_group(group)
+        self.weight = nn.Parameter(self._layout().shard(full, self.group.rank, self.group.size).clone())
 
     def _layout(self) -> Sharded:
-        return qkv_layout(HEADS, KV_HEADS, HEAD_DIM, self.tp.size)
+        return qkv_layout(HEADS, KV_HEADS, HEAD_DIM, self.group.size)
 
     def param_placements(self):
         return {"weight": self._layout()}
@@ -66,7 +66,7 @@ def _build(group, seed: int, hidden: int = 8) -> nn.Module:
 def _padded_and_replicated(model: nn.Module) -> tuple:
     """(the vocabulary is padded, a KV part is replicated): what the reshard test must exercise."""
     emb, gqa = placements_of(model.emb)["weight"], placements_of(model.gqa)["weight"]
-    size = model.emb.tp.size
+    size = model.emb.group.size
     return (emb.parts[0].padded and emb.parts[0].local_size * size > VOCAB,
             any(part.shards < size for part in gqa.parts))
 
@@ -257,7 +257,7 @@ def _load_dense_tp4(group, path: str):
     # only replicated tensors are read whole: the padded vocabulary is read as this rank's rows
     assert "emb.weight" not in whole and "up.weight" not in whole, whole
     rows = [(index[0].start, index[0].stop) for key, index in sliced if key == "emb.weight"]
-    (piece,) = placements_of(model.emb)["weight"].pieces(model.emb.tp.rank, model.emb.tp.size)
+    (piece,) = placements_of(model.emb)["weight"].pieces(model.emb.group.rank, model.emb.group.size)
     assert rows == [(piece.start, piece.start + piece.length)], rows
     assert not model.emb.weight[piece.length:].any()  # the padding rows past the vocabulary stay zero
     return dense_state_dict(model), rows[0]

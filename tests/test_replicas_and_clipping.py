@@ -92,7 +92,7 @@ def _mesh_without_this_rank(group):
     mesh = DeviceMesh("cpu", [0, 1])
     if dist.get_rank() < 2:
         with torch.random.fork_rng():  # only these ranks draw: keep the world's RNG states in step for later tests
-            return tplayers.ColumnParallelLinear(4, 8, group=mesh).tp.size
+            return tplayers.ColumnParallelLinear(4, 8, group=mesh).group.size
     with pytest.raises(ValueError, match=rf"global rank {dist.get_rank()}\) is not part of the DeviceMesh it was "
                                          r"given \(ranks \[0, 1\]\)"):
         tplayers.ColumnParallelLinear(4, 8, group=mesh)  # used to be an IndexError from inside torch

@@ -127,7 +127,7 @@ class Auditor:
     def __init__(self, model: nn.Module, names: List[str], tp: TPGroup, plan_name: str,
                  io: Dict[str, Tuple[bool, bool]], sequence_marks: Dict[str, str]) -> None:
         modules = dict(model.named_modules())
-        self.tp, self.plan_name = tp, plan_name
+        self.group, self.plan_name = tp, plan_name
 
         def marked(region: str, mark: str) -> bool:
             return any(within(n, region) for n, m in sequence_marks.items() if m == mark)
@@ -191,7 +191,7 @@ class Auditor:
                                  "or parallelize(..., audit=False)")
             self.active = True
             try:  # the instance called (a deep copy of the model calls its own modules)
-                check_region(replace(region, module=module), result, self.tp, args, kwargs, self.plan_name)
+                check_region(replace(region, module=module), result, self.group, args, kwargs, self.plan_name)
             finally:
                 self.active = False
                 if all(r.status in ("passed", "skipped") for r in self.results.values()):

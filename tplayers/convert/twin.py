@@ -45,7 +45,7 @@ def _tensors_in(obj: Any, depth: int = 6) -> List[torch.Tensor]:
 
 def float32_copy(module: nn.Module) -> nn.Module:
     """A float32 copy of a TP region that still communicates over the same TP groups."""
-    memo: Dict[int, Any] = {id(m.tp): m.tp for m in module.modules() if isinstance(getattr(m, "tp", None), TPGroup)}
+    memo: Dict[int, Any] = {id(m.group): m.group for m in module.modules() if isinstance(getattr(m, "group", None), TPGroup)}
     return copy.deepcopy(module, memo).float()
 
 

@@ -85,8 +85,8 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
         if e.layout is None:
             state[e.name] = t.clone() if for_save else t
             continue
-        assert e.tp is not None
-        p, r, d = e.tp.size, e.tp.rank, e.layout.dim
+        assert e.group is not None
+        p, r, d = e.group.size, e.group.rank, e.layout.dim
         for key, full_off, part, piece in parts_of(e):
             local = t.narrow(d, piece.local_start, piece.length)
             shape = list(t.shape)
@@ -96,12 +96,12 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
                 state[key] = local.clone() if for_save else local
             elif part.shards == p:
                 chunk = local.contiguous().clone() if for_save else local
-                state[key] = _dtensor(chunk, e.tp, d, shape_t, meshes)
+                state[key] = _dtensor(chunk, e.group, d, shape_t, meshes)
             elif for_save and part.size % p == 0:
                 sub = local.chunk(p // part.shards, dim=d)[r % (p // part.shards)].contiguous().clone()
-                state[key] = _dtensor(sub, e.tp, d, shape_t, meshes)
+                state[key] = _dtensor(sub, e.group, d, shape_t, meshes)
             elif for_save:
-                state[key] = gather_placed(local, Sharded.split(d, part.size, part.shards), group=e.tp)
+                state[key] = gather_placed(local, Sharded.split(d, part.size, part.shards), group=e.group)
             else:
                 full = torch.empty(shape_t, dtype=t.dtype, device=t.device)
                 state[key] = full
@@ -118,7 +118,7 @@ def _dtensor(local: torch.Tensor, tp: TPGroup, dim: int, shape: Tuple[int, ...],
 
 
 def _manifest(model: nn.Module) -> Dict[str, Any]:
-    tp_sizes = {e.tp.size for e in entries(model) if e.tp is not None}
+    tp_sizes = {e.group.size for e in entries(model) if e.group is not None}
     return {
         "format": FORMAT,
         "version": VERSION,

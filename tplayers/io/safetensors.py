@@ -129,7 +129,7 @@ def _read_local(f: Any, key: str, e: Entry) -> torch.Tensor:
     if e.layout is None:
         t = f.get_tensor(key)
         return t.t() if e.transposed else t
-    assert e.tp is not None
+    assert e.group is not None
     d = e.layout.dim
     file_dim = (1 - d) if e.transposed else d
     pieces = []

@@ -27,7 +27,7 @@ class Entry:
     name: str
     tensor: torch.Tensor  # the local tensor (the parameter/buffer itself)
     layout: Optional[Sharded]  # None: replicated
-    tp: Optional[TPGroup]
+    group: Optional[TPGroup]
     transposed: bool  # dense form stores the transpose (GPT-2 Conv1D weight)
     aliases: Tuple[str, ...] = ()  # other names of the same (tied) tensor
 
@@ -57,7 +57,7 @@ def entries(model: nn.Module) -> List[Entry]:
             layout = layouts.get(pname)
             if layout is not None and not layout.is_sharded:
                 layout = None
-            tp = mod.tp if isinstance(mod, TensorParallelModule) else None
+            tp = mod.group if isinstance(mod, TensorParallelModule) else None
             e = Entry(name, t, layout, tp, bool(getattr(mod, "dense_transposed", False)) and pname == "weight")
             seen[id(t)] = e
             out.append(e)
@@ -75,10 +75,10 @@ def refuse_meta(entries: List[Entry], path: str) -> None:
 
 def parts_of(e: Entry) -> Iterator[Tuple[str, int, Part, Piece]]:
     """(key, full offset, Part, this rank's Piece) of each part of a sharded entry."""
-    assert e.layout is not None and e.tp is not None
+    assert e.layout is not None and e.group is not None
     multi = len(e.layout.parts) > 1
     full_off = 0
-    for i, (part, piece) in enumerate(zip(e.layout.parts, e.layout.pieces(e.tp.rank, e.tp.size))):
+    for i, (part, piece) in enumerate(zip(e.layout.parts, e.layout.pieces(e.group.rank, e.group.size))):
         yield (f"{e.name}.__part{i}" if multi else e.name), full_off, part, piece
         full_off += part.size
 
@@ -87,8 +87,8 @@ def _full_tensor(e: Entry) -> torch.Tensor:
     """The dense tensor of one entry, in the original model's orientation (collective over its TP group)."""
     t = e.tensor.detach()
     if e.layout is not None:
-        assert e.tp is not None
-        t = gather_placed(t, e.layout, group=e.tp)
+        assert e.group is not None
+        t = gather_placed(t, e.layout, group=e.group)
     if e.transposed:
         t = t.t()
     return t.contiguous()

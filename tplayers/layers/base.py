@@ -30,7 +30,7 @@ class TensorParallelModule(nn.Module):
     ``torch.nn`` module computing the same function, on every rank.
     """
 
-    tp: TPGroup
+    group: TPGroup
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "TensorParallelModule":
@@ -51,7 +51,7 @@ class TensorParallelModule(nn.Module):
 
     def gather_param(self, name: str) -> torch.Tensor:
         """The dense tensor of direct parameter ``name``, on every rank (collective; no autograd)."""
-        return gather_placed(getattr(self, name), self.param_placements()[name], group=self.tp)
+        return gather_placed(getattr(self, name), self.param_placements()[name], group=self.group)
 
 
 def placements_of(module: nn.Module) -> Dict[str, Placement]:

@@ -48,7 +48,7 @@ def _collect(module: nn.Module, pick: Pick, prefix: str, out: Dict[str, torch.Te
         value = (torch.zeros_like(p) if value is None else value).detach()
         placement = placements.get(name)
         if placement is not None and placement.is_sharded:
-            value = gather_placed(value, placement, group=module.tp)
+            value = gather_placed(value, placement, group=module.group)
         if name == "weight" and getattr(module, "dense_transposed", False):
             value = value.t()
         out[prefix + name] = value

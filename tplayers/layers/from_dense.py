@@ -45,7 +45,7 @@ def load_full_params(layer: TensorParallelModule, full: Dict[str, Optional[torch
     for name, t in full.items():
         if t is None:
             continue
-        local = placements[name].shard(t, layer.tp.rank, layer.tp.size)
+        local = placements[name].shard(t, layer.group.rank, layer.group.size)
         if like is not None:
             setattr(layer, name, new_param(local, getattr(like, name)))
         elif getattr(layer, name).device.type != "meta":  # a meta layer stays uninitialized
@@ -58,9 +58,9 @@ def _require_same_on_every_rank(layer: TensorParallelModule, full: Dict[str, Opt
     under per-rank RNG states, or from_dense given a different module per rank) would be stitched into
     a layer no rank ever had. One all-gather of two hashes per tensor, at construction only."""
     named = [(n, t) for n, t in full.items() if t is not None and t.device.type != "meta"]
-    if layer.tp.size == 1 or not named:
+    if layer.group.size == 1 or not named:
         return
-    differ = ranks_that_differ(torch.stack([bit_hash(t) for _, t in named]), group=layer.tp)
+    differ = ranks_that_differ(torch.stack([bit_hash(t) for _, t in named]), group=layer.group)
     if differ.any():
         ranks, index = differ.nonzero()[0].tolist()
         raise ValueError(f"{type(layer).__name__}: the dense {named[index][0]} differs between rank 0 and rank {ranks} "

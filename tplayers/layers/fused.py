@@ -52,7 +52,7 @@ class FusedColumnParallelLinear(TensorParallelModule):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
-        self.tp = tp = resolve_group(group)
+        self.group = tp = resolve_group(group)
         # as ColumnParallelLinear's
         self.delay_wgrad, self.wgrad_store, self.accumulate_main_grad = delay_wgrad, WeightGradStore(), False
         self.collective_matmul = False
@@ -75,7 +75,7 @@ class FusedColumnParallelLinear(TensorParallelModule):
     @property
     def has_replicas(self) -> bool:
         """Some component has fewer shards than ranks (its gradient is summed over replicas)."""
-        return any(n < self.tp.size for n in self.part_shards)
+        return any(n < self.group.size for n in self.part_shards)
 
     def replica_runs(self) -> Tuple[Tuple[int, int, int], ...]:
         """``(start, stop, num_shards)`` of each run of consecutive local rows (dim 0 of the weight
@@ -84,7 +84,7 @@ class FusedColumnParallelLinear(TensorParallelModule):
         runs: List[List[int]] = []
         start = 0
         for local, n in zip(self.local_parts, self.part_shards):
-            if n < self.tp.size:
+            if n < self.group.size:
                 if runs and runs[-1][1] == start and runs[-1][2] == n:
                     runs[-1][1] = start + local
                 else:
@@ -96,13 +96,13 @@ class FusedColumnParallelLinear(TensorParallelModule):
         """``t`` (a view of it: no copy) whose replicated components' gradients are summed over
         their replica ranks (one all-reduce per run of `replica_runs`)."""
         for lo, hi, n in self.replica_runs():
-            t = sum_over_replicas(t, group=self.tp, num_shards=n, rows=(lo, hi))
+            t = sum_over_replicas(t, group=self.group, num_shards=n, rows=(lo, hi))
         return t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self._with_replica_grads(self.weight)
         bias = None if self.bias is None else self._with_replica_grads(self.bias)
-        return column_parallel_linear(x, weight, bias, group=self.tp, sequence_parallel=self.sequence_parallel,
+        return column_parallel_linear(x, weight, bias, group=self.group, sequence_parallel=self.sequence_parallel,
                                       overlap_comm=self.overlap_comm, **grad_sinks(self))  # (..., [seq,] local_out)
 
     @classmethod
@@ -127,5 +127,5 @@ class FusedColumnParallelLinear(TensorParallelModule):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, parts={self.parts}, part_shards={self.part_shards}, "
-                f"bias={self.bias is not None}, tp_size={self.tp.size}, tp_rank={self.tp.rank}, "
+                f"bias={self.bias is not None}, tp_size={self.group.size}, tp_rank={self.group.rank}, "
                 f"sequence_parallel={self.sequence_parallel}")

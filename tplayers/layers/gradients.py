@@ -27,7 +27,7 @@ def _model_group(model: nn.Module, group: GroupLike) -> TPGroup:
     """``group`` if given, else the one TP group every TP module of ``model`` uses."""
     if group is not None:
         return resolve_group(group)
-    groups = {id(m.tp.process_group): m.tp for m in model.modules() if isinstance(m, TensorParallelModule)}
+    groups = {id(m.group.process_group): m.group for m in model.modules() if isinstance(m, TensorParallelModule)}
     if len(groups) > 1:
         raise ValueError(f"the model's TP modules use {len(groups)} different TP groups: pass group=")
     return next(iter(groups.values())) if groups else resolve_group(None)

@@ -52,11 +52,11 @@ class ColumnParallelLinear(TensorParallelModule):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
-        self.tp = resolve_group(group)
+        self.group = resolve_group(group)
         self.delay_wgrad, self.wgrad_store, self.accumulate_main_grad = delay_wgrad, WeightGradStore(), False
         self.collective_matmul = False  # set_overlap(model, collective_matmul=True), sequence parallel only
         require_positive(in_features, "ColumnParallelLinear", "in_features")
-        self.out_features_per_rank = require_divisible(out_features, self.tp.size, "ColumnParallelLinear", "out_features")
+        self.out_features_per_rank = require_divisible(out_features, self.group.size, "ColumnParallelLinear", "out_features")
         if gather_output and sequence_parallel:
             raise ValueError(
                 "ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True "
@@ -73,12 +73,12 @@ class ColumnParallelLinear(TensorParallelModule):
         reset_linear_params(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
+        if self.group.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
             return F.linear(x, self.weight, self.bias)
-        out = column_parallel_linear(x, self.weight, self.bias, group=self.tp,
+        out = column_parallel_linear(x, self.weight, self.bias, group=self.group,
                                      sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
                                      **grad_sinks(self))
-        return gather_from_tp(out, group=self.tp) if self.gather_output else out  # (..., out) | (..., out/p)
+        return gather_from_tp(out, group=self.group) if self.gather_output else out  # (..., out) | (..., out/p)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ColumnParallelLinear":
@@ -94,12 +94,12 @@ class ColumnParallelLinear(TensorParallelModule):
         return linear_to_dense(self)
 
     def param_placements(self) -> Dict[str, Placement]:
-        rows = Sharded.split(0, self.out_features, self.tp.size)
+        rows = Sharded.split(0, self.out_features, self.group.size)
         return {"weight": rows, "bias": rows} if self.bias is not None else {"weight": rows}
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, tp_size={self.tp.size}, tp_rank={self.tp.rank}, "
+                f"bias={self.bias is not None}, tp_size={self.group.size}, tp_rank={self.group.rank}, "
                 f"out_features_per_rank={self.out_features_per_rank}, gather_output={self.gather_output}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
@@ -127,11 +127,11 @@ class RowParallelLinear(TensorParallelModule):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
-        self.tp = resolve_group(group)
+        self.group = resolve_group(group)
         self.delay_wgrad, self.wgrad_store, self.accumulate_main_grad = delay_wgrad, WeightGradStore(), False
         self.collective_matmul = False  # set_overlap(model, collective_matmul=True), sequence parallel only
         require_positive(out_features, "RowParallelLinear", "out_features")
-        self.in_features_per_rank = require_divisible(in_features, self.tp.size, "RowParallelLinear", "in_features")
+        self.in_features_per_rank = require_divisible(in_features, self.group.size, "RowParallelLinear", "in_features")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         self.in_features, self.out_features = in_features, out_features
@@ -145,9 +145,9 @@ class RowParallelLinear(TensorParallelModule):
         reset_linear_params(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
+        if self.group.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
             return F.linear(x, self.weight, self.bias)
-        return row_parallel_linear(x, self.weight, self.bias, group=self.tp,  # (..., out)
+        return row_parallel_linear(x, self.weight, self.bias, group=self.group,  # (..., out)
                                    input_is_parallel=self.input_is_parallel,
                                    sequence_parallel=self.sequence_parallel, **grad_sinks(self))
 
@@ -165,12 +165,12 @@ class RowParallelLinear(TensorParallelModule):
         return linear_to_dense(self)
 
     def param_placements(self) -> Dict[str, Placement]:
-        columns = Sharded.split(1, self.in_features, self.tp.size)
+        columns = Sharded.split(1, self.in_features, self.group.size)
         return {"weight": columns, "bias": Replicated()} if self.bias is not None else {"weight": columns}
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, tp_size={self.tp.size}, tp_rank={self.tp.rank}, "
+                f"bias={self.bias is not None}, tp_size={self.group.size}, tp_rank={self.group.rank}, "
                 f"in_features_per_rank={self.in_features_per_rank}, input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}")
 

@@ -63,7 +63,7 @@ class LoRAPiece(TensorParallelModule):
 
     def __init__(self, weight: torch.Tensor, placement: Sharded, *, group: GroupLike) -> None:
         super().__init__()
-        self.tp = resolve_group(group)
+        self.group = resolve_group(group)
         self.placement = placement
         self.out_features, self.in_features = weight.shape  # local
         self.weight = nn.Parameter(weight)
@@ -90,14 +90,14 @@ class LoRAPiece(TensorParallelModule):
         return dense
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features} (local), tp={self.tp.size}"
+        return f"in_features={self.in_features}, out_features={self.out_features} (local), tp={self.group.size}"
 
 
 def prepare_lora(module: nn.Module, base: TensorParallelModule, kind: str, name: str) -> Callable[[], None]:
     """Check PEFT LoRA ``module`` against its new TP ``base`` (``kind`` "column" or "row"; built by the
     style, not yet in place) and return the function that puts everything in place."""
     _check_plain_lora(module, name)
-    tp = base.tp
+    tp = base.group
     if kind == "column":
         if getattr(base, "gather_output", False) or getattr(base, "sequence_parallel", False):
             raise ValueError(f"parallelize: module '{name}': LoRA on a column layer needs its output split and its "

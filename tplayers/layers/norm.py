@@ -58,7 +58,7 @@ class ParallelNorm(TensorParallelModule):
         if eps is None and kind != "rmsnorm":
             raise ValueError("ParallelNorm: eps=None (the input dtype's epsilon) exists only for kind='rmsnorm'")
         require_positive(hidden, "ParallelNorm", "hidden")
-        self.tp = resolve_group(group)
+        self.group = resolve_group(group)
         self.hidden, self.kind, self.eps, self.sequence_parallel = hidden, kind, eps, sequence_parallel
         self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
         has_bias = bias and kind == "layernorm"
@@ -67,7 +67,7 @@ class ParallelNorm(TensorParallelModule):
     def _shared(self, p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if p is None or not self.sequence_parallel:
             return p
-        return copy_to_tp(p, group=self.tp)  # backward: gradient summed over the sequence shards
+        return copy_to_tp(p, group=self.group)  # backward: gradient summed over the sequence shards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden:
@@ -107,7 +107,7 @@ class ParallelNorm(TensorParallelModule):
 
     def param_placements(self) -> Dict[str, Placement]:
         # under sequence parallelism each rank normalizes its own tokens: partial gradients, summed
-        placement = Replicated(partial_grad=self.sequence_parallel and self.tp.size > 1)
+        placement = Replicated(partial_grad=self.sequence_parallel and self.group.size > 1)
         return {name: placement for name, _ in self.named_parameters(recurse=False)}
 
     def extra_repr(self) -> str:

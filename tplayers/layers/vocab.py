@@ -111,7 +111,7 @@ class _VocabParallelBase(TensorParallelModule):
     weight: nn.Parameter
 
     def _init_vocab(self, num_embeddings: int, tp: TPGroup) -> None:
-        self.tp = tp
+        self.group = tp
         self.num_embeddings = num_embeddings
         self.placement = Sharded.split(0, num_embeddings, tp.size, padded=True)
         self.num_embeddings_per_rank = self.placement.local_size
@@ -183,13 +183,13 @@ class VocabParallelEmbedding(_VocabParallelBase):
             raise TypeError(f"VocabParallelEmbedding: ids must be an integer tensor, got {ids.dtype}")
         # ids on the padding rows of an uneven vocabulary would silently embed to zeros
         check_index_range(ids, self.num_embeddings, f"VocabParallelEmbedding(vocab={self.num_embeddings})")
-        if self.sequence_parallel and self.tp.size > 1:
-            if ids.dim() < 1 or ids.shape[-1] % self.tp.size != 0:
+        if self.sequence_parallel and self.group.size > 1:
+            if ids.dim() < 1 or ids.shape[-1] % self.group.size != 0:
                 raise ValueError(
                     f"VocabParallelEmbedding: sequence length {tuple(ids.shape)[-1:]} (ids shape "
-                    f"{tuple(ids.shape)}) is not divisible by the TP degree {self.tp.size} "
+                    f"{tuple(ids.shape)}) is not divisible by the TP degree {self.group.size} "
                     "(sequence parallelism splits it across ranks)")
-        if self.tp.size == 1:
+        if self.group.size == 1:
             return self._scaled(F.embedding(ids, self.weight, self._local_padding_idx))
         in_shard = (ids >= self.vocab_start) & (ids < self.vocab_end)  # (...)
         local_ids = (ids - self.vocab_start).masked_fill(~in_shard, 0)
@@ -199,8 +199,8 @@ class VocabParallelEmbedding(_VocabParallelBase):
         # bitwise the dense ``embedding * scale``
         out = self._scaled(out)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence(out, group=self.tp, seq_dim=SEQ_DIM)  # (..., seq/p, dim)
-        return reduce_from_tp(out, group=self.tp)  # (..., dim)
+            return reduce_scatter_to_sequence(out, group=self.group, seq_dim=SEQ_DIM)  # (..., seq/p, dim)
+        return reduce_from_tp(out, group=self.group)  # (..., dim)
 
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.embed_scale is None else out * self.embed_scale.to(self.weight.dtype)
@@ -245,7 +245,7 @@ class VocabParallelEmbedding(_VocabParallelBase):
     def extra_repr(self) -> str:
         scale = "" if self.embed_scale is None else f", scale={self.embed_scale.item():g}"
         return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}{scale}, "
-                f"tp_size={self.tp.size}, tp_rank={self.tp.rank}, rows=[{self.vocab_start}, {self.vocab_end}), "
+                f"tp_size={self.group.size}, tp_rank={self.group.rank}, rows=[{self.vocab_start}, {self.vocab_end}), "
                 f"sequence_parallel={self.sequence_parallel}")
 
 
@@ -299,11 +299,11 @@ class ParallelLMHead(_VocabParallelBase):
         load_full_params(self, {"weight": full})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = column_parallel_linear(x, self.weight, None, group=self.tp,  # (..., V'/p)
+        logits = column_parallel_linear(x, self.weight, None, group=self.group,  # (..., V'/p)
                                         sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
         if not self.gather_output:
             return logits
-        return gather_from_tp(logits, group=self.tp)[..., : self.num_embeddings]  # (..., V)
+        return gather_from_tp(logits, group=self.group)[..., : self.num_embeddings]  # (..., V)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelLMHead":
@@ -324,6 +324,6 @@ class ParallelLMHead(_VocabParallelBase):
         return dense
 
     def extra_repr(self) -> str:
-        return (f"embedding_dim={self.embedding_dim}, vocab={self.num_embeddings}, tp_size={self.tp.size}, "
-                f"tp_rank={self.tp.rank}, rows=[{self.vocab_start}, {self.vocab_end}), "
+        return (f"embedding_dim={self.embedding_dim}, vocab={self.num_embeddings}, tp_size={self.group.size}, "
+                f"tp_rank={self.group.rank}, rows=[{self.vocab_start}, {self.vocab_end}), "
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")

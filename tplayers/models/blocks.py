@@ -78,12 +78,12 @@ class ParallelMLP(TensorParallelModule):
         self.split_backward, self.chunks = split_backward, require_chunks(chunks, "ParallelMLP")
         if activation not in ACTIVATIONS:
             raise ValueError(f"ParallelMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
-        self.tp = resolve_group(group)
+        self.group = resolve_group(group)
         require_positive(hidden, "ParallelMLP", "hidden")
-        require_divisible(ffn_hidden, self.tp.size, "ParallelMLP", "ffn_hidden")
+        require_divisible(ffn_hidden, self.group.size, "ParallelMLP", "ffn_hidden")
         self.hidden, self.ffn_hidden, self.activation = hidden, ffn_hidden, activation
         self.sequence_parallel = sequence_parallel
-        common = dict(group=self.tp, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm,
+        common = dict(group=self.group, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm,
                       device=device, dtype=dtype)
         if activation == "swiglu":
             self.fc1: nn.Module = FusedColumnParallelLinear(hidden, [ffn_hidden, ffn_hidden], bias,
@@ -112,7 +112,7 @@ class ParallelMLP(TensorParallelModule):
         overlap = self.fc1.overlap_comm
         region = self._region() if self.chunks > 1 or self.split_backward and overlap else None
         if region is not None:  # both weight gradients under fc1's collective (or both recorded, with delay_wgrad)
-            return split_backward_region(x, **region, group=self.tp, sequence_parallel=self.sequence_parallel,
+            return split_backward_region(x, **region, group=self.group, sequence_parallel=self.sequence_parallel,
                                          overlap_comm=overlap, chunks=self.chunks)
         return self.fc2(self._act(self.fc1(x)))  # (..., s, ffn/p | 2*ffn/p) -> (..., [s or s/p], hidden)
 
@@ -125,12 +125,12 @@ class ParallelMLP(TensorParallelModule):
                   device="meta", dtype=w.dtype, **options)
         if dense.activation == "swiglu":
             mlp.fc1 = FusedColumnParallelLinear.from_dense(
-                dense.fc1, group=mlp.tp, parts=[dense.ffn_hidden] * 2, part_names=["gate", "up"],
+                dense.fc1, group=mlp.group, parts=[dense.ffn_hidden] * 2, part_names=["gate", "up"],
                 layer="ParallelMLP.fc1", sequence_parallel=mlp.sequence_parallel, overlap_comm=mlp.fc2.overlap_comm)
         else:
-            mlp.fc1 = ColumnParallelLinear.from_dense(dense.fc1, group=mlp.tp, sequence_parallel=mlp.sequence_parallel,
+            mlp.fc1 = ColumnParallelLinear.from_dense(dense.fc1, group=mlp.group, sequence_parallel=mlp.sequence_parallel,
                                                       overlap_comm=mlp.fc2.overlap_comm)
-        mlp.fc2 = RowParallelLinear.from_dense(dense.fc2, group=mlp.tp, sequence_parallel=mlp.sequence_parallel,
+        mlp.fc2 = RowParallelLinear.from_dense(dense.fc2, group=mlp.group, sequence_parallel=mlp.sequence_parallel,
                                                overlap_comm=mlp.fc2.overlap_comm)
         return mlp
 
@@ -172,7 +172,7 @@ class ParallelAttention(TensorParallelModule):
         super().__init__()
         name = "ParallelAttention"
         self.split_backward, self.chunks = split_backward, require_chunks(chunks, name)
-        self.tp = tp = resolve_group(group)
+        self.group = tp = resolve_group(group)
         self.n_kv_heads, self.head_dim = check_heads(hidden, n_heads, n_kv_heads, head_dim, name)
         require_divisible(n_heads, tp.size, name, "n_heads")
         kv_shards = placement_kv_shards(self.n_kv_heads, tp.size, name)
@@ -195,10 +195,10 @@ class ParallelAttention(TensorParallelModule):
         if x.dim() != 3:
             raise ValueError(f"ParallelAttention: expected input (batch, seq, hidden), got {tuple(x.shape)}")
         refuse_mask_with_cache(attn_mask, cache, "ParallelAttention")
-        b, s = x.shape[0], x.shape[1] * (self.tp.size if self.sequence_parallel else 1)  # the whole sequence
+        b, s = x.shape[0], x.shape[1] * (self.group.size if self.sequence_parallel else 1)  # the whole sequence
         mask = normalize_attn_mask(attn_mask, b, s, self.n_heads, "ParallelAttention")
         if mask is not None and mask.shape[1] > 1:  # per-head mask: this rank's heads
-            mask = mask.narrow(1, self.tp.rank * self.local_heads, self.local_heads)
+            mask = mask.narrow(1, self.group.rank * self.local_heads, self.local_heads)
         return mask
 
     def _region(self, mask: Optional[torch.Tensor]) -> Optional[Dict[str, Any]]:
@@ -223,7 +223,7 @@ class ParallelAttention(TensorParallelModule):
         split = (self.chunks > 1 or self.split_backward and overlap) and cache is None and p == 0
         region = self._region(mask) if split else None
         if region is not None:  # qkv's input-gradient collective under both qkv's and proj's weight gradients
-            return split_backward_region(x, **region, group=self.tp, sequence_parallel=self.sequence_parallel,
+            return split_backward_region(x, **region, group=self.group, sequence_parallel=self.sequence_parallel,
                                          overlap_comm=overlap, chunks=self.chunks)
         return self.proj(self._core(self.qkv(x), mask, cache, p))  # (b, s | s/p, hidden)
 
@@ -247,9 +247,9 @@ class ParallelAttention(TensorParallelModule):
                    attn_dropout=dense.attn_dropout, device="meta", dtype=dense.qkv.weight.dtype, **options)
         q = attn.qkv
         attn.qkv = FusedColumnParallelLinear.from_dense(
-            dense.qkv, group=attn.tp, parts=q.parts, part_shards=q.part_shards, part_names=["q", "k", "v"],
+            dense.qkv, group=attn.group, parts=q.parts, part_shards=q.part_shards, part_names=["q", "k", "v"],
             layer=q.layer, sequence_parallel=q.sequence_parallel, overlap_comm=q.overlap_comm)
-        attn.proj = RowParallelLinear.from_dense(dense.proj, group=attn.tp, sequence_parallel=attn.sequence_parallel,
+        attn.proj = RowParallelLinear.from_dense(dense.proj, group=attn.group, sequence_parallel=attn.sequence_parallel,
                                                  overlap_comm=q.overlap_comm)
         return attn
 
@@ -292,7 +292,7 @@ class ParallelTransformerBlock(TensorParallelModule):
         super().__init__()
         c = self.config = config
         self.interleave_chunks = interleave_chunks
-        self.tp = tp = resolve_group(group)
+        self.group = tp = resolve_group(group)
         require_rng(rng, tp, "ParallelTransformerBlock", "dropout", c.dropout)
         self.rng, self.sequence_parallel = rng, sequence_parallel
         norm = dict(group=tp, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
@@ -325,7 +325,7 @@ class ParallelTransformerBlock(TensorParallelModule):
         # reduce-scatters on an in-order link and wait for them (measured slower than the sublayer path)
         return (self.interleave_chunks and attn.chunks > 1 and attn.chunks == mlp.chunks and cache is None
                 and not self.sequence_parallel
-                and not (self.training and (c.dropout > 0 or c.attn_dropout > 0)) and self.tp.size > 1
+                and not (self.training and (c.dropout > 0 or c.attn_dropout > 0)) and self.group.size > 1
                 and attn.qkv.overlap_comm == mlp.fc1.overlap_comm and x.dim() == 3 and x.shape[-1] == c.hidden
                 and x.dtype == weight.dtype and x.device == weight.device and not autocast_enabled(x))
 
@@ -337,7 +337,7 @@ class ParallelTransformerBlock(TensorParallelModule):
             return None
         regions = [ResidualRegion(norm.normalize, norm.weight, norm.bias, **region)
                    for norm, region in ((self.attn_norm, attn_region), (self.mlp_norm, mlp_region))]
-        return interleaved_residual_regions(x, regions, group=self.tp, chunks=self.attn.chunks,
+        return interleaved_residual_regions(x, regions, group=self.group, chunks=self.attn.chunks,
                                             sequence_parallel=self.sequence_parallel,
                                             overlap_comm=self.attn.qkv.overlap_comm)
 

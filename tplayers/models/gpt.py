@@ -44,7 +44,7 @@ class ParallelGPT(TensorParallelModule):
                  dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         c = self.config = config
-        self.tp = tp = resolve_group(group)
+        self.group = tp = resolve_group(group)
         require_rng(rng, tp, "ParallelGPT", "dropout", c.dropout)
         self.rng, self.sequence_parallel = rng, sequence_parallel
         sp = dict(group=tp, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
@@ -65,13 +65,13 @@ class ParallelGPT(TensorParallelModule):
     def logits(self, ids: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                cache: Optional[KVCache] = None) -> torch.Tensor:
         """The full logits ``(b, s, V)`` on every rank (gathered; padding removed)."""
-        return gather_from_tp(self(ids, attn_mask, cache), group=self.tp)[..., : self.config.vocab_size]
+        return gather_from_tp(self(ids, attn_mask, cache), group=self.group)[..., : self.config.vocab_size]
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Greedy decoding with a KV cache (each rank caches its KV heads), as `DenseGPT.generate`:
         ``ids (b, s) -> (b, s + max_new_tokens)``, the same tokens on every rank."""
-        if self.sequence_parallel and self.tp.size > 1:
+        if self.sequence_parallel and self.group.size > 1:
             raise ValueError("ParallelGPT.generate: decoding feeds one token per step, which cannot be split along "
                              "the sequence; build the model with sequence_parallel=False for generation (same weights: "
                              "from_dense or load_checkpoint)")
@@ -80,7 +80,7 @@ class ParallelGPT(TensorParallelModule):
     def loss(self, ids: torch.Tensor, targets: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
              ignore_index: int = -100) -> torch.Tensor:
         """Mean next-token cross-entropy; the logits are never gathered."""
-        return vocab_parallel_cross_entropy(self(ids, attn_mask), targets, group=self.tp,
+        return vocab_parallel_cross_entropy(self(ids, attn_mask), targets, group=self.group,
                                             vocab_size=self.config.vocab_size, ignore_index=ignore_index)
 
     @classmethod

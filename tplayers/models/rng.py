@@ -52,22 +52,22 @@ class RNGTracker:
     """Two RNG streams (``"parallel"``, ``"replicated"``) derived from one seed; see the module doc."""
 
     def __init__(self, seed: int, *, group: GroupLike, parallel_offset: int = 2718) -> None:
-        self.tp = resolve_group(group)
+        self.group = resolve_group(group)
         self.seed = int(seed)
         # Collective (one tiny all-gather): a seed that differs across ranks would give replicated
         # activations different dropout masks on each rank, silently.
         seeds = torch.tensor([[self.seed, parallel_offset]], dtype=torch.int64)
-        differ = ranks_that_differ(seeds, group=self.tp)[:, 0]
+        differ = ranks_that_differ(seeds, group=self.group)[:, 0]
         if differ.any():
-            raise ValueError(f"RNGTracker: seed={self.seed}, parallel_offset={parallel_offset} on rank {self.tp.rank}, "
+            raise ValueError(f"RNGTracker: seed={self.seed}, parallel_offset={parallel_offset} on rank {self.group.rank}, "
                              f"but rank(s) {differ.nonzero().flatten().tolist()} of the TP group passed a different "
                              "one than rank 0: pass the same seed on every rank (the tracker derives the per-rank "
                              "streams itself)")
-        self.seeds = {REPLICATED: self.seed, PARALLEL: self.seed + parallel_offset + self.tp.rank}
+        self.seeds = {REPLICATED: self.seed, PARALLEL: self.seed + parallel_offset + self.group.rank}
         self._states: Dict[_Key, torch.Tensor] = {}
 
     def __repr__(self) -> str:
-        return f"RNGTracker(seed={self.seed}, tp_rank={self.tp.rank}, tp_size={self.tp.size})"
+        return f"RNGTracker(seed={self.seed}, tp_rank={self.group.rank}, tp_size={self.group.size})"
 
     def _initial_state(self, region: str, dev_type: str, index: Optional[int]) -> torch.Tensor:
         device = torch.device(dev_type, index) if dev_type == "cuda" else torch.device("cpu")
