@@ -324,10 +324,12 @@ print("ran")
 def test_a_script_that_leaves_its_gloo_group_alive_exits_cleanly(tmp_path):
     """Root cause of the rare exit-time abort ("terminate called without an active exception"):
     a gloo worker thread releasing its last collective during interpreter finalization. tplayers
-    destroys a gloo world left alive and collects garbage at exit, before finalization."""
+    destroys a gloo world left alive and collects garbage at exit, before finalization, and says so
+    (the group is the user's: owning its teardown silently would surprise)."""
     script = tmp_path / "leave_alive.py"
     script.write_text(_EXIT_SCRIPT)
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split("\n")[:2] == ["ran", "initialized after tplayers' exit hook: False"], proc.stdout
+    assert "Call torch.distributed.destroy_process_group() before your script ends" in proc.stderr, proc.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import gc
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -134,6 +135,10 @@ def _destroy_gloo_groups() -> None:
     """
     try:
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            # the user's group, not tplayers': say so instead of owning that silently
+            warnings.warn("tplayers: the default gloo process group is still alive at exit; tplayers destroys it now "
+                          "(a gloo group destroyed during interpreter shutdown can abort the process, exit 134). "
+                          "Call torch.distributed.destroy_process_group() before your script ends.", stacklevel=1)
             dist.destroy_process_group()
     finally:
         gc.collect()
