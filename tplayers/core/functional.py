@@ -114,18 +114,10 @@ class _RowParallelLinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
-def column_parallel_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    group: GroupLike,
-    sequence_parallel: bool = False,
-    overlap_comm: bool = True,
-    wgrad_store: Optional[WeightGradStore] = None,
-    main_grads: MainGrads = None,
-    collective_matmul: bool = False,
-) -> torch.Tensor:
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                           group: GroupLike, sequence_parallel: bool = False, overlap_comm: bool = True,
+                           wgrad_store: Optional[WeightGradStore] = None, main_grads: MainGrads = None,
+                           collective_matmul: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for this rank's output features; output is sharded on the last dim.
 
     x: ``(..., in)`` replicated, or ``(..., seq/p, in)`` with ``sequence_parallel``.
@@ -150,18 +142,10 @@ def column_parallel_linear(
     return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, sink, collective_matmul)
 
 
-def row_parallel_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    group: GroupLike,
-    input_is_parallel: bool = True,
-    sequence_parallel: bool = False,
-    wgrad_store: Optional[WeightGradStore] = None,
-    main_grads: MainGrads = None,
-    collective_matmul: bool = False,
-) -> torch.Tensor:
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                        group: GroupLike, input_is_parallel: bool = True, sequence_parallel: bool = False,
+                        wgrad_store: Optional[WeightGradStore] = None, main_grads: MainGrads = None,
+                        collective_matmul: bool = False) -> torch.Tensor:
     """Sum over ranks of ``x_shard @ weight_shard.T``, plus the full ``bias`` once.
 
     x: ``(..., in/p)`` (``input_is_parallel``) or ``(..., in)`` replicated, which is split here.
