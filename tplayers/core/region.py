@@ -128,22 +128,10 @@ def _split_graph_grads(ctx, grad_out):
     return differentiable_grads(forward, ctx.saved_tensors[:5], ctx.needs_input_grad[:5], grad_out)
 
 
-def split_backward_region(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    b1: Optional[torch.Tensor],
-    w2: torch.Tensor,
-    b2: Optional[torch.Tensor],
-    core: Core,
-    *,
-    group: GroupLike,
-    sequence_parallel: bool = False,
-    overlap_comm: bool = True,
-    recompute: bool = False,
-    chunks: int = 1,
-    wgrad_store: Optional[WeightGradStore] = None,
-    main_grads: MainGrads = None,
-) -> torch.Tensor:
+def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+                          b2: Optional[torch.Tensor], core: Core, *, group: GroupLike, sequence_parallel: bool = False,
+                          overlap_comm: bool = True, recompute: bool = False, chunks: int = 1,
+                          wgrad_store: Optional[WeightGradStore] = None, main_grads: MainGrads = None) -> torch.Tensor:
     """``row(core(column(x)))`` with the split backward of the module docstring. ``core(h, rows)``
     maps this rank's ``(bc, s, local width)`` columns of the batch rows ``rows`` (a slice of dim 0) to
     the row layer's ``(bc, s, local width)`` input; it must not mix ranks nor draw random numbers.
@@ -179,21 +167,10 @@ def check_region_main_grads(main_grads: MainGrads, w1, b1, w2, b2, op: str, g: T
     return (*check_main_grads(main_grads[:2], w1, b1, op, g.size), *check_main_grads(main_grads[2:], w2, b2, op, g.size))
 
 
-def parallel_mlp(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    b1: Optional[torch.Tensor],
-    w2: torch.Tensor,
-    b2: Optional[torch.Tensor],
-    act: Callable[[torch.Tensor], torch.Tensor],
-    *,
-    group: GroupLike,
-    sequence_parallel: bool = False,
-    overlap_comm: bool = True,
-    chunks: int = 1,
-    wgrad_store: Optional[WeightGradStore] = None,
-    main_grads: MainGrads = None,
-) -> torch.Tensor:
+def parallel_mlp(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+                 b2: Optional[torch.Tensor], act: Callable[[torch.Tensor], torch.Tensor], *, group: GroupLike,
+                 sequence_parallel: bool = False, overlap_comm: bool = True, chunks: int = 1,
+                 wgrad_store: Optional[WeightGradStore] = None, main_grads: MainGrads = None) -> torch.Tensor:
     """An MLP ``row(act(column(x)))`` with the split backward (:func:`split_backward_region`); the
     activation is recomputed in backward, so the row layer's input is not kept. ``act`` maps this
     rank's ``(..., ffn/p)`` columns (SwiGLU: its local ``[gate_r; up_r]``). ``chunks``: forward overlap
