@@ -140,3 +140,43 @@ def _interleaved_first_order_under_create_graph(group):
 @pytest.mark.parametrize("tp", MULTI_RANK)
 def test_interleaved_block_under_create_graph_matches_dense(tp):
     assert all(get_world(tp).run(_interleaved_first_order_under_create_graph))
+
+
+def _interleaved_saves_through_hooks(group):
+    """What the pipeline keeps for backward (each chunk's residual input, norm output and column
+    output) is saved with save_for_backward, so saved-tensor hooks (offloading, checkpointing tools)
+    see it: an offload-to-a-copy hook still gives the same gradients, and the MLP's column outputs,
+    (batch chunk, seq, 2 * ffn / p) under SwiGLU, are among what it packed."""
+    p = group.size()
+    torch.manual_seed(3)
+    config = BlockConfig(hidden=16, n_heads=4, ffn_hidden=48, n_kv_heads=2, activation="swiglu")  # 2 * 48 / p: unique
+    dense = DenseTransformerBlock(config, dtype=F64)
+    block = ParallelTransformerBlock.from_dense(dense, group=group)
+    tplayers.set_overlap(block, chunks=2)
+    block.eval()  # the pipeline applies (no dropout in training)
+    x = torch.randn(4, 8, 16, dtype=F64)
+    grads, packed = [], []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t.detach().clone()  # as an offload would: the original is not what backward gets
+
+    for hooks in (False, True):
+        xi = x.clone().requires_grad_()
+        assert block._interleaves(xi, None)
+        if hooks:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = block(xi)
+        else:
+            out = block(xi)
+        out.square().sum().backward()
+        grads.append([xi.grad] + [q.grad.clone() for q in block.parameters()])
+        block.zero_grad()
+    same = all(torch.equal(a, b) for a, b in zip(*grads))
+    return same, packed.count((2, 8, 2 * 48 // p))
+
+
+@pytest.mark.parametrize("tp", MULTI_RANK)
+def test_interleaved_block_saves_through_saved_tensor_hooks(tp):
+    for same, mlp_column_outputs in get_world(tp).run(_interleaved_saves_through_hooks):
+        assert same and mlp_column_outputs == 2  # one per batch chunk
