@@ -179,3 +179,22 @@ def test_cuda_link_runs_on_the_gpu_timeline_without_blocking_the_host(fake_world
     assert host_s < 0.02, f"the host waited {host_s:.3f} s"
     assert 0.045 < blocking.blocked_s < 0.07 and 0.045 < blocking.completed - blocking.launched < 0.07
     assert overlapped.blocked_s < blocking.blocked_s - 0.005, "compute under the collective hid none of it"
+
+
+def test_core_is_observed_only_while_accounting_or_a_link_is_active():
+    """Core's one observer hook is installed while anything of the bench floor watches (nested or
+    not) and removed after, also when the body raises: outside, a collective costs one truth test."""
+    from tplayers.core import collectives
+
+    assert collectives._OBSERVER[0] is None
+    with tplayers.comm_accounting():
+        observer = collectives._OBSERVER[0]
+        assert observer is not None
+        with tplayers.emulated_link("h100-nvlink"):
+            assert collectives._OBSERVER[0] is observer  # one observer, several watchers
+        assert collectives._OBSERVER[0] is observer
+    assert collectives._OBSERVER[0] is None
+    with pytest.raises(RuntimeError, match="boom"):
+        with tplayers.emulated_link("h100-nvlink"):
+            raise RuntimeError("boom")
+    assert collectives._OBSERVER[0] is None
