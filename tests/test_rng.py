@@ -36,6 +36,32 @@ def test_rng_parallel_differs_across_ranks_replicated_agrees():
     assert torch.equal(r0, r1)
 
 
+def test_nested_forks_continue_the_live_stream():
+    """Megatron's double fork (tests/unit_tests/tensor_parallel/test_random.py): forks nested in any
+    order draw what one fork per stream would draw in sequence, and leave each stream where it is;
+    the caller's generator is untouched. (Before: an inner fork of a stream already forked replayed
+    it from where the outer fork began: the same dropout mask twice.)"""
+    double, single = RNGTracker(1234, group=None), RNGTracker(1234, group=None)
+    before = torch.get_rng_state()
+    one, two = [], []
+    with double.fork("replicated"):
+        one.append(torch.randn(10))
+        with double.fork("parallel"):
+            two.append(torch.randn(10))
+            with double.fork("replicated"):
+                one.append(torch.randn(10))
+            two.append(torch.randn(10))
+        one.append(torch.randn(10))
+    assert torch.equal(torch.get_rng_state(), before)
+    with single.fork("replicated"):
+        want_one = [torch.randn(10) for _ in range(3)]
+    with single.fork("parallel"):
+        want_two = [torch.randn(10) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(one + two, want_one + want_two))
+    for key, state in single.get_states().items():
+        assert torch.equal(double.get_states()[key], state), key
+
+
 def _block_dropout(group, config, sequence_parallel, use_checkpoint):
     """Train-mode block with dropout: per-rank outputs, and grads with or without checkpointing."""
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ dropout masks equal the original ones.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,17 @@ def _device_key(device: Any) -> Tuple[str, Optional[int]]:
     return "cpu", None
 
 
+def _get_state(dev_type: str, index: Optional[int]) -> torch.Tensor:
+    return torch.cuda.get_rng_state(index) if dev_type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(dev_type: str, index: Optional[int], state: torch.Tensor) -> None:
+    if dev_type == "cuda":
+        torch.cuda.set_rng_state(state, index)
+    else:
+        torch.set_rng_state(state)
+
+
 class RNGTracker:
     """Two RNG streams (``"parallel"``, ``"replicated"``) derived from one seed; see the module doc."""
 
@@ -65,6 +76,7 @@ class RNGTracker:
                              "streams itself)")
         self.seeds = {REPLICATED: self.seed, PARALLEL: self.seed + parallel_offset + self.group.rank}
         self._states: Dict[_Key, torch.Tensor] = {}
+        self._active: Dict[Tuple[str, Optional[int]], List[_Key]] = {}  # per device: the forks open, innermost last
 
     def __repr__(self) -> str:
         return f"RNGTracker(seed={self.seed}, tp_rank={self.group.rank}, tp_size={self.group.size})"
@@ -82,29 +94,25 @@ class RNGTracker:
 
     @contextlib.contextmanager
     def fork(self, region: str = PARALLEL, device: Any = None) -> Iterator[None]:
-        """Run the body with ``region``'s stream as ``device``'s default generator."""
+        """Run the body with ``region``'s stream as ``device``'s default generator. Forks nest as in
+        Megatron: an inner fork (of this stream or the other) continues each stream where it is live,
+        and leaving it puts the enclosing fork's live stream back."""
         if region not in _REGIONS:
             raise ValueError(f"RNGTracker.fork: region must be one of {_REGIONS}, got {region!r}")
         dev_type, index = _device_key(device)
-        key = (region, dev_type, index)
+        key, active = (region, dev_type, index), self._active.setdefault((dev_type, index), [])
+        caller = _get_state(dev_type, index)
+        if active:  # the enclosing fork's stream is live in the generator: keep where it got to
+            self._states[active[-1]] = caller
         state = self._states.get(key)
-        if state is None:
-            state = self._initial_state(region, dev_type, index)
-        if dev_type == "cuda":
-            saved = torch.cuda.get_rng_state(index)
-            torch.cuda.set_rng_state(state, index)
-        else:
-            saved = torch.get_rng_state()
-            torch.set_rng_state(state)
+        _set_state(dev_type, index, state if state is not None else self._initial_state(region, dev_type, index))
+        active.append(key)
         try:
             yield
         finally:
-            if dev_type == "cuda":
-                self._states[key] = torch.cuda.get_rng_state(index)
-                torch.cuda.set_rng_state(saved, index)
-            else:
-                self._states[key] = torch.get_rng_state()
-                torch.set_rng_state(saved)
+            active.pop()
+            self._states[key] = _get_state(dev_type, index)
+            _set_state(dev_type, index, self._states[active[-1]] if active else caller)
 
     def checkpoint(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)`` whose recomputation
