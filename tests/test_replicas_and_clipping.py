@@ -135,3 +135,29 @@ def _inputs_audit(group):
 @pytest.mark.parametrize("tp", MULTI_RANK)
 def test_check_same_inputs_names_a_batch_that_differs_across_tp_ranks(tp):
     assert all(get_world(tp).run(_inputs_audit))
+
+
+def _clip_with_a_foreign_group(group):
+    """A 2 x 2 mesh: the model is TP over its tp dim; clipping (or checking replicas) over the whole
+    world instead would sum the norm over data-parallel replicas too (a wrong norm, before): refused
+    on every rank, naming both groups. The model's own group, or one with the same ranks, is fine."""
+    import torch.distributed as dist
+    mesh = tplayers.make_2d_mesh(dp=2, tp=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(tplayers.ColumnParallelLinear(4, 8, group=mesh.tp_group),
+                          tplayers.RowParallelLinear(8, 4, group=mesh.tp_group))
+    model(torch.randn(3, 4)).sum().backward()
+    refused = []
+    for fn in (lambda g: tplayers.clip_grad_norm_(model, 1.0, group=g), lambda g: tplayers.check_replicas(model, group=g)):
+        with pytest.raises(ValueError, match=r"not the TP group of the model's layers \(ranks \[\d, \d\]\): it has "
+                                             r"ranks \[0, 1, 2, 3\]") as e:
+            fn(dist.group.WORLD)
+        refused.append(str(e.value))
+        fn(mesh.tp_group)
+        fn(None)
+    return refused
+
+
+def test_a_group_other_than_the_models_tp_group_is_refused():
+    for refused in get_world(4).run(_clip_with_a_foreign_group):
+        assert len(refused) == 2 and "clip_grad_norm_" in refused[0] and "check_replicas" in refused[1]

@@ -11,6 +11,7 @@ import math
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..core.collectives import all_gather_tensor, all_reduce_tensor, bit_hash, ranks_that_differ
@@ -23,14 +24,29 @@ __all__ = ["clip_grad_norm_", "check_replicas"]
 _CHUNK = 1 << 24  # elements per float64 chunk of a gradient norm (128 MiB)
 
 
-def _model_group(model: nn.Module, group: GroupLike) -> TPGroup:
-    """``group`` if given, else the one TP group every TP module of ``model`` uses."""
-    if group is not None:
-        return resolve_group(group)
+def _ranks(g: TPGroup) -> List[int]:
+    """The global ranks of ``g``'s members, in group order."""
+    if g.process_group is None:
+        return [dist.get_rank()] if dist.is_available() and dist.is_initialized() else [0]
+    return dist.get_process_group_ranks(g.process_group)
+
+
+def _model_group(model: nn.Module, group: GroupLike, fn: str) -> TPGroup:
+    """The one TP group every TP module of ``model`` uses; ``group``, when given, must have its ranks
+    (a wider group would count data-parallel replicas' norms too). Local: every rank raises alike."""
     groups = {id(m.group.process_group): m.group for m in model.modules() if isinstance(m, TensorParallelModule)}
-    if len(groups) > 1:
-        raise ValueError(f"the model's TP modules use {len(groups)} different TP groups: pass group=")
-    return next(iter(groups.values())) if groups else resolve_group(None)
+    if group is None and len(groups) > 1:
+        raise ValueError(f"{fn}: the model's TP modules use {len(groups)} different TP groups: pass group=")
+    if group is None:
+        return next(iter(groups.values())) if groups else resolve_group(None)
+    given = resolve_group(group)
+    if groups:
+        own = next(iter(groups.values()))
+        if _ranks(given) != _ranks(own):
+            raise ValueError(f"{fn}: group= is not the TP group of the model's layers (ranks {_ranks(own)}): it has "
+                             f"ranks {_ranks(given)}. Pass the model's TP group (e.g. mesh.tp_group), or leave "
+                             "group=None to use it")
+    return given
 
 
 def _owned_pieces(t: torch.Tensor, placement: Placement, tp: TPGroup) -> Iterator[torch.Tensor]:
@@ -76,7 +92,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     dp mesh (one more all-reduce of one number per dp mesh). Equal to the dense clip in both cases
     (tests/test_parallel2d.py)."""
     model = _require_module(model, "clip_grad_norm_")
-    tp = _model_group(model, group)
+    tp = _model_group(model, group, "clip_grad_norm_")
     placements = model_placements(model)
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
     device = _local_grad(*grads[0])[0].device if grads else collective_device(tp.process_group)
@@ -187,7 +203,7 @@ def check_replicas(model: nn.Module, *, group: GroupLike = None, grads: bool = T
     when ranks start from different weights or seeds, see different batches, or a parameter applied to
     sharded activations (a norm under sequence parallelism) misses its gradient all-reduce."""
     model = _require_module(model, "check_replicas")
-    tp = _model_group(model, group)
+    tp = _model_group(model, group, "check_replicas")
     items = _replica_items(model, tp, grads)
     if tp.size == 1:
         return len(items)
