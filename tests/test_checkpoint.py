@@ -484,3 +484,25 @@ def test_load_dense_refuses_index_entries_outside_the_directory(tmp_path):
     (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"weight": "../elsewhere.safetensors"}}))
     with pytest.raises(CheckpointError, match=r"the index names files outside .*model"):
         tplayers.load_dense(nn.Linear(2, 2, bias=False), str(model_dir))
+
+
+def test_load_dense_reads_the_hugging_face_cache_layout(tmp_path):
+    """A hub snapshot's files are symlinks into ../../blobs/ (every sharded model in the HF cache):
+    loaded, while an index entry that names a file outside the directory is still refused (above).
+    (Before: "the index names files outside ..." for every sharded hub snapshot.)"""
+    pytest.importorskip("safetensors", reason="dense import needs the hf extra (safetensors)")
+    import json
+
+    from safetensors.torch import save_file
+
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    weight = torch.arange(4.0).reshape(2, 2)
+    save_file({"weight": weight}, str(blobs / "9f1e"))
+    (blobs / "77aa").write_text(json.dumps({"weight_map": {"weight": "model-00001-of-00001.safetensors"}}))
+    (snapshot / "model-00001-of-00001.safetensors").symlink_to("../../blobs/9f1e")
+    (snapshot / "model.safetensors.index.json").symlink_to("../../blobs/77aa")
+    model = nn.Linear(2, 2, bias=False)
+    assert tplayers.load_dense(model, str(snapshot)) == ([], [])
+    assert torch.equal(model.weight.detach(), weight)

@@ -85,10 +85,14 @@ def _dense_files(path: str) -> Dict[str, str]:
         if os.path.isfile(index):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-            root = os.path.realpath(path)
+            # An index is data: it must not make us read files elsewhere on the machine. Checked lexically
+            # (no "..", no absolute path), so the Hugging Face cache's layout, whose snapshot files are
+            # symlinks into ../../blobs/, loads.
+            root = os.path.normpath(os.path.abspath(path))
             files = {k: os.path.join(path, v) for k, v in weight_map.items()}
-            outside = sorted({v for v in files.values() if os.path.commonpath([root, os.path.realpath(v)]) != root})
-            if outside:  # an index is data: it must not make us read files elsewhere on the machine
+            outside = sorted({v for v in weight_map.values()
+                              if os.path.commonpath([root, os.path.normpath(os.path.join(root, v))]) != root})
+            if outside:
                 raise CheckpointError(f"{index}: the index names files outside {path}: {outside[:3]}")
             return files
         if not os.path.isfile(single):
