@@ -424,6 +424,10 @@ def _corrupt_and_load(group, path, how):
         elif how == "garbled_manifest":
             with open(os.path.join(path, "tplayers.json"), "w") as f:
                 f.write('{"format": "tplayers-dcp", "tens')
+        elif how == "no_files":  # the digests deleted from a version-2 manifest: every checksum skipped, before
+            manifest = _json.load(open(os.path.join(path, "tplayers.json")))
+            manifest.pop("files")
+            _json.dump(manifest, open(os.path.join(path, "tplayers.json"), "w"))
         elif how == "version1":  # a checkpoint written before per-file digests existed still loads
             manifest = _json.load(open(os.path.join(path, "tplayers.json")))
             manifest.pop("files")
@@ -442,6 +446,7 @@ def _corrupt_and_load(group, path, how):
     ("flip_byte", r"file '__\d_0\.distcp' is missing or does not match the checksum"),
     ("missing", r"file '__\d_0\.distcp' is missing or does not match the checksum"),
     ("garbled_manifest", r"tplayers\.json: the checkpoint manifest is not valid JSON"),
+    ("no_files", r"tplayers\.json: a version-2 manifest lists every file's sha256 \('files'\); this one has none"),
 ])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_corrupted_checkpoints_fail_to_load_naming_the_file(tmp_path, how, expected, tp):

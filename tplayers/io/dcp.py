@@ -215,6 +215,13 @@ def _read_manifest(path: str) -> Dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: unknown checkpoint format "
                               f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r}")
+    version = manifest.get("version", 1)
+    if not isinstance(version, int) or version > VERSION:
+        raise CheckpointError(f"{mpath}: checkpoint version {version!r} is newer than this tplayers reads ({VERSION})")
+    files = manifest.get("files")
+    if version >= 2 and (not isinstance(files, dict) or not files):  # else every checksum would be skipped
+        raise CheckpointError(f"{mpath}: a version-2 manifest lists every file's sha256 ('files'); this one has none "
+                              "(edited or truncated): refusing to load unverified files")
     return manifest
 
 
