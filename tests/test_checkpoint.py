@@ -511,3 +511,34 @@ def test_load_dense_reads_the_hugging_face_cache_layout(tmp_path):
     model = nn.Linear(2, 2, bias=False)
     assert tplayers.load_dense(model, str(snapshot)) == ([], [])
     assert torch.equal(model.weight.detach(), weight)
+
+
+def _load_rank0_state_dict(group, path):
+    """The DDP idiom on a TP model: rank 0 saves model.state_dict() with torch.save, every rank loads
+    it. Rank 1 would compute with rank 0's shards (off by 0.5 on this model, no error, before): its
+    load is refused naming both shards and the fix; rank 0's own shards load; per-rank files load."""
+    g = resolve_group(group)
+    model = _build(group, seed=8)
+    if g.rank == 0:
+        torch.save(model.state_dict(), path)
+    torch.save(model.state_dict(), f"{path}.{g.rank}")
+    tplayers.core.collectives.barrier(group)
+    fresh = _build(group, seed=9)
+    try:
+        fresh.load_state_dict(torch.load(path))
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    fresh.load_state_dict(torch.load(f"{path}.{g.rank}"))  # each rank its own: fine
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    return g.rank, refused, same
+
+
+def test_a_state_dict_of_another_rank_is_refused(tmp_path):
+    for rank, refused, same in get_world(2).run(_load_rank0_state_dict, str(tmp_path / "rank0.pt")):
+        assert same
+        if rank == 0:
+            assert refused == ""
+        else:
+            assert "holds TP rank 0 of 2's shard; this module is TP rank 1 of 2" in refused, refused
+            assert "tplayers.save_checkpoint" in refused

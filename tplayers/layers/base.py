@@ -7,7 +7,7 @@ weights between dense and sharded form reads that map.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -16,11 +16,12 @@ from ..core.collectives import gather_placed
 from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 
-__all__ = ["TensorParallelModule", "model_placements", "placements_of", "PLACEMENTS_ATTR"]
+__all__ = ["TensorParallelModule", "model_placements", "placements_of", "PLACEMENTS_ATTR", "SHARD_OWNER_KEY"]
 
 # A module that is not a TensorParallelModule (a Hugging Face norm under sequence parallelism) carries
 # its parameters' placements in this attribute, set by the parallelize style that changed how it runs.
 PLACEMENTS_ATTR = "_tplayers_placements"
+SHARD_OWNER_KEY = "tplayers_shards"  # in a state_dict's metadata: whose shards it holds
 
 
 class TensorParallelModule(nn.Module):
@@ -52,6 +53,41 @@ class TensorParallelModule(nn.Module):
     def gather_param(self, name: str) -> torch.Tensor:
         """The dense tensor of direct parameter ``name``, on every rank (collective; no autograd)."""
         return gather_placed(getattr(self, name), self.param_placements()[name], group=self.group)
+
+    # A state_dict holds this rank's shards: it records whose they are (in the state_dict's metadata,
+    # which torch.save keeps and load_state_dict's strictness ignores), and a load refuses another
+    # rank's or another TP size's, which would otherwise compute wrong numbers with no error.
+    def _shard_owner(self) -> Optional[Dict[str, Any]]:
+        placements = {n: repr(pl) for n, pl in self.param_placements().items() if pl.is_sharded}
+        if not placements:
+            return None  # nothing sharded: any rank's copy is this rank's
+        return {"tp_rank": self.group.rank, "tp_size": self.group.size, "placements": placements}
+
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        owner = self._shard_owner()
+        metadata = getattr(destination, "_metadata", None)
+        if owner is not None and metadata is not None and prefix[:-1] in metadata:
+            metadata[prefix[:-1]][SHARD_OWNER_KEY] = owner
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
+                              strict: bool, missing_keys: List[str], unexpected_keys: List[str],
+                              error_msgs: List[str]) -> None:
+        saved, mine = local_metadata.get(SHARD_OWNER_KEY), self._shard_owner()
+        if saved is not None and mine is not None and saved != mine:
+            what = f"{type(self).__name__} '{prefix[:-1]}'"
+            if (saved.get("tp_rank"), saved.get("tp_size")) != (mine["tp_rank"], mine["tp_size"]):
+                error_msgs.append(
+                    f"{what}: this state_dict holds TP rank {saved.get('tp_rank')} of {saved.get('tp_size')}'s shard; "
+                    f"this module is TP rank {mine['tp_rank']} of {mine['tp_size']}. A TP model's state_dict is "
+                    "per rank: save and load it on every rank (one file per rank), or use "
+                    "tplayers.save_checkpoint / load_checkpoint (any TP size) or save_dense / load_dense")
+                return
+            error_msgs.append(f"{what}: this state_dict's shards are placed {saved.get('placements')}, this module's "
+                              f"{mine['placements']}: a different layout of the same parameters")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
 
 def placements_of(module: nn.Module) -> Dict[str, Placement]:
