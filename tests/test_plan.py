@@ -209,3 +209,34 @@ def test_pattern_matching_nothing_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tplayers.parallelize(SPNet(), {"first": "column", "norm": "replicate"}, group=None)
+
+
+def _optimizer_built_before_parallelize(group, kind):
+    """The usual order in a training script with its own model: the optimizer is built first. It holds
+    the dense Parameter objects; parallelize keeps those objects (now holding this rank's shards), so
+    the optimizer steps the TP model: one step equals the dense model's step. (Before: the optimizer
+    stepped the orphaned dense tensors and the TP model never changed.)"""
+    torch.manual_seed(1)
+    dense = Net(8, 8, True).double()
+    model = copy.deepcopy(dense)
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01)}[kind]
+    opt, dense_opt = make(model.parameters()), make(dense.parameters())
+    before = [id(p) for p in model.parameters()]
+    tplayers.parallelize(model, PLAN, group=group)
+    kept = [id(p) for p in model.parameters()] == before
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    for _ in range(2):
+        for m, o in ((model, opt), (dense, dense_opt)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    after = tplayers.testing.dense_parameters(model)
+    err = max((after[n] - p).abs().max().item() for n, p in dense.named_parameters())
+    return kept, err
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_an_optimizer_built_before_parallelize_steps_the_tp_model(kind):
+    for kept, err in get_world(2).run(_optimizer_built_before_parallelize, kind):
+        assert kept and err < 1e-12, (kept, err)

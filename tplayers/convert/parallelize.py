@@ -256,6 +256,31 @@ def _refuse_lonely_rows(model: nn.Module, io: Dict[str, Tuple[bool, bool]], regi
         warnings.warn(f"{msg}; make sure its input arrives split on the last dim", stacklevel=4)
 
 
+def _keep_parameter_objects(model: nn.Module, modules: Dict[str, nn.Module], built: Dict[str, Built]) -> None:
+    """Each swapped module's direct parameters move into the dense Parameter objects of the same name
+    they were built from (``param.data`` = this rank's shard), so whatever already holds the dense
+    model's parameters (an optimizer built before ``parallelize``, a hook, a parameter list) holds the
+    TP ones: an optimizer built first steps the TP model instead of orphaned dense tensors. Tied
+    parameters stay tied (every reference to a replaced parameter is replaced)."""
+    kept: Dict[int, nn.Parameter] = {}  # id(the TP layer's new parameter) -> the dense Parameter now holding it
+    claimed: set = set()
+    for name, b in built.items():
+        old, new = modules[name], b.module
+        if new is old:
+            continue
+        for pname, p_new in new.named_parameters(recurse=False):
+            p_old = old._parameters.get(pname)
+            if (p_old is None or id(p_new) in kept or id(p_old) in claimed or type(p_old) is not nn.Parameter
+                    or p_old.requires_grad != p_new.requires_grad or p_old.device != p_new.device):
+                continue
+            p_old.data = p_new.data
+            kept[id(p_new)], claimed = p_old, claimed | {id(p_old)}
+    for module in model.modules():
+        for pname, param in list(module._parameters.items()):
+            if param is not None and id(param) in kept:
+                module._parameters[pname] = kept[id(param)]
+
+
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
                 group: GroupLike, sequence_parallel: bool = False, check_consistency: bool = True,
                 audit: bool = True) -> nn.Module:
@@ -306,6 +331,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
         setattr(module, attr, value)
     for dst, a, src, a0 in retie:
         setattr(dst, a, getattr(src, a0))
+    _keep_parameter_objects(model, modules, built)
     auditor.before_hooks(model)
     for b in built.values():
         if b.finish is not None:
