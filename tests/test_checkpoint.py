@@ -542,3 +542,32 @@ def test_a_state_dict_of_another_rank_is_refused(tmp_path):
         else:
             assert "holds TP rank 0 of 2's shard; this module is TP rank 1 of 2" in refused, refused
             assert "tplayers.save_checkpoint" in refused
+
+
+def _node_local_copies(group, root):
+    """Node-local checkpoint directories behind one path string: rank 1's node holds a copy of another
+    save (simulated: rank 1 reads the other save's directory through the same path string). Each copy
+    is internally consistent, so per-file digests pass; before, each rank loaded a different model.
+    Refused on every rank, naming the rank that sees another checkpoint."""
+    from tplayers.io import dcp as dcp_module
+
+    g = resolve_group(group)
+    first, second = os.path.join(root, "ck"), os.path.join(root, "ck-node1")
+    tplayers.save_checkpoint(_build(group, seed=10), first)
+    tplayers.save_checkpoint(_build(group, seed=11), second)
+    if g.rank == 1:  # this "node" mounts the other save at the same path
+        real = dcp_module._manifest_bytes
+        dcp_module._manifest_bytes = lambda path: real(second if path == first else path)
+    try:
+        tplayers.load_checkpoint(_build(group, seed=12), first)
+        return ""
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        if g.rank == 1:
+            dcp_module._manifest_bytes = real
+
+
+def test_node_local_checkpoints_behind_one_path_are_refused(tmp_path):
+    for message in get_world(2).run(_node_local_copies, str(tmp_path)):
+        assert "rank(s) [1] see a different checkpoint at" in message and "ck" in message, message

@@ -201,15 +201,23 @@ def _verify_files(manifest: Dict[str, Any], path: str, pg: Any, rank: int) -> No
                               "checkpoint recorded (corrupted or partly overwritten); refusing to load")
 
 
-def _read_manifest(path: str) -> Dict[str, Any]:
+def _manifest_bytes(path: str) -> bytes:
+    """The manifest file as this rank reads it (b"" when there is none)."""
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _read_manifest(path: str, raw: bytes) -> Dict[str, Any]:
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint directory at {path}")
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isfile(mpath) or not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"{path} is not a complete tplayers checkpoint (no {MANIFEST} or .metadata)")
     try:
-        with open(mpath) as f:
-            manifest = json.load(f)
+        manifest = json.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mpath}: the checkpoint manifest is not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -257,8 +265,9 @@ def load_checkpoint(model: nn.Module, path: str, *, group: Any = None) -> None:
 
     path = os.path.abspath(os.fspath(path))
     pg, rank = coord_group(group, "load_checkpoint")
-    require_same_path(pg, path, "load_checkpoint")
-    manifest = _read_manifest(path)
+    raw = _manifest_bytes(path)
+    require_same_path(pg, path, "load_checkpoint", content=raw)  # node-local copies of another save caught here
+    manifest = _read_manifest(path, raw)
     _check_against(manifest, model, path)
     refuse_meta(entries(model), path)
     reader = safe_reader(path)

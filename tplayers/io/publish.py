@@ -62,17 +62,26 @@ def coord_group(group: Any, caller: str) -> Tuple[Any, int]:
     return group, rank
 
 
-def require_same_path(pg: Any, path: str, caller: str) -> None:
+def require_same_path(pg: Any, path: str, caller: str, content: Optional[bytes] = None) -> None:
     """Refuse, on every rank, a collective save/load given different paths on different ranks (a
-    checkpoint missing some ranks' shards, or a model loaded from two checkpoints)."""
+    checkpoint missing some ranks' shards, or a model loaded from two checkpoints); with ``content``
+    (a load: the checkpoint's manifest as this rank reads it), also the same path showing different
+    checkpoints (node-local directories). One all-gather of the hashes."""
     if pg is None:
         return
-    text = torch.tensor(list(os.fsencode(path)) or [0], dtype=torch.uint8)
-    differ = ranks_that_differ(bit_hash(text)[None], group=pg)[:, 0]
-    if differ.any():
-        raise CheckpointError(f"{caller}: rank(s) {differ.nonzero().flatten().tolist()} passed a different path than "
-                              f"rank 0 (this rank: {path}); every rank must pass the same path (on a shared "
-                              "file system for a multi-node save)")
+    blobs = [os.fsencode(path)] + ([content] if content is not None else [])
+    hashes = torch.stack([bit_hash(torch.tensor(list(b) or [0], dtype=torch.uint8)) for b in blobs])
+    differ = ranks_that_differ(hashes, group=pg)  # (p, 1 or 2): the path, the content
+    if not differ.any():
+        return
+    if differ[:, 0].any():
+        ranks = differ[:, 0].nonzero().flatten().tolist()
+        raise CheckpointError(f"{caller}: rank(s) {ranks} passed a different path than rank 0 (this rank: {path}); "
+                              "every rank must pass the same path (on a shared file system for a multi-node save)")
+    ranks = differ[:, 1].nonzero().flatten().tolist()
+    raise CheckpointError(f"{caller}: rank(s) {ranks} see a different checkpoint at {path} than rank 0 (its manifest "
+                          "differs or is missing: node-local directories, or a copy from another save); every rank "
+                          "must read the same checkpoint (a shared file system)")
 
 
 def agree_token(pg: Any, rank: int) -> str:
