@@ -240,3 +240,40 @@ def _optimizer_built_before_parallelize(group, kind):
 def test_an_optimizer_built_before_parallelize_steps_the_tp_model(kind):
     for kept, err in get_world(2).run(_optimizer_built_before_parallelize, kind):
         assert kept and err < 1e-12, (kept, err)
+
+
+class DropNet(nn.Module):
+    """A model with dropout on a replicated activation (after the row layer), as users write it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.drop = nn.Linear(8, 16), nn.Linear(16, 8), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.down(torch.relu(self.up(x))))
+
+
+def _dropout_with_seeds(group, per_rank_seed):
+    """Each rank seeded seed + rank (a common habit): the replicated activation gets a different
+    dropout mask on each rank, silently wrong (before). At the first training forward the TP ranks'
+    generators are compared: refused on every rank, naming the fix; one seed everywhere is fine, and
+    evaluation (no dropout) is never refused."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model = tplayers.parallelize(DropNet(), {"up": "column", "down": "row"}, group=group, audit=False)
+    torch.manual_seed(1 + (dist.get_rank() if per_rank_seed else 0))
+    x = torch.randn(2, 8)
+    model.eval()
+    model(x)  # no dropout: no check
+    model.train()
+    try:
+        out = model(x)
+    except RuntimeError as e:
+        return str(e)
+    return tplayers.core.collectives.all_gather_tensor(out[None].detach(), 0, group=group).unique(dim=0).shape[0]
+
+
+def test_per_rank_seeds_with_dropout_are_refused_at_the_first_training_step():
+    for message in get_world(2).run(_dropout_with_seeds, True):
+        assert "the TP ranks' random generators differ" in message and "torch.manual_seed(seed)" in message, message
+    assert get_world(2).run(_dropout_with_seeds, False) == [1, 1]  # one seed: the same output on both ranks

@@ -46,6 +46,7 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, placements_of
 from ..layers.fused import FusedColumnParallelLinear
+from ..layers.same_inputs import check_same_rng_once, has_dropout
 from .audit import AUDIT_ATTR, Auditor, find_regions
 from .auto import auto_plan
 from .coverage import REPORT_ATTR, build_report
@@ -293,7 +294,9 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     ``sequence_parallel=True`` (shipped plans): activations between the TP layers are split along
     the sequence (its length must divide by the TP degree). ``check_consistency`` (default on):
     first verify that every rank holds the same dense model (one all-gather of two int64 hashes per
-    tensor, and a pass over the weights to hash them, once), refusing a model that differs.
+    tensor, and a pass over the weights to hash them, once), refusing a model that differs; and, on a
+    model with dropout, that the ranks' random generators agree at its first training forward (one
+    all-gather of two int64, once: per-rank seeds would give replicated activations different masks).
     ``audit`` (default on): the first forward checks one instance of each distinct converted region
     (an attention, an MLP, the embedding, the head) against its dense twin, output and every
     gradient, and raises :class:`~tplayers.convert.audit.AuditError` on every rank on a mismatch
@@ -338,6 +341,8 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
             b.finish()
     auditor.after_swap(model)
     object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict
+    if check_consistency and tp.size > 1 and has_dropout(model):
+        check_same_rng_once(model, group=tp)  # before the audit's hooks: the audit forks the RNG anyway
     if audit:
         auditor.arm()
     _report(model, p, plan, built, modules, styles, matched, used, unmatched_keys, skipped)

@@ -1,4 +1,5 @@
-"""`check_same_inputs`: the TP ranks of one replica must be fed the same batch (opt-in, per forward).
+"""`check_same_inputs`: the TP ranks of one replica must be fed the same batch (opt-in, per forward);
+`check_same_rng_once`: and draw the same dropout masks (at the first training forward).
 
 Every rank of a TP group computes on the same activations; a data loader that gives each rank a
 different batch (Lightning's or DDP's distributed sampler over the TP ranks) trains a model that is
@@ -16,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from ..core.collectives import bit_hash, ranks_that_differ
 from ..core.groups import GroupLike, resolve_group
 
-__all__ = ["check_same_inputs"]
+__all__ = ["check_same_inputs", "check_same_rng_once", "has_dropout"]
 
 
 def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) -> RemovableHandle:
@@ -53,3 +54,46 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) ->
                              "use_distributed_sampler=False when data_parallel_size=1)")
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Whether ``model`` may draw dropout masks: a dropout module with p > 0, or a config value whose
+    name says dropout (Hugging Face's ``attention_dropout``, ``hidden_dropout``, GPT-2's ``attn_pdrop``)."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        config = getattr(m, "config", None)
+        for k, v in (vars(config).items() if hasattr(config, "__dict__") else ()):
+            if ("dropout" in k or "pdrop" in k) and type(v) in (int, float) and v > 0:
+                return True
+    return False
+
+
+def check_same_rng_once(module: nn.Module, *, group: GroupLike) -> RemovableHandle:
+    """At ``module``'s first forward in training mode with autograd on, check that the TP ranks'
+    default generators (CPU, and the current CUDA device's when CUDA is initialized) are in the same
+    state; raise RuntimeError on every rank otherwise. A TP model draws its dropout masks from them:
+    a replicated activation must get the same mask on every rank. Cost: one all-gather of two int64
+    per generator, once; the hook removes itself after."""
+    tp = resolve_group(group)
+    handle: list = []
+
+    def hook(_: nn.Module, args: Tuple[Any, ...]) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return  # evaluation draws no dropout: wait for the first training forward
+        handle[0].remove()
+        states = [torch.get_rng_state()]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states.append(torch.cuda.get_rng_state())
+        differ = ranks_that_differ(torch.stack([bit_hash(s) for s in states]), group=tp)
+        if differ.any():
+            ranks = differ.any(1).nonzero().flatten().tolist()
+            raise RuntimeError(
+                f"tplayers: the TP ranks' random generators differ at the first training step of a model with dropout "
+                f"(rank(s) {ranks} vs rank 0): a replicated activation would get a different dropout mask on each "
+                "rank, and the model would train wrong with no error. Seed every rank of a TP group alike "
+                "(torch.manual_seed(seed), not seed + rank; with data parallelism, seed + dp_rank), and draw the "
+                "same random numbers on each; or parallelize(..., check_consistency=False) to skip this check")
+
+    handle.append(module.register_forward_pre_hook(hook))
+    return handle[0]
