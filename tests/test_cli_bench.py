@@ -1,5 +1,6 @@
 """The ``tplayers bench`` command: its JSON schema and table, each mode, the emulated link, --simulate, --trace."""
 import json
+import os
 import subprocess
 import sys
 
@@ -224,3 +225,65 @@ def test_bench_simulate_needs_no_launcher_and_refuses_bad_input(capsys):
     assert "not divisible by the TP degree 3" in capsys.readouterr().err
     assert main(["bench", "--shape", "llama3-8b", "--module", "mlp"]) == 2
     assert "--shape llama3-8b is a transformer layer" in capsys.readouterr().err
+
+
+def _processes_with(marker: str) -> list:
+    """PIDs of live processes whose environment carries ``marker`` (the run, its forkserver, its ranks)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    with open(f"/proc/{entry}/stat") as s:
+                        if s.read().split(") ", 1)[1].startswith("Z"):  # a zombie is gone, not yet reaped
+                            continue
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:100]
+    except OSError:
+        return "?"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_sigterm_ends_the_bench_its_forkserver_and_ranks_within_seconds():
+    """SIGTERM (timeout(1), CI cancellation) to `tplayers bench` mid-run: before, the main process
+    died and the forkserver and ranks ran on until their work ended (holding GPU memory on a GPU
+    box). Now the command handles SIGTERM as Ctrl-C, and ranks whose parent is gone exit at once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    marker = f"TPLAYERS_SIGTERM_TEST={uuid.uuid4().hex}"
+    env = dict(subprocess_env(), **dict([marker.split("=")]))
+    proc = subprocess.Popen([sys.executable, "-m", "tplayers", "bench", "--shape", "large", "--iters", "100000",
+                             "--modes", "tp", "--no-progress"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_processes_with(marker)) < 3 and time.monotonic() < deadline:  # main, forkserver, ranks
+            time.sleep(0.2)
+        time.sleep(2)  # the ranks are timing now
+        assert len(_processes_with(marker)) >= 3
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {pid: _cmdline(pid) for pid in _processes_with(marker)}
+        assert not left, f"still running 5 s after SIGTERM: {left}"
+    finally:
+        for pid in _processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()

@@ -10,6 +10,7 @@ This module holds the argument parser and the dispatch; the commands' bodies are
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Any, List, Optional, Sequence
 
@@ -158,6 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if problem:
         print(f"tplayers {args.command}: {problem}", file=sys.stderr)
         return 2
+    previous = _sigterm_as_interrupt()
     try:
         if args.command == "verify":
             from .verify import verify_command as command
@@ -167,6 +169,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except WorldError as e:
         print(f"tplayers {args.command}: the ranks failed: {e}", file=sys.stderr)
         rc = 1
+    except KeyboardInterrupt:
+        print(f"tplayers {args.command}: interrupted", file=sys.stderr)
+        rc = 130
     finally:
         finish_torchrun()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return rc
+
+
+def _sigterm_as_interrupt() -> Any:
+    """SIGTERM (timeout(1), a CI cancel, a job scheduler) ends the command as Ctrl-C does: the
+    ranks and their forkserver are shut down on the way out. Returns the handler it replaced (None
+    off the main thread, where Python allows no handler)."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        return None

@@ -17,6 +17,7 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -60,9 +61,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """A rank's watchdog thread: when the process that owns the world is gone (SIGTERM, SIGKILL, a
+    crash), exit at once, even mid-computation, instead of running its work to the end."""
+    while _alive(parent_pid):
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def _worker_main(rank: int, size: int, backend: str, init_file: str, conn: Any,
                  collective_timeout_s: float, threads: int, parent_pid: int) -> None:
     torch.set_num_threads(threads)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True, name="tplayers-orphan-watch").start()
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -150,17 +160,21 @@ class World:
         ctx = _context()
         self._tmpdir = tempfile.TemporaryDirectory(prefix="tplayers-world-")
         init_file = os.path.join(self._tmpdir.name, "rendezvous")
-        for rank in range(self.size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, daemon=True, name=f"tplayers-rank{rank}",
-                            args=(rank, self.size, self.backend, init_file, child,
-                                  self.collective_timeout, self.threads, os.getpid()))
-            p.start()
-            child.close()
-            self._procs.append(p)
-            self._conns.append(parent)
-        self.starts += 1
-        self._collect(self.start_timeout, what="start")
+        try:
+            for rank in range(self.size):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_worker_main, daemon=True, name=f"tplayers-rank{rank}",
+                                args=(rank, self.size, self.backend, init_file, child,
+                                      self.collective_timeout, self.threads, os.getpid()))
+                p.start()
+                child.close()
+                self._procs.append(p)
+                self._conns.append(parent)
+            self.starts += 1
+            self._collect(self.start_timeout, what="start")
+        except BaseException:  # Ctrl-C / SIGTERM mid-start: no rank may wait out its rendezvous alone
+            self.close(force=True)
+            raise
         return self
 
     def close(self, *, force: bool = False) -> None:
@@ -187,8 +201,9 @@ class World:
     def __enter__(self) -> "World":
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        # interrupted (Ctrl-C, SIGTERM as the CLI maps it): the ranks' work is moot, stop them at once
+        self.close(force=exc_type is not None and not issubclass(exc_type, Exception))
 
     # -- calls
     def run(self, fn: Callable[..., Any], *args: Any, timeout: Optional[float] = None, **kwargs: Any) -> List[Any]:
