@@ -261,8 +261,8 @@ def _dropout_with_seeds(group, per_rank_seed):
     import torch.distributed as dist
     torch.manual_seed(0)
     model = tplayers.parallelize(DropNet(), {"up": "column", "down": "row"}, group=group, audit=False)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(3))  # the same batch on every rank
     torch.manual_seed(1 + (dist.get_rank() if per_rank_seed else 0))
-    x = torch.randn(2, 8)
     model.eval()
     model(x)  # no dropout: no check
     model.train()
@@ -277,3 +277,46 @@ def test_per_rank_seeds_with_dropout_are_refused_at_the_first_training_step():
     for message in get_world(2).run(_dropout_with_seeds, True):
         assert "the TP ranks' random generators differ" in message and "torch.manual_seed(seed)" in message, message
     assert get_world(2).run(_dropout_with_seeds, False) == [1, 1]  # one seed: the same output on both ranks
+
+
+class DictNet(nn.Module):
+    """A model taking a dict batch and its labels, as Hugging Face models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, batch, labels=None):
+        out = self.down(torch.relu(self.up(batch["x"])))
+        return out if labels is None else (out - labels).square().mean()
+
+
+def _different_batches(group, what):
+    """TP ranks fed different batches (a distributed sampler over the TP ranks): checked by default at
+    the first forward, every tensor in nested arguments and keyword arguments included (labels too);
+    before, only check_same_inputs (opt-in, top-level tensors) could see it. Off: check_inputs=0."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model = tplayers.parallelize(DictNet(), {"up": "column", "down": "row"}, group=group, audit=False,
+                                 check_inputs=0 if what == "off" else 1000)
+    x, labels = torch.zeros(2, 8), torch.zeros(2, 8)
+    if what in ("x", "off"):
+        x = x + dist.get_rank()
+    elif what == "labels":
+        labels = labels + dist.get_rank()
+    try:
+        model({"x": x}, labels=labels)
+    except ValueError as e:
+        return str(e)
+    return "ran"
+
+
+@pytest.mark.parametrize("what, expected", [
+    ("x", "argument 0['x'] differs between rank 0 and rank 1"),
+    ("labels", "argument 'labels' differs between rank 0 and rank 1"),
+    ("same", "ran"),
+    ("off", "ran"),
+])
+def test_tp_ranks_fed_different_batches_are_refused_by_default(what, expected):
+    for message in get_world(2).run(_different_batches, what):
+        assert expected in message, message

@@ -46,7 +46,7 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, placements_of
 from ..layers.fused import FusedColumnParallelLinear
-from ..layers.same_inputs import check_same_rng_once, has_dropout
+from ..layers.same_inputs import check_same_inputs, check_same_rng_once, has_dropout
 from .audit import AUDIT_ATTR, Auditor, find_regions
 from .auto import auto_plan
 from .coverage import REPORT_ATTR, build_report
@@ -284,7 +284,7 @@ def _keep_parameter_objects(model: nn.Module, modules: Dict[str, nn.Module], bui
 
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
                 group: GroupLike, sequence_parallel: bool = False, check_consistency: bool = True,
-                audit: bool = True) -> nn.Module:
+                audit: bool = True, check_inputs: int = 1000) -> nn.Module:
     """Swap, in place, the modules ``plan`` names for TP layers holding this rank's shard.
 
     Every rank of ``group`` calls it on an identical dense model (same weights). Returns
@@ -297,12 +297,18 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     tensor, and a pass over the weights to hash them, once), refusing a model that differs; and, on a
     model with dropout, that the ranks' random generators agree at its first training forward (one
     all-gather of two int64, once: per-rank seeds would give replicated activations different masks).
+    ``check_inputs`` (default 1000): the TP ranks' inputs (every tensor of the arguments, nested and
+    keyword ones such as ``labels`` included) must agree at the first forward and every
+    ``check_inputs``-th after (:func:`~tplayers.layers.same_inputs.check_same_inputs`: a hash per tensor
+    and two small all-gathers per checked forward); 0 turns it off.
     ``audit`` (default on): the first forward checks one instance of each distinct converted region
     (an attention, an MLP, the embedding, the head) against its dense twin, output and every
     gradient, and raises :class:`~tplayers.convert.audit.AuditError` on every rank on a mismatch
     (see :mod:`tplayers.convert.audit`; its result is in ``tplayers.coverage(model).audit``).
     """
     tp = resolve_group(group)
+    if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) or check_inputs < 0:
+        raise ValueError(f"parallelize: check_inputs={check_inputs!r} must be an integer >= 0 (0: off)")
     if check_consistency:  # first: a rank whose model differs may fail differently in the checks below
         _check_same_dense_model(model, tp)
     unmatched_keys: List[str] = []
@@ -341,6 +347,8 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
             b.finish()
     auditor.after_swap(model)
     object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict
+    if check_inputs and tp.size > 1:
+        check_same_inputs(model, group=tp, every=check_inputs)
     if check_consistency and tp.size > 1 and has_dropout(model):
         check_same_rng_once(model, group=tp)  # before the audit's hooks: the audit forks the RNG anyway
     if audit:

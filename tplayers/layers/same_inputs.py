@@ -8,7 +8,8 @@ that hashes every tensor argument and compares the hashes across the TP group.
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+import hashlib
+from typing import Any, List, Mapping, Tuple
 
 import torch
 import torch.nn as nn
@@ -20,14 +21,32 @@ from ..core.groups import GroupLike, resolve_group
 __all__ = ["check_same_inputs", "check_same_rng_once", "has_dropout"]
 
 
+def _stable_hash(text: str) -> int:
+    """The same int64 on every rank (Python's ``hash`` of a str is salted per process)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def _tensors(value: Any, path: str, out: List[Tuple[str, torch.Tensor]]) -> None:
+    """Every tensor in ``value`` with its path (``argument 0['input_ids']``), through dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        out.append((path, value))
+    elif isinstance(value, Mapping):
+        for k in sorted(value, key=str):
+            _tensors(value[k], f"{path}[{k!r}]", out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _tensors(v, f"{path}[{i}]", out)
+
+
 def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) -> RemovableHandle:
-    """Check, before every ``every``-th forward of ``module``, that each tensor argument is bitwise
-    equal on every rank of the TP group; raise ValueError on every rank otherwise, naming the
-    argument and the ranks that differ. Returns the hook handle (``.remove()`` to stop).
+    """Check, before the first and then every ``every``-th forward of ``module``, that each tensor in
+    its arguments (nested dicts, lists and tuples included; keyword arguments such as ``labels`` too)
+    is bitwise equal on every rank of the TP group; raise ValueError on every rank otherwise, naming
+    the argument and the ranks that differ. Returns the hook handle (``.remove()`` to stop).
 
     Cost per checked forward: each input hashed (read once; on CUDA the hash is copied to the host,
-    one sync) and one all-gather of two int64 per tensor argument. Meant for the first steps of a
-    run or a debugging session; ``every=100`` keeps it as a cheap periodic audit.
+    one sync) and one all-gather of three int64 per tensor. ``parallelize`` registers it with
+    ``every=1000`` (its ``check_inputs``); inside ``torch.compile`` it does not run.
     """
     tp = resolve_group(group)
     if every < 1:
@@ -35,15 +54,25 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) ->
     calls = [0]
 
     def hook(_: nn.Module, args: Tuple[Any, ...], kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            return
         calls[0] += 1
         if tp.size == 1 or (calls[0] - 1) % every:
             return
-        named = [(f"argument {i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        named += [(f"argument '{k}'", v) for k, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor)]
+        named: List[Tuple[str, torch.Tensor]] = []
+        for i, a in enumerate(args):
+            _tensors(a, f"argument {i}", named)
+        for k, v in sorted(kwargs.items()):
+            _tensors(v, f"argument '{k}'", named)
+        # first the structure (how many tensors, their paths: a fixed-size exchange), then one hash row each
+        layout = torch.tensor([[len(named), _stable_hash("|".join(n for n, _ in named))]])
+        if ranks_that_differ(layout, group=tp).any():
+            raise ValueError(f"check_same_inputs: {type(module).__name__} forward #{calls[0]}: the TP ranks' arguments "
+                             "differ in structure (number or names of tensors): every TP rank must see the same batch")
         if not named:
             return
         # the shape goes into the hash too: two ranks with different batch sizes must not collide
-        hashes = torch.stack([torch.cat([bit_hash(t), torch.tensor([hash(tuple(t.shape)) & (2**62 - 1)])])
+        hashes = torch.stack([torch.cat([bit_hash(t), torch.tensor([_stable_hash(str(tuple(t.shape)))])])
                               for _, t in named])
         differ = ranks_that_differ(hashes, group=tp)  # (p, n)
         if differ.any():
