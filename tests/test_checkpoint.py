@@ -571,3 +571,29 @@ def _node_local_copies(group, root):
 def test_node_local_checkpoints_behind_one_path_are_refused(tmp_path):
     for message in get_world(2).run(_node_local_copies, str(tmp_path)):
         assert "rank(s) [1] see a different checkpoint at" in message and "ck" in message, message
+
+
+def _save_on_rank0_only(group, path):
+    """save_checkpoint called by rank 0 only (`if rank == 0: save`): before, rank 0 waited out the
+    process group's timeout (30 minutes by default) with a message that never said the save is
+    collective. Now it names the missing rank within the call's timeout."""
+    import time
+
+    g = resolve_group(group)
+    if g.rank != 0:
+        return None
+    model, t0 = _build(None, seed=1), time.monotonic()
+    try:
+        tplayers.save_checkpoint(model, path, timeout=2)
+    except RuntimeError as e:
+        return str(e), time.monotonic() - t0
+    return "saved", time.monotonic() - t0
+
+
+def test_a_save_called_on_rank_0_only_names_the_missing_rank(tmp_path):
+    from tplayers.testing import World
+
+    with World(2) as world:  # a fresh world: the failed barrier leaves its process group unusable
+        message, seconds = world.run(_save_on_rank0_only, str(tmp_path / "ck"))[0]
+    assert "save_checkpoint is collective: every rank of its group must call it" in message, message
+    assert "Ranks 1 failed to pass monitoredBarrier" in message and seconds < 30, (message, seconds)

@@ -41,7 +41,7 @@ from typing import Dict, List, Mapping, Tuple, Union
 import torch
 import torch.nn as nn
 
-from ..core.collectives import bit_hash, ranks_that_differ
+from ..core.collectives import bit_hash, ranks_that_differ, wait_for_ranks
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, placements_of
@@ -284,7 +284,7 @@ def _keep_parameter_objects(model: nn.Module, modules: Dict[str, nn.Module], bui
 
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
                 group: GroupLike, sequence_parallel: bool = False, check_consistency: bool = True,
-                audit: bool = True, check_inputs: int = 1000) -> nn.Module:
+                audit: bool = True, check_inputs: int = 1000, timeout: float = 300.0) -> nn.Module:
     """Swap, in place, the modules ``plan`` names for TP layers holding this rank's shard.
 
     Every rank of ``group`` calls it on an identical dense model (same weights). Returns
@@ -300,7 +300,8 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     ``check_inputs`` (default 1000): the TP ranks' inputs (every tensor of the arguments, nested and
     keyword ones such as ``labels`` included) must agree at the first forward and every
     ``check_inputs``-th after (:func:`~tplayers.layers.same_inputs.check_same_inputs`: a hash per tensor
-    and two small all-gathers per checked forward); 0 turns it off.
+    and two small all-gathers per checked forward); 0 turns it off. ``timeout``: a rank that does not
+    call ``parallelize`` within that many seconds is named in an error on the others (gloo groups).
     ``audit`` (default on): the first forward checks one instance of each distinct converted region
     (an attention, an MLP, the embedding, the head) against its dense twin, output and every
     gradient, and raises :class:`~tplayers.convert.audit.AuditError` on every rank on a mismatch
@@ -309,6 +310,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     tp = resolve_group(group)
     if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) or check_inputs < 0:
         raise ValueError(f"parallelize: check_inputs={check_inputs!r} must be an integer >= 0 (0: off)")
+    wait_for_ranks(tp, timeout, "parallelize")  # a rank that never calls it is named, not waited for
     if check_consistency:  # first: a rank whose model differs may fail differently in the checks below
         _check_same_dense_model(model, tp)
     unmatched_keys: List[str] = []

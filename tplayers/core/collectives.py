@@ -16,6 +16,7 @@ floor) may watch it; with none installed that costs one truth test.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any, Callable, List, Optional, Protocol, Tuple
 
 import torch
@@ -28,7 +29,7 @@ from .placement import Placement
 __all__ = ["Pending", "Observer", "set_observer", "all_reduce", "all_gather", "reduce_scatter", "ring_exchange",
            "sum_over_replica_ranks", "split", "owned_copy", "all_gather_tensor", "all_reduce_tensor",
            "broadcast_tensor", "barrier", "reduce_scatter_tensor", "all_reduce_", "gather_placed", "bit_hash",
-           "ranks_that_differ", "all_gather_text", "TRACE_COLLECTIVES", "SEQ_DIM", "sum_partials"]
+           "ranks_that_differ", "all_gather_text", "TRACE_COLLECTIVES", "SEQ_DIM", "sum_partials", "wait_for_ranks"]
 
 SEQ_DIM = -2  # batch-first activations (b, s, h): the sequence dim is the one before hidden
 
@@ -278,6 +279,20 @@ def barrier(group: GroupLike) -> None:
     g = resolve_group(group)
     if g.size > 1:
         all_reduce_tensor(torch.zeros(1, device=collective_device(g.process_group)), group=g)
+
+
+def wait_for_ranks(group: GroupLike, timeout_s: float, what: str) -> None:
+    """Every rank of ``group`` reaches this point within ``timeout_s`` seconds, or a RuntimeError naming
+    the ranks that did not come and saying that ``what`` is collective (gloo groups: a monitored
+    barrier; other backends have none, and wait as their collectives do)."""
+    g = resolve_group(group)
+    if g.size == 1 or is_fake(g.process_group) or dist.get_backend(g.process_group) != "gloo":
+        return
+    try:
+        dist.monitored_barrier(g.process_group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as e:
+        raise RuntimeError(f"{what} is collective: every rank of its group must call it, but not every rank arrived "
+                           f"within {timeout_s:g} s ({str(e).splitlines()[0]})") from None
 
 
 def reduce_scatter_tensor(x: torch.Tensor, dim: int, *, group: GroupLike) -> torch.Tensor:

@@ -129,18 +129,20 @@ def _manifest(model: nn.Module) -> Dict[str, Any]:
     }
 
 
-def save_checkpoint(model: nn.Module, path: str, *, group: Any = None) -> None:
+def save_checkpoint(model: nn.Module, path: str, *, group: Any = None, timeout: float = 300.0) -> None:
     """Save ``model`` (TP or not, any TP size) as a DCP checkpoint directory at ``path``.
 
     Collective: every rank of ``group`` calls it: the ranks that write this checkpoint together
-    (default: the whole world, e.g. every TP and data-parallel rank), not the TP group. Replaces an existing checkpoint at
+    (default: the whole world, e.g. every TP and data-parallel rank), not the TP group; a rank that
+    does not call it within ``timeout`` seconds is named in an error on the others (gloo groups).
+    Replaces an existing checkpoint at
     ``path`` only once the new one is complete.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
     path = os.path.abspath(os.fspath(path))
-    pg, rank = coord_group(group, "save_checkpoint")
+    pg, rank = coord_group(group, "save_checkpoint", timeout)
     require_same_path(pg, path, "save_checkpoint")
     tmp = f"{path}.tmp-{agree_token(pg, rank)}"
     state, _ = _dcp_state(model, for_save=True)
@@ -254,7 +256,7 @@ def _check_against(manifest: Dict[str, Any], model: nn.Module, path: str) -> Non
                                   f"the model's layer has {lw}")
 
 
-def load_checkpoint(model: nn.Module, path: str, *, group: Any = None) -> None:
+def load_checkpoint(model: nn.Module, path: str, *, group: Any = None, timeout: float = 300.0) -> None:
     """Load a :func:`save_checkpoint` directory into ``model`` at any TP size (bit-exact).
 
     Collective over ``group`` (as in :func:`save_checkpoint`; default: the whole world). Raises :class:`CheckpointError`
@@ -264,7 +266,7 @@ def load_checkpoint(model: nn.Module, path: str, *, group: Any = None) -> None:
     import torch.distributed.checkpoint as dcp
 
     path = os.path.abspath(os.fspath(path))
-    pg, rank = coord_group(group, "load_checkpoint")
+    pg, rank = coord_group(group, "load_checkpoint", timeout)
     raw = _manifest_bytes(path)
     require_same_path(pg, path, "load_checkpoint", content=raw)  # node-local copies of another save caught here
     manifest = _read_manifest(path, raw)

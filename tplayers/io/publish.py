@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..core.collectives import bit_hash, broadcast_tensor, ranks_that_differ
+from ..core.collectives import bit_hash, broadcast_tensor, ranks_that_differ, wait_for_ranks
 from ..core.groups import collective_device
 from .walk import CheckpointError
 
@@ -42,9 +42,10 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def coord_group(group: Any, caller: str) -> Tuple[Any, int]:
+def coord_group(group: Any, caller: str, timeout: Optional[float] = None) -> Tuple[Any, int]:
     """(the process group of every rank taking part in a collective save/load, this rank in it);
-    (None, 0) without torch.distributed. ``group=None`` is the whole world."""
+    (None, 0) without torch.distributed. ``group=None`` is the whole world. ``timeout`` (a collective
+    call): every rank must arrive within that many seconds, or an error names the ranks missing."""
     if not (dist.is_available() and dist.is_initialized()):
         return None, 0
     if group is None:
@@ -59,6 +60,8 @@ def coord_group(group: Any, caller: str) -> Tuple[Any, int]:
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"{caller}: this process (global rank {dist.get_rank()}) is not a member of the group")
+    if timeout is not None:
+        wait_for_ranks(group, timeout, caller)
     return group, rank
 
 

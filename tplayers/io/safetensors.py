@@ -26,7 +26,8 @@ def _safetensors() -> None:
                           "(or tplayers[hf])") from None
 
 
-def save_dense(model: nn.Module, path: str, *, group: Any = None, metadata: Optional[Dict[str, str]] = None) -> None:
+def save_dense(model: nn.Module, path: str, *, group: Any = None, metadata: Optional[Dict[str, str]] = None,
+               timeout: float = 300.0) -> None:
     """Write the unsharded state dict of ``model`` to one safetensors file (atomically, rank 0).
 
     Collective: every rank of ``group`` calls it (default: the whole world; the TP modules gather
@@ -43,7 +44,7 @@ def save_dense(model: nn.Module, path: str, *, group: Any = None, metadata: Opti
         raise CheckpointError(f"save_dense: {path} is a directory; pass the file to write, e.g. {path}/model.safetensors")
     state = dense_state_dict(model)
     config = _hf_config(model)
-    pg, rank = coord_group(group, "save_dense")
+    pg, rank = coord_group(group, "save_dense", timeout)
     require_same_path(pg, path, "save_dense")
 
     def write() -> None:
