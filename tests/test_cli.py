@@ -4,7 +4,6 @@
 """
 import json
 import math
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from conftest import ROOT, subprocess_env
+from _helpers import _free_port
 
 from tplayers.cli import checks as C
 from tplayers.cli import main
@@ -58,12 +58,6 @@ def test_verify_subprocess_default_tp2():
         line = next(l for l in proc.stdout.splitlines() if l.startswith(check.name + " "))
         assert line.split()[-4:][0] == "2" and line.endswith("PASS"), line
     assert f"{len(V.CHECKS)}/{len(V.CHECKS)} checks passed" in proc.stdout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_verify_under_torchrun_env():
@@ -226,3 +220,20 @@ def test_docs_verify_sample_lists_every_check():
     rows = [line.split("  ")[0] for line in sample.splitlines() if line.endswith("PASS")]
     assert rows == [c.name for c in V.CHECKS]
     assert f"tplayers verify: {len(V.CHECKS)} checks," in sample and f"{len(V.CHECKS)}/{len(V.CHECKS)} checks passed" in sample
+
+
+def test_torchrun_variables_without_peers_say_what_they_wait_for():
+    """RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT left in an environment with no launcher: before,
+    `tplayers verify` waited in silence up to --timeout. Now it says within 5 s what it waits for
+    and how to leave, then gives up at --timeout naming the rendezvous."""
+    import time
+
+    port = _free_port()
+    env = dict(subprocess_env(), RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "tplayers", "verify", "--timeout", "6"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 40
+    assert f"tplayers: waiting for 2 ranks at 127.0.0.1:{port} (this is RANK=0)" in proc.stderr, proc.stderr
+    assert "Unset RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT" in proc.stderr
+    assert "tplayers: the torchrun rendezvous failed" in proc.stderr, proc.stderr

@@ -3,8 +3,9 @@ else on ranks spawned here (`tplayers.testing.World`)."""
 from __future__ import annotations
 
 import gc
-
 import os
+import sys
+import threading
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -26,11 +27,37 @@ def default_backend(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
+WAIT_NOTICE_S = 5.0  # after this long without the peers, say what this process waits for
+
+
+def _join_torchrun_world(backend: str, timeout_s: float) -> None:
+    """``init_process_group(env://)``, saying on stderr after a few seconds what it waits for (torchrun
+    variables left in an environment with no launcher would otherwise wait in silence), and giving up
+    after ``timeout_s`` with an error that names the rendezvous."""
+    where = (f"{os.environ.get('WORLD_SIZE')} ranks at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+             f"(this is RANK={os.environ.get('RANK')})")
+    joined = threading.Event()
+
+    def notice() -> None:
+        if not joined.wait(WAIT_NOTICE_S):
+            print(f"tplayers: waiting for {where}, as torchrun's variables say; giving up after {timeout_s:g} s "
+                  "(--timeout). Not under a launcher? Unset RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.",
+                  file=sys.stderr, flush=True)
+
+    threading.Thread(target=notice, daemon=True, name="tplayers-rendezvous-notice").start()
+    try:
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as e:  # the store's timeout (DistStoreError) or a refused connection
+        raise SystemExit(f"tplayers: the torchrun rendezvous failed: {where}: {str(e).splitlines()[0]}") from None
+    finally:
+        joined.set()
+
+
 def _torchrun_group(tp: Optional[int], backend: str, device: str, timeout_s: float) -> Any:
     if not dist.is_initialized():
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+        _join_torchrun_world(backend, timeout_s)
     world = dist.get_world_size()
     tp = world if tp is None else tp
     if tp < 1 or world % tp:
