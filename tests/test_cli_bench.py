@@ -248,7 +248,12 @@ def _processes_with(marker: str) -> list:
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")[:100]
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:100]
+        with open(f"/proc/{pid}/status") as f:
+            status = {k: v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        tasks = os.listdir(f"/proc/{pid}/task")
+        wchan = [open(f"/proc/{pid}/task/{t}/wchan").read() for t in tasks]
+        return f"{cmd} ppid={status.get('PPid')} state={status.get('State')} threads={len(tasks)} wchan={wchan}"
     except OSError:
         return "?"
 
@@ -271,17 +276,19 @@ def test_sigterm_ends_the_bench_its_forkserver_and_ranks_within_seconds():
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while len(_processes_with(marker)) < 3 and time.monotonic() < deadline:  # main, forkserver, ranks
+        # main, resource tracker, forkserver, 2 ranks; then the ranks are timing (the case of the issue:
+        # a signal mid-run; one landing inside the ranks' rendezvous is not covered, see docs/checks.md)
+        while len(_processes_with(marker)) < 5 and time.monotonic() < deadline:
             time.sleep(0.2)
-        time.sleep(2)  # the ranks are timing now
-        assert len(_processes_with(marker)) >= 3
+        time.sleep(4)
+        assert len(_processes_with(marker)) >= 5
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 5
         while _processes_with(marker) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = {pid: _cmdline(pid) for pid in _processes_with(marker)}
-        assert not left, f"still running 5 s after SIGTERM: {left}"
+        assert not left, f"still running 5 s after SIGTERM: {left}; rc {proc.returncode}: {proc.stderr.read()[-1500:]}"
     finally:
         for pid in _processes_with(marker):
             os.kill(pid, signal.SIGKILL)

@@ -12,16 +12,18 @@ nothing ever waits on a rank that is gone.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
+import signal
 import tempfile
 import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,21 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """SIGINT / SIGTERM held back for the body (delivered right after), where the main thread can."""
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = mask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        mask(signal.SIG_SETMASK, previous)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -166,10 +183,11 @@ class World:
                 p = ctx.Process(target=_worker_main, daemon=True, name=f"tplayers-rank{rank}",
                                 args=(rank, self.size, self.backend, init_file, child,
                                       self.collective_timeout, self.threads, os.getpid()))
-                p.start()
+                with _interrupts_deferred():  # a started rank is always one close() knows of
+                    p.start()
+                    self._procs.append(p)
+                    self._conns.append(parent)
                 child.close()
-                self._procs.append(p)
-                self._conns.append(parent)
             self.starts += 1
             self._collect(self.start_timeout, what="start")
         except BaseException:  # Ctrl-C / SIGTERM mid-start: no rank may wait out its rendezvous alone
