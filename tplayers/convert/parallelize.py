@@ -282,6 +282,30 @@ def _keep_parameter_objects(model: nn.Module, modules: Dict[str, nn.Module], bui
                 module._parameters[pname] = kept[id(param)]
 
 
+def _resolve_plan(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]],
+                  sequence_parallel: bool) -> Tuple[Plan, List[str], Dict[str, str]]:
+    """(the Plan, Hugging Face plan keys that matched nothing, styles skipped): "auto" translates the
+    model's own tp_plan; anything else is a shipped plan's name, a Plan or a dict."""
+    if isinstance(plan, str) and plan == "auto":
+        if sequence_parallel:
+            raise ValueError("parallelize(model, 'auto', sequence_parallel=True): the 'auto' plan is the plain TP "
+                             "layout; for sequence parallelism use a shipped plan ('llama', 'gpt2') or your own")
+        translated = auto_plan(model)
+        return translated.plan, translated.unmatched, translated.skipped
+    return get_plan(plan, sequence_parallel=sequence_parallel), [], {}
+
+
+def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check_consistency: bool) -> None:
+    """The checks a converted model carries at run time: the same inputs on every TP rank (first
+    forward, then every ``check_inputs``-th), the same dropout generators (first training forward)."""
+    if tp.size == 1:
+        return
+    if check_inputs:
+        check_same_inputs(model, group=tp, every=check_inputs)
+    if check_consistency and has_dropout(model):
+        check_same_rng_once(model, group=tp)  # before the audit's hooks: the audit forks the RNG anyway
+
+
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
                 group: GroupLike, sequence_parallel: bool = False, check_consistency: bool = True,
                 audit: bool = True, check_inputs: int = 1000, timeout: float = 300.0) -> nn.Module:
@@ -313,16 +337,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     wait_for_ranks(tp, timeout, "parallelize")  # a rank that never calls it is named, not waited for
     if check_consistency:  # first: a rank whose model differs may fail differently in the checks below
         _check_same_dense_model(model, tp)
-    unmatched_keys: List[str] = []
-    skipped: Dict[str, str] = {}
-    if isinstance(plan, str) and plan == "auto":
-        if sequence_parallel:
-            raise ValueError("parallelize(model, 'auto', sequence_parallel=True): the 'auto' plan is the plain TP "
-                             "layout; for sequence parallelism use a shipped plan ('llama', 'gpt2') or your own")
-        translated = auto_plan(model)
-        p, unmatched_keys, skipped = translated.plan, translated.unmatched, translated.skipped
-    else:
-        p = get_plan(plan, sequence_parallel=sequence_parallel)
+    p, unmatched_keys, skipped = _resolve_plan(model, plan, sequence_parallel)
     styles = {pat: resolve_style(v, pat) for pat, v in p.layers.items()}
     modules = dict(model.named_modules())
     # match -> check: nothing in the model changes until every check passed
@@ -349,10 +364,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
             b.finish()
     auditor.after_swap(model)
     object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict
-    if check_inputs and tp.size > 1:
-        check_same_inputs(model, group=tp, every=check_inputs)
-    if check_consistency and tp.size > 1 and has_dropout(model):
-        check_same_rng_once(model, group=tp)  # before the audit's hooks: the audit forks the RNG anyway
+    _watch_ranks_in_step(model, tp, check_inputs, check_consistency)
     if audit:
         auditor.arm()
     _report(model, p, plan, built, modules, styles, matched, used, unmatched_keys, skipped)
