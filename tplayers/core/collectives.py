@@ -165,8 +165,8 @@ def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False)
     else:
         out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
         work, observed = _launch("all_gather", out.numel() * out.element_size(), g,
-                               lambda: _all_gather_single(out, src, group=g.process_group, async_op=async_op),
-                               out.device)
+                                 lambda: _all_gather_single(out, src, group=g.process_group, async_op=async_op),
+                                 out.device)
         result = lambda: out  # noqa: E731
     if dim == 0:
         return Pending(work, result, observed)
@@ -204,15 +204,15 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = Fa
     if dim == 0:
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
         work, observed = _launch("reduce_scatter", nbytes, g,
-                               lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op),
-                               out.device)
+                                 lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op),
+                                 out.device)
         return Pending(work, lambda: out, observed)
     chunk_shape = list(src.shape[1:])
     src = src.reshape([g.size * chunk_shape[0]] + chunk_shape[1:])  # the collective splits dim 0
     out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
     work, observed = _launch("reduce_scatter", nbytes, g,
-                           lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op),
-                           out.device)
+                             lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op),
+                             out.device)
     return Pending(work, lambda: out.reshape(out_shape), observed)
 
 
@@ -235,7 +235,7 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, g: TPGroup) -> Pending
         nxt, prv = dist.get_global_rank(pg, nxt), dist.get_global_rank(pg, prv)
     ops = [dist.P2POp(dist.isend, send, nxt, group=pg), dist.P2POp(dist.irecv, recv, prv, group=pg)]
     works, observed = _launch("send", send.numel() * send.element_size(), g, lambda: dist.batch_isend_irecv(ops),
-                            send.device)
+                              send.device)
 
     class _All:  # one wait for both directions
         def wait(self) -> None:

@@ -31,7 +31,7 @@ from .functional import column_parallel_linear, differentiable_grads, row_parall
 from .groups import TPGroup
 from .region import Core, batch_chunks, cat_rows, check_region_main_grads, core_graph
 from .validate import warn_cuda_connections_once
-from .wgrad import MainGrads, WeightGradStore, linear_wgrads, region_wgrads
+from .wgrad import MainGrads, WeightGradStore, WgradSink, region_wgrads
 
 __all__ = ["ResidualRegion", "interleaved_residual_regions"]
 
@@ -196,27 +196,18 @@ class _BlockBackward:
                 sums[slot] = grad if sums[slot] is None else sums[slot] + grad
 
     def weight_grads(self, j: int) -> None:
-        """Region j's four weight gradients over all chunks (one GEMM each), under its last collectives."""
-        g, sp, k = self.g, self.sp, self.k
+        """Region j's four weight gradients over all chunks (one GEMM each), under its last collectives
+        (or recorded for backward_dw: delay_wgrad)."""
         region, (_, _, w1, b1, w2, b2) = self.regions[j], self.params[j]
         need_w1, need_b1, need_w2, need_b2 = self.needs[j][2:]
-        need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
-        gf, act, grad_h, n_cat = (cat_rows([t[i][j] for i in range(k)]) for t in (self.gfs, self.acts, self.grad_hs, self.ns))
-        main = region.main_grads
-        if region.wgrad_store is not None:  # delay_wgrad: recorded, run by backward_dw (SP: gathered then)
-            targets = tuple(t if need else None for t, need in zip((w1, b1, w2, b2), self.needs[j][2:]))
-            if any(t is not None for t in targets):
-                region.wgrad_store.put(targets, lambda: region_wgrads(
-                    gf, act, grad_h, all_gather(n_cat, SEQ_DIM, g).wait() if sp else n_cat,
-                    (need_w1, need_b1, need_w2, need_b2), main, g))
-            return
-        # its column input over all chunks travels (SP) under the row layer's weight gradient
-        gathering = all_gather(n_cat, SEQ_DIM, g, async_op=self.overlap_comm) if sp and need_w1 else None
+        needs = (need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None)
+        gf, act, grad_h, n_cat = (cat_rows([t[i][j] for i in range(self.k)])
+                                  for t in (self.gfs, self.acts, self.grad_hs, self.ns))
+        sink = WgradSink(self.g, region.wgrad_store, region.main_grads, (w1, b1, w2, b2), gather_input=self.sp)
+        n_full = sink.input(n_cat, need_w1, async_op=self.overlap_comm)  # SP: under the row layer's GEMM
         base = _PER_REGION * j
-        self.grads[base + 4:base + 6] = linear_wgrads(gf, act, need_w2, need_b2, None if main is None else main[2:], g)
-        n_full = gathering.wait() if gathering is not None else n_cat
-        self.grads[base + 2:base + 4] = linear_wgrads(grad_h, n_full, need_w1, need_b1,
-                                                      None if main is None else main[:2], g)
+        self.grads[base + 2:base + 6] = sink.route(needs, lambda: region_wgrads(
+            gf, act, grad_h, lambda: sink.whole(n_full), needs, region.main_grads, self.g))
 
 
 def _unpack(saved, n_regions: int, k: int):

@@ -111,7 +111,7 @@ class _SplitBackwardFn(torch.autograd.Function):
         needs = (need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None)
         act, grad_h = cat_rows(acts), cat_rows(grad_hs)
         grads = sink.route(needs, lambda: region_wgrads(  # under the collectives (or recorded: delay_wgrad)
-            grad_full, act, grad_h, sink.whole(x_full), needs, sink.main, g))
+            grad_full, act, grad_h, lambda: sink.whole(x_full), needs, sink.main, g))
         grad_x = cat_rows([pending.wait() for pending in reducing]) if need_x else None
         return (grad_x, *grads, None, None, None, None, None, None, None)
 

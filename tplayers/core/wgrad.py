@@ -209,13 +209,16 @@ def linear_wgrads(grad_out: torch.Tensor, x: torch.Tensor, need_w: bool, need_b:
     return grad_w, grad_b
 
 
-def region_wgrads(grad_full: torch.Tensor, act: torch.Tensor, grad_h: torch.Tensor, x_full: torch.Tensor,
-                  needs: Sequence[bool], main: MainGrads, g: TPGroup) -> Tuple[Optional[torch.Tensor], ...]:
+def region_wgrads(grad_full: torch.Tensor, act: torch.Tensor, grad_h: torch.Tensor,
+                  x_full: Callable[[], torch.Tensor], needs: Sequence[bool], main: MainGrads,
+                  g: TPGroup) -> Tuple[Optional[torch.Tensor], ...]:
     """A column -> core -> row region's weight gradients ``(w1, b1, w2, b2)``: the row layer's first,
-    then the column layer's (``needs`` in that order; ``main``: the four main_grad buffers, or None)."""
+    then the column layer's; ``x_full()`` (the column layer's whole input) is asked for only between
+    the two, so a gather of it still in flight travels under the row layer's GEMM (``needs`` in the
+    order w1, b1, w2, b2; ``main``: the four main_grad buffers, or None)."""
     need_w1, need_b1, need_w2, need_b2 = needs
     grad_w2, grad_b2 = linear_wgrads(grad_full, act, need_w2, need_b2, None if main is None else main[2:], g)
-    grad_w1, grad_b1 = linear_wgrads(grad_h, x_full, need_w1, need_b1, None if main is None else main[:2], g)
+    grad_w1, grad_b1 = linear_wgrads(grad_h, x_full(), need_w1, need_b1, None if main is None else main[:2], g)
     return grad_w1, grad_b1, grad_w2, grad_b2
 
 
