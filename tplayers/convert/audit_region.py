@@ -86,7 +86,7 @@ class Region:
 
 # Where tplayers refuses the input a user fed (ids out of range, a sequence length that does not divide):
 # the forward would raise the same error with its own message, so the audit lets it through as it is.
-# (A fused linear's input checks, also in validate.py, are not among them: a tplayers layer handed a
+# (A fused linear's input checks, in core/prepare.py, are not among them: a tplayers layer handed a
 # tensor of the wrong width is a plan fault the audit explains.)
 _INPUT_CHECKS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), *f)
                       for f in (("core", "validate.py"), ("convert", "sequence.py")))
@@ -99,8 +99,7 @@ def _refused_by_tplayers(e: BaseException) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     where = os.path.abspath(tb.tb_frame.f_code.co_filename) if tb is not None else ""
-    name = tb.tb_frame.f_code.co_name if tb is not None else ""
-    return isinstance(e, (ValueError, IndexError)) and where in _INPUT_CHECKS and name != "check_linear_inputs"
+    return isinstance(e, (ValueError, IndexError)) and where in _INPUT_CHECKS
 
 
 def _skip_reason(region: Region) -> str:

@@ -43,7 +43,7 @@ from .collectives import SEQ_DIM, all_gather, sum_partials
 from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
 from .groups import GroupLike, TPGroup, resolve_group
 from .ring import ring_gather_linear, ring_linear_scatter
-from .validate import autocast_inputs, check_linear_inputs, warn_cuda_connections_once
+from .prepare import autocast_inputs, check_linear_inputs, warn_cuda_connections_once
 from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads
 
 __all__ = ["column_parallel_linear", "row_parallel_linear", "differentiable_grads"]

@@ -30,7 +30,7 @@ from .comm import copy_to_tp
 from .functional import column_parallel_linear, differentiable_grads, row_parallel_linear
 from .groups import TPGroup
 from .region import Core, batch_chunks, cat_rows, check_region_main_grads, core_graph
-from .validate import warn_cuda_connections_once
+from .prepare import warn_cuda_connections_once
 from .wgrad import MainGrads, WeightGradStore, WgradSink, region_wgrads
 
 __all__ = ["ResidualRegion", "interleaved_residual_regions"]

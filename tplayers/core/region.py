@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .collectives import SEQ_DIM, all_gather, sum_partials
 from .functional import column_parallel_linear, differentiable_grads, row_parallel_linear
 from .groups import GroupLike, TPGroup, resolve_group
-from .validate import autocast_enabled, check_linear_inputs, require_chunks, warn_cuda_connections_once
+from .prepare import autocast_enabled, check_linear_inputs, require_chunks, warn_cuda_connections_once
 from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, region_wgrads
 
 __all__ = ["split_backward_region", "parallel_mlp", "batch_chunks", "cat_rows", "core_graph", "Core"]

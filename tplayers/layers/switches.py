@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from ..core.validate import require_chunks
+from ..core.prepare import require_chunks
 from ..core.wgrad import ReplicatedRows, WeightGradStore
 from .base import TensorParallelModule
 

@@ -26,7 +26,7 @@ from .cache import LayerKV
 from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, attention_core,
                     check_heads, normalize_attn_mask, refuse_mask_with_cache, rotate_and_cache)
 from ..core.region import split_backward_region
-from ..core.validate import autocast_enabled, require_chunks
+from ..core.prepare import autocast_enabled, require_chunks
 from ..core.interleave import ResidualRegion, interleaved_residual_regions
 from ..layers.fused import FusedColumnParallelLinear
 from ..core.groups import GroupLike, resolve_group
