@@ -29,7 +29,7 @@ from .placement import Placement
 __all__ = ["Pending", "Observer", "set_observer", "all_reduce", "all_gather", "reduce_scatter", "ring_exchange",
            "sum_over_replica_ranks", "split", "owned_copy", "all_gather_tensor", "all_reduce_tensor",
            "broadcast_tensor", "barrier", "reduce_scatter_tensor", "all_reduce_", "gather_placed", "bit_hash",
-           "ranks_that_differ", "all_gather_text", "TRACE_COLLECTIVES", "SEQ_DIM", "sum_partials", "wait_for_ranks"]
+           "bytes_hash", "ranks_that_differ", "all_gather_text", "TRACE_COLLECTIVES", "SEQ_DIM", "sum_partials", "wait_for_ranks"]
 
 SEQ_DIM = -2  # batch-first activations (b, s, h): the sequence dim is the one before hidden
 
@@ -349,6 +349,12 @@ def bit_hash(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
         weights = torch.arange(start + 1, start + 1 + bits.numel(), dtype=torch.int64, device=bits.device)
         total += torch.stack([bits.sum(), (bits * weights).sum()])
     return total.cpu()
+
+
+def bytes_hash(data: bytes) -> torch.Tensor:
+    """:func:`bit_hash` of raw bytes (a path, a file's text): two int64, equal on every rank for equal bytes
+    (unlike Python's ``hash`` of a str, which is salted per process)."""
+    return bit_hash(torch.frombuffer(bytearray(data or b"\0"), dtype=torch.uint8))
 
 
 def ranks_that_differ(hashes: torch.Tensor, *, group: GroupLike) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..core.collectives import bit_hash, broadcast_tensor, ranks_that_differ, wait_for_ranks
+from ..core.collectives import broadcast_tensor, bytes_hash, ranks_that_differ, wait_for_ranks
 from ..core.groups import collective_device
 from .walk import CheckpointError
 
@@ -73,7 +73,7 @@ def require_same_path(pg: Any, path: str, caller: str, content: Optional[bytes] 
     if pg is None:
         return
     blobs = [os.fsencode(path)] + ([content] if content is not None else [])
-    hashes = torch.stack([bit_hash(torch.tensor(list(b) or [0], dtype=torch.uint8)) for b in blobs])
+    hashes = torch.stack([bytes_hash(b) for b in blobs])
     differ = ranks_that_differ(hashes, group=pg)  # (p, 1 or 2): the path, the content
     if not differ.any():
         return

@@ -8,22 +8,16 @@ that hashes every tensor argument and compares the hashes across the TP group.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any, List, Mapping, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ..core.collectives import bit_hash, ranks_that_differ
+from ..core.collectives import bit_hash, bytes_hash, ranks_that_differ
 from ..core.groups import GroupLike, resolve_group
 
 __all__ = ["check_same_inputs", "check_same_rng_once", "has_dropout"]
-
-
-def _stable_hash(text: str) -> int:
-    """The same int64 on every rank (Python's ``hash`` of a str is salted per process)."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
 def _tensors(value: Any, path: str, out: List[Tuple[str, torch.Tensor]]) -> None:
@@ -45,7 +39,7 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) ->
     the argument and the ranks that differ. Returns the hook handle (``.remove()`` to stop).
 
     Cost per checked forward: each input hashed (read once; on CUDA the hash is copied to the host,
-    one sync) and one all-gather of three int64 per tensor. ``parallelize`` registers it with
+    one sync) and one all-gather of four int64 per tensor. ``parallelize`` registers it with
     ``every=1000`` (its ``check_inputs``); inside ``torch.compile`` it does not run.
     """
     tp = resolve_group(group)
@@ -65,15 +59,14 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) ->
         for k, v in sorted(kwargs.items()):
             _tensors(v, f"argument '{k}'", named)
         # first the structure (how many tensors, their paths: a fixed-size exchange), then one hash row each
-        layout = torch.tensor([[len(named), _stable_hash("|".join(n for n, _ in named))]])
+        layout = torch.cat([torch.tensor([len(named)]), bytes_hash("|".join(n for n, _ in named).encode())])[None]
         if ranks_that_differ(layout, group=tp).any():
             raise ValueError(f"check_same_inputs: {type(module).__name__} forward #{calls[0]}: the TP ranks' arguments "
                              "differ in structure (number or names of tensors): every TP rank must see the same batch")
         if not named:
             return
         # the shape goes into the hash too: two ranks with different batch sizes must not collide
-        hashes = torch.stack([torch.cat([bit_hash(t), torch.tensor([_stable_hash(str(tuple(t.shape)))])])
-                              for _, t in named])
+        hashes = torch.stack([torch.cat([bit_hash(t), bytes_hash(str(tuple(t.shape)).encode())]) for _, t in named])
         differ = ranks_that_differ(hashes, group=tp)  # (p, n)
         if differ.any():
             ranks, index = differ.nonzero()[0].tolist()
