@@ -275,7 +275,8 @@ def _keep_parameter_objects(model: nn.Module, modules: Dict[str, nn.Module], bui
                     or p_old.requires_grad != p_new.requires_grad or p_old.device != p_new.device):
                 continue
             p_old.data = p_new.data
-            kept[id(p_new)], claimed = p_old, claimed | {id(p_old)}
+            kept[id(p_new)] = p_old
+            claimed.add(id(p_old))
     for module in model.modules():
         for pname, param in list(module._parameters.items()):
             if param is not None and id(param) in kept:

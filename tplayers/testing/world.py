@@ -100,10 +100,8 @@ def _worker_main(rank: int, size: int, backend: str, init_file: str, conn: Any,
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         return
     group = dist.group.WORLD
-    while True:
+    while True:  # (orphaned, the watchdog thread above ends the process)
         if not conn.poll(1.0):
-            if not _alive(parent_pid):  # orphaned: the parent died without closing us
-                break
             continue
         try:
             data = conn.recv_bytes()
