@@ -35,10 +35,8 @@ the likely causes in :mod:`tplayers.convert.causes`.
 """
 from __future__ import annotations
 
-import os
 import re
-import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
