@@ -305,7 +305,3 @@ def finished(record: CommRecord, wait_started: float) -> None:
     record.completed = time.perf_counter()
     record.wait_started = wait_started
     record.blocked_s += record.completed - wait_started
-
-
-def active() -> bool:
-    return bool(_ACTIVE)
