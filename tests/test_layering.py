@@ -14,7 +14,7 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "barrier", "monitored_barrier", "send",
                "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all", "all_to_all_single", "gather", "scatter",
                "all_gather_object", "broadcast_object_list", "reduce"}
-COMM_MODULES = {"core/collectives.py"}
+COMM_MODULES = {"core/collectives.py", "core/fingerprint.py"}  # the collectives and their fingerprint check
 
 
 def _imported_modules(path: pathlib.Path, root: pathlib.Path) -> List[str]:

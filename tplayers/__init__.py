@@ -13,6 +13,7 @@ The package reads bottom-up, one folder per floor; each floor imports only the f
     cli/      ``tplayers verify`` and ``tplayers bench``
 """
 from .core.functional import column_parallel_linear, row_parallel_linear
+from .core.fingerprint import CollectivesOutOfStep, set_collective_checks
 from .core.groups import TPGroup, resolve_group
 from .layers import (ColumnParallelLinear, FusedColumnParallelLinear, ParallelLMHead, ParallelNorm, RowParallelLinear,
                      TensorParallelModule, VocabParallelEmbedding)
@@ -56,6 +57,7 @@ __all__ = [
     "GPTConfig",
     # drop-in, checkpoints, 2-D parallelism
     "parallelize", "coverage", "CoverageReport", "audit", "AuditError", "AuditReport", "auto_plan",
+    "set_collective_checks", "CollectivesOutOfStep",
     "set_overlap", "backward_dw", "pending_wgrad", "WeightGradStore",
     "use_main_grad", "main_grads_to_grads", "zero_main_grads",
     "clip_grad_norm_",

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from ..core import collectives
+from ..core.fingerprint import set_collective_checks
 from ..core.groups import TPGroup
 from .everywhere import sleep_until, wrap_torch_distributed
 from .link import LinkModel, parse_link
@@ -161,9 +162,13 @@ class EmulatedLink:
     everywhere: bool = False
     _busy_until: Dict[int, float] = field(default_factory=dict)  # per process group: the link's queue
     _restore: Any = None
+    _checks: Tuple[bool, float] = (True, 600.0)  # the collective checks' settings before entering
     _streams: Dict[Tuple[int, int], Any] = field(default_factory=dict)  # CUDA: (device, group) -> link stream
 
     def __enter__(self) -> "EmulatedLink":
+        # The fingerprint exchange before each collective runs over the real backend, outside the
+        # modeled link: it would count as compute in the emulated machine. Off while emulating.
+        self._checks = set_collective_checks(False)
         _activate(self)
         if self.everywhere:
             self._restore = wrap_torch_distributed(self, inside=lambda: _OBSERVER.inside)
@@ -171,6 +176,7 @@ class EmulatedLink:
 
     def __exit__(self, *exc: Any) -> None:
         _deactivate(self)
+        set_collective_checks(self._checks[0], timeout=self._checks[1])
         if self._restore is not None:
             self._restore()
             self._restore = None

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol  # the compiled paths
 
+from .fingerprint import DIGEST, Stamp, stamp
 from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
 from .placement import Placement
 
@@ -53,20 +54,25 @@ _eager_on_old_torch = (lambda f: f) if TRACE_COLLECTIVES else torch.compiler.dis
 class Pending:
     """A collective in flight. ``wait()`` blocks until it is done and returns its result."""
 
-    __slots__ = ("_work", "_finish", "_result", "_observed")
+    __slots__ = ("_work", "_finish", "_result", "_observed", "_stamp")
 
-    def __init__(self, work: Optional[object], finish: Callable[[], torch.Tensor], observed: Any = None) -> None:
+    def __init__(self, work: Optional[object], finish: Callable[[], torch.Tensor], observed: Any = None,
+                 stamp: Optional[Stamp] = None) -> None:
         self._work = work
-        self._finish = finish
+        self._finish = finish  # for a fingerprinted collective: checks the fingerprints, strips them
         self._result: Optional[torch.Tensor] = None
         self._observed = observed  # (observer, its token) when an observer saw the launch
+        self._stamp = stamp  # its fingerprint (the wait is bounded on the CPU)
 
     @_eager_on_old_torch
     def wait(self) -> torch.Tensor:
         if self._result is None:
             started = time.perf_counter() if self._observed is not None else 0.0
             if self._work is not None:
-                self._work.wait()
+                if self._stamp is not None:
+                    self._stamp.wait(self._work)
+                else:
+                    self._work.wait()
             if self._observed is not None and self._work is not None:
                 observer, token = self._observed
                 observer.finished(token, started)
@@ -136,9 +142,45 @@ def all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str
     if _compiling():
         reduced = funcol.all_reduce(buf, op, _functional_pg(g))
         return Pending(None, lambda: buf.copy_(funcol.wait_tensor(reduced)))
-    work, observed = _launch("all_reduce", buf.numel() * buf.element_size(), g, lambda: dist.all_reduce(
-        buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op), buf.device)
-    return Pending(work, lambda: buf, observed)
+    nbytes = buf.numel() * buf.element_size()
+    s = _stamp("all_reduce", nbytes, buf, g)
+    if s is None:
+        work, observed = _launch("all_reduce", nbytes, g, lambda: dist.all_reduce(
+            buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op), buf.device)
+        return Pending(work, lambda: buf, observed)
+    n = buf.numel()  # (n data + p * DIGEST fingerprint slots: each rank's in its own, zeros elsewhere)
+    flat = _scratch(n + s.size * DIGEST, buf.dtype, buf.device)
+    flat[:n].view(buf.shape).copy_(buf)
+    flat[n:].copy_(s.slots(buf.dtype, buf.device))
+    work, observed = _launch("all_reduce", nbytes, g, lambda: dist.all_reduce(
+        flat, op=_REDUCE_OPS[op], group=g.process_group, async_op=True), buf.device)
+
+    def finish() -> torch.Tensor:
+        try:
+            s.check(flat[n:])
+            return buf.copy_(flat[:n].view(buf.shape))
+        finally:
+            _SCRATCH.append(flat)
+
+    return Pending(work, finish, observed, s)
+
+
+# Fingerprinted all-reduces sum in a longer buffer than the caller's, then copy back. Reused: fresh
+# pages cost more than the copy (a 2 MB buffer on the CPU: +2.4 ms fresh, +0.8 ms reused, per all-reduce).
+_SCRATCH: List[torch.Tensor] = []
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    for i, t in enumerate(_SCRATCH):
+        if t.numel() == numel and t.dtype == dtype and t.device == device:
+            return _SCRATCH.pop(i)
+    if len(_SCRATCH) >= 8:
+        _SCRATCH.pop(0)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _stamp(op: str, nbytes: int, sent: torch.Tensor, g: TPGroup) -> Optional[Stamp]:
+    return stamp(op, nbytes, sent, g.process_group, g.rank, g.size)
 
 
 def sum_over_replica_ranks(rows: torch.Tensor, g: TPGroup, num_shards: int) -> torch.Tensor:
@@ -161,15 +203,28 @@ def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False)
     src = x.contiguous()
     if _compiling():
         gathered = funcol.all_gather_tensor(src, 0, _functional_pg(g))  # (p*d0, ...)
-        work, observed, result = None, None, lambda: funcol.wait_tensor(gathered)
+        work, observed, stamped, result = None, None, None, lambda: funcol.wait_tensor(gathered)
     else:
-        out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-        work, observed = _launch("all_gather", out.numel() * out.element_size(), g,
-                                 lambda: _all_gather_single(out, src, group=g.process_group, async_op=async_op),
-                                 out.device)
-        result = lambda: out  # noqa: E731
+        full = (g.size * src.shape[0],) + tuple(src.shape[1:])
+        nbytes = src.numel() * g.size * src.element_size()
+        stamped = _stamp("all_gather", nbytes, src, g)
+        if stamped is None:
+            out = torch.empty(full, dtype=src.dtype, device=src.device)
+            work, observed = _launch("all_gather", nbytes, g, lambda: _all_gather_single(
+                out, src, group=g.process_group, async_op=async_op), src.device)
+            result = lambda: out  # noqa: E731
+        else:  # each rank sends (n data + DIGEST fingerprint) elements
+            n = src.numel()
+            ext = torch.cat([src.reshape(-1), stamped.mine(src.dtype, src.device)])
+            rows = torch.empty((g.size, n + DIGEST), dtype=src.dtype, device=src.device)
+            work, observed = _launch("all_gather", nbytes, g, lambda: _all_gather_single(
+                rows.view(-1), ext, group=g.process_group, async_op=True), src.device)
+
+            def result() -> torch.Tensor:
+                stamped.check(rows[:, n:])
+                return rows[:, :n].reshape(full)
     if dim == 0:
-        return Pending(work, result, observed)
+        return Pending(work, result, observed, stamped)
 
     def finish() -> torch.Tensor:
         # (p*d0, ...) -> (p, d0, ..., d_dim, ...) -> (d0, ..., p, d_dim, ...) -> merge p into dim
@@ -178,7 +233,7 @@ def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False)
         shape[dim] *= g.size
         return parts.reshape(shape)
 
-    return Pending(work, finish, observed)
+    return Pending(work, finish, observed, stamped)
 
 
 @_eager_on_old_torch
@@ -201,19 +256,25 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = Fa
         src = src.reshape([-1] + list(src.shape[2:])) if dim != 0 else src
         scattered = funcol.reduce_scatter_tensor(src, "sum", 0, _functional_pg(g))
         return Pending(None, lambda: funcol.wait_tensor(scattered).reshape(out_shape))
-    if dim == 0:
+    # src: p contiguous blocks, block r = rank r's chunk in out_shape's layout (for dim != 0 too)
+    m = src.numel() // g.size
+    stamped = _stamp("reduce_scatter", nbytes, src, g)
+    if stamped is None:
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-        work, observed = _launch("reduce_scatter", nbytes, g,
-                                 lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op),
-                                 out.device)
+        work, observed = _launch("reduce_scatter", nbytes, g, lambda: _reduce_scatter_single(
+            out.view(-1), src.view(-1), group=g.process_group, async_op=async_op), x.device)
         return Pending(work, lambda: out, observed)
-    chunk_shape = list(src.shape[1:])
-    src = src.reshape([g.size * chunk_shape[0]] + chunk_shape[1:])  # the collective splits dim 0
-    out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
-    work, observed = _launch("reduce_scatter", nbytes, g,
-                             lambda: _reduce_scatter_single(out, src, group=g.process_group, async_op=async_op),
-                             out.device)
-    return Pending(work, lambda: out.reshape(out_shape), observed)
+    # every block carries the p fingerprint slots (this rank's in its own), so each rank's chunk of the sum has all
+    blocks = torch.cat([src.view(g.size, m), stamped.slots(x.dtype, x.device).expand(g.size, -1)], dim=1)
+    out = torch.empty(m + g.size * DIGEST, dtype=x.dtype, device=x.device)
+    work, observed = _launch("reduce_scatter", nbytes, g, lambda: _reduce_scatter_single(
+        out, blocks.view(-1), group=g.process_group, async_op=True), x.device)
+
+    def finish() -> torch.Tensor:
+        stamped.check(out[m:])
+        return out[:m].view(out_shape)
+
+    return Pending(work, finish, observed, stamped)
 
 
 def sum_partials(partial: torch.Tensor, g: TPGroup, sequence_parallel: bool, *, async_op: bool = False) -> Pending:

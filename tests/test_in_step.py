@@ -1,0 +1,182 @@
+"""Ranks in step: a rank that issues a different collective than the others (an evaluation on rank 0
+only, a retried step, a skipped backward) fails on that call, on every rank, naming each side; a rank
+that never comes is named after the configured wait. Before these checks each case computed wrong
+numbers with no error (or waited out the process group's 30 minutes)."""
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tplayers
+from tplayers import CollectivesOutOfStep
+from tplayers.testing import World, get_world
+
+from _helpers import MULTI_RANK
+
+
+def _mlps(group, layers=2, h=8):
+    torch.manual_seed(0)
+    return nn.Sequential(*[tplayers.ParallelMLP(h, 2 * h, group=group, dtype=torch.float64) for _ in range(layers)])
+
+
+def _outcome(fn):
+    try:
+        fn()
+    except CollectivesOutOfStep as e:
+        return str(e)
+    return "no error"
+
+
+def _eval_on_one_rank_at_a_time(group, checks):
+    previous = tplayers.set_collective_checks(checks)
+    try:
+        rank = torch.distributed.get_rank()
+        model = _mlps(group)
+        dense = nn.Sequential(*[m.to_dense() for m in model])
+        x = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        evaluated = []
+
+        def evaluate():
+            with torch.no_grad():
+                model.eval()
+                try:
+                    evaluated.append(float((model(x * 2) - dense(x * 2)).abs().max()))
+                finally:
+                    model.train()
+
+        def step():  # rank 0 evaluates before its training step, the others after it: the counts agree
+            if rank == 0:
+                evaluate()
+            model(x).sum().backward()
+            if rank != 0:
+                evaluate()
+
+        message = _outcome(step)
+        torch.distributed.barrier(group)  # nothing was left in flight: the group works on
+        return message, evaluated, float((model(x) - dense(x)).abs().max())
+    finally:
+        tplayers.set_collective_checks(previous[0], timeout=previous[1])
+
+
+@pytest.mark.parametrize("tp", MULTI_RANK)
+def test_an_evaluation_out_of_step_fails_on_every_rank_naming_both_sides(tp):
+    for message, evaluated, err in get_world(tp).run(_eval_on_one_rank_at_a_time, True):
+        assert "ranks of a TP group are out of step" in message and evaluated == [], message
+        assert "rank 0: forward all_reduce #" in message and "at 0.fc2 (eval mode, autograd off)" in message, message
+        assert "rank 1: forward all_reduce #" in message and "at 0.fc2 (training mode, autograd on)" in message, message
+        assert err < 1e-12  # and a step in step afterwards matches the dense model
+    # With the check off the same program runs with no error, and rank 0's evaluation is wrong.
+    results = get_world(2).run(_eval_on_one_rank_at_a_time, False)
+    assert [m for m, _, _ in results] == ["no error"] * 2 and results[0][1][0] > 1e-3, results
+
+
+def _retry_after_an_exception(group):
+    rank = torch.distributed.get_rank()
+    model = _mlps(group, layers=3)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    failed = []
+
+    def fail_once(module, args):
+        if rank == 1 and not failed:
+            failed.append(True)
+            raise RuntimeError("a transient error on rank 1")
+
+    model[1].register_forward_pre_hook(fail_once)
+
+    def step():
+        for _ in range(2):  # a retry loop: rank 1 catches its error and runs the step again
+            try:
+                return model(x)
+            except RuntimeError as e:
+                if "transient" not in str(e):
+                    raise
+
+    return _outcome(step)
+
+
+def test_a_rank_that_retries_a_step_alone_fails_naming_the_layers():
+    for message in get_world(2).run(_retry_after_an_exception):
+        assert "of (2, 3, 8) float64 at 1.fc2 (training mode, autograd on)" in message, message
+        assert "of (2, 3, 8) float64 at 0.fc2 (training mode, autograd on)" in message, message
+
+
+def _skip_a_backward(group):
+    rank = torch.distributed.get_rank()
+    model = _mlps(group)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+
+    def steps():
+        for step in range(2):
+            loss = model(x).sum()
+            if not (rank == 1 and step == 0):  # rank 1 skips a step's backward (a "bad batch" check of its own)
+                loss.backward()
+
+    return _outcome(steps)
+
+
+def test_a_rank_that_skips_a_backward_fails_at_the_next_collective():
+    messages = get_world(2).run(_skip_a_backward)
+    for message in messages:
+        assert "rank 0: backward all_reduce" in message and "collective 1 of this backward" in message, message
+        assert "rank 1: forward all_reduce #" in message and "at 0.fc2" in message, message
+
+
+def _hf_eval_on_rank0_only(group):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False)
+    model = tplayers.parallelize(LlamaForCausalLM(cfg).double(), "auto", group=group)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()  # a first step in step (the audit runs here)
+
+    def step():
+        if torch.distributed.get_rank() == 0:
+            with torch.no_grad():
+                model(ids)
+        model(ids, labels=ids).loss.backward()
+
+    return _outcome(step)
+
+
+def test_a_hugging_face_model_names_the_module_that_ran_out_of_step():
+    pytest.importorskip("transformers")
+    for message in get_world(2).run(_hf_eval_on_rank0_only):
+        assert "at model.embed_tokens (training mode, autograd off)" in message, message
+
+
+def _a_rank_that_never_comes(group):
+    tplayers.set_collective_checks(True, timeout=2)
+    rank = torch.distributed.get_rank()
+    model = _mlps(group, layers=1)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    t0 = time.monotonic()
+    if rank == 1:  # raised, caught, and went on with something else
+        time.sleep(6)
+        return "rank 1 went on", 0.0
+    return _outcome(lambda: model(x)), time.monotonic() - t0
+
+
+def test_a_rank_that_never_comes_is_reported_after_the_wait():
+    with World(2) as world:  # a fresh world: the abandoned collective leaves its group unusable
+        (message, seconds), _ = world.run(_a_rank_that_never_comes)
+    assert "waited 2 s for the other ranks of the TP group" in message and "at 0.fc2" in message, message
+    assert seconds < 5, seconds
+
+
+def _checked_one_collective_late(group):
+    from tplayers.core import fingerprint
+
+    fingerprint._LAG_ON_CPU[0] = True  # as on a GPU: the table reaches the host without a sync
+    try:
+        return _eval_on_one_rank_at_a_time(group, True)[0]
+    finally:
+        fingerprint._LAG_ON_CPU[0] = False
+
+
+def test_on_a_gpu_the_check_runs_when_the_next_collective_launches():
+    for message in get_world(2).run(_checked_one_collective_late):
+        assert "rank 0: forward all_reduce #" in message and "at 0.fc2 (eval mode, autograd off)" in message, message
+        assert "checked when the group's next collective launched" in message, message

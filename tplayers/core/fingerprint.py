@@ -1,0 +1,244 @@
+"""Ranks in step: every collective tplayers issues is the same collective on every rank of its group.
+
+A collective pairs with whatever the other ranks issue next. A rank that runs one extra forward
+(evaluation on rank 0 only), skips a backward, or retries a step after catching an exception pairs
+its all-reduce with another layer's, or another phase's, on the other ranks: the shapes agree, the
+sums are wrong, nothing fails. So each collective carries a fingerprint of itself:
+
+    op · bytes · shape · dtype · phase · train / autograd mode · issuing module · position
+
+(phase: forward or backward; issuing module: in forward the innermost module running, by its path in
+the model; in backward the autograd node, and the collective's position in this backward), hashed
+to 8 bytes and sent IN the collective's own buffer: 8 extra elements per rank holding values 0..255
+(exact in every dtype; in an all-reduce each rank writes its own slot, the others' are zero, so the
+sum is every rank's fingerprint; a reduce-scatter carries the slots in every rank's chunk). When the
+collective completes, every rank holds every rank's fingerprint; any difference raises
+`CollectivesOutOfStep` on every rank, naming each rank's side (one extra all-gather of the
+descriptions, on the error path only). The group stays usable. No extra round trip: the cost is a
+copy of the buffer into a slightly longer one (and back), measured in benchmarks/RESULTS.md.
+
+On the CPU a rank waits at most ``timeout`` seconds at a checked collective, then raises naming the
+call (a rank that raised and went on, instead of the process group's 30 minutes in silence). On a
+GPU the fingerprints are copied to the host without a synchronization and checked when the group's
+next collective launches (so on the same call on every rank, one collective late).
+
+Not covered: point-to-point ring steps (``collective_matmul``) and broadcasts, collectives inside a
+``torch.compile`` graph, groups of the ``fake`` backend (simulation), a collective whose SIZE differs
+across ranks (the backend itself fails on it: gloo aborts, NCCL may hang), collectives other code
+issues on the group. Off: ``tplayers.set_collective_checks(False)`` or ``TPLAYERS_COLLECTIVE_CHECKS=0``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CollectivesOutOfStep", "set_collective_checks", "Stamp", "stamp", "DIGEST"]
+
+DIGEST = 8  # elements per rank: 8 bytes of fingerprint, one byte per element
+_TEXT = 1024  # bytes per rank of the description exchanged after a mismatch
+_UNSTAMPED = {torch.bool, torch.complex64, torch.complex128}
+
+
+class CollectivesOutOfStep(RuntimeError):
+    """The ranks of a TP group issued different collectives (raised on every rank of the group)."""
+
+
+@dataclass
+class _Settings:
+    enabled: bool
+    timeout: float
+
+
+_SETTINGS = _Settings(enabled=os.environ.get("TPLAYERS_COLLECTIVE_CHECKS", "1") != "0", timeout=600.0)
+
+
+def set_collective_checks(enabled: bool = True, *, timeout: float = 600.0) -> Tuple[bool, float]:
+    """Check (default) or stop checking that every rank of a group issues the same collective;
+    ``timeout``: seconds a rank waits at one checked collective (CPU) before it raises, naming the
+    call. Process-wide; returns the previous ``(enabled, timeout)``."""
+    if timeout <= 0:
+        raise ValueError(f"set_collective_checks: timeout={timeout} must be > 0 seconds")
+    previous = (_SETTINGS.enabled, _SETTINGS.timeout)
+    _SETTINGS.enabled, _SETTINGS.timeout = bool(enabled), float(timeout)
+    return previous
+
+
+class _Group:
+    """One group's count of checked collectives, its backward position, and (GPU) the fingerprint
+    table of its last collective, still to be checked."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.task = -1  # the backward (graph task) the last collective ran in
+        self.position = 0
+        self.lagging: Optional[Tuple[torch.Tensor, Any, "Stamp"]] = None
+
+
+_GROUPS: "weakref.WeakKeyDictionary[Any, _Group]" = weakref.WeakKeyDictionary()
+_LAG_ON_CPU = [False]  # tests: check CPU tables one collective late, as on a GPU
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode("utf-8"))
+
+
+def _name_modules(root: torch.nn.Module) -> None:
+    """Record every submodule's path under ``root`` (once; the same on every rank of a SPMD program)."""
+    for name, module in root.named_modules():
+        module.__dict__.setdefault("_tplayers_path", name or type(root).__name__)
+
+
+def _forward_site(frame: Any) -> Tuple[str, bool, bool]:
+    """The innermost module whose ``forward`` is running above ``frame``: its path, its training flag,
+    and whether autograd tracks its inputs (grad mode itself is off inside an autograd Function's
+    forward, where most collectives run: a non-parameter tensor among that forward's locals that
+    requires grad tells a training forward from one under ``torch.no_grad``)."""
+    inner, outer, tracked = None, None, torch.is_grad_enabled()
+    while frame is not None:
+        if frame.f_code.co_name == "forward":
+            local = frame.f_locals
+            module = local.get("self")
+            if isinstance(module, torch.nn.Module):
+                if inner is None:
+                    inner = module
+                    tracked = tracked or any(isinstance(v, torch.Tensor) and v.requires_grad
+                                             and not isinstance(v, torch.nn.Parameter) for v in local.values())
+                    if "_tplayers_path" in module.__dict__:
+                        break
+                outer = module
+        frame = frame.f_back
+    if inner is None:
+        return "(no module)", False, tracked
+    if "_tplayers_path" not in inner.__dict__:
+        _name_modules(outer)  # (a module run by one that does not hold it, e.g. an audit's copy: its class name)
+        inner.__dict__.setdefault("_tplayers_path", type(inner).__name__)
+    return inner.__dict__["_tplayers_path"], inner.training, tracked
+
+
+class Stamp:
+    """One collective's fingerprint on this rank: what it writes into the buffer, and the check of
+    the table every rank's slots come back as."""
+
+    __slots__ = ("digest", "rank", "size", "pg", "text", "cpu")
+
+    def __init__(self, digest: List[int], rank: int, size: int, pg: Any, text: str, cpu: bool) -> None:
+        self.digest, self.rank, self.size, self.pg, self.text, self.cpu = digest, rank, size, pg, text, cpu
+
+    def mine(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """This rank's ``DIGEST`` elements."""
+        return torch.tensor(self.digest, dtype=dtype).to(device)
+
+    def slots(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``size * DIGEST`` elements: this rank's digest in its slot, zeros elsewhere (summed over the
+        group: every rank's digest)."""
+        out = torch.zeros(self.size * DIGEST, dtype=dtype)
+        out[self.rank * DIGEST:(self.rank + 1) * DIGEST] = torch.tensor(self.digest, dtype=dtype)
+        return out.to(device)
+
+    def wait(self, work: Any) -> None:
+        """Wait for ``work``: on the CPU at most the configured timeout, then raise naming this call."""
+        if self.cpu:
+            try:
+                work.wait(timeout=timedelta(seconds=_SETTINGS.timeout))
+            except RuntimeError as e:
+                raise CollectivesOutOfStep(
+                    f"tplayers: waited {_SETTINGS.timeout:g} s for the other ranks of the TP group at this collective "
+                    f"({self.text}); not every rank issued it: a rank stopped issuing the model's collectives (it "
+                    "raised and went on, skipped a step, or is busy elsewhere). Set a longer wait with "
+                    f"tplayers.set_collective_checks(timeout=...). ({str(e).splitlines()[0]})") from None
+        else:
+            work.wait()
+
+    def check(self, table: torch.Tensor) -> None:
+        """``table``: the ``size * DIGEST`` fingerprint elements every rank received. On the CPU checked
+        now; on a GPU copied to the host without a sync and checked at the group's next collective."""
+        if table.device.type == "cpu" and not _LAG_ON_CPU[0]:
+            _verify(table, self)
+            return
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=table.device.type == "cuda")
+        host.copy_(table, non_blocking=True)
+        event = None
+        if table.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        _group(self.pg).lagging = (host, event, self)
+
+
+def _group(pg: Any) -> _Group:
+    state = _GROUPS.get(pg)
+    if state is None:
+        state = _GROUPS[pg] = _Group()
+    return state
+
+
+def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
+    rows = table.reshape(s.size, DIGEST).to(torch.int64)
+    if bool((rows != torch.tensor(s.digest, dtype=torch.int64)).any()):
+        sides = _exchange_text(s.text, s.pg, s.size)
+        fate = ("It was checked when the group's next collective launched (a GPU's fingerprints reach the host "
+                "without a synchronization): its result may have been used." if late else
+                "The collective's result was discarded.")
+        raise CollectivesOutOfStep(
+            "tplayers: the ranks of a TP group are out of step: they issued different collectives, which pair one "
+            "rank's data with another layer's or phase's and compute wrong numbers. Every rank must run the same "
+            "forward and backward calls on the model (evaluation on every rank, not on rank 0 only; no rank skipping "
+            "or retrying a step alone). " + fate + "\n  " + "\n  ".join(sides))
+
+
+def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: int) -> Optional[Stamp]:
+    """The fingerprint of a collective on ``pg`` about to be launched (``sent``: the tensor this rank
+    contributes), or None when it is not checked. First checks the group's previous collective if its
+    table is still pending (GPU)."""
+    if not _SETTINGS.enabled or size == 1 or sent.dtype in _UNSTAMPED or dist.get_backend(pg) == "fake":
+        return None
+    state = _group(pg)
+    if state.lagging is not None:
+        host, event, previous = state.lagging
+        state.lagging = None
+        if event is not None:
+            event.synchronize()
+        _verify(host, previous, late=True)
+    task = torch._C._current_graph_task_id()
+    backward = task != -1
+    if backward:
+        if task != state.task:
+            state.task, state.position = task, 0
+        else:
+            state.position += 1
+        node = torch._C._current_autograd_node()
+        site, training, tracked = (node.name() if node is not None else "(autograd)"), True, True
+    else:
+        site, training, tracked = _forward_site(sys._getframe(2))
+    state.seq += 1
+    shape, dtype = tuple(sent.shape), str(sent.dtype).replace("torch.", "")
+    what = f"{op}|{nbytes}|{dtype}|{shape}|{int(backward)}|{int(training)}{int(tracked)}|{state.position if backward else -1}"
+    digest = list((_crc(what).to_bytes(4, "little") + _crc(site).to_bytes(4, "little")))
+    where = (f"in {site}, collective {state.position + 1} of this backward" if backward
+             else f"at {site} ({'training' if training else 'eval'} mode, autograd {'on' if tracked else 'off'})")
+    text = f"rank {dist.get_rank()}: {'backward' if backward else 'forward'} {op} #{state.seq} of {shape} {dtype} {where}"
+    return Stamp(digest, rank, size, pg, text, sent.device.type == "cpu")
+
+
+def _exchange_text(text: str, pg: Any, size: int) -> List[str]:
+    """Every rank's description (the error path: all ranks found the same mismatch)."""
+    from .groups import collective_device
+
+    data = text.encode("utf-8")[:_TEXT - 2]
+    mine = torch.zeros(_TEXT, dtype=torch.uint8)
+    mine[:2] = torch.tensor([len(data) // 256, len(data) % 256], dtype=torch.uint8)
+    if data:
+        mine[2:2 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    device = collective_device(pg)
+    every = torch.empty(size * _TEXT, dtype=torch.uint8, device=device)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine.to(device), group=pg)
+    rows = every.cpu().view(size, _TEXT)
+    return [bytes(row[2:2 + int(row[0]) * 256 + int(row[1])].tolist()).decode("utf-8", errors="replace")
+            for row in rows]
