@@ -428,10 +428,20 @@ def _corrupt_and_load(group, path, how):
             manifest = _json.load(open(os.path.join(path, "tplayers.json")))
             manifest.pop("files")
             _json.dump(manifest, open(os.path.join(path, "tplayers.json"), "w"))
+        elif how == "no_save_id":  # the save id deleted from a version-3 manifest: every id check skipped
+            manifest = _json.load(open(os.path.join(path, "tplayers.json")))
+            manifest.pop("save_id")
+            _json.dump(manifest, open(os.path.join(path, "tplayers.json"), "w"))
         elif how == "version1":  # a checkpoint written before per-file digests existed still loads
             manifest = _json.load(open(os.path.join(path, "tplayers.json")))
             manifest.pop("files")
+            manifest.pop("save_id")
             manifest["version"] = 1
+            _json.dump(manifest, open(os.path.join(path, "tplayers.json"), "w"))
+        elif how == "version2":  # one written before save ids existed (digests, no save id) still loads
+            manifest = _json.load(open(os.path.join(path, "tplayers.json")))
+            manifest.pop("save_id")
+            manifest["version"] = 2
             _json.dump(manifest, open(os.path.join(path, "tplayers.json"), "w"))
     tplayers.core.collectives.barrier(group)  # rank 0 has damaged it before anyone loads
     fresh = _build(group, seed=7)
@@ -447,6 +457,7 @@ def _corrupt_and_load(group, path, how):
     ("missing", r"file '__\d_0\.distcp' is missing or does not match the checksum"),
     ("garbled_manifest", r"tplayers\.json: the checkpoint manifest is not valid JSON"),
     ("no_files", r"tplayers\.json: a version-2 manifest lists every file's sha256 \('files'\); this one has none"),
+    ("no_save_id", r"tplayers\.json: a version-3 manifest records its save's id \('save_id'.*this one has None"),
 ])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_corrupted_checkpoints_fail_to_load_naming_the_file(tmp_path, how, expected, tp):
@@ -456,8 +467,57 @@ def test_corrupted_checkpoints_fail_to_load_naming_the_file(tmp_path, how, expec
         assert isinstance(result, str) and re.search(expected, result), result
 
 
-def test_checkpoints_without_digests_still_load(tmp_path):
-    assert get_world(2).run(_corrupt_and_load, str(tmp_path / "ck"), "version1") == [True, True]
+@pytest.mark.parametrize("version", ["version1", "version2"])
+def test_checkpoints_without_digests_still_load(tmp_path, version):
+    assert get_world(2).run(_corrupt_and_load, str(tmp_path / "ck"), version) == [True, True]
+
+
+def _shard_from_another_save(group, root, source):
+    """Two saves A and B of one model layout (different weights); B's rank-1 shard file is copied into
+    A and A's manifest digest for it edited to match, so every sha256 checks out. Before, A loaded
+    silently as a model mixed from both saves (rank 1's shards from B). Refused on every rank now,
+    naming the file: each shard file carries its save's id (and rank), checked against the manifest's.
+    (``source="other_rank"``: A's own rank-0 file copied over its rank-1 file, refused alike.)"""
+    import hashlib
+    import json as _json
+    import shutil
+
+    from tplayers.io.unpickle import safe_reader
+
+    a, b = os.path.join(root, "a"), os.path.join(root, "b")
+    saved = _build(group, seed=13)
+    tplayers.save_checkpoint(saved, a)
+    tplayers.save_checkpoint(_build(group, seed=14), b)
+    shard = "__1_0.distcp"
+    if resolve_group(group).rank == 0:
+        files = {index.fqn: str(info.relative_path)
+                 for index, info in safe_reader(a).read_metadata().storage_data.items()}
+        # each rank's id sits in its own file, and the id keys never reach the model's manifest entry
+        assert {k: v for k, v in files.items() if k.startswith("tplayers.save_id.")} == {
+            "tplayers.save_id.rank0": "__0_0.distcp", "tplayers.save_id.rank1": "__1_0.distcp"}
+        with open(os.path.join(a, "tplayers.json")) as f:
+            manifest = _json.load(f)
+        assert manifest["save_id"] and not any("save_id" in name for name in manifest["tensors"])
+        src = os.path.join(b, shard) if source == "other_save" else os.path.join(a, "__0_0.distcp")
+        shutil.copyfile(src, os.path.join(a, shard))
+        with open(src, "rb") as f:
+            manifest["files"][shard] = hashlib.sha256(f.read()).hexdigest()
+        with open(os.path.join(a, "tplayers.json"), "w") as f:
+            _json.dump(manifest, f)
+    tplayers.core.collectives.barrier(group)  # rank 0 has mixed the saves before anyone loads
+    fresh = _build(group, seed=15)
+    try:
+        tplayers.load_checkpoint(fresh, a)
+    except CheckpointError as e:
+        return str(e)
+    same = all(torch.equal(x, y) for x, y in zip(saved.state_dict().values(), fresh.state_dict().values()))
+    return f"loaded without an error (this rank's tensors {'equal' if same else 'differ from'} save A's)"
+
+
+@pytest.mark.parametrize("source", ["other_save", "other_rank"])
+def test_a_shard_file_of_another_save_is_refused(tmp_path, source):
+    for message in get_world(2).run(_shard_from_another_save, str(tmp_path), source):
+        assert "file '__1_0.distcp' belongs to another save" in message, message
 
 
 def test_dcp_base_exceptions_become_checkpoint_errors():

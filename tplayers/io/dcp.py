@@ -17,6 +17,11 @@ swapped atomically): a crash between them leaves no ``<path>``, the old one unde
 pickled metadata is read with an unpickler that only admits DCP's own metadata classes, any
 non-tensor entry (which DCP would ``torch.load`` with ``weights_only=False``) is refused, and
 tensor data is read by DCP with ``torch.load(weights_only=True)``.
+
+Integrity: the manifest records a sha256 per file and the save's id (``save_id``, drawn once per save);
+every rank also writes ``[save_id, rank]`` into its own shard file (a tiny int64 tensor under
+``tplayers.save_id.rank<r>``, a key only that rank holds). A load checks both, each rank a share of the
+files, so a shard file copied in from another save is refused even when its digest was edited to match.
 """
 from __future__ import annotations
 
@@ -42,7 +47,8 @@ __all__ = ["save_checkpoint", "load_checkpoint"]
 
 MANIFEST = "tplayers.json"
 FORMAT = "tplayers-dcp"
-VERSION = 2  # 2: the manifest records a sha256 per file ("files"); version 1 checkpoints still load
+VERSION = 3  # 2: a sha256 per file ("files"); 3: the save's id ("save_id"), in every shard file too. 1 and 2 load
+SAVE_ID = "tplayers.save_id."  # + "rank<r>": rank r's [save id, r], written into rank r's file (not a model tensor)
 
 
 def _layout_record(e: Entry) -> Optional[Dict[str, Any]]:
@@ -144,9 +150,12 @@ def save_checkpoint(model: nn.Module, path: str, *, group: Any = None, timeout: 
     path = os.path.abspath(os.fspath(path))
     pg, rank = coord_group(group, "save_checkpoint", timeout)
     require_same_path(pg, path, "save_checkpoint")
-    tmp = f"{path}.tmp-{agree_token(pg, rank)}"
+    save_id = agree_token(pg, rank)  # one per save, the same on every rank
+    tmp = f"{path}.tmp-{save_id}"
     state, _ = _dcp_state(model, for_save=True)
+    state[f"{SAVE_ID}rank{rank}"] = _id_tensor(save_id, rank)  # only this rank holds the key: it lands in its file
     manifest = _manifest(model)
+    manifest["save_id"] = save_id
     with quiet(), dcp_errors("save_checkpoint", tmp):
         dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=pg, no_dist=pg is None)
 
@@ -184,22 +193,56 @@ def _file_digests(tmp: str) -> Dict[str, str]:
     return {n: _sha256(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp)) if n != MANIFEST}
 
 
-def _verify_files(manifest: Dict[str, Any], path: str, pg: Any, rank: int) -> None:
-    """Every file's sha256 against the manifest, each rank hashing a share of the files; the first
-    bad file is named on every rank. A version-1 manifest has no digests: nothing to verify."""
+def _id_tensor(save_id: str, rank: int) -> torch.Tensor:
+    return torch.tensor([int(save_id, 16), rank], dtype=torch.int64)
+
+
+def _carries_save_id(path: str, metadata: Any, name: str, save_id: str) -> bool:
+    """Whether data file ``name`` holds this save's id under every id key the metadata places in it (at
+    least one): ``[save_id, r]`` for ``...rank<r>``. Read by DCP alone on this rank (no collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = sorted({index.fqn for index, info in metadata.storage_data.items()
+                   if index.fqn.startswith(SAVE_ID) and str(info.relative_path) == name})
+    try:
+        want = {k: _id_tensor(save_id, int(k[len(SAVE_ID) + len("rank"):])) for k in keys}
+        got = {k: torch.zeros(2, dtype=torch.int64) for k in keys}
+        if got:
+            with quiet(), dcp_errors("load_checkpoint", path):
+                dcp.load(got, storage_reader=safe_reader(path), no_dist=True)
+    except Exception:  # noqa: BLE001 (a malformed key, an entry the file does not hold as written: not this save's)
+        return False
+    return bool(keys) and all(torch.equal(got[k], want[k]) for k in keys)
+
+
+def _verify_files(manifest: Dict[str, Any], path: str, pg: Any, rank: int, metadata: Any) -> None:
+    """Every file's sha256 against the manifest, and (version 3) every data file's save id against the
+    manifest's, each rank checking a share of the files; the first bad file is named on every rank. A
+    version-1 manifest has no digests, a version-2 one no save id: nothing to verify."""
     digests = manifest.get("files")
     if digests is None:
         return
     names = sorted(digests)
     size = 1 if pg is None else dist.get_world_size(pg)
-    bad = next((i for i in range(rank, len(names), size)
-                if not os.path.isfile(os.path.join(path, names[i]))
+    share = range(rank, len(names), size)
+    bad = next((i for i in share if not os.path.isfile(os.path.join(path, names[i]))
                 or _sha256(os.path.join(path, names[i])) != digests[names[i]]), len(names))
-    first = torch.tensor([bad], dtype=torch.int64)
+    verdict = 2 * bad  # 2 * index of the first bad file (+ 1: another save's), over all ranks the least
+    if "save_id" in manifest:
+        data = {str(info.relative_path) for info in metadata.storage_data.values()}
+        foreign = next((i for i in share if i < bad and names[i] in data
+                        and not _carries_save_id(path, metadata, names[i], manifest["save_id"])), None)
+        verdict = verdict if foreign is None else 2 * foreign + 1
+    first = torch.tensor([verdict], dtype=torch.int64)
     if pg is not None:
         first = all_gather_tensor(first.to(collective_device(pg)), 0, group=pg).min().cpu()
-    if int(first) < len(names):
-        raise CheckpointError(f"{path}: file '{names[int(first)]}' is missing or does not match the checksum the "
+    index, foreign_save = divmod(int(first), 2)
+    if index < len(names) and foreign_save:
+        raise CheckpointError(f"{path}: file '{names[index]}' belongs to another save (or is another rank's file): "
+                              f"it does not carry this checkpoint's save id {manifest['save_id']} (recorded in "
+                              f"{MANIFEST}) for its rank; loaded, the model would mix two saves; refusing to load")
+    if index < len(names):
+        raise CheckpointError(f"{path}: file '{names[index]}' is missing or does not match the checksum the "
                               "checkpoint recorded (corrupted or partly overwritten); refusing to load")
 
 
@@ -232,6 +275,14 @@ def _read_manifest(path: str, raw: bytes) -> Dict[str, Any]:
     if version >= 2 and (not isinstance(files, dict) or not files):  # else every checksum would be skipped
         raise CheckpointError(f"{mpath}: a version-2 manifest lists every file's sha256 ('files'); this one has none "
                               "(edited or truncated): refusing to load unverified files")
+    save_id = manifest.get("save_id")
+    if version >= 3 and not (isinstance(save_id, str) and len(save_id) == 16
+                             and all(c in "0123456789abcdef" for c in save_id)):
+        raise CheckpointError(f"{mpath}: a version-3 manifest records its save's id ('save_id', 16 hex digits); "
+                              f"this one has {save_id!r} (edited or truncated): refusing to load files it cannot "
+                              "tie to one save")
+    if version < 3:
+        manifest.pop("save_id", None)  # written by no tplayers: nothing to check the files against
     return manifest
 
 
@@ -261,7 +312,8 @@ def load_checkpoint(model: nn.Module, path: str, *, group: Any = None, timeout: 
 
     Collective over ``group`` (as in :func:`save_checkpoint`; default: the whole world). Raises :class:`CheckpointError`
     naming the tensor when names, full shapes or fused layouts differ, and naming the file when one is
-    missing or its sha256 differs from the one recorded at save (each rank hashes a share of the files).
+    missing or its sha256 differs from the one recorded at save (each rank hashes a share of the files),
+    or when a shard file does not carry the save id the manifest records (a file from another save).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -274,10 +326,10 @@ def load_checkpoint(model: nn.Module, path: str, *, group: Any = None, timeout: 
     refuse_meta(entries(model), path)
     reader = safe_reader(path)
     try:
-        reader.read_metadata()  # refuse a tampered .metadata here, with a clear error, before DCP reads it
+        metadata = reader.read_metadata()  # refuse a tampered .metadata here, with a clear error, before DCP does
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path}: refusing to load .metadata: {e}") from None
-    _verify_files(manifest, path, pg, rank)  # after the metadata check: a forged manifest must not skip it
+    _verify_files(manifest, path, pg, rank, metadata)  # after the metadata check: a forged manifest must not skip it
     state, post = _dcp_state(model, for_save=False)
     with torch.no_grad():
         with quiet(), dcp_errors("load_checkpoint", path):
