@@ -180,3 +180,30 @@ def test_on_a_gpu_the_check_runs_when_the_next_collective_launches():
     for message in get_world(2).run(_checked_one_collective_late):
         assert "rank 0: forward all_reduce #" in message and "at 0.fc2 (eval mode, autograd off)" in message, message
         assert "checked when the group's next collective launched" in message, message
+
+
+def _labels_outside_forward(group, same):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False)
+    model = tplayers.parallelize(LlamaForCausalLM(cfg).double(), "auto", group=group)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    seed = 1 if same else 1 + torch.distributed.get_rank()  # a sampler over the TP ranks hands each its own labels
+    labels = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
+    logits = model(ids).logits  # the labels never pass through forward: check_same_inputs cannot see them
+    loss = nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1))
+    try:
+        loss.backward()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_labels_that_differ_across_ranks_outside_forward_are_refused_in_backward():
+    pytest.importorskip("transformers")
+    for message in get_world(2).run(_labels_outside_forward, False):
+        assert "the gradient of lm_head's output" in message and "rank(s) [1]" in message, message
+        assert "the ranks' losses differ" in message, message
+    assert get_world(2).run(_labels_outside_forward, True) == ["no error"] * 2

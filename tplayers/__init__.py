@@ -23,7 +23,7 @@ from .models.loss import vocab_parallel_cross_entropy
 from .models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from .models.gpt import ParallelGPT
 from .convert import AuditError, AuditReport, CoverageReport, Plan, audit, auto_plan, coverage, parallelize
-from .layers import (backward_dw, check_replicas, check_same_inputs, clip_grad_norm_, main_grads_to_grads, pending_wgrad,
+from .layers import (backward_dw, check_replicas, check_same_inputs, check_same_output_grads, clip_grad_norm_, main_grads_to_grads, pending_wgrad,
                      set_overlap, use_main_grad, zero_main_grads)
 from .core.wgrad import WeightGradStore
 from .bench.accounting import CommAccounting, CommRecord, EmulatedLink, comm_accounting, emulated_link
@@ -62,7 +62,7 @@ __all__ = [
     "use_main_grad", "main_grads_to_grads", "zero_main_grads",
     "clip_grad_norm_",
     "check_replicas",
-    "check_same_inputs",
+    "check_same_inputs", "check_same_output_grads",
     "comm_accounting",
     "CommAccounting",
     "CommRecord",

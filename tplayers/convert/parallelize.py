@@ -46,7 +46,7 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, placements_of
 from ..layers.fused import FusedColumnParallelLinear
-from ..layers.same_inputs import check_same_inputs, check_same_rng_once, has_dropout
+from ..layers.same_inputs import check_same_inputs, check_same_output_grads, check_same_rng_once, has_dropout
 from .audit import AUDIT_ATTR, Auditor, find_regions
 from .auto import auto_plan
 from .coverage import REPORT_ATTR, build_report
@@ -298,11 +298,15 @@ def _resolve_plan(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[st
 
 def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check_consistency: bool) -> None:
     """The checks a converted model carries at run time: the same inputs on every TP rank (first
-    forward, then every ``check_inputs``-th), the same dropout generators (first training forward)."""
+    forward, then every ``check_inputs``-th) and the same gradient of a gathered output (the same
+    loss), the same dropout generators (first training forward)."""
     if tp.size == 1:
         return
     if check_inputs:
         check_same_inputs(model, group=tp, every=check_inputs)
+        for module in model.modules():  # an output every rank holds whole: its gradient comes from the loss
+            if isinstance(module, TensorParallelModule) and getattr(module, "gather_output", False):
+                check_same_output_grads(module, group=tp, every=check_inputs, counting=model)
     if check_consistency and has_dropout(model):
         check_same_rng_once(model, group=tp)  # before the audit's hooks: the audit forks the RNG anyway
 
@@ -325,7 +329,10 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     ``check_inputs`` (default 1000): the TP ranks' inputs (every tensor of the arguments, nested and
     keyword ones such as ``labels`` included) must agree at the first forward and every
     ``check_inputs``-th after (:func:`~tplayers.layers.same_inputs.check_same_inputs`: a hash per tensor
-    and two small all-gathers per checked forward); 0 turns it off. ``timeout``: a rank that does not
+    and two small all-gathers per checked forward), and on the same schedule the gradient of every
+    gathered output (the logits of an LM head: a loss on labels that differ across TP ranks, given
+    outside the forward, is refused in that backward; :func:`~tplayers.layers.same_inputs.check_same_output_grads`);
+    0 turns both off. ``timeout``: a rank that does not
     call ``parallelize`` within that many seconds is named in an error on the others (gloo groups).
     ``audit`` (default on): the first forward checks one instance of each distinct converted region
     (an attention, an MLP, the embedding, the head) against its dense twin, output and every

@@ -1,5 +1,6 @@
 """`check_same_inputs`: the TP ranks of one replica must be fed the same batch (opt-in, per forward);
-`check_same_rng_once`: and draw the same dropout masks (at the first training forward).
+`check_same_output_grads`: and compute the same loss on a gathered output (labels given outside the
+forward); `check_same_rng_once`: and draw the same dropout masks (at the first training forward).
 
 Every rank of a TP group computes on the same activations; a data loader that gives each rank a
 different batch (Lightning's or DDP's distributed sampler over the TP ranks) trains a model that is
@@ -8,7 +9,7 @@ that hashes every tensor argument and compares the hashes across the TP group.
 """
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -17,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from ..core.collectives import bit_hash, bytes_hash, ranks_that_differ
 from ..core.groups import GroupLike, resolve_group
 
-__all__ = ["check_same_inputs", "check_same_rng_once", "has_dropout"]
+__all__ = ["check_same_inputs", "check_same_output_grads", "check_same_rng_once", "has_dropout"]
 
 
 def _tensors(value: Any, path: str, out: List[Tuple[str, torch.Tensor]]) -> None:
@@ -119,3 +120,56 @@ def check_same_rng_once(module: nn.Module, *, group: GroupLike) -> RemovableHand
 
     handle.append(module.register_forward_pre_hook(hook))
     return handle[0]
+
+
+def check_same_output_grads(module: nn.Module, *, group: GroupLike, every: int = 1,
+                            counting: Optional[nn.Module] = None) -> List[RemovableHandle]:
+    """Check, in the backward of the first and then every ``every``-th forward of ``module`` (of
+    ``counting``, an enclosing model, when given: every call of ``module`` inside it), that the
+    gradient arriving at each of its output tensors is bitwise equal on every rank of the TP group;
+    raise ValueError on every rank otherwise, naming the module. For a module whose output every rank
+    holds whole (an LM head that gathers the logits): its gradient comes from the loss, so ranks whose
+    losses differ (labels or targets that differ across TP ranks, passed to a loss outside the
+    model's forward) would train each shard on another rank's loss, silently.
+
+    Cost per checked backward: the gradient hashed (read once; on CUDA one sync) and one all-gather of
+    four int64 per output tensor. ``parallelize`` registers it on every layer that gathers its output,
+    counting the model's forwards with its ``check_inputs`` schedule (the audit's extra call of a
+    layer at the first step is then checked too); inside ``torch.compile`` it does not run. Returns
+    the hook handles.
+    """
+    tp = resolve_group(group)
+    if every < 1:
+        raise ValueError(f"check_same_output_grads: every={every} must be >= 1")
+    calls = [0]
+
+    def check(grad: torch.Tensor) -> None:
+        name = module.__dict__.get("_tplayers_path") or type(module).__name__  # its path, once a collective ran
+        hashes = torch.cat([bit_hash(grad), bytes_hash(str(tuple(grad.shape)).encode())])[None]
+        differ = ranks_that_differ(hashes, group=tp)  # (p, 1)
+        if differ.any():
+            ranks = differ[:, 0].nonzero()[:, 0].tolist()
+            raise ValueError(f"check_same_output_grads: the gradient of {name}'s output (every TP rank holds it whole) "
+                             f"differs between rank 0 and rank(s) {ranks} of the TP group, in the backward of forward "
+                             f"#{calls[0]}: the ranks' losses differ. Every TP rank must compute the loss on the same "
+                             "labels / targets (labels given to a loss outside the model's forward are not checked "
+                             "with the inputs; a distributed sampler over the TP ranks splits them)")
+
+    def count(*_: Any) -> None:
+        calls[0] += 1
+
+    def hook(_: nn.Module, args: Tuple[Any, ...], out: Any) -> None:
+        if counting is None:
+            count()
+        if torch.compiler.is_compiling() or tp.size == 1 or (calls[0] - 1) % every:
+            return
+        named: List[Tuple[str, torch.Tensor]] = []
+        _tensors(out, "output", named)
+        for _, t in named:
+            if t.requires_grad:
+                t.register_hook(check)
+
+    handles = [module.register_forward_hook(hook)]
+    if counting is not None:
+        handles.append(counting.register_forward_pre_hook(count))
+    return handles
