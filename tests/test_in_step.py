@@ -207,3 +207,26 @@ def test_labels_that_differ_across_ranks_outside_forward_are_refused_in_backward
         assert "the gradient of lm_head's output" in message and "rank(s) [1]" in message, message
         assert "the ranks' losses differ" in message, message
     assert get_world(2).run(_labels_outside_forward, True) == ["no error"] * 2
+
+
+def _float16_partials_that_overflow(group, sequence_parallel):
+    dense = nn.Linear(2, 1, bias=False).half()
+    with torch.no_grad():
+        dense.weight.copy_(torch.tensor([[250.0, -200.0]]))  # rank 0's partial 300 * 250 = 75000 > 65504
+    row = tplayers.RowParallelLinear.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
+    x = torch.full((1, 2, 2), 300.0, dtype=torch.float16)
+    expected = float(dense(x)[0, 0, 0])  # the dense sum: 15000, finite
+    x_local = x.chunk(2, dim=-1)[torch.distributed.get_rank()]
+    try:
+        row(x_local)
+    except FloatingPointError as e:
+        return str(e), expected
+    return "no error", expected
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_float16_partial_sums_that_overflow_are_reported_on_every_rank(sequence_parallel):
+    for message, expected in get_world(2).run(_float16_partials_that_overflow, sequence_parallel):
+        assert expected == 15000.0
+        assert "float16 overflow in the row-parallel sum at RowParallelLinear" in message, message
+        assert "rank(s) [0]" in message and "bfloat16" in message, message

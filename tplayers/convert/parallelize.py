@@ -46,6 +46,7 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, placements_of
 from ..layers.fused import FusedColumnParallelLinear
+from ..core.fingerprint import name_modules
 from ..layers.same_inputs import check_same_inputs, check_same_output_grads, check_same_rng_once, has_dropout
 from .audit import AUDIT_ATTR, Auditor, find_regions
 from .auto import auto_plan
@@ -302,6 +303,7 @@ def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check
     loss), the same dropout generators (first training forward)."""
     if tp.size == 1:
         return
+    name_modules(model)  # errors name modules by their paths in the model
     if check_inputs:
         check_same_inputs(model, group=tp, every=check_inputs)
         for module in model.modules():  # an output every rank holds whole: its gradient comes from the loss

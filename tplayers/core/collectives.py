@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol  # the compiled paths
 
-from .fingerprint import DIGEST, Stamp, stamp
+from .fingerprint import SLOT, Stamp, stamp
 from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
 from .placement import Placement
 
@@ -133,9 +133,10 @@ def _compiling() -> bool:
 
 
 @_eager_on_old_torch
-def all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str = "sum") -> Pending:
+def all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str = "sum",
+               overflow: Optional[torch.Tensor] = None) -> Pending:
     """Sum (or ``op="max"``) ``buf`` over the group, in place. ``buf`` must be a contiguous
-    tensor the caller owns."""
+    tensor the caller owns. ``overflow``: see :func:`sum_partials`."""
     if g.size == 1:
         return _done(buf)
     assert buf.is_contiguous(), "all-reduce needs an owned contiguous buffer"
@@ -148,10 +149,10 @@ def all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str
         work, observed = _launch("all_reduce", nbytes, g, lambda: dist.all_reduce(
             buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op), buf.device)
         return Pending(work, lambda: buf, observed)
-    n = buf.numel()  # (n data + p * DIGEST fingerprint slots: each rank's in its own, zeros elsewhere)
-    flat = _scratch(n + s.size * DIGEST, buf.dtype, buf.device)
+    n = buf.numel()  # (n data + p * SLOT fingerprint slots: each rank's in its own, zeros elsewhere)
+    flat = _scratch(n + s.size * SLOT, buf.dtype, buf.device)
     flat[:n].view(buf.shape).copy_(buf)
-    flat[n:].copy_(s.slots(buf.dtype, buf.device))
+    flat[n:].copy_(s.slots(buf.dtype, buf.device, overflow))
     work, observed = _launch("all_reduce", nbytes, g, lambda: dist.all_reduce(
         flat, op=_REDUCE_OPS[op], group=g.process_group, async_op=True), buf.device)
 
@@ -213,10 +214,10 @@ def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False)
             work, observed = _launch("all_gather", nbytes, g, lambda: _all_gather_single(
                 out, src, group=g.process_group, async_op=async_op), src.device)
             result = lambda: out  # noqa: E731
-        else:  # each rank sends (n data + DIGEST fingerprint) elements
+        else:  # each rank sends (n data + SLOT fingerprint) elements
             n = src.numel()
             ext = torch.cat([src.reshape(-1), stamped.mine(src.dtype, src.device)])
-            rows = torch.empty((g.size, n + DIGEST), dtype=src.dtype, device=src.device)
+            rows = torch.empty((g.size, n + SLOT), dtype=src.dtype, device=src.device)
             work, observed = _launch("all_gather", nbytes, g, lambda: _all_gather_single(
                 rows.view(-1), ext, group=g.process_group, async_op=True), src.device)
 
@@ -237,8 +238,10 @@ def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False)
 
 
 @_eager_on_old_torch
-def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False) -> Pending:
-    """Sum over the group, then keep this rank's chunk along ``dim``. Never modifies ``x``."""
+def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False,
+                   overflow: Optional[torch.Tensor] = None) -> Pending:
+    """Sum over the group, then keep this rank's chunk along ``dim``. Never modifies ``x``.
+    ``overflow``: see :func:`sum_partials`."""
     if g.size == 1:
         return _done(x)
     dim = dim % x.dim()
@@ -265,8 +268,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = Fa
             out.view(-1), src.view(-1), group=g.process_group, async_op=async_op), x.device)
         return Pending(work, lambda: out, observed)
     # every block carries the p fingerprint slots (this rank's in its own), so each rank's chunk of the sum has all
-    blocks = torch.cat([src.view(g.size, m), stamped.slots(x.dtype, x.device).expand(g.size, -1)], dim=1)
-    out = torch.empty(m + g.size * DIGEST, dtype=x.dtype, device=x.device)
+    blocks = torch.cat([src.view(g.size, m), stamped.slots(x.dtype, x.device, overflow).expand(g.size, -1)], dim=1)
+    out = torch.empty(m + g.size * SLOT, dtype=x.dtype, device=x.device)
     work, observed = _launch("reduce_scatter", nbytes, g, lambda: _reduce_scatter_single(
         out, blocks.view(-1), group=g.process_group, async_op=True), x.device)
 
@@ -279,10 +282,17 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = Fa
 
 def sum_partials(partial: torch.Tensor, g: TPGroup, sequence_parallel: bool, *, async_op: bool = False) -> Pending:
     """Every rank's ``partial`` summed (a buffer the caller owns): all-reduced, or under sequence
-    parallelism reduce-scattered along the sequence (each rank keeps its chunk of the sum)."""
+    parallelism reduce-scattered along the sequence (each rank keeps its chunk of the sum).
+
+    In float16, forward: whether each rank's partial is finite travels with the collective's
+    fingerprint, so a split that overflows where the dense sum would not raises on every rank (in
+    backward, gradients overflow by design under loss scaling, and are left to the scaler)."""
+    overflow = None
+    if partial.dtype == torch.float16 and torch._C._current_graph_task_id() == -1:
+        overflow = ~torch.isfinite(partial).all()
     if sequence_parallel:
-        return reduce_scatter(partial, SEQ_DIM, g, async_op=async_op)
-    return all_reduce(partial, g, async_op=async_op)
+        return reduce_scatter(partial, SEQ_DIM, g, async_op=async_op, overflow=overflow)
+    return all_reduce(partial, g, async_op=async_op, overflow=overflow)
 
 
 @_eager_on_old_torch

@@ -11,7 +11,9 @@ sums are wrong, nothing fails. So each collective carries a fingerprint of itsel
 the model; in backward the autograd node, and the collective's position in this backward), hashed
 to 8 bytes and sent IN the collective's own buffer: 8 extra elements per rank holding values 0..255
 (exact in every dtype; in an all-reduce each rank writes its own slot, the others' are zero, so the
-sum is every rank's fingerprint; a reduce-scatter carries the slots in every rank's chunk). When the
+sum is every rank's fingerprint; a reduce-scatter carries the slots in every rank's chunk), plus one
+flag element: a float16 forward partial sum that is not finite (the split can overflow where the dense
+sum does not), raised as FloatingPointError on every rank naming the layer. When the
 collective completes, every rank holds every rank's fingerprint; any difference raises
 `CollectivesOutOfStep` on every rank, naming each rank's side (one extra all-gather of the
 descriptions, on the error path only). The group stays usable. No extra round trip: the cost is a
@@ -40,9 +42,10 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectivesOutOfStep", "set_collective_checks", "Stamp", "stamp", "DIGEST"]
+__all__ = ["CollectivesOutOfStep", "set_collective_checks", "Stamp", "stamp", "SLOT", "name_modules"]
 
-DIGEST = 8  # elements per rank: 8 bytes of fingerprint, one byte per element
+DIGEST = 8  # 8 bytes of fingerprint, one byte per element
+SLOT = DIGEST + 1  # elements per rank: the digest, then 1 where this rank's float16 partial sum is not finite
 _TEXT = 1024  # bytes per rank of the description exchanged after a mismatch
 _UNSTAMPED = {torch.bool, torch.complex64, torch.complex128}
 
@@ -90,8 +93,9 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode("utf-8"))
 
 
-def _name_modules(root: torch.nn.Module) -> None:
-    """Record every submodule's path under ``root`` (once; the same on every rank of a SPMD program)."""
+def name_modules(root: torch.nn.Module) -> None:
+    """Record every submodule's path under ``root`` (a module keeps the first path it is given; the same on
+    every rank of a SPMD program): what fingerprints and checks call it."""
     for name, module in root.named_modules():
         module.__dict__.setdefault("_tplayers_path", name or type(root).__name__)
 
@@ -118,7 +122,7 @@ def _forward_site(frame: Any) -> Tuple[str, bool, bool]:
     if inner is None:
         return "(no module)", False, tracked
     if "_tplayers_path" not in inner.__dict__:
-        _name_modules(outer)  # (a module run by one that does not hold it, e.g. an audit's copy: its class name)
+        name_modules(outer)  # (a module run by one that does not hold it, e.g. an audit's copy: its class name)
         inner.__dict__.setdefault("_tplayers_path", type(inner).__name__)
     return inner.__dict__["_tplayers_path"], inner.training, tracked
 
@@ -127,21 +131,24 @@ class Stamp:
     """One collective's fingerprint on this rank: what it writes into the buffer, and the check of
     the table every rank's slots come back as."""
 
-    __slots__ = ("digest", "rank", "size", "pg", "text", "cpu")
+    __slots__ = ("digest", "rank", "size", "pg", "text", "site", "cpu")
 
-    def __init__(self, digest: List[int], rank: int, size: int, pg: Any, text: str, cpu: bool) -> None:
-        self.digest, self.rank, self.size, self.pg, self.text, self.cpu = digest, rank, size, pg, text, cpu
+    def __init__(self, digest: List[int], rank: int, size: int, pg: Any, text: str, site: str, cpu: bool) -> None:
+        self.digest, self.rank, self.size, self.pg, self.text, self.site, self.cpu = digest, rank, size, pg, text, site, cpu
 
     def mine(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """This rank's ``DIGEST`` elements."""
-        return torch.tensor(self.digest, dtype=dtype).to(device)
+        """This rank's ``SLOT`` elements (its flag 0)."""
+        return torch.tensor(self.digest + [0], dtype=dtype).to(device)
 
-    def slots(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``size * DIGEST`` elements: this rank's digest in its slot, zeros elsewhere (summed over the
-        group: every rank's digest)."""
-        out = torch.zeros(self.size * DIGEST, dtype=dtype)
-        out[self.rank * DIGEST:(self.rank + 1) * DIGEST] = torch.tensor(self.digest, dtype=dtype)
-        return out.to(device)
+    def slots(self, dtype: torch.dtype, device: torch.device, overflow: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``size * SLOT`` elements: this rank's digest (and ``overflow``, a 0-d bool: its float16
+        partial sum is not finite) in its slot, zeros elsewhere: summed over the group, every rank's."""
+        out = torch.zeros(self.size * SLOT, dtype=dtype)
+        out[self.rank * SLOT:self.rank * SLOT + DIGEST] = torch.tensor(self.digest, dtype=dtype)
+        out = out.to(device)
+        if overflow is not None:  # stays on the device: no synchronization
+            out[self.rank * SLOT + DIGEST] = overflow.to(dtype)
+        return out
 
     def wait(self, work: Any) -> None:
         """Wait for ``work``: on the CPU at most the configured timeout, then raise naming this call."""
@@ -158,7 +165,7 @@ class Stamp:
             work.wait()
 
     def check(self, table: torch.Tensor) -> None:
-        """``table``: the ``size * DIGEST`` fingerprint elements every rank received. On the CPU checked
+        """``table``: the ``size * SLOT`` fingerprint elements every rank received. On the CPU checked
         now; on a GPU copied to the host without a sync and checked at the group's next collective."""
         if table.device.type == "cpu" and not _LAG_ON_CPU[0]:
             _verify(table, self)
@@ -180,7 +187,9 @@ def _group(pg: Any) -> _Group:
 
 
 def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
-    rows = table.reshape(s.size, DIGEST).to(torch.int64)
+    rows = table.reshape(s.size, SLOT).to(torch.int64)
+    overflowed = rows[:, DIGEST].nonzero()[:, 0].tolist()
+    rows = rows[:, :DIGEST]
     if bool((rows != torch.tensor(s.digest, dtype=torch.int64)).any()):
         sides = _exchange_text(s.text, s.pg, s.size)
         fate = ("It was checked when the group's next collective launched (a GPU's fingerprints reach the host "
@@ -191,6 +200,14 @@ def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
             "rank's data with another layer's or phase's and compute wrong numbers. Every rank must run the same "
             "forward and backward calls on the model (evaluation on every rank, not on rank 0 only; no rank skipping "
             "or retrying a step alone). " + fate + "\n  " + "\n  ".join(sides))
+    if overflowed:
+        raise FloatingPointError(
+            f"tplayers: float16 overflow in the row-parallel sum at {s.site}: the partial sum of rank(s) {overflowed} "
+            "is not finite. Each rank sums only its shard's products before the all-reduce, and in float16 (largest "
+            "65504) a partial can overflow where the dense sum does not (partials +70000 and -60000, dense 10000). Use "
+            "bfloat16 (float32's range) for this model, or scale this layer's inputs down (if they are themselves not "
+            "finite, that is the cause to fix). Checked on every rank with the collective's fingerprints "
+            "(tplayers.set_collective_checks)")
 
 
 def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: int) -> Optional[Stamp]:
@@ -224,7 +241,7 @@ def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: in
     where = (f"in {site}, collective {state.position + 1} of this backward" if backward
              else f"at {site} ({'training' if training else 'eval'} mode, autograd {'on' if tracked else 'off'})")
     text = f"rank {dist.get_rank()}: {'backward' if backward else 'forward'} {op} #{state.seq} of {shape} {dtype} {where}"
-    return Stamp(digest, rank, size, pg, text, sent.device.type == "cpu")
+    return Stamp(digest, rank, size, pg, text, site, sent.device.type == "cpu")
 
 
 def _exchange_text(text: str, pg: Any, size: int) -> List[str]:
