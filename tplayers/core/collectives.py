@@ -12,6 +12,10 @@ it; the helpers copy (``all_reduce_`` is the one explicit in-place exception).
 Core knows nothing of benchmarks: every collective goes through :func:`_launch`, where one
 `Observer` (installed by ``tplayers.comm_accounting`` / ``tplayers.emulated_link``, on the bench
 floor) may watch it; with none installed that costs one truth test.
+
+Ranks in step (:mod:`.fingerprint`): all-reduce, all-gather and reduce-scatter carry each rank's
+fingerprint of the call in ``SLOT`` extra elements of their own buffer (an all-reduce sums in a
+reused longer buffer and copies back), checked when the collective completes.
 """
 from __future__ import annotations
 
