@@ -9,8 +9,8 @@ sums are wrong, nothing fails. So each collective carries a fingerprint of itsel
 
 (phase: forward or backward; issuing module: in forward the innermost module running, by its path in
 the model; in backward the autograd node, and the collective's position in this backward), hashed
-to 8 bytes and sent IN the collective's own buffer: 8 extra elements per rank holding values 0..255
-(exact in every dtype; in an all-reduce each rank writes its own slot, the others' are zero, so the
+to 8 bytes and sent IN the collective's own buffer: ``SLOT`` = 9 extra elements per rank holding
+values 0..255 (exact in every floating and integer dtype; in an all-reduce each rank writes its own slot, the others' are zero, so the
 sum is every rank's fingerprint; a reduce-scatter carries the slots in every rank's chunk), plus one
 flag element: a float16 forward partial sum that is not finite (the split can overflow where the dense
 sum does not), raised as FloatingPointError on every rank naming the layer. When the
@@ -47,7 +47,8 @@ __all__ = ["CollectivesOutOfStep", "set_collective_checks", "Stamp", "stamp", "S
 DIGEST = 8  # 8 bytes of fingerprint, one byte per element
 SLOT = DIGEST + 1  # elements per rank: the digest, then 1 where this rank's float16 partial sum is not finite
 _TEXT = 1024  # bytes per rank of the description exchanged after a mismatch
-_UNSTAMPED = {torch.bool, torch.complex64, torch.complex128}
+_UNSTAMPED = {torch.bool, torch.complex64, torch.complex128} | {  # no 0..255 integers in these
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)}
 
 
 class CollectivesOutOfStep(RuntimeError):
