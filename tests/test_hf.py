@@ -224,3 +224,41 @@ def _generate_sequence_parallel(group, family: str):
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
 def test_generate_under_sequence_parallelism_falls_back_for_lengths_that_do_not_divide(family):
     assert all(get_world(2).run(_generate_sequence_parallel, family))
+
+
+def _loss_parallel(group, vocab):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                      tie_word_embeddings=False)
+    dense = LlamaForCausalLM(cfg).double()
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, loss_parallel=True)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, 10), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # ignored positions stay ignored
+    out_t = model(ids, labels=labels)  # the first step (the audit, the inputs check) ...
+    with tplayers.comm_accounting() as acc:  # ... and a later one, counted
+        model(ids, labels=labels)
+    # the dense reference in float64 (HF's own loss rounds float64 logits to float32; this one keeps float64)
+    logits_d = dense(ids).logits
+    loss_d = torch.nn.functional.cross_entropy(logits_d[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
+    torch.testing.assert_close(out_t.loss, loss_d, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out_t.loss, dense(ids, labels=labels).loss.double(), rtol=1e-6, atol=0)  # HF's
+    out_t.loss.backward()
+    loss_d.backward()
+    grads = dense_parameters(model, grads=True)
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    gathers = [r for r in acc.records if r.op == "all_gather" and r.phase == "forward"]
+    full_logits = model(ids).logits  # no labels: the whole vocabulary, gathered
+    torch.testing.assert_close(full_logits, dense(ids).logits, rtol=1e-9, atol=1e-9)
+    return tuple(out_t.logits.shape), len(gathers)
+
+
+@pytest.mark.parametrize("tp,vocab", [(2, 96), (4, 98)])
+def test_loss_parallel_keeps_logits_split_through_the_loss(tp, vocab):
+    for shape, gathers in get_world(tp).run(_loss_parallel, vocab):
+        assert shape == (2, 10, -(-vocab // tp)) and gathers == 0, (shape, gathers)

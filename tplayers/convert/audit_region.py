@@ -132,7 +132,8 @@ class _Sides:
         # stream. Read after the TP forward: the hook entering the stream decides, per forward, if it is on.
         if not self.dims:
             region = self.region
-            self.dims.extend([-1 if region.split[0] else None, -1 if region.split[1] else None])
+            split_out = region.split[1] or getattr(region.module, "gather_output", True) is False  # (loss_parallel)
+            self.dims.extend([-1 if region.split[0] else None, -1 if split_out else None])
             if any(getattr(m, "sequence_parallel", False) for m in region.module.modules()):
                 self.dims[:] = [None if region.enters_sequence else -2, None if region.leaves_sequence else -2]
         return self.dims

@@ -42,14 +42,15 @@ import torch
 import torch.nn as nn
 
 from ..core.collectives import bit_hash, ranks_that_differ, wait_for_ranks
+from ..core.fingerprint import name_modules
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, placements_of
 from ..layers.fused import FusedColumnParallelLinear
-from ..core.fingerprint import name_modules
 from ..layers.same_inputs import check_same_inputs, check_same_output_grads, check_same_rng_once, has_dropout
 from .audit import AUDIT_ATTR, Auditor, find_regions
 from .auto import auto_plan
+from .loss_parallel import apply_loss_parallel
 from .coverage import REPORT_ATTR, build_report
 from .plan import Plan, resolve_style
 from .plans import get_plan
@@ -315,7 +316,8 @@ def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check
 
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
                 group: GroupLike, sequence_parallel: bool = False, check_consistency: bool = True,
-                audit: bool = True, check_inputs: int = 1000, timeout: float = 300.0) -> nn.Module:
+                audit: bool = True, check_inputs: int = 1000, timeout: float = 300.0,
+                loss_parallel: bool = False) -> nn.Module:
     """Swap, in place, the modules ``plan`` names for TP layers holding this rank's shard.
 
     Every rank of ``group`` calls it on an identical dense model (same weights). Returns
@@ -340,6 +342,10 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     (an attention, an MLP, the embedding, the head) against its dense twin, output and every
     gradient, and raises :class:`~tplayers.convert.audit.AuditError` on every rank on a mismatch
     (see :mod:`tplayers.convert.audit`; its result is in ``tplayers.coverage(model).audit``).
+    ``loss_parallel`` (Hugging Face causal LMs): called with ``labels``, the LM head keeps its
+    vocabulary shard and the model's loss runs on it (`vocab_parallel_cross_entropy`: no all-gather of
+    the logits, each rank holds 1/p of them); ``outputs.logits`` is then this rank's shard ``(b, s,
+    V'/p)`` (padded); without labels the logits are gathered whole (:mod:`tplayers.convert.loss_parallel`).
     """
     tp = resolve_group(group)
     if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) or check_inputs < 0:
@@ -374,6 +380,8 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
             b.finish()
     auditor.after_swap(model)
     object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict
+    if loss_parallel and tp.size > 1:
+        apply_loss_parallel(model, tp)
     _watch_ranks_in_step(model, tp, check_inputs, check_consistency)
     if audit:
         auditor.arm()

@@ -163,6 +163,8 @@ def check_same_output_grads(module: nn.Module, *, group: GroupLike, every: int =
             count()
         if torch.compiler.is_compiling() or tp.size == 1 or (calls[0] - 1) % every:
             return
+        if getattr(module, "gather_output", True) is False:  # this call keeps its output split (loss_parallel)
+            return
         named: List[Tuple[str, torch.Tensor]] = []
         _tensors(out, "output", named)
         for _, t in named:
