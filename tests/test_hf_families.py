@@ -30,6 +30,7 @@ FAMILIES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "attn_implementation": "eager"}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "attn_implementation": "eager"}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {"eos_token_id": None}),  # Phi-1/1.5/2: lm_head has a bias
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"eos_token_id": None}),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),  # xIELU: learnable scalars inside the MLP
     "olmo": ("OlmoConfig", "OlmoForCausalLM", {"eos_token_id": None}),
@@ -91,6 +92,9 @@ def _check_family(group, family: str, seed: int):
         warnings.simplefilter("always")
         model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group)
     report = tplayers.coverage(model)
+    head = model.get_output_embeddings()  # every family's head is split, a bias (Phi) included
+    assert isinstance(head, tplayers.ParallelLMHead), type(head).__name__
+    assert (head.bias is None) == (dense.get_output_embeddings().bias is None)
     partial = [str(w.message) for w in caught if "covers only part" in str(w.message)]
     assert all(r.status == "pending" for r in report.audit.regions), str(report.audit)
     assert bool(partial) == (family in MOE_FAMILIES) == (not report.complete), (partial, str(report))

@@ -10,6 +10,8 @@ from conftest import examples
 from _helpers import TP_SIZES
 from hypothesis import strategies as st
 
+import tplayers
+import tplayers.testing
 from tplayers import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from tplayers.core.collectives import all_gather_tensor, gather_placed
 from tplayers.core.placement import Sharded
@@ -128,6 +130,118 @@ def _check_lm_head(group, vocab, dim, batch, seq, sequence_parallel, seed):
        seq_per_rank=st.integers(1, 2), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
 def test_lm_head_matches_dense(tp, vocab, dim, batch, seq_per_rank, sequence_parallel, seed):
     get_world(tp).run(_check_lm_head, vocab, dim, batch, seq_per_rank * tp, sequence_parallel, seed)
+
+
+def _check_lm_head_bias(group, vocab, dim, batch, seq, sequence_parallel, seed):
+    """A head with a bias: output, input gradient, weight and bias gradients equal the dense head's,
+    gathered or as split logits fed to the loss; the padded bias entries are zero and stay inert."""
+    g = resolve_group(group)
+    torch.manual_seed(seed)
+    dense = nn.Linear(dim, vocab, bias=True, dtype=torch.float64)
+    x = torch.randn(batch, seq, dim, dtype=torch.float64)
+    gathered = ParallelLMHead.from_dense(dense, group=group, gather_output=True)
+    report = assert_matches_dense(gathered, dense, x, group=group)
+    assert "bias" in dict(gathered.named_parameters()), "the bias is a parameter of the head"
+    assert gathered.param_placements()["bias"] == gathered.param_placements()["weight"] == Sharded.split(
+        0, vocab, g.size, padded=True)
+    back = gathered.to_dense()
+    assert type(back) is nn.Linear and torch.equal(back.weight, dense.weight) and torch.equal(back.bias, dense.bias)
+    real = max(min(vocab - gathered.vocab_start, gathered.num_embeddings_per_rank), 0)  # real rows on this rank
+    assert not gathered.bias[real:].any(), "padded bias entries must be zero"
+    assert not gathered.bias.grad[real:].any() and not gathered.weight.grad[real:].any()
+    assert "bias=True" in repr(gathered)
+
+    # split logits (sequence parallel or not) -> vocab_parallel_cross_entropy(vocab_size=V)
+    tp = ParallelLMHead.from_dense(dense, group=group, sequence_parallel=sequence_parallel)
+    x_tp = (g.shard(x, 1) if sequence_parallel else x).clone().requires_grad_(True)
+    x_d = x.clone().requires_grad_(True)
+    target = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    logits = tp(x_tp)  # (b, s, V'/p)
+    assert not logits[..., real:].any(), "padding logits stay zero, as without a bias"
+    full = torch.cat(list(all_gather_tensor(logits, -1, group=group).split(tp.num_embeddings_per_rank, -1)), -1)
+    torch.testing.assert_close(full[..., :vocab], dense(x))
+    loss = vocab_parallel_cross_entropy(logits, target, group=group, vocab_size=vocab)
+    dense.zero_grad()
+    expected = F.cross_entropy(dense(x_d).flatten(0, 1), target.flatten())
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    want_dx = g.shard(x_d.grad, 1) if sequence_parallel else x_d.grad
+    torch.testing.assert_close(x_tp.grad, want_dx)
+    for name in ("weight", "bias"):
+        got = gather_placed(getattr(tp, name).grad, tp.param_placements()[name], group=group)
+        torch.testing.assert_close(got, getattr(dense, name).grad, msg=f"grad of {name}")
+    assert not tp.bias.grad[real:].any() and not tp.weight.grad[real:].any(), "padding gradients must be zero"
+    return report.param_grad_error
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@settings(max_examples=examples(5))
+@given(vocab=st.integers(1, 11), dim=st.integers(1, 5), batch=st.integers(1, 2),
+       seq_per_rank=st.integers(1, 2), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
+def test_lm_head_with_bias_matches_dense(tp, vocab, dim, batch, seq_per_rank, sequence_parallel, seed):
+    get_world(tp).run(_check_lm_head_bias, vocab, dim, batch, seq_per_rank * tp, sequence_parallel, seed)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_lm_head_with_bias_uneven_vocabulary(tp):
+    """A vocabulary that divides none of the TP degrees (7 over 2 and 4: padding rows on the last rank)."""
+    for sp in (False, True):
+        get_world(tp).run(_check_lm_head_bias, 7, 3, 2, 2 * tp, sp, tp)
+
+
+def test_lm_head_bias_init_equals_nn_linear():
+    torch.manual_seed(5)
+    dense = nn.Linear(3, 7)
+    torch.manual_seed(5)
+    head = ParallelLMHead(3, 7, bias=True, group=None)
+    assert torch.equal(head.weight, dense.weight) and torch.equal(head.bias, dense.bias)
+    assert ParallelLMHead(3, 7, group=None).bias is None  # bias-free by default, as before
+
+
+def _lm_head_bias_tools(group, seed):
+    """clip_grad_norm_, dense_parameters and check_replicas see the bias through its placement."""
+    torch.manual_seed(seed)
+    dense = nn.Linear(3, 7, dtype=torch.float64)
+    tp = ParallelLMHead.from_dense(dense, group=group, gather_output=True)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    tp(x).square().sum().backward()
+    dense(x).square().sum().backward()
+    params, grads = tplayers.testing.dense_parameters(tp), tplayers.testing.dense_parameters(tp, grads=True)
+    assert sorted(params) == ["bias", "weight"]
+    torch.testing.assert_close(params["bias"], dense.bias)
+    torch.testing.assert_close(grads["bias"], dense.bias.grad)
+    tplayers.check_replicas(tp)
+    norm = tplayers.clip_grad_norm_(tp, 1e-3)
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(dense.parameters(), 1e-3))
+    torch.testing.assert_close(tplayers.testing.dense_parameters(tp, grads=True)["bias"], dense.bias.grad)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_lm_head_bias_through_placements(tp):
+    get_world(tp).run(_lm_head_bias_tools, tp)
+
+
+def _save_head(group, path):
+    torch.manual_seed(11)
+    dense = nn.Linear(3, 7, dtype=torch.float64)
+    tplayers.save_checkpoint(ParallelLMHead.from_dense(dense, group=group), path, group=group)
+    return dense.weight, dense.bias
+
+
+def _load_head(group, path):
+    head = ParallelLMHead(3, 7, bias=True, group=group, dtype=torch.float64)  # other weights
+    tplayers.load_checkpoint(head, path, group=group)
+    back = head.to_dense()
+    return back.weight, back.bias
+
+
+@pytest.mark.parametrize("save_tp,load_tp", [(2, 4), (4, 1)])
+def test_lm_head_bias_checkpoint_reshards(tmp_path, save_tp, load_tp):
+    path = str(tmp_path / "head")
+    weight, bias = get_world(save_tp).run(_save_head, path)[0]
+    for w, b in get_world(load_tp).run(_load_head, path):
+        assert torch.equal(w, weight) and torch.equal(b, bias)
 
 
 # ------------------------------------------------------------------ cross-entropy

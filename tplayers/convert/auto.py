@@ -7,7 +7,8 @@ transformers does (``*`` is one layer index, under the base model's prefix), and
 style name through :data:`HF_STYLES`. What we chose where transformers differs:
 
 - the input embedding and the output head are always vocab-parallel (HF's plans leave the
-  embedding replicated); a head tied to the embedding stays tied;
+  embedding replicated); a head with a bias (Phi, GPT-J, CodeGen) has it split like its weight rows;
+  a head tied to the embedding stays tied;
 - ``colwise`` on a ``k_proj`` / ``v_proj`` follows the KV-head rule (fewer KV heads than ranks:
   each KV head is replicated on ``p / kv`` ranks, its gradients summed), where transformers refuses;
 - MoE experts (``moe_tp_experts`` and the styles of their parameters) stay replicated: every rank

@@ -21,7 +21,7 @@ Style names (``STYLE_NAMES`` in :mod:`tplayers.convert.plan`):
                        attribute holding it; default HF's config.num_key_value_heads)
     "row"              RowParallelLinear, input sharded on the last dim, full output
     "vocab_embedding"  VocabParallelEmbedding (rows of the table split across ranks)
-    "vocab_head"       ParallelLMHead(gather_output=True): an LM head split like the embedding
+    "vocab_head"       ParallelLMHead(gather_output=True): an LM head (and its bias) split like the embedding
     "replicate"        left as it is (documents intent; matching it stops later patterns)
     "scatter_sequence" enter sequence parallelism: the module's input is cut along the sequence
     "gather_sequence"  the module's input is gathered along the sequence (a module that needs it whole)

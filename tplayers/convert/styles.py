@@ -272,7 +272,7 @@ class VocabEmbedding:
 
 @dataclass(frozen=True)
 class VocabHead:
-    """An LM head ``nn.Linear(dim, vocab, bias=False)`` split along the (padded) vocabulary.
+    """An LM head ``nn.Linear(dim, vocab)`` split along the (padded) vocabulary, its bias (if any) too.
 
     ``gather_output=True`` (default) returns full logits, so a model computing its own loss keeps
     working; False keeps this rank's shard for ``vocab_parallel_cross_entropy``. Same placement as

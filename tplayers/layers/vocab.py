@@ -10,8 +10,9 @@ give zeros), then the partial embeddings are all-reduced (reduce-scattered along
 dim under sequence parallelism). ``scale=`` multiplies the output by a constant, the scaled
 embeddings of Gemma-style models (`ScaledEmbedding` is its dense twin).
 
-`ParallelLMHead`: ``x @ W.T`` with the vocabulary (output features) split across ranks; its
-output is this rank's logits shard, fed to `vocab_parallel_cross_entropy` without ever
+`ParallelLMHead`: ``x @ W.T (+ b)`` with the vocabulary (output features) split across ranks, the
+bias (Phi, GPT-J, CodeGen) split like the weight rows, padding entries zero; its output is this
+rank's logits shard, fed to `vocab_parallel_cross_entropy` without ever
 gathering the full logits (``gather_output=True`` gathers them, padding removed).
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range
 from .base import TensorParallelModule
-from .from_dense import dense_linear_init, load_full_params, new_param, own_forward
+from .from_dense import dense_linear_init, linear_to_dense, load_full_params, new_param, own_forward
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead", "ScaledEmbedding", "embedding_scale"]
 
@@ -250,10 +251,11 @@ class VocabParallelEmbedding(_VocabParallelBase):
 
 
 class ParallelLMHead(_VocabParallelBase):
-    """The output projection ``nn.Linear(dim, vocab, bias=False)`` split along the vocabulary.
+    """The output projection ``nn.Linear(dim, vocab, bias=bias)`` split along the vocabulary.
 
     Input ``(..., dim)`` replicated (``(..., seq/p, dim)`` with ``sequence_parallel``). Output:
     this rank's logits shard ``(..., [seq,] vocab_padded/p)``, whose padding columns are zero;
+    ``bias=True``: a ``(vocab_padded/p,)`` bias, the same rows as the weight (padding entries zero);
     pass ``vocab_size=head.num_embeddings`` to `vocab_parallel_cross_entropy`. With
     ``gather_output=True``: the full ``(..., vocab)`` logits on every rank, padding removed.
 
@@ -267,6 +269,7 @@ class ParallelLMHead(_VocabParallelBase):
         embedding_dim: int,
         num_embeddings: int,
         *,
+        bias: bool = False,
         group: GroupLike,
         gather_output: bool = False,
         sequence_parallel: bool = False,
@@ -283,6 +286,10 @@ class ParallelLMHead(_VocabParallelBase):
         self.embedding_dim, self.gather_output = embedding_dim, gather_output
         self.sequence_parallel, self.overlap_comm = sequence_parallel, overlap_comm
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim, device=device, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.num_embeddings_per_rank, device=device, dtype=dtype))  # (V'/p,)
+        else:
+            self.register_parameter("bias", None)
         self.reset_parameters()
 
     @property
@@ -294,12 +301,18 @@ class ParallelLMHead(_VocabParallelBase):
         return self.num_embeddings
 
     def reset_parameters(self) -> None:
-        """Redraw the full ``nn.Linear(dim, vocab, bias=False)`` init and keep this rank's rows."""
-        full, _ = dense_linear_init(self.embedding_dim, self.num_embeddings, False, self.weight.device, self.weight.dtype)
-        load_full_params(self, {"weight": full})
+        """Redraw the full ``nn.Linear(dim, vocab, bias=...)`` init and keep this rank's rows."""
+        full, bias = dense_linear_init(self.embedding_dim, self.num_embeddings, self.bias is not None,
+                                       self.weight.device, self.weight.dtype)
+        load_full_params(self, {"weight": full, "bias": bias})
+
+    def param_placements(self) -> Dict[str, Placement]:
+        rows = self.placement  # the bias follows the weight rows, padding included
+        return {"weight": rows} if self.bias is None else {"weight": rows, "bias": rows}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = column_parallel_linear(x, self.weight, None, group=self.group,  # (..., V'/p)
+        # padding rows: zero weight and zero bias, so their logits are zero with or without a bias
+        logits = column_parallel_linear(x, self.weight, self.bias, group=self.group,  # (..., V'/p)
                                         sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
         if not self.gather_output:
             return logits
@@ -307,23 +320,22 @@ class ParallelLMHead(_VocabParallelBase):
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelLMHead":
-        """This rank's rows of an existing bias-free ``nn.Linear(dim, vocab)``."""
+        """This rank's rows (weight and bias, if any) of an existing ``nn.Linear(dim, vocab)``."""
         if not isinstance(dense, nn.Linear):
             raise TypeError(f"ParallelLMHead.from_dense expects an nn.Linear, got {type(dense).__name__}")
-        if dense.bias is not None:
-            raise ValueError("ParallelLMHead.from_dense: the LM head must have no bias")
-        layer = cls(dense.in_features, dense.out_features, group=group, device="meta",
+        if "bias" in options:
+            raise ValueError("ParallelLMHead.from_dense: the bias comes from the dense nn.Linear; do not pass bias=")
+        layer = cls(dense.in_features, dense.out_features, bias=dense.bias is not None, group=group, device="meta",
                     dtype=dense.weight.dtype, **options)
-        load_full_params(layer, {"weight": dense.weight}, like=dense)
+        load_full_params(layer, {"weight": dense.weight, "bias": dense.bias}, like=dense)
         return layer
 
     def to_dense(self) -> nn.Linear:
-        """The full ``nn.Linear(dim, vocab, bias=False)`` (padding removed), on every rank (collective)."""
-        dense = nn.Linear(self.embedding_dim, self.num_embeddings, bias=False, device="meta")
-        dense.weight = new_param(self.gather_param("weight"), self.weight)
-        return dense
+        """The full ``nn.Linear(dim, vocab)`` with its bias, if any (padding removed), on every rank
+        (collective)."""
+        return linear_to_dense(self)
 
     def extra_repr(self) -> str:
-        return (f"embedding_dim={self.embedding_dim}, vocab={self.num_embeddings}, tp_size={self.group.size}, "
-                f"tp_rank={self.group.rank}, rows=[{self.vocab_start}, {self.vocab_end}), "
+        return (f"embedding_dim={self.embedding_dim}, vocab={self.num_embeddings}, bias={self.bias is not None}, "
+                f"tp_size={self.group.size}, tp_rank={self.group.rank}, rows=[{self.vocab_start}, {self.vocab_end}), "
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
