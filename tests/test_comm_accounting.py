@@ -198,3 +198,45 @@ def test_core_is_observed_only_while_accounting_or_a_link_is_active():
         with tplayers.emulated_link("h100-nvlink"):
             raise RuntimeError("boom")
     assert collectives._OBSERVER[0] is None
+
+
+class _Attention(torch.nn.Module):
+    """q, k, v read the same x (as Hugging Face attentions do); x also feeds a residual."""
+
+    def __init__(self, q, k, v, o):
+        super().__init__()
+        self.q, self.k, self.v, self.o = q, k, v, o
+
+    def forward(self, x):
+        return self.o(self.q(x) * self.k(x) + self.v(x)) + x
+
+
+def _siblings(group, sizes):
+    from tplayers.testing import dense_parameters
+
+    torch.manual_seed(0)
+    h, f = sizes
+    dense = _Attention(*[torch.nn.Linear(h, f).double() for _ in range(3)], torch.nn.Linear(f, h).double())
+    col = lambda m: tplayers.ColumnParallelLinear.from_dense(m, group=group)  # noqa: E731
+    model = _Attention(col(dense.q), col(dense.k), col(dense.v), tplayers.RowParallelLinear.from_dense(dense.o, group=group))
+    x = torch.randn(2, 5, h, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    xd = x.detach().clone().requires_grad_()
+    with tplayers.comm_accounting() as acc:
+        model(x).square().sum().backward()
+    dense(xd).square().sum().backward()
+    torch.testing.assert_close(x.grad, xd.grad, rtol=1e-10, atol=1e-10)
+    grads = dense_parameters(model, grads=True)
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    # torch.autograd.grad (no .grad accumulation): the weight gradients come back from each layer itself
+    wq = model.q.weight
+    (gq,) = torch.autograd.grad(model(x).square().sum(), [wq])
+    torch.testing.assert_close(gq, grads["q.weight"].chunk(group.size(), 0)[group.rank()], rtol=1e-10, atol=1e-10)
+    backward = [r for r in acc.records if r.phase == "backward"]
+    return [(r.op, r.nbytes) for r in backward]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_columns_on_the_same_input_share_one_backward_all_reduce(tp):
+    for backward in get_world(tp).run(_siblings, (8, 4 * tp)):
+        assert backward == [("all_reduce", 2 * 5 * 8 * 8)], backward  # one f for q, k and v (was three)

@@ -262,3 +262,22 @@ def _loss_parallel(group, vocab):
 def test_loss_parallel_keeps_logits_split_through_the_loss(tp, vocab):
     for shape, gathers in get_world(tp).run(_loss_parallel, vocab):
         assert shape == (2, 10, -(-vocab // tp)) and gathers == 0, (shape, gathers)
+
+
+def _backward_collectives(group):
+    from collections import Counter
+
+    model = tplayers.parallelize(_llama(), "auto", group=group)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()  # the first step (audit, input checks) ...
+    with tplayers.comm_accounting() as acc:  # ... then one counted
+        model(ids, labels=ids).loss.backward()
+    backward = [r for r in acc.records if r.phase == "backward"]
+    return dict(Counter(r.op for r in backward)), sum(r.nbytes for r in backward)
+
+
+def test_hugging_face_projections_on_one_input_share_their_backward_all_reduce():
+    # 2 layers x (q/k/v: one, gate/up: one) + the LM head's input: 5 all-reduces of (2, 6, 32) float64
+    # (separately: 11, 2.2x the bytes). Every HF test above checks the gradients against dense.
+    for counts, nbytes in get_world(2).run(_backward_collectives):
+        assert counts == {"all_reduce": 5} and nbytes == 5 * 2 * 6 * 32 * 8, (counts, nbytes)

@@ -43,6 +43,7 @@ from .collectives import SEQ_DIM, all_gather, sum_partials
 from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
 from .groups import GroupLike, TPGroup, resolve_group
 from .ring import ring_gather_linear, ring_linear_scatter
+from .siblings import accumulated_now, joins_siblings, shared_input
 from .prepare import autocast_inputs, check_linear_inputs, warn_cuda_connections_once
 from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads
 
@@ -54,9 +55,12 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, overlap_comm: bool, sink: WgradSink,
-                ring: bool):
+                ring: bool, siblings: Optional[WeightGradStore] = None):
         ctx.save_for_backward(x, weight)  # under sequence parallelism x is only this rank's shard
         ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink = g, sequence_parallel, overlap_comm, sink
+        # siblings: x is the input a set of column layers shares (core/siblings.py): its f sums their
+        # input gradients, and runs the weight-gradient GEMMs recorded in this store under that collective
+        ctx.reduce, ctx.siblings, ctx.bias = siblings is None, siblings, bias
         ctx.has_bias = bias is not None
         if sequence_parallel and ring:
             return ring_gather_linear(x, weight, bias, g)  # the gather in p ring steps under the GEMMs
@@ -66,19 +70,22 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # (..., s, out/p)
         if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
-            return (*_column_graph_grads(ctx, grad_out), None, None, None, None, None)
+            return (*_column_graph_grads(ctx, grad_out), None, None, None, None, None, None)
         x, weight = ctx.saved_tensors
         g, sp, overlap_comm, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if ctx.siblings is not None and sink.now and accumulated_now(ctx, need_w, need_b and ctx.has_bias):
+            sink = WgradSink(g, ctx.siblings, sink.main, (weight, ctx.bias))  # under the siblings' collective
         x_full = sink.input(x, need_w, async_op=overlap_comm)  # SP: the gather of x, in flight under the next GEMM
         grad_x = reducing = None
         if need_x:
             grad_x = grad_out @ weight  # (..., s, in): this rank's partial sum, a buffer we own
-            reducing = sum_partials(grad_x, g, sp, async_op=overlap_comm)  # f: all-reduce (SP: reduce-scatter)
+            if ctx.reduce:  # (else the siblings' shared f sums it, with theirs: core/siblings.py)
+                reducing = sum_partials(grad_x, g, sp, async_op=overlap_comm)  # f: all-reduce (SP: reduce-scatter)
         grad_w, grad_b = sink.linear(grad_out, x_full, need_w, need_b and ctx.has_bias)  # under the collective
         if reducing is not None:
             grad_x = reducing.wait()
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 class _RowParallelLinearFn(torch.autograd.Function):
@@ -138,6 +145,10 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
         return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear
     warn_cuda_connections_once(x, g, overlap_comm)
     main = check_main_grads(main_grads, weight, bias, "column_parallel_linear", g.size)
+    if joins_siblings(x, g, sequence_parallel, overlap_comm, collective_matmul):  # one f for q/k/v, gate/up ...
+        x, shared_store = shared_input(x, g, weight)
+        sink = WgradSink(g, wgrad_store, main, (weight, bias))
+        return _ColumnParallelLinearFn.apply(x, weight, bias, g, False, overlap_comm, sink, False, shared_store)
     sink = WgradSink(g, wgrad_store, main, (weight, bias), gather_input=sequence_parallel)
     return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, sink, collective_matmul)
 
@@ -201,7 +212,9 @@ def _graph_inputs(ctx, grad_out):
 def _column_graph_grads(ctx, grad_out):
     g, sp = ctx.g, ctx.sequence_parallel
 
-    def forward(x, w, b):  # f (SP: the gather) into this rank's columns
+    def forward(x, w, b):  # f (SP: the gather) into this rank's columns; a sibling's f is its set's
+        if not ctx.reduce:
+            return F.linear(x, w, b)
         return F.linear(gather_from_sequence(x, group=g, seq_dim=SEQ_DIM) if sp else copy_to_tp(x, group=g), w, b)
 
     return differentiable_grads(forward, _graph_inputs(ctx, grad_out), ctx.needs_input_grad[:3], grad_out)
