@@ -41,6 +41,14 @@ FAMILIES = {
                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **MOE}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                   "moe_intermediate_size": 32, "head_dim": 8, **MOE}),
+    # attentions that keep num_key_value_heads / num_heads attributes of their own: 8 heads, 2 KV heads, so
+    # TP 4 replicates each KV head on two ranks and the attributes must follow the local heads
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"num_attention_heads": 8}),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"num_attention_heads": 8}),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {"num_attention_heads": 8}),
+    # plain multi-head attention whose config has no num_key_value_heads at all (KV heads = heads)
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {"num_key_value_heads": None, "rotary_dim": 4, "bos_token_id": 0,
+                                               "eos_token_id": None}),
 }
 FALCON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=False,
               bos_token_id=0, eos_token_id=None)
@@ -59,8 +67,10 @@ OWN_CONFIG = {
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 # These norms compute in float32 even for float64 inputs, and their inputs' gradients arrive as
 # per-rank partial sums (per-head q/k norms), so TP and dense round at float32 in a different order:
-# they agree to float32 precision, not float64's. A missing gradient reduction is off by O(1).
-FLOAT32_NORM_FAMILIES = {"qwen3", "gemma3", "qwen3_moe", "apertus"}
+# they agree to float32 precision, not float64's (family -> tolerance). A missing gradient reduction is off
+# by O(1). Exaone 4 (every norm in float32, post-norm) drifts to 4.3e-5 after the 5 SGD steps at TP 4;
+# with its norms computing in float64 it matches to 1e-9 (measured 2026-11-25).
+FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "apertus": 1e-5, "exaone4": 1e-4}
 
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon"]
                                   if f != "llama_mha")
@@ -86,7 +96,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) 
 
 
 def _check_family(group, family: str, seed: int):
-    tol = 1e-5 if family in FLOAT32_NORM_FAMILIES else 1e-9
+    tol = FLOAT32_NORM_FAMILIES.get(family, 1e-9)
     dense = _build(family, seed)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -179,7 +189,8 @@ def test_auto_plan_matches_dense(family, tp):
         if family in MOE_FAMILIES:  # experts replicated (exact), everything else sharded
             assert skipped and all("experts" in s for s in skipped) and fraction > 0.15
         else:
-            assert not skipped and fraction > (0.7 if family in OWN_CONFIG else 0.95)  # learned positions stay whole
+            # learned positions stay whole (OWN_CONFIG)
+            assert not skipped and fraction > (0.7 if family in OWN_CONFIG else 0.95)
 
 
 def _apertus_without_its_addition(group):

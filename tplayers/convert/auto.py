@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 import torch.nn as nn
 
-from .plan import Plan
+from .plan import Plan, local_head_attrs
 from .plans import MODEL_TYPES, PLANS
 from .sequence import ReplicateReduceGrad
 from .styles import Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead
@@ -129,17 +129,6 @@ def _regex(key: str) -> "re.Pattern[str]":
     return re.compile(re.escape(key).replace(r"\*", r"\d+") + r"\Z")
 
 
-def _local_kv_groups(attn: nn.Module, tp_size: int) -> Dict[str, Any]:
-    """Query heads per KV head on one rank: unchanged when KV heads split evenly, else each rank
-    holds one KV head (replicated) for its ``num_heads / p`` query heads."""
-    config = getattr(attn, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if heads is None or not hasattr(attn, "num_key_value_groups") or kv % tp_size == 0:
-        return {}
-    return {"num_key_value_groups": heads // tp_size}
-
-
 def _unwrap(model: nn.Module) -> Dict[str, str]:
     """The plan of the transformers model inside a wrapper (PEFT's ``PeftModel``), keys under its path."""
     get_base = getattr(model, "get_base_model", None)
@@ -195,11 +184,11 @@ def auto_plan(model: nn.Module) -> AutoPlan:
                         and not getattr(s, "gather_output", False)})
     plan = Plan(
         name="auto", layers=layers,
-        # transformers >= 4.48 reshapes with view(..., -1, head_dim); older versions read these.
-        divide_attrs={n: ("num_heads?", "num_key_value_heads?", "num_attention_heads?", "hidden_size?")
-                      for n in attention},
+        # transformers >= 4.48 reshapes with view(..., -1, head_dim); older versions, and attentions keeping
+        # head counts of their own (Exaone 4, Seed-OSS, Nemotron), read these: one rule for every family.
+        divide_attrs={n: ("hidden_size?",) for n in attention},
         require_divisible={n: ("config.num_attention_heads",) for n in attention},
-        set_attrs={n: _local_kv_groups for n in attention})
+        set_attrs={n: local_head_attrs for n in attention})
     return AutoPlan(plan=plan, sources={k: hf[k] for k in hf}, unmatched=unmatched, skipped=skipped)
 
 

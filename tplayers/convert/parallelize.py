@@ -18,7 +18,8 @@ Style names (``STYLE_NAMES`` in :mod:`tplayers.convert.plan`):
     Column(parts=..)   column split per component of any fused projection (gate/up, GQA qkv)
     "kv_column"        K/V projection of GQA: split by KV heads, or replicated KV heads when there
                        are fewer than ranks (KVColumn(kv_heads=...): the count, or the attention's
-                       attribute holding it; default HF's config.num_key_value_heads)
+                       attribute holding it; default the attention's KV heads, as many as its
+                       heads when it keeps no KV count)
     "row"              RowParallelLinear, input sharded on the last dim, full output
     "vocab_embedding"  VocabParallelEmbedding (rows of the table split across ranks)
     "vocab_head"       ParallelLMHead(gather_output=True): an LM head (and its bias) split like the embedding

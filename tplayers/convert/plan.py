@@ -11,10 +11,11 @@ from typing import Any, Callable, Dict, Sequence, Tuple, Union
 
 import torch.nn as nn
 
+from ..core.placement import kv_shards, require_divisible
 from .sequence import GatherSequence, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
-from .styles import Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead
+from .styles import Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead, attention_heads
 
-__all__ = ["Plan", "STYLE_NAMES", "resolve_style", "sequence_parallel_variant"]
+__all__ = ["Plan", "STYLE_NAMES", "local_head_attrs", "resolve_style", "sequence_parallel_variant"]
 
 STYLE_NAMES: Dict[str, Style] = {
     "column": Column(),
@@ -60,6 +61,26 @@ class Plan:
     require_divisible: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
     name: str = "custom"
     set_attrs: Dict[str, Callable[[nn.Module, int], Dict[str, Any]]] = field(default_factory=dict)
+
+
+def local_head_attrs(attn: nn.Module, tp_size: int) -> Dict[str, int]:
+    """The head-count attributes a Hugging Face attention keeps, at one rank's heads (a ``set_attrs``
+    rule; the one rule for every family): ``num_heads`` / ``num_attention_heads`` = heads / p;
+    ``num_key_value_heads`` = KV heads / p, or 1 when there are fewer KV heads than ranks (each rank
+    holds one replicated KV head, the KV-head rule of ``KVColumn``); ``num_key_value_groups`` = local
+    heads / local KV heads. Heads and KV heads are read by :func:`~tplayers.convert.styles.attention_heads`
+    (no KV count: multi-head); attributes the attention does not keep are left out."""
+    heads, kv = attention_heads(attn)
+    if heads is None:
+        return {}
+    layer = f"parallelize: {type(attn).__name__}"
+    local_heads = require_divisible(heads, tp_size, layer, "num_attention_heads")
+    kv_shards(kv, tp_size, layer, "num_key_value_heads")  # refuses what cannot be split or replicated evenly
+    local_kv = max(kv // tp_size, 1)
+    local = {"num_heads": local_heads, "num_attention_heads": local_heads, "num_key_value_heads": local_kv,
+             "num_key_value_groups": local_heads // local_kv}
+    return {attr: value for attr, value in local.items()
+            if isinstance(getattr(attn, attr, None), int) and not isinstance(getattr(attn, attr), bool)}
 
 
 def sequence_parallel_variant(plan: Plan, first_block: Sequence[str], norms: Sequence[str], final_norm: Sequence[str],

@@ -24,7 +24,7 @@ from ..layers.lora import is_peft_lora, prepare_lora
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding, embedding_scale
 
 __all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "FusedQKV", "KVColumn", "Row", "VocabEmbedding",
-           "VocabHead", "Replicate", "getattr_path"]
+           "VocabHead", "Replicate", "attention_heads", "getattr_path"]
 
 
 class SequenceSwitch:
@@ -81,6 +81,46 @@ def getattr_path(obj: Any, path: str) -> Any:
             raise AttributeError(f"{type(obj).__name__} has no attribute path '{path}' (no '{part}')")
         value = getattr(value, part)
     return value
+
+
+# Where an attention keeps its head counts, first found wins: its config (never changed by parallelize), then
+# its own attributes (Exaone 4, Seed-OSS, Nemotron keep num_key_value_heads / num_heads of their own).
+_HEAD_COUNTS = ("config.num_attention_heads", "num_attention_heads", "num_heads")
+_KV_HEAD_COUNTS = ("config.num_key_value_heads", "num_key_value_heads")
+
+
+def _first_count(module: nn.Module, paths: Sequence[str]) -> Tuple[Optional[int], str]:
+    """The first int found at ``paths`` on ``module`` and its path, or (None, "")."""
+    for path in paths:
+        try:
+            value = getattr_path(module, path)
+        except AttributeError:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value, path
+    return None, ""
+
+
+def _kv_heads(attn: nn.Module) -> Tuple[Optional[int], int, str]:
+    """Query heads, KV heads and where the KV count was read ("" for multi-head: none kept)."""
+    heads, _ = _first_count(attn, _HEAD_COUNTS)
+    kv, where = _first_count(attn, _KV_HEAD_COUNTS)
+    if kv is None and heads is None:
+        raise AttributeError(f"{type(attn).__name__} has no attribute path 'config.num_key_value_heads' nor any other "
+                             f"head count ({', '.join(_KV_HEAD_COUNTS[1:] + _HEAD_COUNTS)})")
+    if kv is None:
+        return heads, heads, ""
+    return heads, kv, where
+
+
+def attention_heads(attn: nn.Module) -> Tuple[Optional[int], int]:
+    """``(query heads, KV heads)`` of a dense attention module, read where Hugging Face attentions keep
+    them (``config.num_attention_heads`` / ``config.num_key_value_heads``, else the attention's own
+    ``num_attention_heads`` or ``num_heads`` / ``num_key_value_heads``). No KV count anywhere means plain
+    multi-head attention: as many KV heads as heads (GPT-J). Query heads may be unknown (None) when only
+    a KV count is found; neither raises an AttributeError naming where it looked."""
+    heads, kv, _ = _kv_heads(attn)
+    return heads, kv
 
 
 def _check_plain(module: nn.Module, base: type, ctx: BuildContext, style: str) -> None:
@@ -217,9 +257,10 @@ class KVColumn:
     (:func:`~tplayers.core.placement.kv_shards`): split by KV heads when they divide the TP degree,
     else each KV head is held by ``p / num_kv_heads`` consecutive ranks (replicas whose gradients
     are summed). ``kv_heads``: the count, or the dotted attribute path on the parent module (the
-    attention) that holds it (default: Hugging Face's ``config.num_key_value_heads``)."""
+    attention) that holds it; None (default): the attention's KV heads as :func:`attention_heads`
+    reads them (Hugging Face's ``config.num_key_value_heads``; multi-head attention: its heads)."""
 
-    kv_heads: Union[int, str] = "config.num_key_value_heads"
+    kv_heads: Union[None, int, str] = None
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         if is_peft_lora(module):
@@ -228,8 +269,17 @@ class KVColumn:
             raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style 'kv_column' "
                             "needs an nn.Linear")
         _check_plain(module, nn.Linear, ctx, "kv_column")
-        count = _count(self.kv_heads, ctx, "KVColumn", "kv_heads")
-        shards = kv_shards(count, ctx.group.size, "kv_column", str(self.kv_heads))
+        if self.kv_heads is None:
+            try:
+                _, count, where = _kv_heads(ctx.parent)
+            except AttributeError as e:
+                raise AttributeError(f"{e}: KVColumn reads the KV heads from the attention holding '{ctx.name}'; give "
+                                     "the count itself (KVColumn(kv_heads=8)) or the attribute your attention keeps it "
+                                     "in (KVColumn(kv_heads='n_kv_heads'))") from None
+            where = where or "KV heads (multi-head: its heads)"
+        else:
+            count, where = _count(self.kv_heads, ctx, "KVColumn", "kv_heads"), str(self.kv_heads)
+        shards = kv_shards(count, ctx.group.size, "kv_column", where)
         if shards == ctx.group.size:
             return Built(ColumnParallelLinear.from_dense(module, group=ctx.group))
         return Built(FusedColumnParallelLinear.from_dense(module, group=ctx.group, parts=[module.out_features],

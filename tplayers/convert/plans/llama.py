@@ -1,21 +1,7 @@
 """Hugging Face Llama-family models (Llama, Mistral, Qwen2, Qwen3, Olmo, Gemma): q/k/v/gate/up column, o/down row."""
 from __future__ import annotations
 
-from typing import Any, Dict
-
-import torch.nn as nn
-
-from ..plan import Plan, sequence_parallel_variant
-
-
-def _local_kv_groups(attn: nn.Module, tp_size: int) -> Dict[str, Any]:
-    """Query heads per KV head on one rank: unchanged when KV heads split evenly, else each rank
-    holds one KV head (replicated) for its ``num_heads / p`` query heads."""
-    heads, kv = attn.config.num_attention_heads, attn.config.num_key_value_heads
-    if not hasattr(attn, "num_key_value_groups") or kv % tp_size == 0:
-        return {}
-    return {"num_key_value_groups": heads // tp_size}
-
+from ..plan import Plan, local_head_attrs, sequence_parallel_variant
 
 PLAN = Plan(
     name="llama",
@@ -33,10 +19,11 @@ PLAN = Plan(
         "*layers.*.mlp.down_proj": "row",
         "lm_head": "vocab_head",
     },
-    # transformers >= 4.48 reshapes with view(..., -1, head_dim); older versions read these.
-    divide_attrs={"*layers.*.self_attn": ("num_heads?", "num_key_value_heads?", "hidden_size?")},
+    # transformers >= 4.48 reshapes with view(..., -1, head_dim); older versions (and attentions that keep
+    # their own head counts) read these: they follow this rank's heads, KV heads replicated or not.
+    divide_attrs={"*layers.*.self_attn": ("hidden_size?",)},
     require_divisible={"*layers.*.self_attn": ("config.num_attention_heads",)},
-    set_attrs={"*layers.*.self_attn": _local_kv_groups},
+    set_attrs={"*layers.*.self_attn": local_head_attrs},
 )
 
 # HF Llama attention views q/k/v with its input's (b, s) shape, so it takes the gathered sequence
