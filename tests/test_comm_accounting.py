@@ -232,6 +232,13 @@ def _siblings(group, sizes):
     wq = model.q.weight
     (gq,) = torch.autograd.grad(model(x).square().sum(), [wq])
     torch.testing.assert_close(gq, grads["q.weight"].chunk(group.size(), 0)[group.rank()], rtol=1e-10, atol=1e-10)
+    # a member whose output this backward does not reach (k): the others' sum still completes
+    x.grad = xd.grad = None
+    q, _, v = model.q(x), model.k(x), model.v(x)
+    torch.autograd.backward((q * v).sum())
+    qd, vd = dense.q(xd), dense.v(xd)
+    (qd * vd).sum().backward()  # each rank's (q * v).sum() is its features' share: the partials sum to this
+    torch.testing.assert_close(x.grad, xd.grad, rtol=1e-10, atol=1e-10)
     backward = [r for r in acc.records if r.phase == "backward"]
     return [(r.op, r.nbytes) for r in backward]
 

@@ -43,7 +43,7 @@ from .collectives import SEQ_DIM, all_gather, sum_partials
 from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
 from .groups import GroupLike, TPGroup, resolve_group
 from .ring import ring_gather_linear, ring_linear_scatter
-from .siblings import accumulated_now, joins_siblings, shared_input
+from .siblings import Siblings, join_siblings, joins_siblings, register
 from .prepare import autocast_inputs, check_linear_inputs, warn_cuda_connections_once
 from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads
 
@@ -55,12 +55,12 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, overlap_comm: bool, sink: WgradSink,
-                ring: bool, siblings: Optional[WeightGradStore] = None):
+                ring: bool, siblings: Optional[Siblings] = None):
         ctx.save_for_backward(x, weight)  # under sequence parallelism x is only this rank's shard
         ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink = g, sequence_parallel, overlap_comm, sink
-        # siblings: x is the input a set of column layers shares (core/siblings.py): its f sums their
-        # input gradients, and runs the weight-gradient GEMMs recorded in this store under that collective
-        ctx.reduce, ctx.siblings, ctx.bias = siblings is None, siblings, bias
+        ctx.siblings = siblings  # column layers on this same x: one all-reduce for all (core/siblings.py)
+        if siblings is not None:
+            register(siblings, ctx)
         ctx.has_bias = bias is not None
         if sequence_parallel and ring:
             return ring_gather_linear(x, weight, bias, g)  # the gather in p ring steps under the GEMMs
@@ -74,17 +74,19 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g, sp, overlap_comm, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if ctx.siblings is not None and sink.now and accumulated_now(ctx, need_w, need_b and ctx.has_bias):
-            sink = WgradSink(g, ctx.siblings, sink.main, (weight, ctx.bias))  # under the siblings' collective
         x_full = sink.input(x, need_w, async_op=overlap_comm)  # SP: the gather of x, in flight under the next GEMM
         grad_x = reducing = None
         if need_x:
             grad_x = grad_out @ weight  # (..., s, in): this rank's partial sum, a buffer we own
-            if ctx.reduce:  # (else the siblings' shared f sums it, with theirs: core/siblings.py)
+            if ctx.siblings is not None:  # summed with the other members': the last one gets the all-reduce
+                reducing = ctx.siblings.add_partial(grad_x, overlap_comm)
+            else:
                 reducing = sum_partials(grad_x, g, sp, async_op=overlap_comm)  # f: all-reduce (SP: reduce-scatter)
         grad_w, grad_b = sink.linear(grad_out, x_full, need_w, need_b and ctx.has_bias)  # under the collective
         if reducing is not None:
             grad_x = reducing.wait()
+        elif ctx.siblings is not None:
+            grad_x = None  # (in the set's sum, which its last member returns)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
@@ -145,12 +147,10 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
         return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear
     warn_cuda_connections_once(x, g, overlap_comm)
     main = check_main_grads(main_grads, weight, bias, "column_parallel_linear", g.size)
-    if joins_siblings(x, g, sequence_parallel, overlap_comm, collective_matmul):  # one f for q/k/v, gate/up ...
-        x, shared_store = shared_input(x, g, weight)
-        sink = WgradSink(g, wgrad_store, main, (weight, bias))
-        return _ColumnParallelLinearFn.apply(x, weight, bias, g, False, overlap_comm, sink, False, shared_store)
     sink = WgradSink(g, wgrad_store, main, (weight, bias), gather_input=sequence_parallel)
-    return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, sink, collective_matmul)
+    siblings = join_siblings(x, g, weight) if joins_siblings(x, g, sequence_parallel, collective_matmul) else None
+    return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, sink, collective_matmul,
+                                         siblings)  # siblings: q/k/v, gate/up ... on this same x
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -212,9 +212,7 @@ def _graph_inputs(ctx, grad_out):
 def _column_graph_grads(ctx, grad_out):
     g, sp = ctx.g, ctx.sequence_parallel
 
-    def forward(x, w, b):  # f (SP: the gather) into this rank's columns; a sibling's f is its set's
-        if not ctx.reduce:
-            return F.linear(x, w, b)
+    def forward(x, w, b):  # f (SP: the gather) into this rank's columns (each sibling its own, here)
         return F.linear(gather_from_sequence(x, group=g, seq_dim=SEQ_DIM) if sp else copy_to_tp(x, group=g), w, b)
 
     return differentiable_grads(forward, _graph_inputs(ctx, grad_out), ctx.needs_input_grad[:3], grad_out)
