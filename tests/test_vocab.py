@@ -124,12 +124,6 @@ def _check_lm_head(group, vocab, dim, batch, seq, sequence_parallel, seed):
     assert not full[..., vocab:].any(), "padding logits must be zero"
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
-@settings(max_examples=examples(5))
-@given(vocab=st.integers(1, 11), dim=st.integers(1, 5), batch=st.integers(1, 2),
-       seq_per_rank=st.integers(1, 2), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
-def test_lm_head_matches_dense(tp, vocab, dim, batch, seq_per_rank, sequence_parallel, seed):
-    get_world(tp).run(_check_lm_head, vocab, dim, batch, seq_per_rank * tp, sequence_parallel, seed)
 
 
 def _check_lm_head_bias(group, vocab, dim, batch, seq, sequence_parallel, seed):
@@ -176,11 +170,12 @@ def _check_lm_head_bias(group, vocab, dim, batch, seq, sequence_parallel, seed):
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
-@settings(max_examples=examples(5))
-@given(vocab=st.integers(1, 11), dim=st.integers(1, 5), batch=st.integers(1, 2),
-       seq_per_rank=st.integers(1, 2), sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))
-def test_lm_head_with_bias_matches_dense(tp, vocab, dim, batch, seq_per_rank, sequence_parallel, seed):
-    get_world(tp).run(_check_lm_head_bias, vocab, dim, batch, seq_per_rank * tp, sequence_parallel, seed)
+@settings(max_examples=examples(6))
+@given(vocab=st.integers(1, 11), dim=st.integers(1, 5), batch=st.integers(1, 2), seq_per_rank=st.integers(1, 2),
+       sequence_parallel=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_lm_head_matches_dense(tp, vocab, dim, batch, seq_per_rank, sequence_parallel, bias, seed):
+    check = _check_lm_head_bias if bias else _check_lm_head
+    get_world(tp).run(check, vocab, dim, batch, seq_per_rank * tp, sequence_parallel, seed)
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
