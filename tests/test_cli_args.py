@@ -8,6 +8,7 @@ import torch
 
 from conftest import ROOT, subprocess_env
 
+import tplayers
 from tplayers.cli import main
 
 
@@ -132,3 +133,11 @@ def test_bad_numbers_are_usage_errors(argv):
 def test_cuda_without_a_gpu_is_refused(capsys):
     assert main(["verify", "--device", "cuda"]) == 2
     assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_version_prints_the_package_version(capsys):
+    from tplayers.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"tplayers {tplayers.__version__}"

@@ -15,6 +15,7 @@ import sys
 from typing import Any, List, Optional, Sequence
 
 from ..core.dtypes import DTYPES
+from .._version import __version__
 from ._launch import finish_torchrun
 from .output import flush_stdout
 
@@ -122,6 +123,7 @@ def _add_bench(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tplayers", description="Tensor-parallel layers: verify and benchmark.")
+    parser.add_argument("--version", action="version", version=f"tplayers {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{verify,bench}")
     sub.required = True
     _add_verify(sub)
