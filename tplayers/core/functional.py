@@ -64,7 +64,10 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         ctx.has_bias = bias is not None
         if sequence_parallel and ring:
             return ring_gather_linear(x, weight, bias, g)  # the gather in p ring steps under the GEMMs
-        x_full = all_gather(x, SEQ_DIM, g).wait() if sequence_parallel else x  # (..., s, in)
+        if sequence_parallel:  # (..., s, in): once for a set of siblings
+            x_full = siblings.gather(x) if siblings is not None else all_gather(x, SEQ_DIM, g).wait()
+        else:
+            x_full = x
         return F.linear(x_full, weight, bias)  # (..., s, out/p)
 
     @staticmethod
@@ -74,7 +77,10 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g, sp, overlap_comm, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        x_full = sink.input(x, need_w, async_op=overlap_comm)  # SP: the gather of x, in flight under the next GEMM
+        if sp and ctx.siblings is not None and need_w and sink.now:  # one gather for the set's weight gradients
+            x_full = ctx.siblings.gathered_input(x, overlap_comm)
+        else:
+            x_full = sink.input(x, need_w, async_op=overlap_comm)  # SP: the gather of x, in flight under the next GEMM
         grad_x = reducing = None
         if need_x:
             grad_x = grad_out @ weight  # (..., s, in): this rank's partial sum, a buffer we own
@@ -148,7 +154,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     warn_cuda_connections_once(x, g, overlap_comm)
     main = check_main_grads(main_grads, weight, bias, "column_parallel_linear", g.size)
     sink = WgradSink(g, wgrad_store, main, (weight, bias), gather_input=sequence_parallel)
-    siblings = join_siblings(x, g, weight) if joins_siblings(x, g, sequence_parallel, collective_matmul) else None
+    siblings = join_siblings(x, g, weight, sequence_parallel) if joins_siblings(x, g, collective_matmul) else None
     return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, sink, collective_matmul,
                                          siblings)  # siblings: q/k/v, gate/up ... on this same x
 

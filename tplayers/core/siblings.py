@@ -19,7 +19,9 @@ partials into one buffer; the last of them all-reduces it under its own weight-g
 returns the sum as its input gradient, the others return none (autograd adds the gradients of every
 use of ``x``: a residual, a replicated branch, take theirs directly, so the sum is right whatever else
 reads ``x``). Weight gradients are each layer's own, returned as usual (``.grad``, hooks, DDP,
-``torch.autograd.grad`` all see the ordinary path).
+``torch.autograd.grad`` all see the ordinary path). Under sequence parallelism the set also gathers
+its input once in forward (kept only while the set is being called) and once in backward, and
+reduce-scatters the summed gradient once.
 """
 from __future__ import annotations
 
@@ -28,62 +30,84 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .collectives import Pending, sum_partials
+from .collectives import SEQ_DIM, Pending, all_gather, sum_partials
 from .groups import TPGroup
 
 __all__ = ["Siblings", "join_siblings", "joins_siblings", "register"]
 
 
 class Siblings:
-    """Column layers on one input: their autograd nodes, and per backward the partial sum so far."""
+    """Column layers on one input: their autograd nodes, the gathered input they share in forward
+    (sequence parallelism), and per backward the partial sum so far."""
 
-    __slots__ = ("x", "g", "nodes", "weights", "tasks", "backward_started")
+    __slots__ = ("x", "g", "sp", "nodes", "weights", "tasks", "backward_started", "x_full")
 
-    def __init__(self, x: torch.Tensor, g: TPGroup) -> None:
-        self.x, self.g = x, g
+    def __init__(self, x: torch.Tensor, g: TPGroup, sequence_parallel: bool) -> None:
+        self.x, self.g, self.sp = x, g, sequence_parallel
         self.nodes: List[Any] = []  # weak references to the members' autograd nodes
         self.weights: List[int] = []  # ids of the members' weights: a layer joins a set once
-        self.tasks: Dict[int, List[Any]] = {}  # graph task -> [partial sum, members still to run]
+        self.tasks: Dict[int, List[Any]] = {}  # graph task -> [partial sum, members still to run, gathered x]
         self.backward_started = False
+        self.x_full: Optional[torch.Tensor] = None  # SP: the all-gathered x, shared by the forwards only
 
-    def add_partial(self, partial: torch.Tensor, overlap: bool) -> Optional[Pending]:
-        """Add this member's partial input gradient (a buffer it owns); the last member of this backward
-        gets the all-reduce of the sum (launched), the others None."""
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward, sequence parallelism: every rank's chunk of ``x``, gathered once for the set."""
+        if self.x_full is None:
+            self.x_full = all_gather(x, SEQ_DIM, self.g).wait()
+        return self.x_full
+
+    def _state(self) -> List[Any]:
         task = torch._C._current_graph_task_id()
         state = self.tasks.get(task)
         if state is None:
-            self.backward_started = True
+            self.backward_started, self.x_full = True, None
             if _LAST[0] is self:
                 _LAST[0] = None
             running = sum(1 for ref in self.nodes if (n := ref()) is not None and torch._C._will_engine_execute_node(n))
-            state = self.tasks[task] = [None, running]
+            state = self.tasks[task] = [None, running, None]
+        return state
+
+    def gathered_input(self, x: torch.Tensor, overlap: bool) -> Pending:
+        """Backward, sequence parallelism: the gather of ``x`` the members' weight gradients multiply,
+        launched once per backward (in flight under the first member's input-gradient GEMM)."""
+        state = self._state()
+        if state[2] is None:
+            state[2] = all_gather(x, SEQ_DIM, self.g, async_op=overlap)
+        return state[2]
+
+    def add_partial(self, partial: torch.Tensor, overlap: bool) -> Optional[Pending]:
+        """Add this member's partial input gradient (a buffer it owns); the last member of this backward
+        gets the all-reduce (SP: reduce-scatter) of the sum, launched; the others None."""
+        state = self._state()
         state[0] = partial if state[0] is None else state[0].add_(partial)
         state[1] -= 1
         if state[1] > 0:
             return None
-        del self.tasks[task]
-        return sum_partials(state[0], self.g, False, async_op=overlap)
+        del self.tasks[torch._C._current_graph_task_id()]
+        return sum_partials(state[0], self.g, self.sp, async_op=overlap)
 
 
 _LAST: list = [None]  # the set the last column layer joined (None once its backward began)
 
 
-def join_siblings(x: torch.Tensor, g: TPGroup, weight: torch.Tensor) -> Siblings:
+def join_siblings(x: torch.Tensor, g: TPGroup, weight: torch.Tensor, sequence_parallel: bool) -> Siblings:
     """The set of column layers on ``x`` that a layer with ``weight`` joins (a new one when ``x`` is not the
     last set's input). The layer's autograd Function registers its node with :func:`register` in forward."""
     siblings = _LAST[0]
     if (siblings is None or siblings.backward_started or siblings.x is not x or siblings.g != g
-            or id(weight) in siblings.weights):
-        siblings = _LAST[0] = Siblings(x, g)
+            or siblings.sp != sequence_parallel or id(weight) in siblings.weights):
+        if siblings is not None:
+            siblings.x_full = None  # (SP: the gathered input lives only while its set is being called)
+        siblings = _LAST[0] = Siblings(x, g, sequence_parallel)
     siblings.weights.append(id(weight))
     return siblings
 
 
-def joins_siblings(x: torch.Tensor, g: TPGroup, sequence_parallel: bool, collective_matmul: bool) -> bool:
-    """Whether a column layer's call joins a set of siblings: a backward to come, at TP > 1, without
-    sequence parallelism (its gather would need sharing too), eager."""
-    return (g.size > 1 and not sequence_parallel and not collective_matmul and x.requires_grad
-            and torch.is_grad_enabled() and not torch.compiler.is_compiling())
+def joins_siblings(x: torch.Tensor, g: TPGroup, collective_matmul: bool) -> bool:
+    """Whether a column layer's call joins a set of siblings: a backward to come, at TP > 1, eager, not
+    as ring steps (collective matmul gathers chunk by chunk under its own GEMMs)."""
+    return (g.size > 1 and not collective_matmul and x.requires_grad and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
 
 
 def register(siblings: Siblings, node: Any) -> None:
