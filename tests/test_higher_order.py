@@ -8,7 +8,6 @@ gradient that does not require grad: ``loss.backward()``'s 1, or a critic linear
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import tplayers
 from tplayers.core.comm import gather_from_sequence, reduce_from_tp, scatter_to_sequence, sum_over_replicas
