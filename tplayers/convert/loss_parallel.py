@@ -4,8 +4,8 @@ loss_parallel=True)``).
 Before: the LM head all-gathers the full logits ``(b, s, V)`` on every rank so that the model's own
 loss can run: ``b * s * V`` numbers on the wire and in memory per rank (Llama 3's 128k vocabulary at
 8k tokens: ~4 GB in float32). Now: when the model is called with ``labels``, the head keeps its
-vocabulary shard ``(b, s, V'/p)`` and the model's loss is `vocab_parallel_cross_entropy` (three
-all-reduces of ``b * s`` numbers), as Megatron and DTensor's ``loss_parallel`` do. Without labels
+vocabulary shard ``(b, s, V'/p)`` and the model's loss is `vocab_parallel_cross_entropy` (two
+all-reduces: the row maxima, then 2 or 3 numbers per row), as Megatron and DTensor's ``loss_parallel`` do. Without labels
 (generation, evaluation) the head gathers as before: full logits whenever the caller asks for them.
 """
 from __future__ import annotations

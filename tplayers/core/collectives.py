@@ -138,9 +138,9 @@ def _compiling() -> bool:
 
 @_eager_on_old_torch
 def all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str = "sum",
-               overflow: Optional[torch.Tensor] = None) -> Pending:
+               check_finite: bool = False) -> Pending:
     """Sum (or ``op="max"``) ``buf`` over the group, in place. ``buf`` must be a contiguous
-    tensor the caller owns. ``overflow``: see :func:`sum_partials`."""
+    tensor the caller owns. ``check_finite``: see :func:`sum_partials`."""
     if g.size == 1:
         return _done(buf)
     assert buf.is_contiguous(), "all-reduce needs an owned contiguous buffer"
@@ -156,7 +156,7 @@ def all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str
     n = buf.numel()  # (n data + p * SLOT fingerprint slots: each rank's in its own, zeros elsewhere)
     flat = _scratch(n + s.size * SLOT, buf.dtype, buf.device)
     flat[:n].view(buf.shape).copy_(buf)
-    flat[n:].copy_(s.slots(buf.dtype, buf.device, overflow))
+    flat[n:].copy_(s.slots(buf.dtype, buf.device, _not_finite(buf) if check_finite else None))
     work, observed = _launch("all_reduce", nbytes, g, lambda: dist.all_reduce(
         flat, op=_REDUCE_OPS[op], group=g.process_group, async_op=True), buf.device)
 
@@ -186,6 +186,11 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 def _stamp(op: str, nbytes: int, sent: torch.Tensor, g: TPGroup) -> Optional[Stamp]:
     return stamp(op, nbytes, sent, g.process_group, g.rank, g.size)
+
+
+def _not_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool on ``t``'s device (no synchronization): some element of ``t`` is inf or nan."""
+    return ~torch.isfinite(t).all()
 
 
 def sum_over_replica_ranks(rows: torch.Tensor, g: TPGroup, num_shards: int) -> torch.Tensor:
@@ -243,9 +248,9 @@ def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False)
 
 @_eager_on_old_torch
 def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False,
-                   overflow: Optional[torch.Tensor] = None) -> Pending:
+                   check_finite: bool = False) -> Pending:
     """Sum over the group, then keep this rank's chunk along ``dim``. Never modifies ``x``.
-    ``overflow``: see :func:`sum_partials`."""
+    ``check_finite``: see :func:`sum_partials`."""
     if g.size == 1:
         return _done(x)
     dim = dim % x.dim()
@@ -272,7 +277,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = Fa
             out.view(-1), src.view(-1), group=g.process_group, async_op=async_op), x.device)
         return Pending(work, lambda: out, observed)
     # every block carries the p fingerprint slots (this rank's in its own), so each rank's chunk of the sum has all
-    blocks = torch.cat([src.view(g.size, m), stamped.slots(x.dtype, x.device, overflow).expand(g.size, -1)], dim=1)
+    flag = _not_finite(src) if check_finite else None
+    blocks = torch.cat([src.view(g.size, m), stamped.slots(x.dtype, x.device, flag).expand(g.size, -1)], dim=1)
     out = torch.empty(m + g.size * SLOT, dtype=x.dtype, device=x.device)
     work, observed = _launch("reduce_scatter", nbytes, g, lambda: _reduce_scatter_single(
         out, blocks.view(-1), group=g.process_group, async_op=True), x.device)
@@ -291,12 +297,10 @@ def sum_partials(partial: torch.Tensor, g: TPGroup, sequence_parallel: bool, *, 
     In float16, forward: whether each rank's partial is finite travels with the collective's
     fingerprint, so a split that overflows where the dense sum would not raises on every rank (in
     backward, gradients overflow by design under loss scaling, and are left to the scaler)."""
-    overflow = None
-    if partial.dtype == torch.float16 and torch._C._current_graph_task_id() == -1:
-        overflow = ~torch.isfinite(partial).all()
+    check = partial.dtype == torch.float16 and torch._C._current_graph_task_id() == -1  # (read only when stamped)
     if sequence_parallel:
-        return reduce_scatter(partial, SEQ_DIM, g, async_op=async_op, overflow=overflow)
-    return all_reduce(partial, g, async_op=async_op, overflow=overflow)
+        return reduce_scatter(partial, SEQ_DIM, g, async_op=async_op, check_finite=check)
+    return all_reduce(partial, g, async_op=async_op, check_finite=check)
 
 
 @_eager_on_old_torch
