@@ -11,9 +11,13 @@ style name through :data:`HF_STYLES`. What we chose where transformers differs:
   a head tied to the embedding stays tied;
 - ``colwise`` on a ``k_proj`` / ``v_proj`` follows the KV-head rule (fewer KV heads than ranks:
   each KV head is replicated on ``p / kv`` ranks, its gradients summed), where transformers refuses;
-- MoE experts (``moe_tp_experts`` and the styles of their parameters) stay replicated: every rank
-  runs every expert on the full hidden state, so the result is exact but uses no less memory; the
-  coverage report lists them with that reason (a style on any other bare parameter is refused);
+- MoE experts (``moe_tp_experts``, 3-D parameters styled ``packed_colwise`` / ``colwise`` /
+  ``rowwise`` / ``packed_rowwise``) become :class:`~tplayers.layers.experts.ParallelExperts`: each
+  rank holds 1/p of every expert's ffn, the partial outputs summed by one all-reduce forward and
+  one backward (style :class:`~tplayers.convert.styles.Experts`); experts the plan does not split
+  whole (a parameter without a style, e.g. a bias, or an identity expert inside) stay replicated:
+  exact, no memory saved, and the coverage report says why (a style on any other bare parameter is
+  refused);
 - a model without a plan of its own (GPT-2, OPT, Falcon) gets tplayers' shipped plan for its
   ``config.model_type`` (:data:`~tplayers.convert.plans.MODEL_TYPES`);
 - ``sequence_parallel`` entries (norms inside a sequence-parallel region) are not applied: "auto"
@@ -32,7 +36,7 @@ import torch.nn as nn
 from .plan import Plan, local_head_attrs
 from .plans import MODEL_TYPES, PLANS
 from .sequence import ReplicateReduceGrad
-from .styles import Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead
+from .styles import Column, Experts, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead
 
 __all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "translate_style"]
 
@@ -40,7 +44,10 @@ _KV_PROJECTIONS = ("k_proj", "v_proj")
 # The children of an attention module whose column split divides its heads: the attention's own
 # head-count attributes then follow the local heads.
 _HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
-_EXPERTS = "MoE experts stay replicated (tplayers has no tensor-parallel experts yet): exact, but no memory saved"
+_EXPERTS = "MoE experts stay replicated (expert parallelism is not supported): exact, but no memory saved"
+# transformers' styles on an experts module's 3-D parameters (weights laid out (..., out, in)): the
+# dim to cut, counted from the end, and the number of packed parts ([gate; up] is two)
+_EXPERT_PARAM_STYLES = {"colwise": (2, 1), "packed_colwise": (2, 2), "rowwise": (1, 1), "packed_rowwise": (1, 2)}
 
 # transformers' style names (4.48 .. 5.x) -> a tplayers style, by the last component of the module name.
 HF_STYLES: Dict[str, Callable[[str], Style]] = {
@@ -80,7 +87,8 @@ _REFUSED: Dict[str, str] = {
 # a dense MLP (HF's plan names ``mlp.gate_proj``, which that model does not have); Apertus' activation.
 FAMILY_ADDITIONS: Dict[str, Dict[str, str]] = {
     "qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise", "layers.*.mlp.shared_expert.up_proj": "colwise",
-                  "layers.*.mlp.shared_expert.down_proj": "rowwise"},
+                  "layers.*.mlp.shared_expert.down_proj": "rowwise",
+                  "layers.*.mlp.shared_expert_gate": "replicate"},  # Linear(h, 1): a scalar gate per token
     # Apertus' xIELU activation has learnable scalars (alpha_p, alpha_n) between up_proj and down_proj: on
     # split activations each rank's gradient is a partial sum (found by the audit)
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
@@ -161,8 +169,17 @@ def auto_plan(model: nn.Module) -> AutoPlan:
                for n in names]
     layers: Dict[str, Union[str, Style]] = {}
     skipped: Dict[str, str] = {}
+    for name, why in _split_experts(model, hf, matches, param_keys, experts).items():
+        if isinstance(why, Experts):
+            layers[name] = why
+        else:
+            skipped[name] = why
+    split = [n for n, st in layers.items() if isinstance(st, Experts)]
     unmatched = [k for k in hf if not matches[k] and k not in param_keys]
-    for key in param_keys:  # an entry on a bare parameter: left as it is inside replicated experts, else refused
+    experts = [e for e in experts if e not in split]
+    for key in sorted(param_keys):  # a bare parameter: split with its experts, left inside replicated ones, else refused
+        if all(any(p.startswith(e + ".") for e in split) for p in params if _regex(key).match(p)):
+            continue
         names = [p for p in params if _regex(key).match(p)]
         outside = [p for p in names if not any(p.startswith(e + ".") for e in experts)]
         if outside:
@@ -172,8 +189,10 @@ def auto_plan(model: nn.Module) -> AutoPlan:
         skipped[key] = _EXPERTS
     for key, names in matches.items():
         for name in names:
+            if name in layers:  # experts split above
+                continue
             if any(name == e or name.startswith(e + ".") for e in experts):
-                skipped[name] = _EXPERTS
+                skipped.setdefault(name, _EXPERTS)
             elif hf[key] in SKIPPED_STYLES:
                 skipped[name] = SKIPPED_STYLES[hf[key]]
             else:
@@ -190,6 +209,34 @@ def auto_plan(model: nn.Module) -> AutoPlan:
         require_divisible={n: ("config.num_attention_heads",) for n in attention},
         set_attrs={n: local_head_attrs for n in attention})
     return AutoPlan(plan=plan, sources={k: hf[k] for k in hf}, unmatched=unmatched, skipped=skipped)
+
+
+def _split_experts(model: nn.Module, hf: Dict[str, str], matches: Dict[str, List[str]], param_keys: set,
+                   experts: List[str]) -> Dict[str, Union[Experts, str]]:
+    """Each ``moe_tp_experts`` module: an :class:`Experts` style when the plan styles every one of its
+    parameters (3-D, laid out ``(experts, out, in)``) and names nothing inside it, else why it stays
+    replicated."""
+    modules = dict(model.named_modules())
+    out: Dict[str, Union[Experts, str]] = {}
+    for key, names in matches.items():
+        if hf[key] != "moe_tp_experts":
+            continue
+        for name in names:
+            module, splits, missing = modules[name], [], []
+            for pname, p in module.named_parameters():
+                style = next((hf[k] for k in param_keys if _regex(k).match(f"{name}.{pname}")), None)
+                if "." in pname or style not in _EXPERT_PARAM_STYLES or p.dim() < 2:
+                    missing.append(pname)
+                    continue
+                from_end, parts = _EXPERT_PARAM_STYLES[style]
+                splits.append((pname, p.dim() - from_end, parts))
+            inside = sorted(n for ns in matches.values() for n in ns if n.startswith(name + "."))  # an identity expert
+            if missing or inside or not splits:
+                why = f"parameters {missing} have no split the plan gives" if missing else f"it holds {inside}"
+                out[name] = f"{_EXPERTS.split(' (')[0]}: {why} (exact, but no memory saved)"
+            else:
+                out[name] = Experts(splits=tuple(splits))
+    return out
 
 
 def _vocab_parallel_ends(model: nn.Module, layers: Dict[str, Union[str, Style]]) -> None:

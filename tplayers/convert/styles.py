@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..core.groups import TPGroup
 from ..core.placement import kv_shards, qkv_placement
+from ..layers.experts import ExpertSplit, ParallelExperts
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -23,7 +24,7 @@ from ..layers.from_dense import computes_linear, own_forward
 from ..layers.lora import is_peft_lora, prepare_lora
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding, embedding_scale
 
-__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "FusedQKV", "KVColumn", "Row", "VocabEmbedding",
+__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "Experts", "FusedQKV", "KVColumn", "Row", "VocabEmbedding",
            "VocabHead", "Replicate", "attention_heads", "getattr_path"]
 
 
@@ -337,6 +338,27 @@ class VocabHead:
                             "'vocab_head' needs an nn.Linear")
         _check_plain(module, nn.Linear, ctx, "vocab_head")
         return Built(ParallelLMHead.from_dense(module, group=ctx.group, gather_output=self.gather_output))
+
+
+@dataclass(frozen=True)
+class Experts:
+    """MoE experts kept as one module of 3-D parameters (Hugging Face's ``gate_up_proj`` /
+    ``down_proj``): every expert's ffn split across ranks, the partial outputs summed once
+    (:class:`~tplayers.layers.experts.ParallelExperts`). ``splits``: ``(parameter, dim, parts)`` for
+    every parameter, e.g. ``(("gate_up_proj", 1, 2), ("down_proj", 2, 1))`` for Mixtral's layout
+    (``parts=2``: a packed ``[gate; up]``, each half split); ``divide_attrs``: the module's int
+    attributes holding the ffn size, divided by the TP degree where present."""
+
+    splits: Tuple[ExpertSplit, ...]
+    divide_attrs: Tuple[str, ...] = ("intermediate_dim",)
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        try:
+            layer = ParallelExperts.from_dense(module, group=ctx.group, splits=self.splits,
+                                               divide_attrs=self.divide_attrs)
+        except ValueError as e:
+            raise ValueError(f"parallelize: module '{ctx.name}' (style Experts): {e}") from None
+        return Built(layer)
 
 
 @dataclass(frozen=True)

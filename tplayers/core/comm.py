@@ -16,7 +16,7 @@ token dim of ``[tokens, hidden]``).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,6 +25,7 @@ from .groups import GroupLike, TPGroup, resolve_group
 
 __all__ = [
     "copy_to_tp",
+    "copy_many_to_tp",
     "reduce_from_tp",
     "scatter_to_tp",
     "gather_from_tp",
@@ -65,6 +66,59 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return _CopyToTP.apply(grad, ctx.g), None
+
+
+class _CopyManyToTP(torch.autograd.Function):
+    """f for several tensors entering one region (an MoE layer's tokens and routing weights):
+    identity forward; backward one all-reduce of all their gradients (see :func:`copy_many_to_tp`).
+    First derivatives only."""
+
+    @staticmethod
+    def forward(ctx, g: TPGroup, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.g = g
+        ctx.set_materialize_grads(False)  # an input whose gradient is None adds nothing to the buffer
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        return (None, *_sum_packed(grads, ctx.g))
+
+
+def _packs_into(dtype: torch.dtype, into: torch.dtype) -> bool:
+    """Whether every ``dtype`` value is exact in ``into`` (float32 into float64, bfloat16 into float32)."""
+    if dtype == into:
+        return True
+    return (dtype.is_floating_point and into.is_floating_point and torch.promote_types(dtype, into) == into
+            and torch.finfo(dtype).bits < torch.finfo(into).bits and {dtype, into} != {torch.float16, torch.bfloat16})
+
+
+def _sum_packed(grads: Tuple[Optional[torch.Tensor], ...], g: TPGroup) -> List[Optional[torch.Tensor]]:
+    """Each gradient summed over the group: those whose dtype converts exactly into the largest one's
+    share one all-reduce of one buffer (in that dtype); any other (float32 routing weights beside
+    bfloat16 tokens) gets its own. Never in place (autograd's tensors are not ours)."""
+    present = [t for t in grads if t is not None]
+    if not present:
+        return list(grads)
+    anchor = max(present, key=lambda t: t.numel()).dtype
+    packed = [t for t in present if _packs_into(t.dtype, anchor)]
+    buf = torch.empty(sum(t.numel() for t in packed), dtype=anchor, device=packed[0].device)
+    offset, where = 0, {}
+    for t in packed:
+        buf[offset:offset + t.numel()].view(t.shape).copy_(t)
+        where[id(t)] = offset
+        offset += t.numel()
+    pending = all_reduce(buf, g)
+    alone = {id(t): all_reduce(owned_copy(t), g) for t in present if id(t) not in where}
+    pending.wait()
+    out: List[Optional[torch.Tensor]] = []
+    for t in grads:
+        if t is None:
+            out.append(None)
+        elif id(t) in where:
+            out.append(buf[where[id(t)]:where[id(t)] + t.numel()].view(t.shape).to(t.dtype))
+        else:
+            out.append(alone[id(t)].wait())
+    return out
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -185,6 +239,19 @@ def copy_to_tp(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (enter a TP region)."""
     g = resolve_group(group)
     return x if g.size == 1 else _CopyToTP.apply(x, g)
+
+
+def copy_many_to_tp(xs: Sequence[torch.Tensor], *, group: GroupLike) -> Tuple[torch.Tensor, ...]:
+    """f for several tensors at once: identity forward; backward their gradients summed over the
+    group by ONE all-reduce (a tensor whose dtype does not convert exactly into the largest tensor's,
+    e.g. float32 beside bfloat16, gets a second). Floating-point tensors only."""
+    g = resolve_group(group)
+    if g.size == 1 or not xs:
+        return tuple(xs)
+    bad = [i for i, x in enumerate(xs) if not (torch.is_tensor(x) and x.is_floating_point())]
+    if bad:
+        raise TypeError(f"copy_many_to_tp: input {bad[0]} is not a floating-point tensor")
+    return _CopyManyToTP.apply(g, *xs)
 
 
 def reduce_from_tp(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""Tensor-parallel MoE experts: every rank holds 1/p of every expert's ffn.
+
+Hugging Face MoE families (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek, Granite-MoE ...) keep their routed
+experts as one module of 3-D parameters, e.g. ``gate_up_proj (experts, 2 * ffn, h)`` and
+``down_proj (experts, h, ffn)``, and a forward ``experts(hidden_states, top_k_index, top_k_weights)``
+that loops (or runs grouped GEMMs) over the experts the router picked. Megatron's MLP split applies
+to each expert unchanged: the up (and gate) rows and the down columns of every expert are cut into
+``p`` slices, so each rank computes its slice of every expert's ffn on every routed token and the
+partial outputs are summed once::
+
+    hidden (tokens, h), top_k_weights (tokens, k)   whole on every rank (the router is replicated)
+        f: forward identity; backward ONE all-reduce of both inputs' gradients
+    rank r: for each expert e: act(x @ gate_e,r.T) * (x @ up_e,r.T) @ down_e,r.T * weight  (a partial sum)
+        g: forward all-reduce of the partial outputs; backward identity
+    out (tokens, h)                                  whole on every rank
+
+The routing weights enter the experts (each expert's output is scaled by its weight), so their
+gradient is a per-rank partial sum like the tokens': both are summed by one all-reduce (packed into
+one buffer when the weights' dtype converts exactly into the tokens', see :func:`copy_many_to_tp`).
+
+:class:`ParallelExperts` is made from the model's own experts module: the same class, attributes and
+forward (a subclass built once per experts class), with its parameters replaced by this rank's
+shards, so whatever the family's code reads (``self.num_experts``, ``self.act_fn``, its experts
+implementation: eager loop, ``grouped_mm``, ``batched_mm``) is unchanged. Which parameter is cut along
+which dim is data (``splits``), as transformers' plans give it (``packed_colwise`` ...).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..core.comm import copy_many_to_tp, reduce_from_tp
+from ..core.groups import GroupLike, resolve_group
+from ..core.placement import Placement, Sharded
+from .base import TensorParallelModule
+
+__all__ = ["ParallelExperts", "ExpertSplit"]
+
+ExpertSplit = Tuple[str, int, int]  # (parameter name, dim, parts): parts=2 for a packed [gate; up]
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _parallel_class(dense_cls: type) -> type:
+    """``ParallelExperts`` mixed into the family's experts class (one per class; picklable by name)."""
+    if dense_cls not in _CLASSES:
+        name = f"ParallelExperts[{dense_cls.__qualname__}]"  # (pickle looks classes up by this name)
+        if hasattr(sys.modules[__name__], name):  # two families' classes of one name
+            name = f"ParallelExperts[{dense_cls.__module__}.{dense_cls.__qualname__}]"
+        cls = type(name, (ParallelExperts, dense_cls), {"__module__": __name__, "__qualname__": name})
+        setattr(sys.modules[__name__], name, cls)
+        _CLASSES[dense_cls] = cls
+    return _CLASSES[dense_cls]
+
+
+def _module_copy(module: nn.Module, cls: type) -> nn.Module:
+    """A new ``cls`` object with ``module``'s attributes; nn.Module's own dicts (parameters, buffers,
+    submodules, hooks) copied, so changing the copy's parameters leaves ``module`` as it is."""
+    new = object.__new__(cls)
+    new.__dict__.update({k: (v.copy() if isinstance(v, dict) else v) for k, v in module.__dict__.items()})
+    return new
+
+
+class ParallelExperts(TensorParallelModule):
+    """A Hugging Face-style experts module (3-D parameters, one slice per expert) with each expert's
+    ffn split across the TP group; see the module docstring. Built by :meth:`from_dense` only:
+    the result is an instance of the dense module's own class as well."""
+
+    _dense_class: type
+    _splits: Dict[str, Placement]
+    _dense_attrs: Dict[str, int]
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, splits: Sequence[ExpertSplit] = (),
+                   divide_attrs: Sequence[str] = ("intermediate_dim",)) -> "ParallelExperts":
+        """This rank's shard of ``dense`` (which is left as it is). ``splits``: ``(name, dim, parts)``
+        for every parameter; ``divide_attrs``: int attributes holding the ffn size (divided by p
+        where present)."""
+        g = resolve_group(group)
+        what = f"ParallelExperts({type(dense).__name__})"
+        params = dict(dense.named_parameters(recurse=False))
+        names = [s[0] for s in splits]
+        unsplit = sorted(set(dict(dense.named_parameters())) - set(names))
+        if not splits or unsplit:
+            raise ValueError(f"{what}: every parameter of the experts must be split (got splits for {names}); "
+                             f"not split: {unsplit}. A parameter added after the partial sums (a bias of the "
+                             "down projection) cannot be summed over ranks; keep such experts replicated")
+        placements: Dict[str, Placement] = {}
+        for name, dim, parts in splits:
+            p = params.get(name)
+            if p is None or not -p.dim() <= dim < p.dim() or parts < 1 or p.shape[dim] % parts:
+                raise ValueError(f"{what}: cannot cut parameter '{name}' "
+                                 f"{tuple(p.shape) if p is not None else '(missing)'} along dim {dim} into {parts} "
+                                 "parts")
+            dim = dim % p.dim()
+            placements[name] = Sharded.fused(dim, [p.shape[dim] // parts] * parts, g.size,
+                                             layer=f"{what}.{name}", names=[f"dim {dim}"] * parts)
+        new = _module_copy(dense, _parallel_class(type(dense)))
+        new.group, new._dense_class, new._splits, new._dense_attrs = g, type(dense), placements, {}
+        for attr in divide_attrs:
+            value = getattr(dense, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value % g.size:
+                    raise ValueError(f"{what}: {attr}={value} is not divisible by the TP degree {g.size}")
+                new._dense_attrs[attr] = value
+                setattr(new, attr, value // g.size)
+        for name, placement in placements.items():
+            p = params[name]
+            local = placement.shard(p.detach(), g.rank, g.size).clone(memory_format=torch.contiguous_format)
+            new._parameters[name] = nn.Parameter(local, requires_grad=p.requires_grad)
+        return new
+
+    def param_placements(self) -> Dict[str, Placement]:
+        return dict(self._splits)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # f: the floating inputs (the tokens, the routing weights) enter whole; their gradients are partial
+        # sums over ranks (each rank's slice of every expert), summed by one all-reduce backward
+        floats = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.is_floating_point()]
+        keys = [k for k, v in kwargs.items() if torch.is_tensor(v) and v.is_floating_point()]
+        entered = copy_many_to_tp([args[i] for i in floats] + [kwargs[k] for k in keys], group=self.group)
+        args = list(args)
+        for i, t in zip(floats + keys, entered):
+            if isinstance(i, int):
+                args[i] = t
+            else:
+                kwargs[i] = t
+        out = super().forward(*args, **kwargs)  # (tokens, h): this rank's partial sum
+        if not torch.is_tensor(out):
+            raise TypeError(f"ParallelExperts({self._dense_class.__name__}): the experts returned "
+                            f"{type(out).__name__}; a tensor (the weighted sum of the experts' outputs) was expected")
+        return reduce_from_tp(out, group=self.group)  # g
+
+    def to_dense(self) -> nn.Module:
+        """The dense experts module (collective: every rank gathers every shard)."""
+        dense = _module_copy(self, self._dense_class)
+        for attr in ("group", "_dense_class", "_splits", "_dense_attrs"):
+            dense.__dict__.pop(attr, None)
+        dense.__dict__.update(self._dense_attrs)
+        for name in self._splits:
+            p = self._parameters[name]
+            dense._parameters[name] = nn.Parameter(self.gather_param(name), requires_grad=p.requires_grad)
+        return dense
+
+    def extra_repr(self) -> str:
+        cuts = ", ".join(f"{n}: dim {pl.dim} / {self.group.size}" for n, pl in self._splits.items())
+        return f"tp={self.group.size}, {cuts}"
