@@ -4,7 +4,6 @@ Equality with dense (logits, loss, every gradient, SGD steps, generate) for Mixt
 Qwen3-MoE at TP 2 and 4 is in test_hf_families.py; here the memory each rank holds at the real
 models' sizes (built on the meta device: no weights allocated) and the collectives of an MoE layer."""
 import copy
-import warnings
 
 import pytest
 import torch
