@@ -186,3 +186,28 @@ def test_coverage_of_a_custom_plan_counts_shards_and_lists_what_stayed_dense():
         assert sharded == 8 * 16 + 16 + 16 * 8 and total == sharded + 8 + 8 * 8 + 8  # row bias and layer 3 replicated
         assert replicated == {"2.bias": "complete gradient on every rank", "3.weight": "complete gradient on every rank",
                               "3.bias": "complete gradient on every rank"}
+
+
+class _Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleDict({"up": nn.Linear(8, 16), "down": nn.Linear(16, 8)})])
+
+
+class _Wrapped(nn.Module):
+    """Llama 4 text's shape: base_model_prefix names a child the model does not have here."""
+
+    base_model_prefix = "language_model"
+
+    def __init__(self, plan):
+        super().__init__()
+        self.config = _Config(base_model_tp_plan=plan, model_type="toy")
+        self.model = _Decoder()
+
+
+def test_plan_keys_resolve_against_the_module_tree_or_are_refused_naming_the_prefix():
+    auto = tplayers.convert.auto_plan(_Wrapped({"layers.*.up": "colwise", "layers.*.down": "rowwise"}))
+    assert auto.plan.layers == {"model.layers.0.up": Column(), "model.layers.0.down": Row()} and not auto.unmatched
+    with pytest.raises(ValueError, match=r"none of the 1 keys .* \(e.g. 'blocks.\*.fc'\) names a module, under its "
+                                         r"base_model_prefix 'language_model' or under any of \['model'\]"):
+        tplayers.convert.auto_plan(_Wrapped({"blocks.*.fc": "colwise"}))

@@ -41,6 +41,10 @@ FAMILIES = {
                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **MOE}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                   "moe_intermediate_size": 32, "head_dim": 8, **MOE}),
+    # Llama 4 text: its plan's keys sit under base_model_prefix "language_model" but the decoder is at .model;
+    # experts laid out (experts, in, out) (packed_rowwise / colwise), every other layer MoE by default
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {"num_local_experts": 4, "head_dim": 8,
+                                                         "intermediate_size_mlp": 64, **MOE}),
     # attentions that keep num_key_value_heads / num_heads attributes of their own: 8 heads, 2 KV heads, so
     # TP 4 replicates each KV head on two ranks and the attributes must follow the local heads
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"num_attention_heads": 8}),
@@ -72,7 +76,7 @@ OWN_CONFIG = {
 # MoE routers likewise compute their softmax in float32, and the routing weights' gradient is a per-rank
 # partial sum with experts split: float32 rounding, measured up to 1.2e-7 (a router gradient, Mixtral TP 2).
 FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "apertus": 1e-5, "exaone4": 1e-4,
-                         "mixtral": 1e-6, "qwen2_moe": 1e-6}
+                         "mixtral": 1e-6, "qwen2_moe": 1e-6, "llama4": 1e-5}
 
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon"]
                                   if f != "llama_mha")

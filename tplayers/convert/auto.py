@@ -89,6 +89,8 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, str]] = {
     "qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise", "layers.*.mlp.shared_expert.up_proj": "colwise",
                   "layers.*.mlp.shared_expert.down_proj": "rowwise",
                   "layers.*.mlp.shared_expert_gate": "replicate"},  # Linear(h, 1): a scalar gate per token
+    # Llama 4's router is an nn.Linear(h, experts): replicated on purpose (every rank routes identically)
+    "llama4_text": {"layers.*.feed_forward.router": "replicate"},
     # Apertus' xIELU activation has learnable scalars (alpha_p, alpha_n) between up_proj and down_proj: on
     # split activations each rank's gradient is a partial sum (found by the audit)
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
@@ -126,10 +128,32 @@ def _hf_plan(model: nn.Module) -> Dict[str, str]:
     head = dict(getattr(type(model), "_tp_plan", None) or {})
     if not base:  # a head plan alone would shard the head and nothing else
         return {}
-    prefix = getattr(model, "base_model_prefix", "")
-    if prefix and isinstance(getattr(model, prefix, None), nn.Module):  # a model with a head around the base model
+    prefix = _base_prefix(model, base)
+    if prefix:  # a model with a head around the base model
         base = {f"{prefix}.{k}": v for k, v in base.items()}
     return {**base, **head}
+
+
+def _base_prefix(model: nn.Module, base: Dict[str, str]) -> str:
+    """Where the base model's plan keys apply: under ``base_model_prefix`` as transformers does, unless
+    the keys match nothing there and do match under another child (Llama 4 text: prefix
+    "language_model", decoder at ``.model``). A plan matching nothing anywhere is refused."""
+    names = [n for n, _ in model.named_modules() if n]
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    candidates = ([prefix] if isinstance(getattr(model, prefix, None), nn.Module) else []) + \
+        [n for n, _ in model.named_children() if n != prefix] + [""]
+    patterns = [_regex(k) for k in base]
+
+    def hits(under: str) -> int:
+        lead = f"{under}." if under else ""
+        return sum(any(n.startswith(lead) and pat.match(n[len(lead):]) for n in names) for pat in patterns)
+    counts = {c: hits(c) for c in candidates}
+    best = max(candidates, key=lambda c: counts[c])  # the first of equals: base_model_prefix when it matches
+    if counts[best] == 0:
+        raise ValueError(f"parallelize(model, 'auto'): none of the {len(base)} keys of {type(model).__name__}'s "
+                         f"tensor-parallel plan (e.g. '{next(iter(base))}') names a module, under its base_model_prefix "
+                         f"{prefix!r} or under any of {[c for c in candidates if c]}; give a plan of your own")
+    return best
 
 
 def _regex(key: str) -> "re.Pattern[str]":

@@ -350,7 +350,7 @@ class Experts:
     attributes holding the ffn size, divided by the TP degree where present."""
 
     splits: Tuple[ExpertSplit, ...]
-    divide_attrs: Tuple[str, ...] = ("intermediate_dim",)
+    divide_attrs: Tuple[str, ...] = ("intermediate_dim", "intermediate_size", "expert_dim")
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         try:

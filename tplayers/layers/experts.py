@@ -75,7 +75,8 @@ class ParallelExperts(TensorParallelModule):
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, splits: Sequence[ExpertSplit] = (),
-                   divide_attrs: Sequence[str] = ("intermediate_dim",)) -> "ParallelExperts":
+                   divide_attrs: Sequence[str] = ("intermediate_dim", "intermediate_size", "expert_dim")
+                   ) -> "ParallelExperts":
         """This rank's shard of ``dense`` (which is left as it is). ``splits``: ``(name, dim, parts)``
         for every parameter; ``divide_attrs``: int attributes holding the ffn size (divided by p
         where present)."""
