@@ -15,8 +15,8 @@ The package reads bottom-up, one folder per floor; each floor imports only the f
 from .core.functional import column_parallel_linear, row_parallel_linear
 from .core.fingerprint import CollectivesOutOfStep, set_collective_checks
 from .core.groups import TPGroup, resolve_group
-from .layers import (ColumnParallelLinear, FusedColumnParallelLinear, ParallelLMHead, ParallelNorm, RowParallelLinear,
-                     TensorParallelModule, VocabParallelEmbedding)
+from .layers import (ColumnParallelLinear, FusedColumnParallelLinear, ParallelExperts, ParallelLMHead, ParallelNorm,
+                     RowParallelLinear, TensorParallelModule, VocabParallelEmbedding)
 from .models.dense import BlockConfig, GPTConfig
 from .models.rng import RNGTracker
 from .models.loss import vocab_parallel_cross_entropy
@@ -49,6 +49,7 @@ __all__ = [
     "RNGTracker",
     "ParallelNorm",
     "FusedColumnParallelLinear",
+    "ParallelExperts",
     "ParallelMLP",
     "ParallelAttention",
     "ParallelTransformerBlock",

@@ -1,0 +1,73 @@
+"""A Mixtral-like training step at TP 2 with the experts split (`ParallelExperts`, issue 27) against the
+same model with the experts replicated (what "auto" did before): step time and parameter bytes per rank.
+
+Real gloo on this machine's cores (no emulated link: the point is the compute and memory each rank
+carries). Both models are built from the same dense weights and run in one process, alternating step
+by step; the paired median ratio (and quartiles) of split / replicated on the slower rank.
+
+    PYTHONPATH=. python benchmarks/moe_step.py [--layers 2] [--tp 2] [--repeats 10]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+import tplayers
+from tplayers.convert import auto_plan
+from tplayers.convert.styles import Experts
+from tplayers.core.collectives import all_reduce_tensor
+from tplayers.testing import World
+
+
+def _rank(group, layers: int, repeats: int):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=4096, hidden_size=256, intermediate_size=896, num_hidden_layers=layers,
+                           num_attention_heads=8, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                           max_position_embeddings=512, experts_implementation="eager")
+    torch.manual_seed(0)
+    dense = MixtralForCausalLM(config)
+    replicated_plan = auto_plan(dense).plan
+    replicated_plan.layers = {k: ("replicate" if isinstance(v, Experts) else v) for k, v in replicated_plan.layers.items()}
+    models = {"split": tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, audit=False, check_inputs=0),
+              "replicated": tplayers.parallelize(dense, replicated_plan, group=group, audit=False, check_inputs=0)}
+    ids = torch.randint(0, 4096, (4, 256), generator=torch.Generator().manual_seed(1))
+    times = {k: [] for k in models}
+    for i in range(2 * repeats + 4):
+        name = "split" if i % 2 == 0 else "replicated"
+        t0 = time.perf_counter()
+        models[name](input_ids=ids, labels=ids).loss.backward()
+        elapsed = time.perf_counter() - t0
+        models[name].zero_grad(set_to_none=True)
+        if i >= 4:
+            times[name].append(1e3 * elapsed)
+    slowest = lambda v: all_reduce_tensor(torch.tensor(v), group=group, op="max")  # noqa: E731
+    split, repl = slowest(times["split"]), slowest(times["replicated"])
+    ratios = sorted((split / repl).tolist())
+    q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
+    dense_bytes = sum(p.numel() * p.element_size() for p in MixtralForCausalLM(config).parameters())
+    held = {k: sum(p.numel() * p.element_size() for p in m.parameters()) / dense_bytes for k, m in models.items()}
+    return (statistics.median(split.tolist()), statistics.median(repl.tolist()), q(0.5), q(0.25), q(0.75),
+            held["split"], held["replicated"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    with World(args.tp) as world:
+        split, repl, ratio, low, high, held_s, held_r = world.run(_rank, args.layers, args.repeats)[0]
+    print(f"TP {args.tp} over gloo (CPU), Mixtral-like {args.layers} layers (hidden 256, 8 experts of ffn 896, top 2, "
+          f"batch 4 x 256 tokens, float32): step replicated experts {repl:.1f} ms -> split {split:.1f} ms (medians); "
+          f"paired ratio split / replicated {ratio:.3f}x (quartiles {low:.3f}-{high:.3f}) over {args.repeats} pairs, "
+          f"slower rank; parameters per rank / dense: replicated {held_r:.3f}, split {held_s:.3f}")
+
+
+if __name__ == "__main__":
+    main()
