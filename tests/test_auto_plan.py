@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import tplayers
-from tplayers.convert import HF_STYLES, SKIPPED_STYLES, Column, KVColumn, ReplicateReduceGrad, Row
+from tplayers.convert import HF_STYLES, SKIPPED_STYLES, Column, KVColumn, LatentKV, ReplicateReduceGrad, Row
 from tplayers.convert.auto import translate_style
 from tplayers.testing import dense_parameters, get_world
 
@@ -27,8 +27,9 @@ def test_every_hf_style_name_translates_or_is_left_out_with_a_reason():
     assert translate_style("packed_colwise", "x.gate_up_proj") == Column(parts=2)
     assert translate_style("replicated_with_grad_allreduce", "x.q_norm") == ReplicateReduceGrad()
     assert set(HF_STYLES).isdisjoint(SKIPPED_STYLES)
-    with pytest.raises(ValueError, match=r"module 'm.layers.0.attn.kv_a' has style 'mla_kv_a_proj': multi-head latent"):
-        translate_style("mla_kv_a_proj", "m.layers.0.attn.kv_a")
+    assert translate_style("mla_kv_a_proj", "m.layers.0.attn.kv_a") == LatentKV()  # DeepSeek-V2/V3
+    with pytest.raises(ValueError, match=r"module 'm.layers.0.attn' has style 'local_params': parameters sharded"):
+        translate_style("local_params", "m.layers.0.attn")
     with pytest.raises(ValueError, match=r"module 'm.x' has the unknown Hugging Face style 'diagonal'; known: .*colwise"):
         translate_style("diagonal", "m.x")
 

@@ -18,6 +18,9 @@ style name through :data:`HF_STYLES`. What we chose where transformers differs:
   whole (a parameter without a style, e.g. a bias, or an identity expert inside) stay replicated:
   exact, no memory saved, and the coverage report says why (a style on any other bare parameter is
   refused);
+- ``mla_kv_a_proj`` (multi-head latent attention) keeps the latent projections whole on every rank
+  (:class:`~tplayers.convert.styles.LatentKV`: the shared rotary key's gradient summed), the ``q_a_proj``
+  beside it too; DeepSeek-V3's plan, which names no attention, gets DeepSeek-V2's;
 - a model without a plan of its own (GPT-2, OPT, Falcon) gets tplayers' shipped plan for its
   ``config.model_type`` (:data:`~tplayers.convert.plans.MODEL_TYPES`);
 - ``sequence_parallel`` entries (norms inside a sequence-parallel region) are not applied: "auto"
@@ -36,14 +39,15 @@ import torch.nn as nn
 from .plan import Plan, local_head_attrs
 from .plans import MODEL_TYPES, PLANS
 from .sequence import ReplicateReduceGrad
-from .styles import Column, Experts, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead
+from .styles import Column, Experts, KVColumn, LatentKV, Replicate, Row, Style, VocabEmbedding, VocabHead
 
 __all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "translate_style"]
 
 _KV_PROJECTIONS = ("k_proj", "v_proj")
 # The children of an attention module whose column split divides its heads: the attention's own
 # head-count attributes then follow the local heads.
-_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
+_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv",
+                     "q_b_proj", "kv_b_proj")  # (the last two: multi-head latent attention)
 _EXPERTS = "MoE experts stay replicated (expert parallelism is not supported): exact, but no memory saved"
 # transformers' styles on an experts module's 3-D parameters (weights laid out (..., out, in)): the
 # dim to cut, counted from the end, and the number of packed parts ([gate; up] is two)
@@ -64,6 +68,7 @@ HF_STYLES: Dict[str, Callable[[str], Style]] = {
     "embedding_colwise": lambda leaf: VocabEmbedding(),  # same result; tplayers splits the vocabulary
     "replicated_with_grad_allreduce": lambda leaf: ReplicateReduceGrad(),
     "replicate": lambda leaf: Replicate(),
+    "mla_kv_a_proj": lambda leaf: LatentKV(),
 }
 
 # Recognised names that "auto" leaves out, with the reason the coverage report gives.
@@ -78,7 +83,6 @@ SKIPPED_STYLES: Dict[str, str] = {
 }
 
 _REFUSED: Dict[str, str] = {
-    "mla_kv_a_proj": "multi-head latent attention (DeepSeek-V2 style) is not supported",
     "local_params": "parameters sharded on their own (attention sinks) are not supported",
 }
 
@@ -89,6 +93,10 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, str]] = {
     "qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise", "layers.*.mlp.shared_expert.up_proj": "colwise",
                   "layers.*.mlp.shared_expert.down_proj": "rowwise",
                   "layers.*.mlp.shared_expert_gate": "replicate"},  # Linear(h, 1): a scalar gate per token
+    # DeepSeek-V3's own plan names no attention: multi-head latent attention as DeepSeek-V2's plan splits it
+    "deepseek_v3": {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.q_b_proj": "colwise",
+                    "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj", "layers.*.self_attn.kv_b_proj": "colwise",
+                    "layers.*.self_attn.o_proj": "rowwise"},
     # Llama 4's router is an nn.Linear(h, experts): replicated on purpose (every rank routes identically)
     "llama4_text": {"layers.*.feed_forward.router": "replicate"},
     # Apertus' xIELU activation has learnable scalars (alpha_p, alpha_n) between up_proj and down_proj: on
@@ -221,6 +229,11 @@ def auto_plan(model: nn.Module) -> AutoPlan:
                 skipped[name] = SKIPPED_STYLES[hf[key]]
             else:
                 layers[name] = translate_style(hf[key], name)
+    for name in [n for n, st in layers.items() if isinstance(st, LatentKV)]:
+        # the query's latent projection, like the KV one, runs whole on every rank (its output feeds q_b_proj)
+        q_a = f"{name.rpartition('.')[0]}.q_a_proj"
+        if q_a in modules and q_a not in layers:
+            layers[q_a] = Replicate()
     _vocab_parallel_ends(model, layers)
     attention = sorted({n.rpartition(".")[0] for n, s in layers.items()
                         if n.rpartition(".")[2] in _HEAD_PROJECTIONS and isinstance(s, (Column, KVColumn))

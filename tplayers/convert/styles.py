@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
+import torch
 import torch.nn as nn
 
+from ..core.comm import copy_to_tp
 from ..core.groups import TPGroup
 from ..core.placement import kv_shards, qkv_placement
 from ..layers.experts import ExpertSplit, ParallelExperts
@@ -24,7 +26,7 @@ from ..layers.from_dense import computes_linear, own_forward
 from ..layers.lora import is_peft_lora, prepare_lora
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding, embedding_scale
 
-__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "Experts", "FusedQKV", "KVColumn", "Row", "VocabEmbedding",
+__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "Experts", "FusedQKV", "LatentKV", "KVColumn", "Row", "VocabEmbedding",
            "VocabHead", "Replicate", "attention_heads", "getattr_path"]
 
 
@@ -359,6 +361,35 @@ class Experts:
         except ValueError as e:
             raise ValueError(f"parallelize: module '{ctx.name}' (style Experts): {e}") from None
         return Built(layer)
+
+
+@dataclass(frozen=True)
+class LatentKV:
+    """Multi-head latent attention's ``kv_a_proj_with_mqa`` (DeepSeek-V2/V3): kept whole on every rank.
+    Its output is ``[latent (kv_lora_rank); rotary key (rope_dim)]``: the latent feeds the column-split
+    ``kv_b_proj`` (whose backward sums the latent's gradient), but the rotary key is shared by every
+    head and goes straight into attention, so each rank's gradient for it covers only its own heads:
+    summed over the group here (one small all-reduce per layer backward). ``rope_dim``: the count, or
+    the attribute path on the attention that holds it."""
+
+    rope_dim: Union[int, str] = "qk_rope_head_dim"
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style LatentKV needs an "
+                            "nn.Linear")
+        _check_plain(module, nn.Linear, ctx, "LatentKV")
+        rope = _count(self.rope_dim, ctx, "LatentKV", "rope_dim")
+        if not 0 < rope < module.out_features:
+            raise ValueError(f"parallelize: module '{ctx.name}' (LatentKV): rope_dim={rope} must be positive and below "
+                             f"out_features={module.out_features}")
+        tp = ctx.group
+
+        def rotary_key_grad_summed(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+            latent, rotary = out.split([out.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([latent, copy_to_tp(rotary, group=tp)], dim=-1)
+        return Built(module, finish=lambda: module.register_forward_hook(rotary_key_grad_summed),
+                     label="replicated; the rotary key's gradient summed over the group")
 
 
 @dataclass(frozen=True)
