@@ -63,6 +63,11 @@ OWN_CONFIG = {
     "falcon_mha": ("FalconConfig", "FalconForCausalLM", dict(FALCON, multi_query=False)),
     "falcon_new": ("FalconConfig", "FalconForCausalLM", dict(FALCON, new_decoder_architecture=True,
                                                              num_attention_heads=8, num_kv_heads=4)),
+    # fused query_key_value per head; q/k layer norms over head_dim shared by every head
+    "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                                  num_hidden_layers=2, num_attention_heads=4,
+                                                                  max_position_embeddings=64, qk_layernorm=True,
+                                                                  bos_token_id=0, eos_token_id=None)),
 }
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 # These norms compute in float32 even for float64 inputs, and their inputs' gradients arrive as
@@ -72,7 +77,8 @@ MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 # with its norms computing in float64 it matches to 1e-9 (measured 2026-11-25).
 FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "apertus": 1e-5, "exaone4": 1e-4}
 
-testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon"]
+testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon",
+                                                                                  "persimmon"]
                                   if f != "llama_mha")
 
 
@@ -183,9 +189,9 @@ def test_audit_passes_on_every_family_in_bfloat16(tp):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("family", sorted({**FAMILIES, **OWN_CONFIG}))
 def test_auto_plan_matches_dense(family, tp):
-    _build(family)  # skips here, not on the ranks, when this transformers lacks the family
+    model_type = _build(family).config.model_type  # skips here, not on the ranks, when this transformers lacks it
     for fraction, skipped, plan in get_world(tp).run(_check_family, family, seed=tp):
-        assert plan == (family.split("_")[0] if family in OWN_CONFIG else "auto")
+        assert plan == (tplayers.convert.plans.MODEL_TYPES[model_type] if family in OWN_CONFIG else "auto")
         if family in MOE_FAMILIES:  # experts replicated (exact), everything else sharded
             assert skipped and all("experts" in s for s in skipped) and fraction > 0.15
         else:
