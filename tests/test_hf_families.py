@@ -52,6 +52,7 @@ FAMILIES = {
 }
 FALCON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=False,
               bos_token_id=0, eos_token_id=None)
+BIGCODE = dict(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=None)
 # Families without a tp_plan of their own: "auto" uses tplayers' shipped plan for their model_type.
 OWN_CONFIG = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
@@ -63,6 +64,9 @@ OWN_CONFIG = {
     "falcon_mha": ("FalconConfig", "FalconForCausalLM", dict(FALCON, multi_query=False)),
     "falcon_new": ("FalconConfig", "FalconForCausalLM", dict(FALCON, new_decoder_architecture=True,
                                                              num_attention_heads=8, num_kv_heads=4)),
+    # StarCoder 1: multi-query c_attn [q; k; v] (one K/V head, replicated); and its multi-head layout
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(BIGCODE, multi_query=True)),
+    "gpt_bigcode_mha": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(BIGCODE, multi_query=False)),
     # fused query_key_value per head; q/k layer norms over head_dim shared by every head
     "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                                                   num_hidden_layers=2, num_attention_heads=4,
@@ -78,7 +82,7 @@ MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "apertus": 1e-5, "exaone4": 1e-4}
 
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon",
-                                                                                  "persimmon"]
+                                                                                  "gpt_bigcode", "persimmon"]
                                   if f != "llama_mha")
 
 
