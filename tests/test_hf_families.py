@@ -64,6 +64,9 @@ OWN_CONFIG = {
     "falcon_mha": ("FalconConfig", "FalconForCausalLM", dict(FALCON, multi_query=False)),
     "falcon_new": ("FalconConfig", "FalconForCausalLM", dict(FALCON, new_decoder_architecture=True,
                                                              num_attention_heads=8, num_kv_heads=4)),
+    # ALiBi slopes built by the model for all heads; fused query_key_value laid out per head; tied head
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
+                                                      bos_token_id=0, eos_token_id=None)),
     # StarCoder 1: multi-query c_attn [q; k; v] (one K/V head, replicated); and its multi-head layout
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(BIGCODE, multi_query=True)),
     "gpt_bigcode_mha": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(BIGCODE, multi_query=False)),
@@ -82,7 +85,7 @@ MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "apertus": 1e-5, "exaone4": 1e-4}
 
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon",
-                                                                                  "gpt_bigcode", "persimmon"]
+                                                                                  "bloom", "gpt_bigcode", "persimmon"]
                                   if f != "llama_mha")
 
 
@@ -287,3 +290,20 @@ def _falcon_groups_do_not_fit(group):
 def test_falcon_layouts_that_cannot_be_split_are_refused():
     _build("falcon")
     assert all(get_world(4).run(_falcon_groups_do_not_fit))
+
+
+def _bloom_slow_but_exact_is_refused(group):
+    from transformers import BloomConfig, BloomForCausalLM
+
+    _, _, kwargs = OWN_CONFIG["bloom"]
+    model = BloomForCausalLM(BloomConfig(**dict(kwargs, pretraining_tp=2, slow_but_exact=True)))
+    with pytest.raises(ValueError, match=r"module 'transformer.h.0.self_attention': Bloom with pretraining_tp=2 and "
+                                         r"slow_but_exact=True is not supported \(its forward slices dense.weight"):
+        tplayers.parallelize(model, "auto", group=group)
+    assert not any(isinstance(m, tplayers.TensorParallelModule) for m in model.modules())  # refused before any swap
+    return True
+
+
+def test_bloom_slow_but_exact_is_refused():
+    _build("bloom")
+    assert all(get_world(2).run(_bloom_slow_but_exact_is_refused))
