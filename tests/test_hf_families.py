@@ -52,6 +52,8 @@ FAMILIES = {
 }
 FALCON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=False,
               bos_token_id=0, eos_token_id=None)
+STABLELM = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=None)
 BIGCODE = dict(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=None)
 # Families without a tp_plan of their own: "auto" uses tplayers' shipped plan for their model_type.
 OWN_CONFIG = {
@@ -64,6 +66,9 @@ OWN_CONFIG = {
     "falcon_mha": ("FalconConfig", "FalconForCausalLM", dict(FALCON, multi_query=False)),
     "falcon_new": ("FalconConfig", "FalconForCausalLM", dict(FALCON, new_decoder_architecture=True,
                                                              num_attention_heads=8, num_kv_heads=4)),
+    # per-head q/k layer norms (a LayerNorm per head, 2 KV heads: replicated on two ranks at TP 4), q/k/v biases
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(STABLELM, qk_layernorm=True, use_qkv_bias=True)),
+    "stablelm_parallel": ("StableLmConfig", "StableLmForCausalLM", dict(STABLELM, use_parallel_residual=True)),
     # ALiBi slopes built by the model for all heads; fused query_key_value laid out per head; tied head
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
                                                       bos_token_id=0, eos_token_id=None)),
@@ -85,7 +90,8 @@ MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "apertus": 1e-5, "exaone4": 1e-4}
 
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon",
-                                                                                  "bloom", "gpt_bigcode", "persimmon"]
+                                                                                  "stablelm", "bloom", "gpt_bigcode",
+                                                                                  "persimmon"]
                                   if f != "llama_mha")
 
 
