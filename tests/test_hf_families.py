@@ -298,18 +298,32 @@ def test_falcon_layouts_that_cannot_be_split_are_refused():
     assert all(get_world(4).run(_falcon_groups_do_not_fit))
 
 
-def _bloom_slow_but_exact_is_refused(group):
-    from transformers import BloomConfig, BloomForCausalLM
-
-    _, _, kwargs = OWN_CONFIG["bloom"]
-    model = BloomForCausalLM(BloomConfig(**dict(kwargs, pretraining_tp=2, slow_but_exact=True)))
-    with pytest.raises(ValueError, match=r"module 'transformer.h.0.self_attention': Bloom with pretraining_tp=2 and "
-                                         r"slow_but_exact=True is not supported \(its forward slices dense.weight"):
-        tplayers.parallelize(model, "auto", group=group)
-    assert not any(isinstance(m, tplayers.TensorParallelModule) for m in model.modules())  # refused before any swap
+def _shipped_plans_refuse_what_they_cannot_split(group):
+    """At TP 4: head counts that do not divide it (6 heads; 3 KV heads), named with the module, before anything
+    is swapped; Bloom's slow_but_exact path (it slices dense.weight by hand) with the reason."""
+    cases = [("stablelm", dict(num_attention_heads=6, hidden_size=48, qk_layernorm=True),
+              r"'model.layers.0.self_attn.q_layernorm' \(LocalHeadNorms\): num_attention_heads=6 is not divisible"),
+             ("stablelm", dict(num_attention_heads=12, num_key_value_heads=3, hidden_size=48),
+              r"'model.layers.0.self_attn.k_proj' .*num_key_value_heads=3 is fewer than the TP degree 4 and does not"),
+             ("bloom", dict(n_head=6, hidden_size=48),
+              r"'transformer.h.0.self_attention': num_heads=6 is not divisible by the TP degree 4"),
+             ("bloom", dict(pretraining_tp=2, slow_but_exact=True),
+              r"'transformer.h.0.self_attention': Bloom with pretraining_tp=2 and slow_but_exact=True is not supported "
+              r"\(its forward slices dense.weight by hand"),
+             ("gpt_bigcode", dict(n_head=6, n_embd=48),
+              r"'transformer.h.0.attn.c_attn': num_attention_heads=6 is not divisible by the TP degree 4"),
+             ("persimmon", dict(num_attention_heads=6, hidden_size=48),
+              r"'model.layers.0.self_attn': config.num_attention_heads=6 is not divisible by the TP degree 4")]
+    for family, overrides, message in cases:
+        config_name, model_name, kwargs = OWN_CONFIG[family]
+        model = getattr(transformers, model_name)(getattr(transformers, config_name)(**dict(kwargs, **overrides)))
+        with pytest.raises(ValueError, match=rf"parallelize: module {message}"):
+            tplayers.parallelize(model, "auto", group=group)
+        assert not any(isinstance(m, tplayers.TensorParallelModule) for m in model.modules()), family
     return True
 
 
-def test_bloom_slow_but_exact_is_refused():
-    _build("bloom")
-    assert all(get_world(2).run(_bloom_slow_but_exact_is_refused))
+def test_shipped_plans_refuse_what_they_cannot_split():
+    for family in ("stablelm", "bloom", "gpt_bigcode", "persimmon"):
+        _build(family)
+    assert all(get_world(4).run(_shipped_plans_refuse_what_they_cannot_split))
