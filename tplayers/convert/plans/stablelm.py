@@ -67,7 +67,7 @@ class LocalHeadNorms:
         per_shard, piece = count // shards, ctx.group.rank // (p // shards)
         local = list(range(piece * per_shard, (piece + 1) * per_shard))
         return Built(module, finish=lambda: _install(module, local, ctx.group),
-                     label=f"{type(module).__name__} with the norms of heads {local[0]}..{local[-1]}")
+                     label=f"{type(module).__name__} applying this rank's {'KV ' if self.kv else ''}heads' norms")
 
 
 def _install(module: nn.Module, local: List[int], tp: TPGroup) -> None:
