@@ -62,6 +62,9 @@ FAMILIES = {
 }
 FALCON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=False,
               bos_token_id=0, eos_token_id=None)
+STABLELM = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=None)
+BIGCODE = dict(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=None)
 # Families without a tp_plan of their own: "auto" uses tplayers' shipped plan for their model_type.
 OWN_CONFIG = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
@@ -73,6 +76,20 @@ OWN_CONFIG = {
     "falcon_mha": ("FalconConfig", "FalconForCausalLM", dict(FALCON, multi_query=False)),
     "falcon_new": ("FalconConfig", "FalconForCausalLM", dict(FALCON, new_decoder_architecture=True,
                                                              num_attention_heads=8, num_kv_heads=4)),
+    # per-head q/k layer norms (a LayerNorm per head, 2 KV heads: replicated on two ranks at TP 4), q/k/v biases
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(STABLELM, qk_layernorm=True, use_qkv_bias=True)),
+    "stablelm_parallel": ("StableLmConfig", "StableLmForCausalLM", dict(STABLELM, use_parallel_residual=True)),
+    # ALiBi slopes built by the model for all heads; fused query_key_value laid out per head; tied head
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
+                                                      bos_token_id=0, eos_token_id=None)),
+    # StarCoder 1: multi-query c_attn [q; k; v] (one K/V head, replicated); and its multi-head layout
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(BIGCODE, multi_query=True)),
+    "gpt_bigcode_mha": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(BIGCODE, multi_query=False)),
+    # fused query_key_value per head; q/k layer norms over head_dim shared by every head
+    "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                                  num_hidden_layers=2, num_attention_heads=4,
+                                                                  max_position_embeddings=64, qk_layernorm=True,
+                                                                  bos_token_id=0, eos_token_id=None)),
 }
 # These norms compute in float32 even for float64 inputs, and their inputs' gradients arrive as
 # per-rank partial sums (per-head q/k norms), so TP and dense round at float32 in a different order:
@@ -84,7 +101,9 @@ OWN_CONFIG = {
 FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "apertus": 1e-5, "exaone4": 1e-4,
                          "mixtral": 1e-6, "qwen2_moe": 1e-6, "llama4": 1e-5, "deepseek_v2": 1e-5, "deepseek_v3": 1e-5}
 
-testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon"]
+testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon",
+                                                                                  "stablelm", "bloom", "gpt_bigcode",
+                                                                                  "persimmon"]
                                   if f != "llama_mha")
 
 
@@ -195,9 +214,9 @@ def test_audit_passes_on_every_family_in_bfloat16(tp):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("family", sorted({**FAMILIES, **OWN_CONFIG}))
 def test_auto_plan_matches_dense(family, tp):
-    _build(family)  # skips here, not on the ranks, when this transformers lacks the family
+    model_type = _build(family).config.model_type  # skips here, not on the ranks, when this transformers lacks it
     for fraction, skipped, plan in get_world(tp).run(_check_family, family, seed=tp):
-        assert plan == (family.split("_")[0] if family in OWN_CONFIG else "auto")
+        assert plan == (tplayers.convert.plans.MODEL_TYPES[model_type] if family in OWN_CONFIG else "auto")
         # learned positions stay whole (OWN_CONFIG); MoE experts are split like every other ffn; MLA's latent
         # projections (q_a, kv_a) stay whole, 7% of these tiny models (2% of DeepSeek-V3's attention)
         assert not skipped and fraction > (0.7 if family in OWN_CONFIG else 0.9 if family.startswith("deepseek") else 0.95)
@@ -287,3 +306,34 @@ def _falcon_groups_do_not_fit(group):
 def test_falcon_layouts_that_cannot_be_split_are_refused():
     _build("falcon")
     assert all(get_world(4).run(_falcon_groups_do_not_fit))
+
+
+def _shipped_plans_refuse_what_they_cannot_split(group):
+    """At TP 4: head counts that do not divide it (6 heads; 3 KV heads), named with the module, before anything
+    is swapped; Bloom's slow_but_exact path (it slices dense.weight by hand) with the reason."""
+    cases = [("stablelm", dict(num_attention_heads=6, hidden_size=48, qk_layernorm=True),
+              r"'model.layers.0.self_attn.q_layernorm' \(LocalHeadNorms\): num_attention_heads=6 is not divisible"),
+             ("stablelm", dict(num_attention_heads=12, num_key_value_heads=3, hidden_size=48),
+              r"'model.layers.0.self_attn.k_proj' .*num_key_value_heads=3 is fewer than the TP degree 4 and does not"),
+             ("bloom", dict(n_head=6, hidden_size=48),
+              r"'transformer.h.0.self_attention': num_heads=6 is not divisible by the TP degree 4"),
+             ("bloom", dict(pretraining_tp=2, slow_but_exact=True),
+              r"'transformer.h.0.self_attention': Bloom with pretraining_tp=2 and slow_but_exact=True is not supported "
+              r"\(its forward slices dense.weight by hand"),
+             ("gpt_bigcode", dict(n_head=6, n_embd=48),
+              r"'transformer.h.0.attn.c_attn': num_attention_heads=6 is not divisible by the TP degree 4"),
+             ("persimmon", dict(num_attention_heads=6, hidden_size=48),
+              r"'model.layers.0.self_attn': config.num_attention_heads=6 is not divisible by the TP degree 4")]
+    for family, overrides, message in cases:
+        config_name, model_name, kwargs = OWN_CONFIG[family]
+        model = getattr(transformers, model_name)(getattr(transformers, config_name)(**dict(kwargs, **overrides)))
+        with pytest.raises(ValueError, match=rf"parallelize: module {message}"):
+            tplayers.parallelize(model, "auto", group=group)
+        assert not any(isinstance(m, tplayers.TensorParallelModule) for m in model.modules()), family
+    return True
+
+
+def test_shipped_plans_refuse_what_they_cannot_split():
+    for family in ("stablelm", "bloom", "gpt_bigcode", "persimmon"):
+        _build(family)
+    assert all(get_world(4).run(_shipped_plans_refuse_what_they_cannot_split))

@@ -9,14 +9,17 @@ from typing import Dict, Mapping, Union
 
 from ..plan import Plan
 from ..styles import Style
-from . import falcon, gpt2, llama, opt
+from . import bloom, falcon, gpt2, gpt_bigcode, llama, opt, persimmon, stablelm
 
 __all__ = ["PLANS", "SP_PLANS", "MODEL_TYPES", "get_plan"]
 
-PLANS: Dict[str, Plan] = {"llama": llama.PLAN, "gpt2": gpt2.PLAN, "opt": opt.PLAN, "falcon": falcon.PLAN}
+PLANS: Dict[str, Plan] = {"llama": llama.PLAN, "gpt2": gpt2.PLAN, "opt": opt.PLAN, "falcon": falcon.PLAN,
+                          "bloom": bloom.PLAN, "gpt_bigcode": gpt_bigcode.PLAN, "persimmon": persimmon.PLAN,
+                          "stablelm": stablelm.PLAN}
 SP_PLANS: Dict[str, Plan] = {"llama": llama.SP_PLAN, "gpt2": gpt2.SP_PLAN, "opt": opt.SP_PLAN}
 # transformers' config.model_type -> the shipped plan "auto" uses for a model with no tp_plan of its own
-MODEL_TYPES: Dict[str, str] = {"gpt2": "gpt2", "opt": "opt", "falcon": "falcon"}
+MODEL_TYPES: Dict[str, str] = {"gpt2": "gpt2", "opt": "opt", "falcon": "falcon", "bloom": "bloom",
+                               "gpt_bigcode": "gpt_bigcode", "persimmon": "persimmon", "stablelm": "stablelm"}
 
 
 def get_plan(plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *, sequence_parallel: bool = False) -> Plan:
