@@ -32,7 +32,7 @@ def _per_rank_fraction(group):
         dense = sum(p.numel() for p in model.parameters())
         tplayers.parallelize(model, "auto", group=group, audit=False)
         report = tplayers.coverage(model)
-        out[family] = (sum(p.numel() for p in model.parameters()) / dense, sorted(report.skipped))
+        out[family] = (sum(p.numel() for p in model.parameters()) / dense, report.complete, str(report))
     return out
 
 
@@ -42,8 +42,8 @@ def test_each_rank_holds_its_share_of_the_experts(tp, most):
     model at TP 2. Measured 2026-11-25 (two layers at the published sizes): TP 2 0.500-0.526, TP 4 0.250-0.289
     (Granite-MoE's replicated router and norms weigh most)."""
     for out in get_world(tp).run(_per_rank_fraction):
-        for family, (fraction, skipped) in out.items():
-            assert not skipped, f"{family}: {skipped}"
+        for family, (fraction, complete, report) in out.items():
+            assert complete, report  # nothing left dense or skipped (Phi-3.5-MoE, Granite-MoE: attention added)
             assert fraction <= most, f"{family}: a rank holds {fraction:.3f} of the dense parameters at TP {tp}"
 
 
@@ -88,3 +88,43 @@ def test_an_moe_layer_sums_once_each_way(dtype):
         assert sorted(experts) == sorted(expected)
         if dtype == torch.float64:  # the routing weights' gradient arrived whole
             assert router < 1e-6, router  # float32 routing weights (the router softmax is float32)
+
+
+def _moe_checkpoint(group, path: str, save: bool):
+    """Mixtral at this TP size: save a DCP checkpoint (TP 2, after one SGD step), or load it (TP 4) into a
+    model built from other weights; returns the dense parameters the model holds and its logits."""
+    model = tplayers.parallelize(_mixtral(seed=0 if save else 1), "auto", group=group, audit=False)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    if save:
+        model(ids, labels=ids).loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+        tplayers.save_checkpoint(model, f"{path}/dcp")
+        tplayers.save_dense(model, f"{path}/dense.safetensors")
+    else:
+        tplayers.load_checkpoint(model, f"{path}/dcp")
+    with torch.no_grad():
+        logits = model(ids).logits
+    return dense_parameters(model), logits
+
+
+def _moe_from_dense_file(group, path: str):
+    """The dense safetensors file into a Mixtral built on the meta device and parallelized first."""
+    with torch.device("meta"):
+        model = _mixtral(seed=0)
+    tplayers.parallelize(model, "auto", group=group, audit=False)
+    model.to_empty(device="cpu")  # only this rank's shards are allocated
+    tplayers.load_dense(model, f"{path}/dense.safetensors")
+    return dense_parameters(model)
+
+
+def test_split_experts_reshard_across_tp_sizes(tmp_path):
+    saved, logits = get_world(2).run(_moe_checkpoint, str(tmp_path), True)[0]
+    assert any(".experts." in name for name in saved)
+    for loaded, loaded_logits in get_world(4).run(_moe_checkpoint, str(tmp_path), False):
+        assert loaded.keys() == saved.keys()
+        for name, tensor in saved.items():
+            assert torch.equal(loaded[name], tensor), name  # bit-exact, experts included
+        torch.testing.assert_close(loaded_logits, logits, rtol=1e-12, atol=1e-12)
+    for from_file in get_world(4).run(_moe_from_dense_file, str(tmp_path)):
+        for name, tensor in saved.items():
+            assert torch.equal(from_file[name], tensor), name

@@ -97,6 +97,13 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, str]] = {
     "deepseek_v3": {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.q_b_proj": "colwise",
                     "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj", "layers.*.self_attn.kv_b_proj": "colwise",
                     "layers.*.self_attn.o_proj": "rowwise"},
+    # Phi-3.5-MoE's and Granite-MoE's own plans name their experts only: their attention is Llama's
+    "phimoe": {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+               "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+               "layers.*.mlp.router": "replicate"},
+    **{granite: {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                 "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+       for granite in ("granitemoe", "granitemoeshared")},
     # Llama 4's router is an nn.Linear(h, experts): replicated on purpose (every rank routes identically)
     "llama4_text": {"layers.*.feed_forward.router": "replicate"},
     # Apertus' xIELU activation has learnable scalars (alpha_p, alpha_n) between up_proj and down_proj: on
