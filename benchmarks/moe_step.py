@@ -1,5 +1,6 @@
-"""A Mixtral-like training step at TP 2 with the experts split (`ParallelExperts`, issue 27) against the
-same model with the experts replicated (what "auto" did before): step time and parameter bytes per rank.
+"""A Mixtral-like training step at TP 2 with the experts split (`ParallelExperts`, issue 27: each expert's
+ffn across the ranks, or whole experts per rank) against the same model with the experts replicated
+(what "auto" did before): step time and parameter bytes per rank.
 
 Real gloo on this machine's cores (no emulated link: the point is the compute and memory each rank
 carries). Both models are built from the same dense weights and run in one process, alternating step
@@ -34,25 +35,29 @@ def _rank(group, layers: int, repeats: int):
     replicated_plan = auto_plan(dense).plan
     replicated_plan.layers = {k: ("replicate" if isinstance(v, Experts) else v) for k, v in replicated_plan.layers.items()}
     models = {"split": tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, audit=False, check_inputs=0),
+              "whole": tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, audit=False, check_inputs=0,
+                                            experts="whole"),
               "replicated": tplayers.parallelize(dense, replicated_plan, group=group, audit=False, check_inputs=0)}
     ids = torch.randint(0, 4096, (4, 256), generator=torch.Generator().manual_seed(1))
     times = {k: [] for k in models}
-    for i in range(2 * repeats + 4):
-        name = "split" if i % 2 == 0 else "replicated"
+    for i in range(3 * repeats + 6):
+        name = ("split", "whole", "replicated")[i % 3]
         t0 = time.perf_counter()
         models[name](input_ids=ids, labels=ids).loss.backward()
         elapsed = time.perf_counter() - t0
         models[name].zero_grad(set_to_none=True)
-        if i >= 4:
+        if i >= 6:
             times[name].append(1e3 * elapsed)
     slowest = lambda v: all_reduce_tensor(torch.tensor(v), group=group, op="max")  # noqa: E731
-    split, repl = slowest(times["split"]), slowest(times["replicated"])
-    ratios = sorted((split / repl).tolist())
-    q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
+    step = {k: slowest(v) for k, v in times.items()}
     dense_bytes = sum(p.numel() * p.element_size() for p in MixtralForCausalLM(config).parameters())
-    held = {k: sum(p.numel() * p.element_size() for p in m.parameters()) / dense_bytes for k, m in models.items()}
-    return (statistics.median(split.tolist()), statistics.median(repl.tolist()), q(0.5), q(0.25), q(0.75),
-            held["split"], held["replicated"])
+    out = {}
+    for k, m in models.items():
+        ratios = sorted((step[k] / step["replicated"]).tolist())
+        q = [ratios[min(len(ratios) - 1, int(f * len(ratios)))] for f in (0.5, 0.25, 0.75)]
+        held = sum(p.numel() * p.element_size() for p in m.parameters()) / dense_bytes
+        out[k] = (statistics.median(step[k].tolist()), q, held)
+    return out
 
 
 def main() -> None:
@@ -62,11 +67,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     with World(args.tp) as world:
-        split, repl, ratio, low, high, held_s, held_r = world.run(_rank, args.layers, args.repeats)[0]
+        out = world.run(_rank, args.layers, args.repeats)[0]
     print(f"TP {args.tp} over gloo (CPU), Mixtral-like {args.layers} layers (hidden 256, 8 experts of ffn 896, top 2, "
-          f"batch 4 x 256 tokens, float32): step replicated experts {repl:.1f} ms -> split {split:.1f} ms (medians); "
-          f"paired ratio split / replicated {ratio:.3f}x (quartiles {low:.3f}-{high:.3f}) over {args.repeats} pairs, "
-          f"slower rank; parameters per rank / dense: replicated {held_r:.3f}, split {held_s:.3f}")
+          f"batch 4 x 256 tokens, float32), {args.repeats} rounds, slower rank:")
+    for name, (median, (ratio, low, high), held) in out.items():
+        print(f"  experts {name:10s} step {median:7.1f} ms (median); paired / replicated {ratio:.3f}x "
+              f"(quartiles {low:.3f}-{high:.3f}); parameters per rank / dense {held:.3f}")
 
 
 if __name__ == "__main__":

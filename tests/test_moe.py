@@ -128,3 +128,44 @@ def test_split_experts_reshard_across_tp_sizes(tmp_path):
     for from_file in get_world(4).run(_moe_from_dense_file, str(tmp_path)):
         for name, tensor in saved.items():
             assert torch.equal(from_file[name], tensor), name
+
+
+def _whole_experts(group, implementation: str):
+    """experts="whole": each rank holds num_experts / p whole experts; tokens routed elsewhere are the
+    sentinel transformers' experts skip. Logits, loss, every gradient, an SGD step and greedy decoding
+    against dense; the experts' collectives as with each ffn split."""
+    dense = _mixtral()
+    dense.config._experts_implementation = implementation
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, experts="whole", check_inputs=0)
+    experts = model.model.layers[0].mlp.experts
+    held = (experts.num_experts, tuple(experts.gate_up_proj.shape))
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    out_t = model(ids, labels=ids)  # the first forward: the audit checks the experts against their dense twin
+    out_t.loss.backward()
+    out_d = dense(ids, labels=ids)
+    out_d.loss.backward()
+    errors = {"logits": float((out_t.logits - out_d.logits).abs().max()), "loss": float((out_t.loss - out_d.loss).abs())}
+    grads = dense_parameters(model, grads=True)
+    errors["grads"] = max(float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30))
+                          for n, p in dense.named_parameters())
+    for m in (dense, model):
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    with tplayers.comm_accounting(model) as acc:
+        model(ids, labels=ids).loss.backward()
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        same_generate = torch.equal(model.generate(ids[:, :4], **kw), dense.generate(ids[:, :4], **kw))
+    counts = sorted((r.op, r.phase) for r in acc.records
+                    if r.module.endswith("mlp.experts") or r.module == "_CopyManyToTPBackward")
+    return held, errors, same_generate, counts, str(tplayers.coverage(model).audit)
+
+
+@pytest.mark.parametrize("tp, implementation", [(2, "eager"), (4, "eager"), (2, "batched_mm")])
+def test_whole_experts_per_rank_match_dense(tp, implementation):
+    for held, errors, same_generate, counts, audit in get_world(tp).run(_whole_experts, implementation):
+        assert held == (4 // tp, (4 // tp, 2 * 64, 32)), held  # whole experts: every row of each
+        assert errors["logits"] < 1e-12 and errors["loss"] < 1e-12, errors
+        assert errors["grads"] < 1e-6, errors  # float32 routing weights (see test_hf_families)
+        assert same_generate
+        assert counts == [("all_reduce", "backward")] * 2 + [("all_reduce", "forward")] * 2, counts
+        assert "passed" in audit and "failed" not in audit, audit

@@ -48,7 +48,7 @@ _KV_PROJECTIONS = ("k_proj", "v_proj")
 # head-count attributes then follow the local heads.
 _HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv",
                      "q_b_proj", "kv_b_proj")  # (the last two: multi-head latent attention)
-_EXPERTS = "MoE experts stay replicated (expert parallelism is not supported): exact, but no memory saved"
+_EXPERTS = "MoE experts stay replicated (the plan does not split them): exact, but no memory saved"
 # transformers' styles on an experts module's 3-D parameters (weights laid out (..., out, in)): the
 # dim to cut, counted from the end, and the number of packed parts ([gate; up] is two)
 _EXPERT_PARAM_STYLES = {"colwise": (2, 1), "packed_colwise": (2, 2), "rowwise": (1, 1), "packed_rowwise": (1, 2)}
@@ -188,10 +188,15 @@ def _unwrap(model: nn.Module) -> Dict[str, str]:
     return {f"{path}.{k}": v for k, v in _hf_plan(base).items()}
 
 
-def auto_plan(model: nn.Module) -> AutoPlan:
+def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
     """Translate ``model``'s own transformers plan into a tplayers :class:`Plan` (see the module
     docstring); pure: reads the model, changes nothing. A PEFT ``PeftModel`` is read through to the
-    model it wraps."""
+    model it wraps. ``experts``: how MoE experts are split, ``"ffn"`` (every expert's ffn across the
+    ranks, transformers' ``moe_tp_experts``) or ``"whole"`` (whole experts per rank: expert
+    parallelism over the TP group)."""
+    if experts not in ("ffn", "whole"):
+        raise ValueError(f"parallelize(model, 'auto'): experts={experts!r}; choose 'ffn' (each expert's ffn split "
+                         "across ranks) or 'whole' (whole experts per rank)")
     hf = _unwrap(model)
     if not hf:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -204,23 +209,23 @@ def auto_plan(model: nn.Module) -> AutoPlan:
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     matches = {key: [n for n in modules if n and _regex(key).match(n)] for key in hf}
     param_keys = {key for key in hf if not matches[key] and any(_regex(key).match(p) for p in params)}
-    experts = [n for key, names in matches.items() if hf[key] in SKIPPED_STYLES and SKIPPED_STYLES[hf[key]] == _EXPERTS
-               for n in names]
+    experts_found = [n for key, names in matches.items()
+                     if hf[key] in SKIPPED_STYLES and SKIPPED_STYLES[hf[key]] == _EXPERTS for n in names]
     layers: Dict[str, Union[str, Style]] = {}
     skipped: Dict[str, str] = {}
-    for name, why in _split_experts(model, hf, matches, param_keys, experts).items():
+    for name, why in _split_experts(model, hf, matches, param_keys, experts_found, whole=experts == "whole").items():
         if isinstance(why, Experts):
             layers[name] = why
         else:
             skipped[name] = why
     split = [n for n, st in layers.items() if isinstance(st, Experts)]
     unmatched = [k for k in hf if not matches[k] and k not in param_keys]
-    experts = [e for e in experts if e not in split]
+    replicated = [e for e in experts_found if e not in split]
     for key in sorted(param_keys):  # a bare parameter: split with its experts, left inside replicated ones, else refused
         if all(any(p.startswith(e + ".") for e in split) for p in params if _regex(key).match(p)):
             continue
         names = [p for p in params if _regex(key).match(p)]
-        outside = [p for p in names if not any(p.startswith(e + ".") for e in experts)]
+        outside = [p for p in names if not any(p.startswith(e + ".") for e in replicated)]
         if outside:
             raise ValueError(f"parallelize(model, 'auto'): the plan gives the bare parameter '{outside[0]}' the style "
                              f"'{hf[key]}'; sharding a parameter outside a module is not supported (outside MoE "
@@ -230,7 +235,7 @@ def auto_plan(model: nn.Module) -> AutoPlan:
         for name in names:
             if name in layers:  # experts split above
                 continue
-            if any(name == e or name.startswith(e + ".") for e in experts):
+            if any(name == e or name.startswith(e + ".") for e in replicated):
                 skipped.setdefault(name, _EXPERTS)
             elif hf[key] in SKIPPED_STYLES:
                 skipped[name] = SKIPPED_STYLES[hf[key]]
@@ -256,10 +261,10 @@ def auto_plan(model: nn.Module) -> AutoPlan:
 
 
 def _split_experts(model: nn.Module, hf: Dict[str, str], matches: Dict[str, List[str]], param_keys: set,
-                   experts: List[str]) -> Dict[str, Union[Experts, str]]:
+                   experts: List[str], whole: bool) -> Dict[str, Union[Experts, str]]:
     """Each ``moe_tp_experts`` module: an :class:`Experts` style when the plan styles every one of its
     parameters (3-D, laid out ``(experts, out, in)``) and names nothing inside it, else why it stays
-    replicated."""
+    replicated. ``whole``: split by expert (dim 0) instead of by each expert's ffn."""
     modules = dict(model.named_modules())
     out: Dict[str, Union[Experts, str]] = {}
     for key, names in matches.items():
@@ -273,7 +278,7 @@ def _split_experts(model: nn.Module, hf: Dict[str, str], matches: Dict[str, List
                     missing.append(pname)
                     continue
                 from_end, parts = _EXPERT_PARAM_STYLES[style]
-                splits.append((pname, p.dim() - from_end, parts))
+                splits.append((pname, 0, 1) if whole else (pname, p.dim() - from_end, parts))
             inside = sorted(n for ns in matches.values() for n in ns if n.startswith(name + "."))  # an identity expert
             if missing or inside or not splits:
                 why = f"parameters {missing} have no split the plan gives" if missing else f"it holds {inside}"

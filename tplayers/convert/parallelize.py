@@ -287,15 +287,18 @@ def _keep_parameter_objects(model: nn.Module, modules: Dict[str, nn.Module], bui
 
 
 def _resolve_plan(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]],
-                  sequence_parallel: bool) -> Tuple[Plan, List[str], Dict[str, str]]:
+                  sequence_parallel: bool, experts: str) -> Tuple[Plan, List[str], Dict[str, str]]:
     """(the Plan, Hugging Face plan keys that matched nothing, styles skipped): "auto" translates the
     model's own tp_plan; anything else is a shipped plan's name, a Plan or a dict."""
     if isinstance(plan, str) and plan == "auto":
         if sequence_parallel:
             raise ValueError("parallelize(model, 'auto', sequence_parallel=True): the 'auto' plan is the plain TP "
                              "layout; for sequence parallelism use a shipped plan ('llama', 'gpt2') or your own")
-        translated = auto_plan(model)
+        translated = auto_plan(model, experts=experts)
         return translated.plan, translated.unmatched, translated.skipped
+    if experts != "ffn":
+        raise ValueError(f"parallelize(..., experts={experts!r}) applies to the 'auto' plan; in a plan of your own "
+                         "give the experts module Experts(splits=((name, 0, 1), ...)) for whole experts per rank")
     return get_plan(plan, sequence_parallel=sequence_parallel), [], {}
 
 
@@ -318,7 +321,7 @@ def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
                 group: GroupLike, sequence_parallel: bool = False, check_consistency: bool = True,
                 audit: bool = True, check_inputs: int = 1000, timeout: float = 300.0,
-                loss_parallel: bool = False) -> nn.Module:
+                loss_parallel: bool = False, experts: str = "ffn") -> nn.Module:
     """Swap, in place, the modules ``plan`` names for TP layers holding this rank's shard.
 
     Every rank of ``group`` calls it on an identical dense model (same weights). Returns
@@ -343,6 +346,10 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     (an attention, an MLP, the embedding, the head) against its dense twin, output and every
     gradient, and raises :class:`~tplayers.convert.audit.AuditError` on every rank on a mismatch
     (see :mod:`tplayers.convert.audit`; its result is in ``tplayers.coverage(model).audit``).
+    ``experts`` ("auto" plans of MoE models): ``"ffn"`` (default) splits every expert's ffn across the
+    ranks; ``"whole"`` gives each rank whole experts (``num_experts / p`` of them: expert parallelism over
+    the TP group, GEMMs kept whole, compute per rank as the router balances it); both sum the partial
+    outputs with one all-reduce each way (:class:`~tplayers.layers.experts.ParallelExperts`).
     ``loss_parallel`` (Hugging Face causal LMs): called with ``labels``, the LM head keeps its
     vocabulary shard and the model's loss runs on it (`vocab_parallel_cross_entropy`: no all-gather of
     the logits, each rank holds 1/p of them); ``outputs.logits`` is then this rank's shard ``(b, s,
@@ -354,7 +361,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     wait_for_ranks(tp, timeout, "parallelize")  # a rank that never calls it is named, not waited for
     if check_consistency:  # first: a rank whose model differs may fail differently in the checks below
         _check_same_dense_model(model, tp)
-    p, unmatched_keys, skipped = _resolve_plan(model, plan, sequence_parallel)
+    p, unmatched_keys, skipped = _resolve_plan(model, plan, sequence_parallel, experts)
     styles = {pat: resolve_style(v, pat) for pat, v in p.layers.items()}
     modules = dict(model.named_modules())
     # match -> check: nothing in the model changes until every check passed

@@ -23,11 +23,17 @@ forward (a subclass built once per experts class), with its parameters replaced 
 shards, so whatever the family's code reads (``self.num_experts``, ``self.act_fn``, its experts
 implementation: eager loop, ``grouped_mm``, ``batched_mm``) is unchanged. Which parameter is cut along
 which dim is data (``splits``), as transformers' plans give it (``packed_colwise`` ...).
+
+Every parameter cut along dim 0 instead means **whole experts per rank** (expert parallelism over the
+TP group): rank r holds experts ``[r E/p, (r + 1) E/p)``; the tokens are the same on every rank, so the
+router's expert ids are made local (another rank's expert becomes the sentinel ``num_experts``, which
+transformers' experts implementations skip, its routing weight zeroed) and the same f and g sum the
+ranks' shares. No all-to-all: that is for ranks holding different tokens.
 """
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -71,7 +77,8 @@ class ParallelExperts(TensorParallelModule):
 
     _dense_class: type
     _splits: Dict[str, Placement]
-    _dense_attrs: Dict[str, int]
+    _dense_attrs: Dict[str, Any]  # attributes changed from the dense module's, with their dense values
+    _first_expert: Optional[int]  # whole experts per rank: this rank's first expert (None: each ffn split)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, splits: Sequence[ExpertSplit] = (),
@@ -82,6 +89,16 @@ class ParallelExperts(TensorParallelModule):
         where present)."""
         g = resolve_group(group)
         what = f"ParallelExperts({type(dense).__name__})"
+        whole = bool(splits) and all(dim == 0 for _, dim, _ in splits)
+        if whole and any(parts != 1 for _, _, parts in splits):
+            raise ValueError(f"{what}: whole experts per rank (dim 0) are cut in one part")
+        if any(dim == 0 for _, dim, _ in splits) and not whole:
+            raise ValueError(f"{what}: either every parameter is cut along dim 0 (whole experts per rank) or none is")
+        experts = getattr(dense, "num_experts", None)
+        if whole and not (isinstance(experts, int) and all(params_shape0 == experts for params_shape0 in
+                                                            (p.shape[0] for p in dense.parameters(recurse=False)))):
+            raise ValueError(f"{what}: whole experts per rank need the module's num_experts (got {experts!r}) to "
+                             "count its parameters' first dim")
         params = dict(dense.named_parameters(recurse=False))
         names = [s[0] for s in splits]
         unsplit = sorted(set(dict(dense.named_parameters())) - set(names))
@@ -101,6 +118,12 @@ class ParallelExperts(TensorParallelModule):
                                              layer=f"{what}.{name}", names=[f"dim {dim}"] * parts)
         new = _module_copy(dense, _parallel_class(type(dense)))
         new.group, new._dense_class, new._splits, new._dense_attrs = g, type(dense), placements, {}
+        new._first_expert = None
+        if whole:  # the router's expert ids become local ones; other ranks' experts the sentinel num_experts
+            new._first_expert = g.rank * (experts // g.size)
+            new._dense_attrs["_is_expert_parallel"] = getattr(dense, "_is_expert_parallel", None)
+            new._is_expert_parallel = True  # transformers' experts implementations then skip the sentinel
+            divide_attrs = ("num_experts",)
         for attr in divide_attrs:
             value = getattr(dense, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -129,23 +152,50 @@ class ParallelExperts(TensorParallelModule):
                 args[i] = t
             else:
                 kwargs[i] = t
+        if self._first_expert is not None:
+            self._route_to_local_experts(args, kwargs)
         out = super().forward(*args, **kwargs)  # (tokens, h): this rank's partial sum
         if not torch.is_tensor(out):
             raise TypeError(f"ParallelExperts({self._dense_class.__name__}): the experts returned "
                             f"{type(out).__name__}; a tensor (the weighted sum of the experts' outputs) was expected")
         return reduce_from_tp(out, group=self.group)  # g
 
+    def _route_to_local_experts(self, args: List[Any], kwargs: Dict[str, Any]) -> None:
+        """Whole experts per rank: the routed expert ids (the integer tensor argument, ``top_k_index``)
+        become this rank's local ids, and another rank's expert the sentinel ``num_experts`` (which
+        transformers' experts skip); the routing weights (the float tensor of the same shape) are zeroed
+        there, so this rank's output and gradients hold its own experts' share only."""
+        slots = [(args, i) for i in range(1, len(args))] + [(kwargs, k) for k in kwargs]
+        index = next(((c, k) for c, k in slots if torch.is_tensor(c[k]) and not c[k].is_floating_point()), None)
+        if index is None:
+            raise TypeError(f"ParallelExperts({self._dense_class.__name__}): whole experts per rank need the routed "
+                            "expert ids as an integer tensor argument (top_k_index); this forward got none")
+        ids = index[0][index[1]]
+        local = ids - self._first_expert
+        mine = (local >= 0) & (local < self.num_experts)
+        index[0][index[1]] = torch.where(mine, local, torch.full_like(local, self.num_experts))
+        for c, k in slots:
+            if torch.is_tensor(c[k]) and c[k].is_floating_point() and c[k].shape == ids.shape:
+                c[k] = c[k] * mine.to(c[k].dtype)  # the routing weights
+
     def to_dense(self) -> nn.Module:
         """The dense experts module (collective: every rank gathers every shard)."""
         dense = _module_copy(self, self._dense_class)
-        for attr in ("group", "_dense_class", "_splits", "_dense_attrs"):
+        for attr in ("group", "_dense_class", "_splits", "_dense_attrs", "_first_expert"):
             dense.__dict__.pop(attr, None)
-        dense.__dict__.update(self._dense_attrs)
+        for attr, value in self._dense_attrs.items():
+            if value is None:
+                dense.__dict__.pop(attr, None)
+            else:
+                dense.__dict__[attr] = value
         for name in self._splits:
             p = self._parameters[name]
             dense._parameters[name] = nn.Parameter(self.gather_param(name), requires_grad=p.requires_grad)
         return dense
 
     def extra_repr(self) -> str:
+        if self._first_expert is not None:
+            return (f"tp={self.group.size}, whole experts [{self._first_expert}, "
+                    f"{self._first_expert + self.num_experts}) on this rank")
         cuts = ", ".join(f"{n}: dim {pl.dim} / {self.group.size}" for n, pl in self._splits.items())
         return f"tp={self.group.size}, {cuts}"
