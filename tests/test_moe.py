@@ -10,8 +10,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
 import tplayers  # noqa: E402
-from tplayers.testing import dense_parameters, get_world  # noqa: E402
+from tplayers.models.moe import DenseMoE  # noqa: E402
+from tplayers.testing import assert_matches_dense, dense_parameters, get_world  # noqa: E402
+
+from conftest import examples  # noqa: E402
 
 # the families' default configs are the published models' sizes (Mixtral 8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B,
 # Phi-3.5-MoE, Granite-3.0-MoE); two decoder layers keep the meta model small, the ratio is per layer
@@ -169,3 +175,43 @@ def test_whole_experts_per_rank_match_dense(tp, implementation):
         assert same_generate
         assert counts == [("all_reduce", "backward")] * 2 + [("all_reduce", "forward")] * 2, counts
         assert "passed" in audit and "failed" not in audit, audit
+
+
+def _check_parallel_moe(group, hidden, ffn, experts_per_rank, top_k, tokens, layout, seed):
+    torch.manual_seed(seed)
+    num_experts = experts_per_rank * group.size()
+    dense = DenseMoE(hidden, ffn, num_experts, min(top_k, num_experts), dtype=torch.float64)
+    tp = tplayers.ParallelMoE.from_dense(dense, group=group, experts=layout)
+    x = torch.randn(2, tokens, hidden, dtype=torch.float64)
+    assert_matches_dense(tp, dense, x, group=group)
+    back = tp.to_dense()  # and back: the same weights
+    for (name, a), (_, b) in zip(back.named_parameters(), dense.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@settings(max_examples=examples(3))
+@given(hidden=st.integers(1, 8), ffn_per_rank=st.integers(1, 3), experts_per_rank=st.integers(1, 2),
+       top_k=st.integers(1, 3), tokens=st.integers(1, 6), layout=st.sampled_from(["ffn", "whole"]),
+       seed=st.integers(0, 2**16))
+def test_parallel_moe_matches_dense(tp, hidden, ffn_per_rank, experts_per_rank, top_k, tokens, layout, seed):
+    """tplayers' own MoE block: output, input gradient, router and every expert's gradient equal the dense
+    block's, each expert's ffn split or whole experts per rank."""
+    get_world(tp).run(_check_parallel_moe, hidden, ffn_per_rank * tp, experts_per_rank, top_k, tokens, layout, seed)
+
+
+def _refusals(group):
+    out = []
+    for ffn, experts, layout in ((6, 3, "whole"), (5, 2, "ffn")):
+        try:
+            tplayers.ParallelMoE.from_dense(DenseMoE(8, ffn, num_experts=experts), group=group, experts=layout)
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_parallel_moe_refuses_what_does_not_split():
+    errors = get_world(2).run(_refusals)[0]
+    assert errors == [f"ParallelMoE (experts='{layout}'): ParallelExperts(DenseExperts).gate_up_proj: dim {dim} of size "
+                      f"{size} cannot be cut into 2 shards at TP degree 2 (the shard count must divide both)"
+                      for layout, dim, size in (("whole", 0, 3), ("ffn", 1, 5))], errors

@@ -21,6 +21,7 @@ from .models.dense import BlockConfig, GPTConfig
 from .models.rng import RNGTracker
 from .models.loss import vocab_parallel_cross_entropy
 from .models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
+from .models.moe import ParallelMoE
 from .models.gpt import ParallelGPT
 from .convert import AuditError, AuditReport, CoverageReport, Plan, audit, auto_plan, coverage, parallelize
 from .layers import (backward_dw, check_replicas, check_same_inputs, check_same_output_grads, clip_grad_norm_, main_grads_to_grads, pending_wgrad,
@@ -51,6 +52,7 @@ __all__ = [
     "FusedColumnParallelLinear",
     "ParallelExperts",
     "ParallelMLP",
+    "ParallelMoE",
     "ParallelAttention",
     "ParallelTransformerBlock",
     "ParallelGPT",

@@ -18,6 +18,7 @@ from ..core.dtypes import DTYPES
 from ..layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, set_overlap,
                       use_main_grad)
 from ..models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
+from ..models.moe import DenseMoE, ParallelMoE
 from ..models.dense import BlockConfig, DenseAttention, DenseGPT, DenseMLP, DenseTransformerBlock, GPTConfig
 from ..models.gpt import ParallelGPT
 from ..models.loss import vocab_parallel_cross_entropy
@@ -208,6 +209,17 @@ variant("ParallelMLP", "gelu", _parallel_mlp, tol_scale=2, activation="gelu", sp
 variant("ParallelMLP", "swiglu", _parallel_mlp, tol_scale=2, activation="swiglu", sp=False)
 variant("ParallelMLP", "swiglu, sequence_parallel=True", _parallel_mlp, tol_scale=2, activation="swiglu", sp=True)
 variant("ParallelMLP", "gelu, split_backward=True", _parallel_mlp, tol_scale=2, activation="gelu", sp=False, split=True)
+
+
+def _parallel_moe(g: TPGroup, cfg: VerifyConfig, experts: str) -> MatchReport:
+    d = _dims(g)
+    dense = _dense(DenseMoE(d["hidden"], d["ffn"], num_experts=2 * g.size, top_k=2), cfg)
+    tp = ParallelMoE.from_dense(dense, group=g, experts=experts)
+    return match_dense(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg)
+
+
+variant("ParallelMoE", "top-2 of 2p experts, each expert's ffn split", _parallel_moe, tol_scale=2, experts="ffn")
+variant("ParallelMoE", "top-2 of 2p experts, whole experts per rank", _parallel_moe, tol_scale=2, experts="whole")
 
 
 def _heads(g: TPGroup) -> Dict[str, int]:

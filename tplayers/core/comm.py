@@ -75,8 +75,7 @@ class _CopyManyToTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g: TPGroup, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        ctx.g = g
-        ctx.set_materialize_grads(False)  # an input whose gradient is None adds nothing to the buffer
+        ctx.g = g  # (an output no one used gets a zero gradient: every rank's buffer has the same layout)
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod

@@ -70,6 +70,20 @@ def _module_copy(module: nn.Module, cls: type) -> nn.Module:
     return new
 
 
+class _TiedTo(torch.autograd.Function):
+    """``out`` unchanged, recorded as depending on ``inputs`` (zero gradient): backward reaches the
+    inputs' f on every rank, whether or not this rank's experts used them."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in inputs]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
+
+
 class ParallelExperts(TensorParallelModule):
     """A Hugging Face-style experts module (3-D parameters, one slice per expert) with each expert's
     ffn split across the TP group; see the module docstring. Built by :meth:`from_dense` only:
@@ -158,6 +172,10 @@ class ParallelExperts(TensorParallelModule):
         if not torch.is_tensor(out):
             raise TypeError(f"ParallelExperts({self._dense_class.__name__}): the experts returned "
                             f"{type(out).__name__}; a tensor (the weighted sum of the experts' outputs) was expected")
+        if entered and torch.is_grad_enabled():
+            # a rank none of whose experts got a token returns zeros that autograd cannot trace back to f:
+            # its backward would skip f's all-reduce while the other ranks wait in theirs
+            out = _TiedTo.apply(out, *entered)
         return reduce_from_tp(out, group=self.group)  # g
 
     def _route_to_local_experts(self, args: List[Any], kwargs: Dict[str, Any]) -> None:

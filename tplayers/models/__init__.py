@@ -1,1 +1,1 @@
-"""Floor 3, models: dense twins and configs (the spec), rng, loss, transformer blocks, ParallelGPT."""
+"""Floor 3, models: dense twins and configs (the spec), rng, loss, transformer blocks, MoE, ParallelGPT."""
