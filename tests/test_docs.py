@@ -70,3 +70,52 @@ def test_doc_block_runs_as_shown(code, shown, tmp_path):
     assert out.strip(), f"{launch} {name} printed nothing"
     if shown is not None and shown[0] == f"{launch} {name}":
         assert sorted(out.strip().splitlines()) == sorted(shown[1].strip().splitlines()), proc.stdout
+
+
+# ------------------------------------------------------------------ what the docs promise around the blocks
+
+NAMED_FILE = re.compile(r"\b(?:examples|docs|benchmarks|tests|tplayers)/[\w./-]+\.(?:py|md|png|json)\b")
+
+
+def test_files_the_docs_name_exist():
+    """A path the README or a doc points the reader to (an example, another doc) is in the tree."""
+    missing = {f"{path.relative_to(ROOT)}: {name}" for path in [*DOCS, ROOT / "CONTRIBUTING.md"]
+               for name in NAMED_FILE.findall(path.read_text()) if not (ROOT / name).exists()}
+    assert not missing, sorted(missing)
+
+
+def test_readme_links_every_doc():
+    """Every page under docs/ is reachable from the README's documentation table."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Documentation"):]
+    unlinked = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"](docs/{p.name})" not in table]
+    assert not unlinked, f"add these to the README's Documentation table: {unlinked}"
+
+
+def _gen_api():
+    spec = importlib.util.spec_from_file_location("gen_api", ROOT / "docs" / "gen_api.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_api_reference_is_generated_from_the_current_code():
+    """docs/api.md is what docs/gen_api.py makes of the code now (signatures, first paragraphs)."""
+    want = _gen_api().render()
+    assert (ROOT / "docs" / "api.md").read_text() == want, "docs/api.md is out of date: run python docs/gen_api.py"
+
+
+def test_api_reference_documents_every_public_name():
+    """Every name in tplayers.__all__ and in each documented subpackage's __all__ is in its section of
+    docs/api.md, with a docstring (or, for data, a comment in the code)."""
+    gen = _gen_api()
+    text = (ROOT / "docs" / "api.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    by_module = {s.split("\n", 1)[0].strip("` "): s for s in sections}
+    assert [m for m, _ in gen.SECTIONS] == list(by_module)
+    assert gen.SECTIONS[0][0] == "tplayers"
+    for module, _ in gen.SECTIONS:
+        names = importlib.import_module(module).__all__
+        missing = [n for n in names if f"`{n}`" not in by_module[module] and f"`{module}.{n}`" not in by_module[module]]
+        assert not missing, f"{module}: not in docs/api.md: {missing}"
+    assert "(no docstring)" not in text and "(no comment in the code)" not in text
