@@ -92,6 +92,30 @@ def test_readme_links_every_doc():
     assert not unlinked, f"add these to the README's Documentation table: {unlinked}"
 
 
+def _install_block() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Install"):]
+    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_install_says_cpu_and_gpu_and_keeps_ci_s_lines():
+    """The README's Install block gives a CPU-only command and a GPU one, and every install line CI
+    runs (.ci/run) is in it as written there (CI runs the README's commands that work on its machine)."""
+    block = _install_block()
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    cpu = [c for c in commands if "--index-url https://download.pytorch.org/whl/cpu" in c]
+    assert cpu == ["pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"], commands
+    comments = {line.split("#", 1)[0].strip(): line.split("#", 1)[1] for line in block.splitlines() if "#" in line}
+    assert "CPU" in comments[cpu[0]], "say which line is for a CPU-only machine"
+    assert any("GPU" in c for c in comments.values()), "say which line is for a GPU machine"
+    ci = (ROOT / ".ci" / "run").read_text()
+    ci_installs = [line.strip().replace("python -m pip", "pip", 1) for line in ci.splitlines()
+                   if line.strip().startswith("python -m pip install")]
+    assert ci_installs, ".ci/run installs nothing?"
+    for line in ci_installs:
+        assert line in commands, f".ci/run runs {line!r}, which the README's Install does not show"
+
+
 def _gen_api():
     spec = importlib.util.spec_from_file_location("gen_api", ROOT / "docs" / "gen_api.py")
     module = importlib.util.module_from_spec(spec)
