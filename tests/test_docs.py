@@ -92,6 +92,19 @@ def test_readme_links_every_doc():
     assert not unlinked, f"add these to the README's Documentation table: {unlinked}"
 
 
+def test_gpu_quickstart_is_a_tested_program():
+    """docs/gpu.md's program is the GPU recipe (set_device, NCCL, the launch-order variable, bf16 with
+    main_grad) and runs as a whole through test_doc_block_runs_as_shown: on the CPU path (gloo) here."""
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    programs = [m.group(1) for m in BLOCK.finditer(text) if RUN.match(m.group(1).splitlines()[0])]
+    assert any(p.startswith("# run: torchrun") for p in programs), "docs/gpu.md needs a '# run: torchrun' program"
+    program = next(p for p in programs if p.startswith("# run: torchrun"))
+    for needed in ("torch.cuda.set_device(local_rank)", '"nccl"', '"gloo"', "CUDA_DEVICE_MAX_CONNECTIONS",
+                   "tplayers.use_main_grad(", "tplayers.main_grads_to_grads(", "tplayers.zero_main_grads(",
+                   "torch.bfloat16"):
+        assert needed in program, f"docs/gpu.md's program does not show {needed}"
+
+
 def _install_block() -> str:
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Install"):]
