@@ -8,20 +8,23 @@ that ``nn.Linear`` would have drawn: the run equals dense training (the test che
 Every TP rank must also see the same batch: ``tplayers.check_same_inputs`` (on by default here,
 ``--no-check-batches`` turns it off) stops the run on the first step they differ;
 ``--skew-batches`` makes that mistake on purpose (rank r adds r/1000 to its batch).
-Lightning's own distributed sampler is safe here (ModelParallelStrategy splits the data over
-the data-parallel dim only, so the TP ranks get the same batches) but it shuffles; the example
-turns it off only to train on the dense reference's order.
+Lightning's own distributed sampler (on by default, left on here) is safe with TP: under
+ModelParallelStrategy it splits the data over the ``data_parallel`` dim of the mesh only
+(``num_replicas`` = its size, ``rank`` = this rank's index in it), so the TP ranks of one replica
+draw the same batches; it shuffles (seed ``PL_GLOBAL_SEED``, 0 when unset), so the dense reference
+trains on the same shuffled order.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import lightning as L
 import torch
 import torch.nn as nn
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import tplayers
 from tplayers.testing import dense_parameters
@@ -65,15 +68,19 @@ class TPClassifier(L.LightningModule):
 
 
 def dense_reference(steps: int, lr: float = 0.1, batch_size: int = 4) -> dict:
-    """The same model built from plain nn.Linear layers, trained on the same batches."""
+    """The same model built from plain nn.Linear layers, trained on the same batches: the order
+    Lightning's sampler draws for the one data-parallel replica, epoch after epoch."""
     torch.manual_seed(SEED)
     fc1, fc2, head = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN), nn.Linear(HIDDEN, CLASSES)
     model = nn.ModuleDict({"fc1": fc1, "fc2": fc2, "head": head})
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    loader = DataLoader(make_data(), batch_size=batch_size)
-    for step, (x, y) in enumerate(loader):
-        if step == steps:
-            break
+    data, batches, epoch = make_data(), [], 0
+    while len(batches) < steps:  # Lightning calls set_epoch(epoch) on its sampler at each epoch
+        order = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=int(os.getenv("PL_GLOBAL_SEED", 0)))
+        order.set_epoch(epoch)
+        batches += list(DataLoader(data, batch_size=batch_size, sampler=list(order)))
+        epoch += 1
+    for x, y in batches[:steps]:
         opt.zero_grad()
         out = head(x + fc2(torch.nn.functional.gelu(fc1(x))))
         nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()).backward()
@@ -86,23 +93,22 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=None,
-                    help="write the max |tp - dense| weight error and the parameter names (rank 0) as JSON")
+                    help="write the max |tp - dense| weight error, the parameter names and the sampler (rank 0) as JSON")
     ap.add_argument("--check-batches", action=argparse.BooleanOptionalAction, default=True,
                     help="check every step that the TP ranks got the same batch (default: on)")
     ap.add_argument("--skew-batches", action="store_true",
                     help="the mistake, on purpose: feed each TP rank a slightly different batch")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    # No distributed sampler: only so that the batches come in the dense reference's order (Lightning's
-    # sampler shuffles; under ModelParallelStrategy it splits over the data-parallel dim only, so the
-    # TP ranks would still share each batch).
+    # Lightning's distributed sampler stays on (use_distributed_sampler=True, the default): it splits over
+    # the data-parallel dim only, so both TP ranks get every batch; check_same_inputs verifies it each step.
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, precision="32-true", max_steps=args.steps,
         strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=args.devices),
-        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     module = TPClassifier(check_batches=args.check_batches, skew_batches=args.skew_batches)
-    trainer.fit(module, DataLoader(make_data(), batch_size=4))
+    trainer.fit(module, DataLoader(make_data(), batch_size=4))  # Lightning adds its DistributedSampler
     weights = dense_parameters(module)  # collective: gathers the TP shards on every rank
     if trainer.global_rank == 0:
         ref = dense_reference(args.steps)
@@ -110,7 +116,8 @@ def main() -> None:
         print(f"max |tp - dense| after {args.steps} steps: {err:.3e}")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"max_abs_error": err, "names": sorted(weights)}, f)
+                json.dump({"max_abs_error": err, "names": sorted(weights),
+                           "sampler": type(trainer.train_dataloader.sampler).__name__}, f)
     # Leave the process group before the interpreter exits: letting gloo's threads be torn down
     # at exit can abort the process ("terminate called without an active exception").
     if torch.distributed.is_initialized():

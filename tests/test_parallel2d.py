@@ -167,3 +167,28 @@ def test_default_mesh_device_follows_the_backend():
     assert _default_device_type("nccl", cuda_available=True) == "cuda"
     assert _default_device_type("gloo", cuda_available=True) == "cpu"
     assert _default_device_type("undefined", cuda_available=False) == "cpu"
+
+
+
+def _fsdp2_example(group, path):
+    """examples/fsdp2_tp.py's ``train`` on this rank (loaded from its file: examples/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fsdp2_tp_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.train(group)
+
+
+def test_fsdp2_example_trains_like_dense():
+    """examples/fsdp2_tp.py (TP x FSDP2 on a 2x2 mesh, audit, clip_grad_norm_, AdamW) equals dense
+    training on the global batch, on every rank. Run here on the suite's 4-rank world (its launcher,
+    ``python examples/fsdp2_tp.py``, starts the same ranks with tplayers.testing.World)."""
+    from conftest import ROOT
+
+    results = get_world(4).run(_fsdp2_example, str(ROOT / "examples" / "fsdp2_tp.py"))
+    for result in results:
+        assert result["steps"] == 3 and len(result["grad_norms"]) == 3
+        assert result["clipped_steps"] == 3  # max_norm below every step's norm: the clip is exercised
+        assert result["max_norm_error"] < 1e-9 and result["max_weight_error"] < 1e-9, result
+    assert len({tuple(r["grad_norms"]) for r in results}) == 1  # one norm, on every rank

@@ -17,6 +17,7 @@ from .styles import Column, KVColumn, Replicate, Row, Style, VocabEmbedding, Voc
 
 __all__ = ["Plan", "STYLE_NAMES", "local_head_attrs", "resolve_style", "sequence_parallel_variant"]
 
+#: The style names a plan may use as strings (``{"blocks.*.fc1": "column"}``) -> the style each stands for.
 STYLE_NAMES: Dict[str, Style] = {
     "column": Column(),
     "column_gather": Column(gather_output=True),

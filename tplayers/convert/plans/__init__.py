@@ -13,9 +13,11 @@ from . import bloom, falcon, gpt2, gpt_bigcode, llama, opt, persimmon, stablelm
 
 __all__ = ["PLANS", "SP_PLANS", "MODEL_TYPES", "get_plan"]
 
+#: The shipped plans by name (``parallelize(model, "llama", ...)``).
 PLANS: Dict[str, Plan] = {"llama": llama.PLAN, "gpt2": gpt2.PLAN, "opt": opt.PLAN, "falcon": falcon.PLAN,
                           "bloom": bloom.PLAN, "gpt_bigcode": gpt_bigcode.PLAN, "persimmon": persimmon.PLAN,
                           "stablelm": stablelm.PLAN}
+#: The shipped plans' sequence-parallel variants (``parallelize(model, "llama", ..., sequence_parallel=True)``).
 SP_PLANS: Dict[str, Plan] = {"llama": llama.SP_PLAN, "gpt2": gpt2.SP_PLAN, "opt": opt.SP_PLAN}
 # transformers' config.model_type -> the shipped plan "auto" uses for a model with no tp_plan of its own
 MODEL_TYPES: Dict[str, str] = {"gpt2": "gpt2", "opt": "opt", "falcon": "falcon", "bloom": "bloom",
