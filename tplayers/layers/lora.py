@@ -11,10 +11,18 @@ the module stays (PEFT's forward, merging, adapter switching and saving keep wor
   columns of this rank's input features; its partial output is summed with ``reduce_from_tp`` (one
   all-reduce of ``b*s*r`` elements in forward); ``lora_B`` stays whole.
 
+``lora_dropout`` > 0: a column layer's input is whole and the same on every rank, and the ranks'
+generators agree (``parallelize`` checks it at the first training forward), so PEFT's own dropout draws
+the dense model's mask on every rank. A row layer's input is this rank's slice of the features: its
+dropout (:class:`FullWidthDropout`) draws the mask for the whole width, as the dense dropout would, and
+keeps this rank's columns; so training follows the dense LoRA mask for mask (bit for bit on the CPU,
+whose dropout draws ``bernoulli_`` on the input's shape), at the cost of drawing ``p`` times the
+random numbers for those layers. Eval: dropout is off.
+
 Merging works on the shards as they are (``B_local @ A`` and ``B @ A_local`` have the local weight's
-shape). Refused, naming the reason: dropout > 0 (ranks would draw different masks on the same
-replicated input), LoRA variants (DoRA ...), a bias on ``lora_B``, and layers whose input or output is
-not plainly split (gathered outputs, split-inside inputs, sequence parallelism, replicated KV heads).
+shape). Refused, naming the reason: LoRA variants (DoRA ...), a bias on ``lora_B``, and layers whose
+input or output is not plainly split (gathered outputs, split-inside inputs, sequence parallelism,
+replicated KV heads).
 Adapters are split when ``parallelize`` runs: add them before it, not after.
 """
 from __future__ import annotations
@@ -30,7 +38,7 @@ from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Sharded
 from .base import TensorParallelModule
 
-__all__ = ["is_peft_lora", "prepare_lora", "LoRAPiece"]
+__all__ = ["is_peft_lora", "prepare_lora", "LoRAPiece", "FullWidthDropout"]
 
 
 def is_peft_lora(module: nn.Module) -> bool:
@@ -47,9 +55,9 @@ def _check_plain_lora(module: nn.Module, name: str) -> None:
         raise ValueError(f"parallelize: module '{name}': the LoRA adapter is merged into the base weight; "
                          "unmerge it first (or merge_and_unload() and parallelize the plain model)")
     for adapter, dropout in module.lora_dropout.items():
-        if not isinstance(dropout, nn.Identity) and getattr(dropout, "p", 0.0) > 0:
-            raise ValueError(f"parallelize: module '{name}': adapter '{adapter}' has lora_dropout={dropout.p}; under TP "
-                             "every rank would draw a different mask on the same input: use lora_dropout=0")
+        if not isinstance(dropout, (nn.Identity, nn.Dropout)):
+            raise TypeError(f"parallelize: module '{name}': adapter '{adapter}' has lora_dropout "
+                            f"{type(dropout).__name__}; an nn.Dropout (or none) is supported")
     for adapter, lora_b in module.lora_B.items():
         if not isinstance(lora_b, nn.Linear) or lora_b.bias is not None:
             raise ValueError(f"parallelize: module '{name}': adapter '{adapter}': lora_B must be an nn.Linear "
@@ -93,6 +101,28 @@ class LoRAPiece(TensorParallelModule):
         return f"in_features={self.in_features}, out_features={self.out_features} (local), tp={self.group.size}"
 
 
+class FullWidthDropout(nn.Module):
+    """Dropout on this rank's slice of the features (the input of a row layer's LoRA) that draws the mask
+    for the whole width, as the dense model's dropout does, and keeps this rank's columns: the mask the
+    dense model would apply, sliced (the ranks' generators agree). ``p`` as ``nn.Dropout``'s."""
+
+    def __init__(self, p: float, placement: Sharded, rank: int, size: int) -> None:
+        super().__init__()
+        self.p, self.full = p, placement.full_size
+        self.pieces = [(piece.start, piece.length) for piece in placement.pieces(rank, size)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in/p)
+        if not self.training or self.p == 0:
+            return x
+        noise = torch.empty(*x.shape[:-1], self.full, dtype=x.dtype, device=x.device)  # (..., in): the dense shape
+        noise.bernoulli_(1 - self.p).div_(1 - self.p)  # what F.dropout draws on the dense input
+        mine = [noise.narrow(-1, start, length) for start, length in self.pieces]
+        return x * (mine[0] if len(mine) == 1 else torch.cat(mine, dim=-1))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, mask drawn over {self.full} features"
+
+
 def prepare_lora(module: nn.Module, base: TensorParallelModule, kind: str, name: str) -> Callable[[], None]:
     """Check PEFT LoRA ``module`` against its new TP ``base`` (``kind`` "column" or "row"; built by the
     style, not yet in place) and return the function that puts everything in place."""
@@ -113,10 +143,17 @@ def prepare_lora(module: nn.Module, base: TensorParallelModule, kind: str, name:
     new = {a: LoRAPiece.from_dense(lin, group=tp, placement=placement) for a, lin in split.items()}
     comm = copy_to_tp if kind == "column" else reduce_from_tp
 
+    dropouts = {a: FullWidthDropout(d.p, placement, tp.rank, tp.size) for a, d in module.lora_dropout.items()
+                if kind == "row" and isinstance(d, nn.Dropout) and d.p > 0}
+    for a, d in dropouts.items():
+        d.train(module.lora_dropout[a].training)
+
     def install() -> None:
         module.base_layer = base
         for adapter, lin in new.items():
             split[adapter] = lin
+        for adapter, dropout in dropouts.items():
+            module.lora_dropout[adapter] = dropout
         if tp.size > 1:
             for lora_a in module.lora_A.values():  # (b, s, r): summed in backward (column) / forward (row)
                 lora_a.register_forward_hook(lambda m, args, out: comm(out, group=tp))
