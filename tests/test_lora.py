@@ -30,8 +30,8 @@ def _lora_llama(targets, seed=0, **lora):
     return peft.get_peft_model(base, config)
 
 
-def _train(group, targets, wrapper, dropout=0.0):
-    dense = _lora_llama(targets, lora_dropout=dropout)
+def _train(group, targets, wrapper, dropout=0.0, saved=()):
+    dense = _lora_llama(targets, lora_dropout=dropout, **({"modules_to_save": list(saved)} if saved else {}))
     if dropout:  # training mode: the adapters' dropout draws masks (both models from the same seed each step)
         dense.train()
     model = copy.deepcopy(dense)
@@ -72,16 +72,21 @@ def _train(group, targets, wrapper, dropout=0.0):
     return str(tplayers.coverage(model if wrapper else model.base_model.model)), len(trained)
 
 
-@pytest.mark.parametrize("tp, wrapper, dropout", [(2, False, 0.0), (4, False, 0.1), (2, True, 0.1)])
-def test_training_a_lora_on_tp_layers_follows_the_dense_lora(tp, wrapper, dropout):
+@pytest.mark.parametrize("tp, wrapper, dropout, saved", [(2, False, 0.0, ()), (4, False, 0.1, ()),
+                                                        (2, True, 0.1, ("embed_tokens", "lm_head"))])
+def test_training_a_lora_on_tp_layers_follows_the_dense_lora(tp, wrapper, dropout, saved):
     """lora_dropout 0.1 (published adapters use 0.05-0.1), in training: the same masks as the dense LoRA's
     (column layers: PEFT's dropout on the whole input, the ranks' generators agreeing; row layers: the
-    whole-width mask, this rank's columns), so the same losses and gradients."""
+    whole-width mask, this rank's columns), so the same losses and gradients. modules_to_save (the recipe
+    after adding tokens): the embedding's and the head's trainable copies are split like them and train."""
     targets = TARGETS + (["v_proj"] if tp == 2 else [])  # at TP 4 the 2 KV heads are replicated: refused below
-    for report, trained in get_world(tp).run(_train, targets, wrapper, dropout):
+    for report, trained in get_world(tp).run(_train, targets, wrapper, dropout, saved):
         assert "q_proj: PEFT LoRA over ColumnParallelLinear (x2)" in report
         assert "down_proj: PEFT LoRA over RowParallelLinear (x2)" in report
-        assert trained == 2 * 2 * len(targets)  # lora_A and lora_B of each target, 2 layers
+        assert trained == 2 * 2 * len(targets) + len(saved)  # lora_A and lora_B of each target, 2 layers; the copies
+        if saved:
+            assert "embed_tokens: PEFT modules_to_save over VocabParallelEmbedding" in report
+            assert "lm_head: PEFT modules_to_save over ParallelLMHead" in report
 
 
 def _refusals(group):

@@ -39,7 +39,7 @@ import torch.nn as nn
 from .plan import Plan, local_head_attrs
 from .plans import MODEL_TYPES, PLANS
 from .sequence import ReplicateReduceGrad
-from .styles import Column, Experts, KVColumn, LatentKV, Replicate, Row, Style, VocabEmbedding, VocabHead
+from .styles import Column, Experts, KVColumn, LatentKV, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding, VocabHead
 
 __all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "translate_style"]
 
@@ -295,8 +295,9 @@ def _vocab_parallel_ends(model: nn.Module, layers: Dict[str, Union[str, Style]])
     get_out = getattr(model, "get_output_embeddings", None)
     emb: Optional[nn.Module] = get_in() if callable(get_in) else None
     head: Optional[nn.Module] = get_out() if callable(get_out) else None
-    if isinstance(emb, nn.Embedding) and id(emb) in by_id:
+    inner = lambda m: m.original_module if m is not None and is_peft_saved_copies(m) else m  # noqa: E731
+    if isinstance(inner(emb), nn.Embedding) and id(emb) in by_id:
         layers[by_id[id(emb)]] = VocabEmbedding()
-    if isinstance(head, nn.Linear) and id(head) in by_id:
+    if isinstance(inner(head), nn.Linear) and id(head) in by_id:
         layers[by_id[id(head)]] = VocabHead()
 

@@ -168,6 +168,32 @@ def _with_lora(style: Style, module: nn.Module, ctx: BuildContext, kind: str) ->
     return Built(module, finish=finish, label=f"PEFT LoRA over {type(base.module).__name__}")
 
 
+def is_peft_saved_copies(module: nn.Module) -> bool:
+    """PEFT's ``ModulesToSaveWrapper`` (``modules_to_save=["embed_tokens", "lm_head"]``): the frozen
+    ``original_module`` and a trainable copy per adapter in ``modules_to_save``."""
+    return (type(module).__module__.startswith("peft.") and isinstance(getattr(module, "original_module", None), nn.Module)
+            and isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict))
+
+
+def _with_saved_copies(style: Style, module: nn.Module, ctx: BuildContext) -> Built:
+    """A PEFT ``modules_to_save`` wrapper: its original module and every adapter's copy built by ``style``
+    (the copies train; each is split like the module it copies); the wrapper stays in place."""
+    inner = [("original_module", module.original_module)] + [(f"modules_to_save.{a}", m)
+                                                             for a, m in module.modules_to_save.items()]
+    built = [(path, style.build(m, BuildContext(f"{ctx.name}.{path}", ctx.group, ctx.parent, ctx.switch)))
+             for path, m in inner]
+
+    def finish() -> None:
+        for path, b in built:
+            if path == "original_module":
+                module.original_module = b.module
+            else:
+                module.modules_to_save[path.split(".", 1)[1]] = b.module
+            if b.finish is not None:
+                b.finish()
+    return Built(module, finish=finish, label=f"PEFT modules_to_save over {type(built[0][1].module).__name__}")
+
+
 def _switched(layer: nn.Module, ctx: BuildContext) -> Built:
     """A sequence-parallel layer follows its call's :class:`SequenceSwitch` (registered once swapped in)."""
     if not getattr(layer, "sequence_parallel", False):
@@ -197,6 +223,8 @@ class Column:
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         if is_peft_lora(module):
             return _with_lora(self, module, ctx, "column")
+        if is_peft_saved_copies(module):
+            return _with_saved_copies(self, module, ctx)
         _check_linear_like(module, ctx, "column")
         if self.parts is None:
             return _switched(_from(module, ColumnParallelLinear, ColumnParallelConv1D, ctx,
@@ -299,6 +327,8 @@ class Row:
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         if is_peft_lora(module):
             return _with_lora(self, module, ctx, "row")
+        if is_peft_saved_copies(module):
+            return _with_saved_copies(self, module, ctx)
         _check_linear_like(module, ctx, "row")
         return _switched(_from(module, RowParallelLinear, RowParallelConv1D, ctx,
                                input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel), ctx)
@@ -312,6 +342,8 @@ class VocabEmbedding:
     sequence_parallel: bool = False
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if is_peft_saved_copies(module):
+            return _with_saved_copies(self, module, ctx)
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style "
                             "'vocab_embedding' needs an nn.Embedding")
@@ -335,6 +367,8 @@ class VocabHead:
     gather_output: bool = True
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if is_peft_saved_copies(module):
+            return _with_saved_copies(self, module, ctx)
         if not isinstance(module, nn.Linear):
             raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style "
                             "'vocab_head' needs an nn.Linear")
