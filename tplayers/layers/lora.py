@@ -6,7 +6,10 @@ the module stays (PEFT's forward, merging, adapter switching and saving keep wor
 - column (output split): ``base_layer`` becomes a :class:`ColumnParallelLinear`; ``lora_B`` keeps the
   rows of this rank's output features (the base weight's placement); ``lora_A`` stays whole, its
   output ``(b, s, r)`` passes ``copy_to_tp``, so its gradient (each rank's part, from its own output
-  features) is summed over the group: one all-reduce of ``b*s*r`` elements in backward;
+  features) is summed over the group: one all-reduce of ``b*s*r`` elements in backward. A K/V
+  projection whose KV heads are replicated on several ranks (fewer KV heads than ranks): ``lora_B``
+  keeps the rows of this rank's KV head, their gradient summed over the ranks sharing it, as the
+  base weight's;
 - row (input split): ``base_layer`` becomes a :class:`RowParallelLinear`; ``lora_A`` keeps the
   columns of this rank's input features; its partial output is summed with ``reduce_from_tp`` (one
   all-reduce of ``b*s*r`` elements in forward); ``lora_B`` stays whole.
@@ -21,19 +24,18 @@ random numbers for those layers. Eval: dropout is off.
 
 Merging works on the shards as they are (``B_local @ A`` and ``B @ A_local`` have the local weight's
 shape). Refused, naming the reason: LoRA variants (DoRA ...), a bias on ``lora_B``, and layers whose
-input or output is not plainly split (gathered outputs, split-inside inputs, sequence parallelism,
-replicated KV heads).
+input or output is not plainly split (gathered outputs, split-inside inputs, sequence parallelism).
 Adapters are split when ``parallelize`` runs: add them before it, not after.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.comm import copy_to_tp, reduce_from_tp
+from ..core.comm import copy_to_tp, reduce_from_tp, sum_over_replicas
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Sharded
 from .base import TensorParallelModule
@@ -69,23 +71,30 @@ class LoRAPiece(TensorParallelModule):
     ``x @ weight.T``, the weight placed like the base layer's. No communication of its own (the
     hooks :func:`prepare_lora` installs on ``lora_A`` do it)."""
 
-    def __init__(self, weight: torch.Tensor, placement: Sharded, *, group: GroupLike) -> None:
+    def __init__(self, weight: torch.Tensor, placement: Sharded, *, group: GroupLike,
+                 replica_runs: Tuple[Tuple[int, int, int], ...] = ()) -> None:
         super().__init__()
         self.group = resolve_group(group)
         self.placement = placement
+        self.replica_runs = tuple(replica_runs)  # (start, stop, shards): local rows held by several ranks
         self.out_features, self.in_features = weight.shape  # local
         self.weight = nn.Parameter(weight)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "LoRAPiece":
-        """``dense``: the full ``nn.Linear`` factor; ``placement=``: how its weight is split."""
+        """``dense``: the full ``nn.Linear`` factor; ``placement=``: how its weight is split;
+        ``replica_runs=``: the base layer's replicated rows (KV heads shared by several ranks)."""
         tp, placement = resolve_group(group), options["placement"]
-        piece = cls(placement.shard(dense.weight.detach(), tp.rank, tp.size).clone(), placement, group=tp)
+        piece = cls(placement.shard(dense.weight.detach(), tp.rank, tp.size).clone(), placement, group=tp,
+                    replica_runs=options.get("replica_runs", ()))
         piece.weight.requires_grad_(dense.weight.requires_grad)
         return piece
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out), local sizes
-        return F.linear(x, self.weight)
+        weight = self.weight
+        for lo, hi, n in self.replica_runs:  # rows of a KV head other ranks hold too: their gradient summed there
+            weight = sum_over_replicas(weight, group=self.group, num_shards=n, rows=(lo, hi))
+        return F.linear(x, weight)
 
     def param_placements(self) -> Dict[str, Placement]:
         return {"weight": self.placement}
@@ -136,11 +145,12 @@ def prepare_lora(module: nn.Module, base: TensorParallelModule, kind: str, name:
         raise ValueError(f"parallelize: module '{name}': LoRA on a row layer needs its input split by the layer before "
                          "(input_is_parallel=True, no sequence parallelism)")
     placement = base.param_placements()["weight"]
-    if not isinstance(placement, Sharded) or any(part.shards != tp.size for part in placement.parts):
-        raise ValueError(f"parallelize: module '{name}': LoRA on a layer with replicated pieces (KV heads shared "
-                         "by several ranks) is not supported; leave this projection out of the LoRA target_modules")
+    runs = base.replica_runs() if kind == "column" and hasattr(base, "replica_runs") else ()
+    if not isinstance(placement, Sharded) or (any(part.shards != tp.size for part in placement.parts) and not runs):
+        raise ValueError(f"parallelize: module '{name}': LoRA on a layer whose weight is placed {placement} is not "
+                         "supported; leave this projection out of the LoRA target_modules")
     split = module.lora_B if kind == "column" else module.lora_A
-    new = {a: LoRAPiece.from_dense(lin, group=tp, placement=placement) for a, lin in split.items()}
+    new = {a: LoRAPiece.from_dense(lin, group=tp, placement=placement, replica_runs=runs) for a, lin in split.items()}
     comm = copy_to_tp if kind == "column" else reduce_from_tp
 
     dropouts = {a: FullWidthDropout(d.p, placement, tp.rank, tp.size) for a, d in module.lora_dropout.items()
