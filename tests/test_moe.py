@@ -218,3 +218,18 @@ def test_parallel_moe_refuses_what_does_not_split():
     assert errors == [f"ParallelMoE (experts='{layout}'): ParallelExperts(DenseExperts).gate_up_proj: dim {dim} of size "
                       f"{size} cannot be cut into 2 shards at TP degree 2 (the shard count must divide both)"
                       for layout, dim, size in (("whole", 0, 3), ("ffn", 1, 5))], errors
+
+
+def _bfloat16_moe(group, layout):
+    torch.manual_seed(0)
+    dense = DenseMoE(32, 64, 4, 2, dtype=torch.bfloat16)
+    tp = tplayers.ParallelMoE.from_dense(dense, group=group, experts=layout)
+    report = assert_matches_dense(tp, dense, torch.randn(2, 8, 32, dtype=torch.bfloat16), group=group)
+    return report.output_error, report.grad_error
+
+
+@pytest.mark.parametrize("layout", ["ffn", "whole"])
+def test_parallel_moe_in_bfloat16(layout):
+    """A bfloat16 smoke test: assert_matches_dense's bfloat16 tolerance, routing identical on every rank."""
+    for output_error, grad_error in get_world(2).run(_bfloat16_moe, layout):
+        assert output_error < 2e-2 and grad_error < 2e-2, (output_error, grad_error)
