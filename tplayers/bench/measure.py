@@ -42,15 +42,15 @@ def resolve_link(spec: Optional[str], g: TPGroup) -> Optional[LinkModel]:
     return parse_link(spec, tflops=tflops)
 
 
-ACCOUNTING_COLUMNS = ("exposed_fwd_ms", "exposed_bwd_ms", "in_flight_fwd_ms", "in_flight_bwd_ms", "in_flight_ms")
+ACCOUNTING_COLUMNS = ("exposed_fwd_ms", "exposed_bwd_ms", "in_flight_fwd_ms", "in_flight_bwd_ms")
 
 
 def accounting_row(acct: Any) -> List[float]:
     """One step's comm accounting as numbers (`ACCOUNTING_COLUMNS`): the time the caller was blocked
     on each phase's collectives, and the time they were in flight (the union of their
-    launch-to-completion intervals) per phase and in all."""
+    launch-to-completion intervals) per phase."""
     return [acct.exposed_ms("forward"), acct.exposed_ms("backward"), _duration_ms(acct, "forward"),
-            _duration_ms(acct, "backward"), _duration_ms(acct, None)]
+            _duration_ms(acct, "backward")]
 
 
 class Accounted:
@@ -89,12 +89,10 @@ def step_timeline(step: Callable[[], None], g: TPGroup, device: torch.device) ->
          "end_ms": ms(r.completed)} for r in acct.records]}
 
 
-def _duration_ms(acct: Any, phase: Optional[str]) -> float:
-    """Time the phase's collectives (None: all) were in flight (ms): the union of their
-    launch-to-completion intervals, so a collective queued behind another on the same link is not
-    counted twice."""
-    spans = sorted((r.launched, r.completed) for r in acct.records
-                   if (phase is None or r.phase == phase) and r.completed is not None)
+def _duration_ms(acct: Any, phase: str) -> float:
+    """Time the phase's collectives were in flight (ms): the union of their launch-to-completion
+    intervals, so a collective queued behind another on the same link is not counted twice."""
+    spans = sorted((r.launched, r.completed) for r in acct.records if r.phase == phase and r.completed is not None)
     total, end = 0.0, float("-inf")
     for lo, hi in spans:
         if hi > end:

@@ -93,30 +93,31 @@ def ratio_interval(num: List[float], dens: List[List[float]], *, reps: int = 200
 
 def _accounted(rows: List[List[float]], steps_ms: List[float]) -> Dict[str, Any]:
     """A schedule's exposure from its timed iterations (rows: `measure.ACCOUNTING_COLUMNS` of the
-    slowest rank of each iteration, ms). Constructed so that, per iteration, exposed <= in flight
-    (per phase and in all) and exposed <= the step; the medians keep those orders, so every
-    fraction 1 - exposed / in flight lies in [0, 1]."""
-    fwd, bwd, flight_fwd, flight_bwd, flight, total = [], [], [], [], [], []
-    for (e_f, e_b, d_f, d_b, d_all), step in zip(rows, steps_ms):
-        e_f, e_b = min(max(e_f, 0.0), d_f), min(max(e_b, 0.0), d_b)
-        fwd.append(e_f)
-        bwd.append(e_b)
-        flight_fwd.append(d_f)
-        flight_bwd.append(d_b)
-        flight.append(d_all)
-        total.append(min(e_f + e_b, d_all, step))
+    slowest rank of each iteration, ms), per phase the median over iterations of the time the
+    caller was blocked on the phase's collectives and of the time they were in flight.
+
+    Constructed to be consistent: per iteration the exposed time is capped at the time in flight
+    (it lies inside it; the cap only absorbs clock noise), so each phase's median exposed <= its
+    median in flight; the totals are the sums of the phases; when that sum would exceed the step's
+    median (phases whose medians come from different iterations) both phases are scaled down to
+    it. Hence exposed <= in flight, exposed <= step, and every hidden fraction 1 - exposed / in
+    flight lies in [0, 1]."""
     med = statistics.median
+    e_f = med([min(max(r[0], 0.0), r[2]) for r in rows])
+    e_b = med([min(max(r[1], 0.0), r[3]) for r in rows])
+    d_f, d_b = med([r[2] for r in rows]), med([r[3] for r in rows])
+    step = med(steps_ms)
+    if e_f + e_b > step > 0:
+        e_f = e_f * step / (e_f + e_b)
+        e_b = step - e_f  # (so that the sum is the step exactly, whatever the rounding)
 
     def hidden(exposed: float, in_flight: float) -> Optional[float]:
         return None if in_flight <= 0 else min(1.0, max(0.0, 1.0 - exposed / in_flight)) + 0.0
 
-    out = {"exposed_comm_ms": med(total), "exposed_comm_fwd_ms": med(fwd), "exposed_comm_bwd_ms": med(bwd),
-           "comm_in_flight_ms": med(flight), "comm_in_flight_fwd_ms": med(flight_fwd),
-           "comm_in_flight_bwd_ms": med(flight_bwd)}
-    out["hidden_fraction"] = hidden(out["exposed_comm_ms"], out["comm_in_flight_ms"])
-    out["forward_hidden_fraction"] = hidden(out["exposed_comm_fwd_ms"], out["comm_in_flight_fwd_ms"])
-    out["backward_hidden_fraction"] = hidden(out["exposed_comm_bwd_ms"], out["comm_in_flight_bwd_ms"])
-    return out
+    return {"exposed_comm_ms": min(e_f + e_b, step) if step > 0 else e_f + e_b, "exposed_comm_fwd_ms": e_f, "exposed_comm_bwd_ms": e_b,
+            "comm_in_flight_ms": d_f + d_b, "comm_in_flight_fwd_ms": d_f, "comm_in_flight_bwd_ms": d_b,
+            "hidden_fraction": hidden(e_f + e_b, d_f + d_b), "forward_hidden_fraction": hidden(e_f, d_f),
+            "backward_hidden_fraction": hidden(e_b, d_b)}
 
 
 def _schedule(name: str, t: Dict[str, Timing], accounting: Optional[Dict[str, Any]]) -> Dict[str, Any]:
