@@ -295,9 +295,10 @@ def plot_report(report: Dict[str, Any], path: str) -> None:
     except ImportError as e:  # pragma: no cover - depends on the optional extra
         raise SystemExit("tplayers bench --plot needs matplotlib: pip install 'tplayers[plot]'") from e
     timeline = report.get("timeline") or {}
-    rows = len(report["timings"]) * 0.45 + 1.6
-    fig, axes = plt.subplots(2 if timeline else 1, 1, figsize=(9, rows + (2.8 if timeline else 0)), squeeze=False,
-                             gridspec_kw={"height_ratios": [rows, 2.8]} if timeline else None)
+    rows = len(report["timings"]) * 0.45 + 2.0
+    lanes = 0.75 * len(timeline) + 1.4
+    fig, axes = plt.subplots(2 if timeline else 1, 1, figsize=(9, rows + (lanes if timeline else 0)), squeeze=False,
+                             gridspec_kw={"height_ratios": [rows, lanes]} if timeline else None)
     _bars(axes[0][0], report)
     if timeline:
         _timeline(axes[1][0], timeline)
@@ -313,9 +314,10 @@ def _bars(ax: Any, report: Dict[str, Any]) -> None:
     med = [t[m]["median_ms"] for m in modes]
     mins = [t[m]["min_ms"] for m in modes]
     y = list(range(len(modes)))
-    kinds = {"tp": ("C0", "TP forward+backward"), "comm": ("C7", "collectives alone"),
-             "other": ("C2", "references (matmuls alone, dense, naive)")}
     kind = ["tp" if m.startswith("tp") else "comm" if m.startswith("comm") else "other" for m in modes]
+    references = ", ".join(MODE_LABELS.get(m, m).split(" (")[0].split(",")[0] for m, k in zip(modes, kind) if k == "other")
+    kinds = {"tp": ("C0", "TP forward+backward"), "comm": ("C7", "collectives alone"),
+             "other": ("C2", f"references ({references})")}
     ax.barh(y, med, color=[kinds[k][0] for k in kind])
     for k, (color, label) in kinds.items():  # one legend entry per colour used
         if k in kind:
@@ -326,12 +328,18 @@ def _bars(ax: Any, report: Dict[str, Any]) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms per forward+backward (median; | = min), slowest rank")
     h = s.get("headline") or {}
-    extra = "" if "vs_limit" not in h else f", overlap on: {h['vs_limit']:.2f}x the limit"
+    found = [f"{h['vs_limit']:.2f}x the limit max(matmuls, collectives alone)"] if "vs_limit" in h else []
+    found += [f"{h['vs_blocking']:.2f}x overlap off"] if "vs_blocking" in h else []
+    if s.get("hidden_fraction") is not None:
+        found.append(f"{_pct(s['hidden_fraction'])} of its communication hidden")
     link = report.get("link")
-    wire = "" if link is None else f", EMULATED link {link['spec']}"
-    ax.set_title(f"{c['module']} b={c['batch']} s={c['seq']} h={c['hidden']} ffn={c['ffn']} "
-                 f"tp={env['tp']} {env['device']}/{env['backend']}{wire}{extra}", fontsize=8)
-    ax.legend(loc="best", fontsize=8)
+    wire = "" if link is None else f", EMULATED link {link['spec']} ({link['bandwidth_gbps']:.3g} GB/s)"
+    title = (f"{c['module']} b={c['batch']} s={c['seq']} h={c['hidden']} ffn={c['ffn']} "
+             f"tp={env['tp']} {env['device']}/{env['backend']}{wire}")
+    if found:
+        title += "\noverlap on: " + ", ".join(found)
+    ax.set_title(title, fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.11), fontsize=7, ncol=2, frameon=False)
 
 
 def _timeline(ax: Any, timeline: Dict[str, Any]) -> None:
@@ -353,7 +361,11 @@ def _timeline(ax: Any, timeline: Dict[str, Any]) -> None:
     ax.set_yticklabels([label for _, label in lanes], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ms into one step (rank 0)")
+    records = [r for tl in timeline.values() for r in tl["collectives"] if r["end_ms"] is not None]
+    used = {"C2": True, "C3": any(r["wait_ms"] is not None and r["end_ms"] > r["wait_ms"] for r in records),
+            "0.35": any(r["phase"] == "forward" for r in records), "0.7": any(r["phase"] != "forward" for r in records)}
     for color, label in (("C2", "computing"), ("C3", "blocked on a collective (exposed)"),
                          ("0.35", "forward collective"), ("0.7", "backward collective")):
-        ax.broken_barh([(0, 0)], (0, 0), color=color, label=label)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize=7, ncol=4, frameon=False)
+        if used[color]:  # a legend entry only for what the plot shows
+            ax.broken_barh([(0, 0)], (0, 0), color=color, label=label)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=7, ncol=4, frameon=False)
