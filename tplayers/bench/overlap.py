@@ -8,8 +8,9 @@ module (Column -> GELU -> Row MLP, a lone ColumnParallelLinear, or a whole
 ParallelTransformerBlock, see :mod:`tplayers.bench.modules`) it times forward+backward
 with the overlapped backward and with blocking collectives, the same collectives alone
 (:mod:`tplayers.bench.schedule`), the same matmuls alone, plain dense ``torch.nn`` and naive model
-parallelism (fc1 on rank 0, fc2 on rank 1), and derives how much of the backward communication the
-overlap hides (with what :mod:`tplayers.bench.measure` measures besides the timings). Each mode is
+parallelism (fc1 on rank 0, fc2 on rank 1). Every TP schedule's timed iterations run under comm
+accounting (:mod:`tplayers.bench.measure`), so how much of its communication hid comes from the very
+iterations the report times (:mod:`tplayers.bench.report` derives the headline and the fractions). Each mode is
 one entry of `MODE_TABLE`: its label, how to build its step, and why it cannot run (if so).
 """
 from __future__ import annotations
