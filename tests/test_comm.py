@@ -164,3 +164,31 @@ def test_world_of_one_needs_no_process_group():
     for fn in (comm.copy_to_tp, comm.reduce_from_tp, comm.scatter_to_tp, comm.gather_from_tp,
                comm.scatter_to_sequence, comm.gather_from_sequence, comm.reduce_scatter_to_sequence):
         assert fn(x, group=None) is x
+
+
+def _check_blocking_means_done_on_return(group):
+    """A collective called without async_op is complete when the call returns, fingerprinted or not:
+    overlap_comm=False relies on it (the weight-gradient GEMM after the call must not run under it)."""
+    from tplayers.core.fingerprint import set_collective_checks
+    from tplayers.core.groups import resolve_group
+
+    g = resolve_group(group)
+    done = []
+    for checks in (True, False):
+        before = set_collective_checks(checks)
+        try:
+            buf = torch.full((4, 3), float(g.rank + 1))
+            collectives.all_reduce(buf, g)  # not waited on: blocking means done
+            src = torch.full((g.size * 2, 3), float(g.rank + 1))
+            gathered = collectives.all_gather(src[:2].clone(), 0, g)
+            scattered = collectives.reduce_scatter(src, 0, g)
+            done.append(bool((buf == sum(range(1, g.size + 1))).all()))
+            done.append(gathered._result is not None and scattered._result is not None)
+        finally:
+            set_collective_checks(*before[:1], timeout=before[1])
+    return done
+
+
+def test_a_blocking_collective_is_done_when_the_call_returns():
+    for done in get_world(2).run(_check_blocking_means_done_on_return):
+        assert done == [True, True, True, True]

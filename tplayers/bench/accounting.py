@@ -3,7 +3,8 @@
 `comm_accounting()` (like DTensor's ``CommDebugMode``) records each collective tplayers issues: op,
 bytes (the full buffer, see :mod:`.link`), group size, phase (forward / backward), the issuing
 module (forward: the innermost module running; backward: the autograd node) and how long the
-caller was blocked in ``wait()`` (the exposed part of that collective, as the host saw it: on CUDA,
+caller was blocked in the launch call and in ``wait()`` (the exposed part of that collective, as the
+host saw it: on CUDA,
 where ``wait()`` does not block the host, that is the stream-ordering time, not the GPU's).
 
 `emulated_link(spec)` makes every collective complete, as ``wait()`` (or a blocking call) sees it,
@@ -254,6 +255,8 @@ class _Observer:
         record = launched(op, nbytes, g.process_group, g.size, t0, device)
         if work is None:  # a blocking call: its whole duration now, and the modeled rest slept out
             finished(record, t0)
+        else:  # the caller was held in the launch itself too (a busy CPU backend: milliseconds)
+            record.blocked_s += time.perf_counter() - t0
         return work, record
 
     def finished(self, token: CommRecord, wait_started: float) -> None:

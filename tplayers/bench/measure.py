@@ -1,13 +1,13 @@
 """What the benchmark measures beyond the timings: the link every rank emulates, the exposed
-communication of an overlapped step (comm accounting), one step's timeline, a profiler trace."""
+communication of every timed TP step (comm accounting, `Accounted`), one step's timeline, a profiler
+trace."""
 from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -20,45 +20,55 @@ from .timing import barrier, sync
 if TYPE_CHECKING:  # (overlap.py imports this module)
     from .overlap import BenchConfig
 
-__all__ = ["resolve_link", "account", "step_timeline", "profile"]
+__all__ = ["resolve_link", "slowest_tflops", "ACCOUNTING_COLUMNS", "accounting_row", "Accounted", "step_timeline",
+           "profile"]
+
+
+def slowest_tflops(g: TPGroup) -> float:
+    """This machine's float32 matmul throughput (TFLOP/s) on the SLOWEST rank of ``g`` (collective)."""
+    local = torch.tensor([-matmul_tflops()], dtype=torch.float64)
+    if g.size == 1:
+        return -float(local)
+    return -float(all_reduce_tensor(local.to(collective_device(g.process_group)), group=g, op="max"))
 
 
 def resolve_link(spec: Optional[str], g: TPGroup) -> Optional[LinkModel]:
-    """The link model every rank uses: for ``match:`` the SLOWEST rank's matmul throughput."""
+    """The link model every rank uses: for ``match:PRESET`` the SLOWEST rank's matmul throughput
+    (``match:PRESET@TFLOPS`` states it: nothing measured)."""
     if spec is None:
         return None
-    tflops = None
-    if spec.strip().startswith("match:"):
-        local = torch.tensor([-matmul_tflops()], dtype=torch.float64)
-        tflops = -float(all_reduce_tensor(local.to(collective_device(g.process_group)), group=g, op="max"))
+    text = spec.strip()
+    tflops = slowest_tflops(g) if text.startswith("match:") and "@" not in text else None
     return parse_link(spec, tflops=tflops)
 
 
-def account(step: Optional[Callable[[], None]], cfg: "BenchConfig", g: TPGroup,
-            device: torch.device) -> Optional[Dict[str, Any]]:
-    """Run the overlapped step ``cfg.accounting_iters`` more times under comm_accounting: the
-    exposed (blocked) communication per step, measured, and the collectives of one step."""
-    if step is None or cfg.accounting_iters < 1 or g.size == 1:
-        return None
-    rows = []  # per step: exposed total / fwd / bwd, and the collectives' own durations fwd / bwd (ms)
-    for _ in range(cfg.accounting_iters):
-        barrier(g)
+ACCOUNTING_COLUMNS = ("exposed_fwd_ms", "exposed_bwd_ms", "in_flight_fwd_ms", "in_flight_bwd_ms")
+
+
+def accounting_row(acct: Any) -> List[float]:
+    """One step's comm accounting as numbers (`ACCOUNTING_COLUMNS`): the time the caller was blocked
+    on each phase's collectives, and the time they were in flight (the union of their
+    launch-to-completion intervals) per phase."""
+    return [acct.exposed_ms("forward"), acct.exposed_ms("backward"), _duration_ms(acct, "forward"),
+            _duration_ms(acct, "backward")]
+
+
+class Accounted:
+    """``step`` run under `comm_accounting` on every call (the timed iterations themselves, so the
+    exposure and the step time come from the same iterations): `rows` holds `accounting_row` per
+    call, `last` the last call's records (counts and bytes)."""
+
+    def __init__(self, step: Callable[[], None], device: torch.device) -> None:
+        self.step, self.device = step, device
+        self.rows: List[List[float]] = []
+        self.last: Any = None
+
+    def __call__(self) -> None:
         with comm_accounting() as acct:
-            step()
-            sync(device)
-        rows.append([acct.exposed_ms(), acct.exposed_ms("forward"), acct.exposed_ms("backward"),
-                     _duration_ms(acct, "forward"), _duration_ms(acct, "backward")])
-    # the slowest rank's median, as for the timings
-    local = torch.tensor([statistics.median(col) for col in zip(*rows)], dtype=torch.float64)
-    worst = all_reduce_tensor(local.to(collective_device(g.process_group)), group=g, op="max").cpu().tolist()
-
-    def hidden(exposed: float, duration: float) -> Optional[float]:
-        return None if duration <= 0 else 1.0 - exposed / duration
-
-    return {"exposed_comm_ms": worst[0], "exposed_comm_fwd_ms": worst[1], "exposed_comm_bwd_ms": worst[2],
-            "forward_hidden_fraction": hidden(worst[1], worst[3]),
-            "backward_hidden_fraction_measured": hidden(worst[2], worst[4]),
-            "collectives_per_step": acct.summary()["counts"], "bytes_per_step": acct.summary()["bytes"]}
+            self.step()
+            sync(self.device)
+        self.rows.append(accounting_row(acct))
+        self.last = acct
 
 
 def step_timeline(step: Callable[[], None], g: TPGroup, device: torch.device) -> Dict[str, Any]:

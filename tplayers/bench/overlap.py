@@ -8,8 +8,9 @@ module (Column -> GELU -> Row MLP, a lone ColumnParallelLinear, or a whole
 ParallelTransformerBlock, see :mod:`tplayers.bench.modules`) it times forward+backward
 with the overlapped backward and with blocking collectives, the same collectives alone
 (:mod:`tplayers.bench.schedule`), the same matmuls alone, plain dense ``torch.nn`` and naive model
-parallelism (fc1 on rank 0, fc2 on rank 1), and derives how much of the backward communication the
-overlap hides (with what :mod:`tplayers.bench.measure` measures besides the timings). Each mode is
+parallelism (fc1 on rank 0, fc2 on rank 1). Every TP schedule's timed iterations run under comm
+accounting (:mod:`tplayers.bench.measure`), so how much of its communication hid comes from the very
+iterations the report times (:mod:`tplayers.bench.report` derives the headline and the fractions). Each mode is
 one entry of `MODE_TABLE`: its label, how to build its step, and why it cannot run (if so).
 """
 from __future__ import annotations
@@ -17,22 +18,23 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-from ..core.collectives import SEQ_DIM
+from ..core.collectives import SEQ_DIM, all_gather_tensor
 from ..core.dtypes import DTYPES
-from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..core.groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
 from ..layers import set_overlap
 from .accounting import emulated_link
 from .link import parse_link
-from .measure import account, profile, resolve_link, step_timeline
+from .link import calibration
+from .measure import ACCOUNTING_COLUMNS, Accounted, profile, resolve_link, slowest_tflops, step_timeline
 from .modules import MODULES, naive_step, tp_model
-from .report import backend_name, summarize
+from .report import SCHEDULES, backend_name, summarize
 from .schedule import comm_steps, record_collectives
-from .timing import fwd_bwd_step, leaf, time_steps
+from .timing import Timing, fwd_bwd_step, leaf, time_steps
 
 __all__ = ["BenchConfig", "BenchInputs", "Mode", "MODE_TABLE", "MODES", "MODE_LABELS", "SHAPES", "LAYER_SHAPES",
            "run_overlap_bench"]
@@ -81,7 +83,7 @@ class BenchConfig:
     trace_dir: Optional[str] = None
     trace_iters: int = 3
     link: Optional[str] = None  # an emulated interconnect (tplayers.bench.link spec), None: the real backend
-    accounting_iters: int = 10  # overlapped iterations run again under comm_accounting (exposed comm, counts)
+    default_link: bool = False  # the link is the CPU default (DEFAULT_CPU_LINK), not asked for
     chunks: int = 2  # mode tp_chunked: batch chunks (forward overlap, Domino-style)
 
     def __post_init__(self) -> None:
@@ -228,42 +230,63 @@ MODE_LABELS: Dict[str, str] = {name: mode.label for name, mode in MODE_TABLE.ite
 
 # ---------------------------------------------------------------------------- the benchmark
 
-# the overlapped modes measured again under comm accounting, and their keys in the report
-_ACCOUNTED = {"tp": None, "tp_split": "split_backward", "tp_chunked": "chunked", "tp_cm": "collective_matmul"}
+def _slowest_rows(acc: Accounted, timing: Timing, iters: int, g: TPGroup) -> List[List[float]]:
+    """The accounting row of each timed iteration from the rank that was slowest in it (collective),
+    so exposure and step time describe the same rank's same iteration."""
+    local = torch.tensor(acc.rows[-iters:], dtype=torch.float64).reshape(iters, len(ACCOUNTING_COLUMNS))
+    if g.size == 1 or is_fake(g.process_group):
+        return local.tolist()
+    every = all_gather_tensor(local.to(collective_device(g.process_group))[None], 0, group=g).cpu()  # (p, iters, k)
+    return [every[rank, i].tolist() for i, rank in enumerate(timing.ranks)]
 
 
 def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
-    """The comm-overlap microbenchmark, on every rank; returns the JSON-able report (same on all ranks)."""
+    """The comm-overlap microbenchmark, on every rank; returns the JSON-able report (same on all ranks).
+
+    Every TP schedule's timed iterations run under `tplayers.comm_accounting` (`measure.Accounted`):
+    the exposure the report gives is that of the iterations it times."""
     g = resolve_group(group)
     cfg.check_tp(g.size)
     inputs = BenchInputs.create(g, cfg)
-    steps: Dict[str, Step] = {}
+    raw: Dict[str, Step] = {}
     skipped: Dict[str, str] = {}
     for name in cfg.modes:
         why = MODE_TABLE[name].skip(inputs)
         if why is not None:
             skipped[name] = why
         else:
-            steps[name] = MODE_TABLE[name].build(inputs)
-
+            raw[name] = MODE_TABLE[name].build(inputs)
     device = inputs.device
+    accounted = {name: Accounted(raw[name], device) for name in SCHEDULES if name in raw}
+    steps = {name: accounted.get(name, step) for name, step in raw.items()}
+
     link = resolve_link(cfg.link, g)
+    calib = None
+    if link is not None:  # where the link's numbers come from (and this machine's throughput, beside a match:)
+        machine = (link.scaled_for_tflops if link.measured else slowest_tflops(g)) if link.preset else None
+        calib = calibration(link, machine)
     with emulated_link(link) if link is not None else contextlib.nullcontext():
         timings = time_steps(steps, group=g, iters=cfg.iters, warmup=cfg.warmup, device=device,
                              progress=cfg.progress, label=f"bench {cfg.module} tp={g.size}")
-        measured = {name: account(steps.get(name), cfg, g, device) for name in _ACCOUNTED}
-        timeline = {name: step_timeline(steps[name], g, device) for name in ("tp", "tp_blocking", "tp_split",
-                                                                             "tp_chunked")
-                    if name in steps and g.size > 1}
-    report = summarize(cfg, g.size, timings, skipped, backend=backend_name(g, device), measured=measured["tp"],
-                       link=link)
+        accounting = {name: {"rows": _slowest_rows(acc, timings[name], cfg.iters, g),
+                             **_counts(acc)} for name, acc in accounted.items()}
+        timeline = {name: step_timeline(raw[name], g, device) for name in ("tp", "tp_blocking", "tp_split",
+                                                                           "tp_chunked")
+                    if name in raw and g.size > 1}
+    if "tp_chunked" in accounting:
+        accounting["tp_chunked"]["chunks"] = min(cfg.chunks, cfg.batch)
+    report = summarize(cfg, g.size, timings, skipped, backend=backend_name(g, device), accounting=accounting,
+                       link=link, calibration=calib)
     report["timeline"] = timeline
-    for name, key in _ACCOUNTED.items():  # the same accounting for the other overlapped modes
-        if key is not None and measured[name] is not None:
-            report[key] = measured[name]
-    if "chunked" in report:
-        report["chunked"] = {**report["chunked"], "chunks": min(cfg.chunks, cfg.batch)}
     if cfg.trace_dir:
-        traced = {MODE_LABELS[name]: steps[name] for name in ("tp", "tp_blocking") if name in steps}
+        traced = {MODE_LABELS[name]: raw[name] for name in ("tp", "tp_blocking") if name in raw}
         report["trace"] = profile(traced, cfg, g, device)
     return report
+
+
+def _counts(acc: Accounted) -> Dict[str, Any]:
+    """The collectives of one step (the last timed one) by kind: how many, how many bytes."""
+    if acc.last is None or not acc.last.records:
+        return {}
+    summary = acc.last.summary()
+    return {"collectives_per_step": summary["counts"], "bytes_per_step": summary["bytes"]}

@@ -49,7 +49,8 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _common(p: argparse.ArgumentParser, dtype: str) -> None:
+def _common(p: argparse.ArgumentParser, dtype: str,
+            progress_help: str = "show a progress bar on stderr (default: when stderr is a terminal)") -> None:
     """The options both commands take (where and how the ranks run)."""
     p.add_argument("--dtype", choices=list(DTYPES), default=dtype, help=f"parameter/activation dtype (default {dtype})")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda uses NCCL (default cpu/gloo)")
@@ -60,9 +61,8 @@ def _common(p: argparse.ArgumentParser, dtype: str) -> None:
                    help="seconds before a hung run is abandoned (default 600)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs, the same on every rank (default 0)")
     prog = p.add_mutually_exclusive_group()
-    prog.add_argument("--progress", dest="progress", action="store_true", default=None,
-                      help="show a progress bar on stderr (default: when stderr is a terminal)")
-    prog.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
+    prog.add_argument("--progress", dest="progress", action="store_true", default=None, help=progress_help)
+    prog.add_argument("--no-progress", dest="progress", action="store_false", help="print nothing on stderr while running")
 
 
 def _add_verify(sub: Any) -> None:
@@ -103,15 +103,20 @@ def _add_bench(sub: Any) -> None:
     b.add_argument("--heads", type=_positive, default=4, help="attention heads of --module block (default 4)")
     b.add_argument("--tp", type=_positive, default=None, help="TP size (default 2; under torchrun: the world size)")
     b.add_argument("--sequence-parallel", action="store_true", help="shard activations along the sequence")
-    b.add_argument("--iters", type=_positive, default=50, help="timed iterations per mode (default 50)")
-    b.add_argument("--warmup", type=int, default=5, help="untimed iterations per mode first (default 5)")
+    b.add_argument("--iters", type=_positive, default=None, help="timed iterations per mode (default 50; --quick: 10)")
+    b.add_argument("--warmup", type=int, default=None, help="untimed iterations per mode first (default 5; --quick: 1)")
+    b.add_argument("--quick", action="store_true",
+                   help="a short run: 10 iterations after 1 warm-up (an explicit --iters / --warmup wins)")
     b.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     b.add_argument("--chunks", type=_positive, default=2,
                    help="batch chunks of mode tp_chunked (forward overlap, Domino-style; default 2)")
-    _common(b, "float32")
+    _common(b, "float32", "the time the run will take (from its first round) and progress on stderr: a bar on a "
+                          "terminal, whole lines otherwise (default)")
     b.add_argument("--link", metavar="SPEC", default=None,
                    help="emulate an interconnect: h100-nvlink | pcie5 | ib-ndr | GBPS[/LATENCY_US] | match:PRESET "
-                        "(collectives still move the real data; each completes no earlier than its alpha-beta time)")
+                        "| match:PRESET@TFLOPS (collectives still move the real data; each completes no earlier than "
+                        "its alpha-beta time); none: the real backend. Default on CPU at TP > 1: match:h100-nvlink@0.1 "
+                        "(real gloo on shared CPU cores cannot show overlap)")
     b.add_argument("--simulate", action="store_true",
                    help="one rank of TP --tp (default 8) in this process: real compute, collectives timed by "
                         "--link (default match:h100-nvlink; with --device cuda: h100-nvlink); any TP size on one machine")

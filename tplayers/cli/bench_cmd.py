@@ -4,16 +4,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import sys
 from typing import Any, Dict, List, Optional
 
+from ..bench.link import DEFAULT_CPU_LINK
 from ..bench.overlap import LAYER_SHAPES, MODE_LABELS, SHAPES, BenchConfig, run_overlap_bench
 from ._launch import run_on_ranks, under_torchrun
 from .output import print_out
 
-__all__ = ["bench_command", "output_problem", "format_report", "plot_report"]
+__all__ = ["bench_command", "bench_config", "output_problem", "format_report", "plot_report"]
 
 
 # ---------------------------------------------------------------------------- the command
@@ -41,7 +41,7 @@ def output_problem(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def _config(args: argparse.Namespace, tp: int) -> BenchConfig:
+def bench_config(args: argparse.Namespace, tp: int) -> BenchConfig:
     """The BenchConfig the arguments describe (ValueError: unusable, with the message to print)."""
     shape = dict(SHAPES.get(args.shape) or LAYER_SHAPES[args.shape])
     module = args.module or ("block" if args.shape in LAYER_SHAPES else "mlp")
@@ -52,27 +52,53 @@ def _config(args: argparse.Namespace, tp: int) -> BenchConfig:
             shape[dim] = getattr(args, dim)
     if args.ffn is None and args.hidden is not None:
         shape["ffn"] = 4 * args.hidden
-    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    # progress on stderr unless --no-progress: a bar on a terminal, whole lines into a pipe or a log
+    progress = args.progress if args.progress is not None else True
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     shape.setdefault("heads", args.heads)
-    # the default simulated wire: an H100 node's, scaled to this CPU's matmul speed (match:) or, on a
-    # GPU, as is (its compute is real)
-    link = args.link or (("h100-nvlink" if args.device == "cuda" else "match:h100-nvlink") if args.simulate else None)
+    iters = args.iters if args.iters is not None else (QUICK_ITERS if args.quick else 50)
+    warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if args.quick else 5)
+    link, default_link = _link(args, tp)
     cfg = BenchConfig(module=module, dtype=args.dtype, device=args.device,
-                      sequence_parallel=args.sequence_parallel, iters=args.iters, warmup=args.warmup,
+                      sequence_parallel=args.sequence_parallel, iters=iters, warmup=warmup,
                       modes=modes, seed=args.seed, progress=progress, trace_dir=args.trace, link=link,
-                      chunks=args.chunks, **shape)
+                      default_link=default_link, chunks=args.chunks, **shape)
     cfg.check_tp(tp)
     if args.simulate and under_torchrun():
         raise ValueError("bench --simulate runs in one process: start it without torchrun")
     return cfg
 
 
+QUICK_ITERS, QUICK_WARMUP = 10, 1  # --quick (an explicit --iters / --warmup wins)
+
+
+def _link(args: argparse.Namespace, tp: int) -> "tuple[Optional[str], bool]":
+    """The emulated link's spec (None: the real backend), and whether it is the CPU default.
+
+    On CPU the real gloo collectives are CPU work competing with the matmuls for the same cores, so
+    real overlap cannot show there: unless told otherwise (``--link SPEC`` / ``--link none``) the
+    bench runs over `DEFAULT_CPU_LINK`, whose numbers are fixed (an H100 node's NVLink for a stated
+    reference CPU rank), not measured on a possibly loaded box. ``--simulate`` has no real
+    collectives: its default is the same link on CPU, NVLink as is on a GPU (its compute is real)."""
+    spec = args.link.strip() if args.link else None
+    if spec == "none":
+        if args.simulate:
+            raise ValueError("bench --simulate needs a link (its collectives move nothing): drop --link none")
+        return None, False
+    if spec:
+        return spec, False
+    if args.simulate:
+        return ("h100-nvlink" if args.device == "cuda" else DEFAULT_CPU_LINK), args.device != "cuda"
+    if args.device == "cpu" and tp > 1:
+        return DEFAULT_CPU_LINK, True
+    return None, False
+
+
 def bench_command(args: argparse.Namespace) -> int:
     """``tplayers bench`` with parsed arguments: run, print (table or JSON), save, plot; the exit status."""
     tp = args.tp or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else (8 if args.simulate else 2))
     try:
-        cfg = _config(args, tp)
+        cfg = bench_config(args, tp)
     except ValueError as e:
         print(f"tplayers {e}", file=sys.stderr)
         return 2
@@ -114,24 +140,48 @@ def _ms(x: float) -> str:
 
 def format_report(report: Dict[str, Any]) -> str:
     """The human-readable table of a bench report (as returned by run_overlap_bench)."""
-    return "\n".join(_timings_lines(report) + _overlap_lines(report) + _accounting_lines(report)
+    return "\n".join(_timings_lines(report) + _headline_lines(report) + _schedule_lines(report)
                      + _comparison_lines(report))
 
 
+def _link_lines(report: Dict[str, Any]) -> List[str]:
+    """Which wire the collectives ran over, and why (the CPU default says so)."""
+    c, env, link = report["config"], report["environment"], report.get("link")
+    if link is None:
+        if env["device"] == "cpu" and env["tp"] > 1:
+            return ["REAL gloo on shared CPU cores (--link none): its collectives are CPU work competing with the "
+                    "matmuls for the same cores, so overlap cannot show here; these figures describe this machine only"]
+        return []
+    cal = link.get("calibration") or {}
+    line = f"EMULATED link {link['spec']}: {link['bandwidth_gbps']:.4g} GB/s per direction, {link['latency_us']:.3g} us per step"
+    if "preset" in cal:
+        how = ("fixed, measured nothing" if cal["method"] == "fixed reference" else
+               "measured on this machine at the start of the run: moves with its load")
+        line += (f" = {cal['preset']} ({cal['preset_bandwidth_gbps']:g} GB/s) x {cal['scaled_for_tflops']:.3g} / "
+                 f"{cal['gpu_peak_tflops']:g} TFLOP/s ({how})")
+    lines = [line]
+    if "reference" in cal:
+        mine = cal.get("this_machine_tflops")
+        lines.append(f"  calibration: {cal['reference']}" + ("" if mine is None else
+                                                             f"; this machine: {mine:.3g} TFLOP/s per rank"))
+    if c.get("default_link") and not report.get("simulation"):
+        lines.append("  (the default on CPU: real gloo on shared CPU cores cannot show overlap, its collectives "
+                     "compete with the matmuls for the same cores; --link none for real gloo)")
+    return lines
+
+
 def _timings_lines(report: Dict[str, Any]) -> List[str]:
-    """The heading (module, shape, where it ran) and one row per mode, timed or skipped."""
+    """The heading (module, shape, where it ran, the link) and one row per mode, timed or skipped."""
     c, env, t = report["config"], report["environment"], report["timings"]
     shape = f"[b, s, h]=[{c['batch']}, {c['seq']}, {c['hidden']}] ffn={c['ffn']}"
     if c["module"] == "block":
         shape += f" heads={c['heads']}"
     sp = " sequence-parallel" if c["sequence_parallel"] else ""
     load = env.get("load_average_1m")
-    link = report.get("link")
-    wire = "" if link is None else (f"  EMULATED link {link['spec']} ({link['bandwidth_gbps']:.4g} GB/s, "
-                                    f"{link['latency_us']:.3g} us/step)")
     lines = [
         f"tplayers bench: {c['module']}{sp}  {shape}  tp={env['tp']}  {c['dtype']}  "
-        f"{env['device']}/{env['backend']}  threads/rank={env['threads_per_rank']}{wire}",
+        f"{env['device']}/{env['backend']}  threads/rank={env['threads_per_rank']}",
+        *_link_lines(report),
         f"{c['iters']} iterations (+{c['warmup']} warm-up) per mode, interleaved; "
         "time = slowest rank of each iteration" + ("" if load is None else f"; load average {load:.1f}"),
         "",
@@ -146,65 +196,67 @@ def _timings_lines(report: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def _overlap_lines(report: Dict[str, Any]) -> List[str]:
-    """What the overlap hides: the share of the backward collectives, or the time saved."""
-    env, t, s = report["environment"], report["timings"], report["summary"]
-    lines = []
-    hidden = s.get("hidden_fraction")
-    noise = ""
-    if s.get("within_noise"):
-        noise = ("  WITHIN NOISE: the interval holds 0, this run cannot tell overlap on from off "
-                 "(more --iters, a quieter machine)")
-    if hidden is not None:
-        lo, hi = s.get("hidden_fraction_ci", (math.nan, math.nan))
-        lines.append(
-            f"communication hidden by overlap: {100 * hidden:.0f}% of the backward collectives "
-            f"(95% interval {100 * lo:.0f}% .. {100 * hi:.0f}%; {s['comm_bwd_ms']:.3f} ms alone; overlap saves "
-            f"{s['overlap_saving_ms']:.3f} ms, median of paired iterations)"
-        )
-        if noise:
-            lines.append(noise)
-        if s.get("hidden_fraction_min") is not None:
-            lines.append(f"  from the minima instead: {100 * s['hidden_fraction_min']:.0f}% "
-                         f"(min off {t['tp_blocking']['min_ms']:.3f} - min on {t['tp']['min_ms']:.3f}) "
-                         f"/ min comm {t['comm_bwd']['min_ms']:.3f} ms")
-    elif "overlap_saving_ms" in s:
-        why = "no collective at TP 1" if env["tp"] == 1 else "add the comm_bwd mode for the hidden fraction"
-        lo, hi = s.get("overlap_saving_ci_ms", (math.nan, math.nan))
-        lines.append(f"overlap saves {s['overlap_saving_ms']:.3f} ms per iteration (95% interval {lo:.3f} .. "
-                     f"{hi:.3f} ms; {why})")
-        if noise:
-            lines.append(noise)
-    return lines
+def _ratio(value: Any, ci: Any) -> str:
+    return "-" if value is None else f"{value:.2f}x ({ci[0]:.2f} .. {ci[1]:.2f})"
 
 
 def _pct(v: Any) -> str:
-    return "n/a" if v is None else f"{100 * v:.0f}%"
+    return "-" if v is None else f"{100 * v + 0.0:.0f}%"
 
 
-def _accounting_lines(report: Dict[str, Any]) -> List[str]:
-    """Exposed communication: measured by comm accounting (per overlapped mode), and estimated."""
-    s = report["summary"]
-    lines = []
-    if "exposed_comm_ms" in s:
-        lines.append(f"exposed communication, measured (callers blocked on collectives, per overlapped step): "
-                     f"{s['exposed_comm_ms']:.3f} ms (forward {s['exposed_comm_fwd_ms']:.3f}, backward "
-                     f"{s['exposed_comm_bwd_ms']:.3f})")
-    for key, label in (("split_backward", "split backward (mode tp_split)"), ("chunked", "batch chunks (mode tp_chunked"),
-                       ("collective_matmul", "collective matmul (mode tp_cm)")):
-        m = report.get(key)
-        if m is None:
-            continue
-        label += f", k={m['chunks']})" if key == "chunked" else ""
-        lines.append(f"{label}, measured: collectives hidden forward {_pct(m['forward_hidden_fraction'])}, backward "
-                     f"{_pct(m['backward_hidden_fraction_measured'])} (overlap on: forward "
-                     f"{_pct(s.get('forward_hidden_fraction'))}, backward "
-                     f"{_pct(s.get('backward_hidden_fraction_measured'))}); "
-                     f"exposed {m['exposed_comm_ms']:.3f} ms (forward {m['exposed_comm_fwd_ms']:.3f}, backward "
-                     f"{m['exposed_comm_bwd_ms']:.3f})")
-    if "exposed_comm_estimate_ms" in s:
-        lines.append(f"exposed communication, estimated (TP overlapped - matmuls alone, medians of the table): "
-                     f"{s['exposed_comm_estimate_ms']:.3f} ms")
+def _headline_lines(report: Dict[str, Any]) -> List[str]:
+    """The one headline: the overlapped step against the limit and against the blocking schedule."""
+    h = report["summary"].get("headline")
+    if h is None:
+        return []
+    parts = []
+    if "vs_limit" in h:
+        by = "collectives alone" if h["limit_by"] == "comm" else "matmuls alone"
+        lo, hi = h["vs_limit_ci"]
+        parts.append(f"{h['vs_limit']:.2f}x the limit max(matmuls alone, collectives alone) = {h['limit_ms']:.3f} ms "
+                     f"({by}); 95% interval {lo:.2f} .. {hi:.2f}")
+    if "vs_blocking" in h:
+        lo, hi = h["vs_blocking_ci"]
+        parts.append(f"{h['vs_blocking']:.2f}x the blocking schedule (overlap off), {h['blocking_ms']:.3f} ms; "
+                     f"95% interval {lo:.2f} .. {hi:.2f}")
+    if not parts:
+        return ["headline: add the modes comm, compute and tp_blocking for the overlapped step's ratios", ""]
+    lines = [f"headline: the overlapped step (overlap on), {h['step_ms']:.3f} ms, takes"] + [f"  {p}" for p in parts]
+    if h.get("within_noise"):
+        lines.append("  WITHIN NOISE: the interval against the blocking schedule holds 1: this run cannot tell overlap "
+                     "on from off (more --iters, a quieter machine)")
+    lines.append("")
+    return lines
+
+
+def _schedule_lines(report: Dict[str, Any]) -> List[str]:
+    """Every TP schedule: its step against the limit and the blocking step, and how much of its
+    communication hid (one definition: comm accounting of the timed iterations)."""
+    sched = report.get("schedules") or {}
+    if not sched:
+        return []
+    labels = {mode: MODE_LABELS.get(mode, mode) + (f", k={m['chunks']}" if "chunks" in m else "")
+              for mode, m in sched.items()}
+    w = max(40, *(len(label) for label in labels.values()))
+    lines = [f"{'schedule':<{w}} {'step ms':>9}  {'x limit (95%)':<21} {'x blocking (95%)':<21} "
+             f"{'hidden: all':>11} {'fwd':>4} {'bwd':>4} {'exposed ms':>10}",
+             f"{'-' * w} {'-' * 9}  {'-' * 21} {'-' * 21} {'-' * 11} {'-' * 4} {'-' * 4} {'-' * 10}"]
+    for mode, m in sched.items():
+        vs_blocking = "1 (itself)" if mode == "tp_blocking" else _ratio(m.get("vs_blocking"), m.get("vs_blocking_ci"))
+        exposed = "-" if "exposed_comm_ms" not in m else f"{m['exposed_comm_ms']:.3f}"
+        lines.append(f"{labels[mode]:<{w}} {_ms(m['step_ms'])}  {_ratio(m.get('vs_limit'), m.get('vs_limit_ci')):<21} "
+                     f"{vs_blocking:<21} {_pct(m.get('hidden_fraction')):>11} {_pct(m.get('forward_hidden_fraction')):>4} "
+                     f"{_pct(m.get('backward_hidden_fraction')):>4} {exposed:>10}")
+    tp = sched.get("tp", {})
+    if report["environment"]["tp"] == 1:
+        lines.append("no collective at TP 1: nothing to hide")
+    lines.append("hidden = 1 - (time blocked on the step's collectives) / (their time in flight), from comm accounting of "
+                 "every timed iteration (slowest rank), medians")
+    if "exposed_comm_ms" in tp and tp["comm_in_flight_ms"] > 0:
+        lines.append(f"overlap on: {tp['exposed_comm_ms']:.3f} ms of its {tp['step_ms']:.3f} ms step blocked on "
+                     f"collectives (forward {tp['exposed_comm_fwd_ms']:.3f}, backward {tp['exposed_comm_bwd_ms']:.3f}), "
+                     f"of {tp['comm_in_flight_ms']:.3f} ms in flight")
+    lines.append("")
     return lines
 
 
@@ -243,9 +295,10 @@ def plot_report(report: Dict[str, Any], path: str) -> None:
     except ImportError as e:  # pragma: no cover - depends on the optional extra
         raise SystemExit("tplayers bench --plot needs matplotlib: pip install 'tplayers[plot]'") from e
     timeline = report.get("timeline") or {}
-    rows = len(report["timings"]) * 0.45 + 1.6
-    fig, axes = plt.subplots(2 if timeline else 1, 1, figsize=(9, rows + (2.8 if timeline else 0)), squeeze=False,
-                             gridspec_kw={"height_ratios": [rows, 2.8]} if timeline else None)
+    rows = len(report["timings"]) * 0.45 + 2.0
+    lanes = 0.75 * len(timeline) + 1.4
+    fig, axes = plt.subplots(2 if timeline else 1, 1, figsize=(9, rows + (lanes if timeline else 0)), squeeze=False,
+                             gridspec_kw={"height_ratios": [rows, lanes]} if timeline else None)
     _bars(axes[0][0], report)
     if timeline:
         _timeline(axes[1][0], timeline)
@@ -261,9 +314,10 @@ def _bars(ax: Any, report: Dict[str, Any]) -> None:
     med = [t[m]["median_ms"] for m in modes]
     mins = [t[m]["min_ms"] for m in modes]
     y = list(range(len(modes)))
-    kinds = {"tp": ("C0", "TP forward+backward"), "comm": ("C7", "collectives alone"),
-             "other": ("C2", "references (matmuls alone, dense, naive)")}
     kind = ["tp" if m.startswith("tp") else "comm" if m.startswith("comm") else "other" for m in modes]
+    references = ", ".join(MODE_LABELS.get(m, m).split(" (")[0].split(",")[0] for m, k in zip(modes, kind) if k == "other")
+    kinds = {"tp": ("C0", "TP forward+backward"), "comm": ("C7", "collectives alone"),
+             "other": ("C2", f"references ({references})")}
     ax.barh(y, med, color=[kinds[k][0] for k in kind])
     for k, (color, label) in kinds.items():  # one legend entry per colour used
         if k in kind:
@@ -273,13 +327,19 @@ def _bars(ax: Any, report: Dict[str, Any]) -> None:
     ax.set_yticklabels(labels)
     ax.invert_yaxis()
     ax.set_xlabel("ms per forward+backward (median; | = min), slowest rank")
-    hidden = s.get("hidden_fraction")
-    extra = "" if hidden is None or math.isnan(hidden) else f", {100 * hidden:.0f}% of bwd comm hidden"
+    h = s.get("headline") or {}
+    found = [f"{h['vs_limit']:.2f}x the limit max(matmuls, collectives alone)"] if "vs_limit" in h else []
+    found += [f"{h['vs_blocking']:.2f}x overlap off"] if "vs_blocking" in h else []
+    if s.get("hidden_fraction") is not None:
+        found.append(f"{_pct(s['hidden_fraction'])} of its communication hidden")
     link = report.get("link")
-    wire = "" if link is None else f", EMULATED link {link['spec']}"
-    ax.set_title(f"{c['module']} b={c['batch']} s={c['seq']} h={c['hidden']} ffn={c['ffn']} "
-                 f"tp={env['tp']} {env['device']}/{env['backend']}{wire}{extra}", fontsize=8)
-    ax.legend(loc="best", fontsize=8)
+    wire = "" if link is None else f", EMULATED link {link['spec']} ({link['bandwidth_gbps']:.3g} GB/s)"
+    title = (f"{c['module']} b={c['batch']} s={c['seq']} h={c['hidden']} ffn={c['ffn']} "
+             f"tp={env['tp']} {env['device']}/{env['backend']}{wire}")
+    if found:
+        title += "\noverlap on: " + ", ".join(found)
+    ax.set_title(title, fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.11), fontsize=7, ncol=2, frameon=False)
 
 
 def _timeline(ax: Any, timeline: Dict[str, Any]) -> None:
@@ -301,7 +361,11 @@ def _timeline(ax: Any, timeline: Dict[str, Any]) -> None:
     ax.set_yticklabels([label for _, label in lanes], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ms into one step (rank 0)")
+    records = [r for tl in timeline.values() for r in tl["collectives"] if r["end_ms"] is not None]
+    used = {"C2": True, "C3": any(r["wait_ms"] is not None and r["end_ms"] > r["wait_ms"] for r in records),
+            "0.35": any(r["phase"] == "forward" for r in records), "0.7": any(r["phase"] != "forward" for r in records)}
     for color, label in (("C2", "computing"), ("C3", "blocked on a collective (exposed)"),
                          ("0.35", "forward collective"), ("0.7", "backward collective")):
-        ax.broken_barh([(0, 0)], (0, 0), color=color, label=label)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize=7, ncol=4, frameon=False)
+        if used[color]:  # a legend entry only for what the plot shows
+            ax.broken_barh([(0, 0)], (0, 0), color=color, label=label)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=7, ncol=4, frameon=False)

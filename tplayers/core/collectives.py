@@ -120,6 +120,16 @@ def _done(t: torch.Tensor) -> Pending:
     return Pending(None, lambda: t)
 
 
+def _settled(pending: Pending, async_op: bool) -> Pending:
+    """``pending``, already waited on unless the caller asked for ``async_op``: a blocking collective
+    is complete when the call returns. (A fingerprinted collective is always launched async, its
+    fingerprints checked at the wait: without this, a caller of a blocking one would run on under
+    it, e.g. overlap_comm=False's weight-gradient GEMM.)"""
+    if not async_op:
+        pending.wait()
+    return pending
+
+
 def _check_divisible(size: int, g: TPGroup, what: str) -> None:
     if size % g.size != 0:
         raise ValueError(f"{what} of size {size} is not divisible by the TP degree {g.size}")
@@ -152,7 +162,7 @@ def all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str
     if s is None:
         work, observed = _launch("all_reduce", nbytes, g, lambda: dist.all_reduce(
             buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op), buf.device)
-        return Pending(work, lambda: buf, observed)
+        return _settled(Pending(work, lambda: buf, observed), async_op)
     n = buf.numel()  # (n data + p * SLOT fingerprint slots: each rank's in its own, zeros elsewhere)
     flat = _scratch(n + s.size * SLOT, buf.dtype, buf.device)
     flat[:n].view(buf.shape).copy_(buf)
@@ -167,7 +177,7 @@ def all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str
         finally:
             _SCRATCH.append(flat)
 
-    return Pending(work, finish, observed, s)
+    return _settled(Pending(work, finish, observed, s), async_op)
 
 
 # Fingerprinted all-reduces sum in a longer buffer than the caller's, then copy back. Reused: fresh
@@ -234,7 +244,7 @@ def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False)
                 stamped.check(rows[:, n:])
                 return rows[:, :n].reshape(full)
     if dim == 0:
-        return Pending(work, result, observed, stamped)
+        return _settled(Pending(work, result, observed, stamped), async_op)
 
     def finish() -> torch.Tensor:
         # (p*d0, ...) -> (p, d0, ..., d_dim, ...) -> (d0, ..., p, d_dim, ...) -> merge p into dim
@@ -243,7 +253,7 @@ def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False)
         shape[dim] *= g.size
         return parts.reshape(shape)
 
-    return Pending(work, finish, observed, stamped)
+    return _settled(Pending(work, finish, observed, stamped), async_op)
 
 
 @_eager_on_old_torch
@@ -275,7 +285,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = Fa
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
         work, observed = _launch("reduce_scatter", nbytes, g, lambda: _reduce_scatter_single(
             out.view(-1), src.view(-1), group=g.process_group, async_op=async_op), x.device)
-        return Pending(work, lambda: out, observed)
+        return _settled(Pending(work, lambda: out, observed), async_op)
     # every block carries the p fingerprint slots (this rank's in its own), so each rank's chunk of the sum has all
     flag = _not_finite(src) if check_finite else None
     blocks = torch.cat([src.view(g.size, m), stamped.slots(x.dtype, x.device, flag).expand(g.size, -1)], dim=1)
@@ -287,7 +297,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = Fa
         stamped.check(out[m:])
         return out[:m].view(out_shape)
 
-    return Pending(work, finish, observed, stamped)
+    return _settled(Pending(work, finish, observed, stamped), async_op)
 
 
 def sum_partials(partial: torch.Tensor, g: TPGroup, sequence_parallel: bool, *, async_op: bool = False) -> Pending:
