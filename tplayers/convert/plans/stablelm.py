@@ -21,8 +21,9 @@ from ...core.comm import copy_to_tp
 from ...core.groups import TPGroup
 from ...core.placement import Replicated, kv_shards, require_divisible
 from ...layers.base import PLACEMENTS_ATTR
-from ..plan import Plan, local_head_attrs
+from ..plan import Plan
 from ..styles import BuildContext, Built, attention_heads
+from . import llama
 
 __all__ = ["PLAN", "LocalHeadNorms"]
 
@@ -93,23 +94,15 @@ def _install(module: nn.Module, local: List[int], tp: TPGroup) -> None:
     module.register_forward_hook(post_hook, always_call=True)
 
 
+# Llama's layout (q/k/v/o, gate/up/down, embedding, head, the attention's head counts), with StableLM's
+# per-head q/k layer norms in place of Qwen3's q_norm / k_norm
 PLAN = Plan(
     name="stablelm",
-    layers={
-        "*embed_tokens": "vocab_embedding",
-        "*layers.*.self_attn.q_proj": "column",
-        "*layers.*.self_attn.k_proj": "kv_column",
-        "*layers.*.self_attn.v_proj": "kv_column",
-        "*layers.*.self_attn.o_proj": "row",
-        "*layers.*.self_attn.q_layernorm": LocalHeadNorms(),
-        "*layers.*.self_attn.k_layernorm": LocalHeadNorms(kv=True),
-        "*layers.*.mlp.gate_proj": "column",
-        "*layers.*.mlp.up_proj": "column",
-        "*layers.*.mlp.down_proj": "row",
-        "lm_head": "vocab_head",
-    },
-    # the attention views q/k/v with num_heads / num_key_value_heads, repeats KV by num_key_value_groups
-    divide_attrs={"*layers.*.self_attn": ("hidden_size?",)},
-    require_divisible={"*layers.*.self_attn": ("config.num_attention_heads",)},
-    set_attrs={"*layers.*.self_attn": local_head_attrs},
+    layers={**{pattern: style for pattern, style in llama.PLAN.layers.items()
+               if not pattern.endswith(("q_norm", "k_norm"))},
+            "*layers.*.self_attn.q_layernorm": LocalHeadNorms(),
+            "*layers.*.self_attn.k_layernorm": LocalHeadNorms(kv=True)},
+    divide_attrs=dict(llama.PLAN.divide_attrs),
+    require_divisible=dict(llama.PLAN.require_divisible),
+    set_attrs=dict(llama.PLAN.set_attrs),
 )
