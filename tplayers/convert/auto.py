@@ -104,6 +104,8 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, str]] = {
     **{granite: {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
                  "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
        for granite in ("granitemoe", "granitemoeshared")},
+    # LongCat-Flash's router is an nn.Linear classifier: replicated on purpose
+    "longcat_flash": {"layers.*.mlp.router.classifier": "replicate"},
     # Llama 4's router is an nn.Linear(h, experts): replicated on purpose (every rank routes identically)
     "llama4_text": {"layers.*.feed_forward.router": "replicate"},
     # Apertus' xIELU activation has learnable scalars (alpha_p, alpha_n) between up_proj and down_proj: on
@@ -233,7 +235,7 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
         skipped[key] = _EXPERTS
     for key, names in matches.items():
         for name in names:
-            if name in layers:  # experts split above
+            if name in layers or any(name.startswith(e + ".") for e in split):  # experts split above, and inside them
                 continue
             if any(name == e or name.startswith(e + ".") for e in replicated):
                 skipped.setdefault(name, _EXPERTS)
@@ -279,12 +281,17 @@ def _split_experts(model: nn.Module, hf: Dict[str, str], matches: Dict[str, List
                     continue
                 from_end, parts = _EXPERT_PARAM_STYLES[style]
                 splits.append((pname, 0, 1) if whole else (pname, p.dim() - from_end, parts))
-            inside = sorted(n for ns in matches.values() for n in ns if n.startswith(name + "."))  # an identity expert
-            if missing or inside or not splits:
-                why = f"parameters {missing} have no split the plan gives" if missing else f"it holds {inside}"
+            styled = {n: hf[k] for k, ns in matches.items() for n in ns if n.startswith(name + ".")}
+            identity = tuple(sorted(n[len(name) + 1:] for n, st in styled.items()
+                                    if st == "moe_identity_expert" and isinstance(modules[n], nn.Identity)
+                                    and "." not in n[len(name) + 1:]))
+            inside = sorted(n for n in styled if n[len(name) + 1:] not in identity)
+            if missing or inside or not splits or (identity and whole):
+                why = (f"parameters {missing} have no split the plan gives" if missing else f"it holds {inside}" if inside
+                       else "identity experts with whole experts per rank" if identity else "nothing to split")
                 out[name] = f"{_EXPERTS.split(' (')[0]}: {why} (exact, but no memory saved)"
             else:
-                out[name] = Experts(splits=tuple(splits))
+                out[name] = Experts(splits=tuple(splits), identity_experts=identity)
     return out
 
 

@@ -387,11 +387,12 @@ class Experts:
 
     splits: Tuple[ExpertSplit, ...]
     divide_attrs: Tuple[str, ...] = ("intermediate_dim", "intermediate_size", "expert_dim")
+    identity_experts: Tuple[str, ...] = ()  # child nn.Identity experts (LongCat-Flash's zero experts)
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         try:
             layer = ParallelExperts.from_dense(module, group=ctx.group, splits=self.splits,
-                                               divide_attrs=self.divide_attrs)
+                                               divide_attrs=self.divide_attrs, identity_experts=self.identity_experts)
         except ValueError as e:
             raise ValueError(f"parallelize: module '{ctx.name}' (style Experts): {e}") from None
         return Built(layer)

@@ -70,6 +70,17 @@ def _module_copy(module: nn.Module, cls: type) -> nn.Module:
     return new
 
 
+class _ShareOfInput(nn.Module):
+    """An identity expert under TP: its input / p, so the partial sums over the ranks add it once."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.size
+
+
 class _TiedTo(torch.autograd.Function):
     """``out`` unchanged, recorded as depending on ``inputs`` (zero gradient): backward reaches the
     inputs' f on every rank, whether or not this rank's experts used them."""
@@ -93,14 +104,16 @@ class ParallelExperts(TensorParallelModule):
     _splits: Dict[str, Placement]
     _dense_attrs: Dict[str, Any]  # attributes changed from the dense module's, with their dense values
     _first_expert: Optional[int]  # whole experts per rank: this rank's first expert (None: each ffn split)
+    _dense_children: Dict[str, nn.Module]  # the identity experts replaced by _ShareOfInput
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, splits: Sequence[ExpertSplit] = (),
-                   divide_attrs: Sequence[str] = ("intermediate_dim", "intermediate_size", "expert_dim")
-                   ) -> "ParallelExperts":
+                   divide_attrs: Sequence[str] = ("intermediate_dim", "intermediate_size", "expert_dim"),
+                   identity_experts: Sequence[str] = ()) -> "ParallelExperts":
         """This rank's shard of ``dense`` (which is left as it is). ``splits``: ``(name, dim, parts)``
         for every parameter; ``divide_attrs``: int attributes holding the ffn size (divided by p
-        where present)."""
+        where present); ``identity_experts``: child ``nn.Identity`` experts (LongCat-Flash's zero
+        experts), which every rank would add whole to its partial sum: each adds 1/p of its input."""
         g = resolve_group(group)
         what = f"ParallelExperts({type(dense).__name__})"
         whole = bool(splits) and all(dim == 0 for _, dim, _ in splits)
@@ -130,8 +143,18 @@ class ParallelExperts(TensorParallelModule):
             dim = dim % p.dim()
             placements[name] = Sharded.fused(dim, [p.shape[dim] // parts] * parts, g.size,
                                              layer=f"{what}.{name}", names=[f"dim {dim}"] * parts)
+        for name in identity_experts:
+            if not isinstance(getattr(dense, name, None), nn.Identity):
+                raise ValueError(f"{what}: identity expert '{name}' is a {type(getattr(dense, name, None)).__name__}, "
+                                 "not an nn.Identity")
+        if identity_experts and whole:
+            raise ValueError(f"{what}: identity experts with whole experts per rank are not supported (split each "
+                             "expert's ffn instead)")
         new = _module_copy(dense, _parallel_class(type(dense)))
         new.group, new._dense_class, new._splits, new._dense_attrs = g, type(dense), placements, {}
+        new._dense_children = {name: dense._modules[name] for name in identity_experts}
+        for name in identity_experts:
+            new._modules[name] = _ShareOfInput(g.size)
         new._first_expert = None
         if whole:  # the router's expert ids become local ones; other ranks' experts the sentinel num_experts
             new._first_expert = g.rank * (experts // g.size)
@@ -199,8 +222,9 @@ class ParallelExperts(TensorParallelModule):
     def to_dense(self) -> nn.Module:
         """The dense experts module (collective: every rank gathers every shard)."""
         dense = _module_copy(self, self._dense_class)
-        for attr in ("group", "_dense_class", "_splits", "_dense_attrs", "_first_expert"):
+        for attr in ("group", "_dense_class", "_splits", "_dense_attrs", "_first_expert", "_dense_children"):
             dense.__dict__.pop(attr, None)
+        dense._modules.update(self._dense_children)
         for attr, value in self._dense_attrs.items():
             if value is None:
                 dense.__dict__.pop(attr, None)
