@@ -48,7 +48,8 @@ _KV_PROJECTIONS = ("k_proj", "v_proj")
 # head-count attributes then follow the local heads.
 _HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv",
                      "q_b_proj", "kv_b_proj")  # (the last two: multi-head latent attention)
-_EXPERTS = "MoE experts stay replicated (the plan does not split them): exact, but no memory saved"
+_REPLICATED_EXPERTS = "MoE experts stay replicated"
+_EXPERTS = f"{_REPLICATED_EXPERTS} (the plan does not split them): exact, but no memory saved"
 # transformers' styles on an experts module's 3-D parameters (weights laid out (..., out, in)): the
 # dim to cut, counted from the end, and the number of packed parts ([gate; up] is two)
 _EXPERT_PARAM_STYLES = {"colwise": (2, 1), "packed_colwise": (2, 2), "rowwise": (1, 1), "packed_rowwise": (1, 2)}
@@ -215,7 +216,7 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
                      if hf[key] in SKIPPED_STYLES and SKIPPED_STYLES[hf[key]] == _EXPERTS for n in names]
     layers: Dict[str, Union[str, Style]] = {}
     skipped: Dict[str, str] = {}
-    for name, why in _split_experts(model, hf, matches, param_keys, experts_found, whole=experts == "whole").items():
+    for name, why in _split_experts(modules, hf, matches, param_keys, whole=experts == "whole").items():
         if isinstance(why, Experts):
             layers[name] = why
         else:
@@ -262,12 +263,11 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
     return AutoPlan(plan=plan, sources={k: hf[k] for k in hf}, unmatched=unmatched, skipped=skipped)
 
 
-def _split_experts(model: nn.Module, hf: Dict[str, str], matches: Dict[str, List[str]], param_keys: set,
-                   experts: List[str], whole: bool) -> Dict[str, Union[Experts, str]]:
+def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: Dict[str, List[str]], param_keys: set,
+                   whole: bool) -> Dict[str, Union[Experts, str]]:
     """Each ``moe_tp_experts`` module: an :class:`Experts` style when the plan styles every one of its
-    parameters (3-D, laid out ``(experts, out, in)``) and names nothing inside it, else why it stays
-    replicated. ``whole``: split by expert (dim 0) instead of by each expert's ffn."""
-    modules = dict(model.named_modules())
+    parameters (3-D, laid out ``(experts, out, in)``) and names nothing inside it but identity experts,
+    else why it stays replicated. ``whole``: split by expert (dim 0) instead of by each expert's ffn."""
     out: Dict[str, Union[Experts, str]] = {}
     for key, names in matches.items():
         if hf[key] != "moe_tp_experts":
@@ -289,7 +289,7 @@ def _split_experts(model: nn.Module, hf: Dict[str, str], matches: Dict[str, List
             if missing or inside or not splits or (identity and whole):
                 why = (f"parameters {missing} have no split the plan gives" if missing else f"it holds {inside}" if inside
                        else "identity experts with whole experts per rank" if identity else "nothing to split")
-                out[name] = f"{_EXPERTS.split(' (')[0]}: {why} (exact, but no memory saved)"
+                out[name] = f"{_REPLICATED_EXPERTS}: {why} (exact, but no memory saved)"
             else:
                 out[name] = Experts(splits=tuple(splits), identity_experts=identity)
     return out

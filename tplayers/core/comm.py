@@ -79,7 +79,7 @@ class _CopyManyToTP(torch.autograd.Function):
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx, *grads: Optional[torch.Tensor]):
+    def backward(ctx, *grads: torch.Tensor):
         return (None, *_sum_packed(grads, ctx.g))
 
 
@@ -91,33 +91,24 @@ def _packs_into(dtype: torch.dtype, into: torch.dtype) -> bool:
             and torch.finfo(dtype).bits < torch.finfo(into).bits and {dtype, into} != {torch.float16, torch.bfloat16})
 
 
-def _sum_packed(grads: Tuple[Optional[torch.Tensor], ...], g: TPGroup) -> List[Optional[torch.Tensor]]:
+def _sum_packed(grads: Sequence[torch.Tensor], g: TPGroup) -> List[torch.Tensor]:
     """Each gradient summed over the group: those whose dtype converts exactly into the largest one's
     share one all-reduce of one buffer (in that dtype); any other (float32 routing weights beside
-    bfloat16 tokens) gets its own. Never in place (autograd's tensors are not ours)."""
-    present = [t for t in grads if t is not None]
-    if not present:
-        return list(grads)
-    anchor = max(present, key=lambda t: t.numel()).dtype
-    packed = [t for t in present if _packs_into(t.dtype, anchor)]
-    buf = torch.empty(sum(t.numel() for t in packed), dtype=anchor, device=packed[0].device)
+    bfloat16 tokens) gets its own. Never in place (autograd's tensors are not ours). Autograd
+    materializes a missing gradient as zeros, so every rank packs the same layout."""
+    anchor = max(grads, key=lambda t: t.numel()).dtype
+    packed = [i for i, t in enumerate(grads) if _packs_into(t.dtype, anchor)]
+    buf = torch.empty(sum(grads[i].numel() for i in packed), dtype=anchor, device=grads[packed[0]].device)
     offset, where = 0, {}
-    for t in packed:
-        buf[offset:offset + t.numel()].view(t.shape).copy_(t)
-        where[id(t)] = offset
-        offset += t.numel()
+    for i in packed:
+        buf[offset:offset + grads[i].numel()].view(grads[i].shape).copy_(grads[i])
+        where[i] = offset
+        offset += grads[i].numel()
     pending = all_reduce(buf, g)
-    alone = {id(t): all_reduce(owned_copy(t), g) for t in present if id(t) not in where}
+    alone = {i: all_reduce(owned_copy(t), g) for i, t in enumerate(grads) if i not in where}
     pending.wait()
-    out: List[Optional[torch.Tensor]] = []
-    for t in grads:
-        if t is None:
-            out.append(None)
-        elif id(t) in where:
-            out.append(buf[where[id(t)]:where[id(t)] + t.numel()].view(t.shape).to(t.dtype))
-        else:
-            out.append(alone[id(t)].wait())
-    return out
+    return [buf[where[i]:where[i] + t.numel()].view(t.shape).to(t.dtype) if i in where else alone[i].wait()
+            for i, t in enumerate(grads)]
 
 
 class _ScatterToTP(torch.autograd.Function):

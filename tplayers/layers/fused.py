@@ -24,7 +24,16 @@ from .base import TensorParallelModule
 from .from_dense import check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 from .switches import grad_sinks
 
-__all__ = ["FusedColumnParallelLinear"]
+__all__ = ["FusedColumnParallelLinear", "with_replica_grads"]
+
+
+def with_replica_grads(t: torch.Tensor, runs: Sequence[Tuple[int, int, int]], group: GroupLike) -> torch.Tensor:
+    """``t`` (a view of it: no copy) whose rows in each run ``(start, stop, num_shards)`` of
+    `FusedColumnParallelLinear.replica_runs` have their gradient summed over the ranks holding the same
+    replica of them (one all-reduce per run)."""
+    for lo, hi, n in runs:
+        t = sum_over_replicas(t, group=group, num_shards=n, rows=(lo, hi))
+    return t
 
 
 class FusedColumnParallelLinear(TensorParallelModule):
@@ -95,9 +104,7 @@ class FusedColumnParallelLinear(TensorParallelModule):
     def _with_replica_grads(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a view of it: no copy) whose replicated components' gradients are summed over
         their replica ranks (one all-reduce per run of `replica_runs`)."""
-        for lo, hi, n in self.replica_runs():
-            t = sum_over_replicas(t, group=self.group, num_shards=n, rows=(lo, hi))
-        return t
+        return with_replica_grads(t, self.replica_runs(), self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self._with_replica_grads(self.weight)

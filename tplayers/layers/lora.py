@@ -29,16 +29,18 @@ Adapters are split when ``parallelize`` runs: add them before it, not after.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Dict, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.comm import copy_to_tp, reduce_from_tp, sum_over_replicas
+from ..core.comm import copy_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Sharded
 from .base import TensorParallelModule
+from .fused import with_replica_grads
 
 __all__ = ["is_peft_lora", "prepare_lora", "LoRAPiece", "FullWidthDropout"]
 
@@ -91,10 +93,8 @@ class LoRAPiece(TensorParallelModule):
         return piece
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out), local sizes
-        weight = self.weight
-        for lo, hi, n in self.replica_runs:  # rows of a KV head other ranks hold too: their gradient summed there
-            weight = sum_over_replicas(weight, group=self.group, num_shards=n, rows=(lo, hi))
-        return F.linear(x, weight)
+        # rows of a KV head other ranks hold too: their gradient summed there, as the base layer's
+        return F.linear(x, with_replica_grads(self.weight, self.replica_runs, self.group))
 
     def param_placements(self) -> Dict[str, Placement]:
         return {"weight": self.placement}
@@ -117,16 +117,15 @@ class FullWidthDropout(nn.Module):
 
     def __init__(self, p: float, placement: Sharded, rank: int, size: int) -> None:
         super().__init__()
-        self.p, self.full = p, placement.full_size
-        self.pieces = [(piece.start, piece.length) for piece in placement.pieces(rank, size)]
+        self.p, self.full, self.rank, self.size = p, placement.full_size, rank, size
+        self.features = replace(placement, dim=-1)  # the weight's input features are the activations' last dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in/p)
         if not self.training or self.p == 0:
             return x
         noise = torch.empty(*x.shape[:-1], self.full, dtype=x.dtype, device=x.device)  # (..., in): the dense shape
         noise.bernoulli_(1 - self.p).div_(1 - self.p)  # what F.dropout draws on the dense input
-        mine = [noise.narrow(-1, start, length) for start, length in self.pieces]
-        return x * (mine[0] if len(mine) == 1 else torch.cat(mine, dim=-1))
+        return x * self.features.shard(noise, self.rank, self.size)  # this rank's columns of it
 
     def extra_repr(self) -> str:
         return f"p={self.p}, mask drawn over {self.full} features"

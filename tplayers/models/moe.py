@@ -15,6 +15,7 @@ No token is dropped (no capacity factor).
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -109,14 +110,11 @@ class ParallelMoE(TensorParallelModule):
                                                     divide_attrs=("intermediate_dim",))
         except ValueError as e:
             raise ValueError(f"ParallelMoE (experts={experts!r}): {e}") from None
-        router = nn.Linear(dense.router.in_features, dense.router.out_features, bias=False, device="meta")
-        router.weight = nn.Parameter(dense.router.weight.detach().clone())
-        return cls(router, tp_experts, dense.top_k, group=g)
+        return cls(copy.deepcopy(dense.router), tp_experts, dense.top_k, group=g)  # the router: whole on every rank
 
     def to_dense(self) -> DenseMoE:
         experts = self.experts.to_dense()
         dense = DenseMoE(self.router.in_features, experts.intermediate_dim, experts.num_experts, self.top_k,
                          device="meta")
-        dense.router.weight = nn.Parameter(self.router.weight.detach().clone())
-        dense.experts = experts
+        dense.router, dense.experts = copy.deepcopy(self.router), experts
         return dense
