@@ -37,9 +37,11 @@ from typing import Callable, Dict, List, Optional, Union
 import torch.nn as nn
 
 from .plan import Plan, local_head_attrs
+from ..core.placement import head_parts
 from .plans import MODEL_TYPES, PLANS
 from .sequence import ReplicateReduceGrad
-from .styles import Column, Experts, KVColumn, LatentKV, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding, VocabHead
+from .styles import (Column, Experts, KVColumn, LatentKV, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding,
+                     VocabHead, attention_heads)
 
 __all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "translate_style"]
 
@@ -48,6 +50,9 @@ _KV_PROJECTIONS = ("k_proj", "v_proj")
 # head-count attributes then follow the local heads.
 _HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv",
                      "q_b_proj", "kv_b_proj")  # (the last two: multi-head latent attention)
+# An MLP's column / row projections (each pair cut the same way when the ffn does not divide the TP degree)
+_FFN_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "c_fc", "w1", "w2", "w3",
+                    "dense_h_to_4h", "dense_4h_to_h")
 _REPLICATED_EXPERTS = "MoE experts stay replicated"
 _EXPERTS = f"{_REPLICATED_EXPERTS} (the plan does not split them): exact, but no memory saved"
 # transformers' styles on an experts module's 3-D parameters (weights laid out (..., out, in)): the
@@ -253,14 +258,39 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
     attention = sorted({n.rpartition(".")[0] for n, s in layers.items()
                         if n.rpartition(".")[2] in _HEAD_PROJECTIONS and isinstance(s, (Column, KVColumn))
                         and not getattr(s, "gather_output", False)})
+    for attn in attention:  # q_proj and o_proj cut by whole heads (as evenly as possible when they do not divide)
+        for leaf, kind in (("q_proj", Column), ("o_proj", Row)):
+            style = layers.get(f"{attn}.{leaf}")
+            if type(style) is kind and style == kind():
+                layers[f"{attn}.{leaf}"] = kind(heads=True)
+    for name, style in list(layers.items()):  # an MLP's ffn that does not divide: as evenly as possible
+        if name.rpartition(".")[2] in _FFN_PROJECTIONS and type(style) in (Column, Row) and style == type(style)():
+            layers[name] = type(style)(uneven=True)
+        elif name.rpartition(".")[2] in _FFN_PROJECTIONS and style == Column(parts=2):
+            layers[name] = Column(parts=2, uneven=True)
     plan = Plan(
         name="auto", layers=layers,
         # transformers >= 4.48 reshapes with view(..., -1, head_dim); older versions, and attentions keeping
         # head counts of their own (Exaone 4, Seed-OSS, Nemotron), read these: one rule for every family.
-        divide_attrs={n: ("hidden_size?",) for n in attention},
-        require_divisible={n: ("config.num_attention_heads",) for n in attention},
-        set_attrs={n: local_head_attrs for n in attention})
+        set_attrs={n: _local_attention_attrs for n in attention})
     return AutoPlan(plan=plan, sources={k: hf[k] for k in hf}, unmatched=unmatched, skipped=skipped)
+
+
+def _local_attention_attrs(attn: nn.Module, tp_size: int) -> Dict[str, int]:
+    """:func:`~tplayers.convert.plan.local_head_attrs`, and ``hidden_size`` (older transformers reshape the
+    attention's output by it) at the local heads' width, where the attention keeps it."""
+    local = local_head_attrs(attn, tp_size)
+    heads, _ = attention_heads(attn)
+    hidden = getattr(attn, "hidden_size", None)
+    if heads and isinstance(hidden, int) and not isinstance(hidden, bool):
+        if hidden % heads == 0:
+            local["hidden_size"] = hidden // heads * head_parts(heads, attention_heads(attn)[1], 1, tp_size)[0].local_size
+        elif hidden % tp_size == 0:
+            local["hidden_size"] = hidden // tp_size
+        else:
+            raise ValueError(f"parallelize: {type(attn).__name__}.hidden_size={hidden} is neither whole heads of its "
+                             f"{heads} heads nor divisible by the TP degree {tp_size}")
+    return local
 
 
 def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: Dict[str, List[str]], param_keys: set,

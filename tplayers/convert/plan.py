@@ -6,12 +6,14 @@ style objects (:mod:`tplayers.convert.styles`, :mod:`tplayers.convert.sequence`)
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Sequence, Tuple, Union
 
 import torch.nn as nn
 
-from ..core.placement import kv_shards, require_divisible
+from ..core.placement import head_parts
 from .sequence import GatherSequence, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
 from .styles import Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead, attention_heads
 
@@ -69,15 +71,15 @@ def local_head_attrs(attn: nn.Module, tp_size: int) -> Dict[str, int]:
     rule; the one rule for every family): ``num_heads`` / ``num_attention_heads`` = heads / p;
     ``num_key_value_heads`` = KV heads / p, or 1 when there are fewer KV heads than ranks (each rank
     holds one replicated KV head, the KV-head rule of ``KVColumn``); ``num_key_value_groups`` = local
-    heads / local KV heads. Heads and KV heads are read by :func:`~tplayers.convert.styles.attention_heads`
+    heads / local KV heads. Heads that do not divide the TP degree count each rank's padded width (the largest rank's heads,
+    :func:`~tplayers.core.placement.head_parts`), the same on every rank. Heads and KV heads are read by :func:`~tplayers.convert.styles.attention_heads`
     (no KV count: multi-head); attributes the attention does not keep are left out."""
     heads, kv = attention_heads(attn)
     if heads is None:
         return {}
     layer = f"parallelize: {type(attn).__name__}"
-    local_heads = require_divisible(heads, tp_size, layer, "num_attention_heads")
-    kv_shards(kv, tp_size, layer, "num_key_value_heads")  # refuses what cannot be split or replicated evenly
-    local_kv = max(kv // tp_size, 1)
+    q, kv_rows = head_parts(heads, kv, 1, tp_size, layer)  # head_dim 1: rows are heads
+    local_heads, local_kv = q.local_size, kv_rows.local_size
     local = {"num_heads": local_heads, "num_attention_heads": local_heads, "num_key_value_heads": local_kv,
              "num_key_value_groups": local_heads // local_kv}
     return {attr: value for attr, value in local.items()
@@ -95,9 +97,9 @@ def sequence_parallel_variant(plan: Plan, first_block: Sequence[str], norms: Seq
         style = resolve_style(value, pat)
         if pat not in keep:
             if isinstance(style, Column) and not style.gather_output:
-                style = Column(parts=style.parts, sequence_parallel=True)
+                style = dataclasses.replace(style, sequence_parallel=True)
             elif isinstance(style, Row):
-                style = Row(input_is_parallel=style.input_is_parallel, sequence_parallel=True)
+                style = dataclasses.replace(style, sequence_parallel=True)
         layers[pat] = style
     layers.update({pat: ScatterSequence() for pat in first_block})
     layers.update({pat: SequenceParallelNorm() for pat in norms})

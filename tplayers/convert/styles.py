@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..core.comm import copy_to_tp
 from ..core.groups import TPGroup
-from ..core.placement import kv_shards, qkv_placement
+from ..core.placement import Part, Sharded, head_parts, kv_part, qkv_placement
 from ..layers.experts import ExpertSplit, ParallelExperts
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from ..layers.fused import FusedColumnParallelLinear
@@ -212,13 +212,55 @@ def _part_sizes(parts: Union[int, Sequence[int]], out_features: int) -> Tuple[in
     return sizes
 
 
+def _feature_split(size: int, ctx: BuildContext, uneven: bool) -> Optional[Part]:
+    """How a plain column / row split cuts ``size`` features: None (evenly; the layer refuses sizes that do
+    not divide) unless ``uneven`` and they do not divide: then as evenly as possible (an uneven part; the
+    row-parallel layer masks the padding)."""
+    if size % ctx.group.size == 0 or not uneven:
+        return None
+    return Sharded.balanced(0, size, ctx.group.size).parts[0]
+
+
+def _heads_split(features: int, ctx: BuildContext, style: str) -> Optional[Part]:
+    """The query heads' part of ``features`` (q_proj's output, o_proj's input) by the attention's head
+    counts (:func:`~tplayers.core.placement.head_parts`); None when it is an even split."""
+    try:
+        heads, kv = attention_heads(ctx.parent)
+    except AttributeError as e:
+        raise AttributeError(f"{e}: {style}(heads=True) reads the head counts from the attention holding "
+                             f"'{ctx.name}'") from None
+    if heads is None or features % heads:
+        raise ValueError(f"{style}(heads=True): '{ctx.name}' has {features} features, not whole heads of the "
+                         f"attention's {heads} heads")
+    q, _ = head_parts(heads, kv, features // heads, ctx.group.size, f"parallelize: module '{ctx.name}'")
+    return q if q.is_uneven else None
+
+
+def _with_split(layer_cls: type, conv_cls: type, module: nn.Module, ctx: BuildContext, split: Optional[Part],
+                **options: Any) -> nn.Module:
+    """``_from`` with an uneven ``split`` passed on (nn.Linear only: GPT-2's Conv1D twins split evenly)."""
+    if split is None:
+        return _from(module, layer_cls, conv_cls, ctx, **options)
+    if is_conv1d(module):
+        raise ValueError(f"parallelize: module '{ctx.name}' is a Conv1D whose {split.size} features do not divide "
+                         f"the TP degree {ctx.group.size}; uneven splits are supported on nn.Linear only")
+    return layer_cls.from_dense(module, group=ctx.group, split=split, **options)
+
+
 @dataclass(frozen=True)
 class Column:
-    """Split output features. ``parts``: fused projection (int = equal parts, or part sizes)."""
+    """Split output features. ``parts``: fused projection (int = equal parts, or part sizes).
+    ``heads``: the output is the query heads of the attention holding the layer (q_proj), cut by whole
+    heads (:func:`~tplayers.core.placement.head_parts`), as evenly as possible when they do not divide the
+    TP degree. ``uneven``: features (of each part) that do not divide the TP degree are split as evenly as
+    possible instead of refused; the layer consuming them must be a ``Row(uneven=True)`` of the same size
+    (an MLP's ffn). Opt-in: an output cut anywhere would split a head that the plan does not know of."""
 
     gather_output: bool = False
     parts: Union[None, int, Tuple[int, ...]] = None
     sequence_parallel: bool = False
+    heads: bool = False
+    uneven: bool = False
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         if is_peft_lora(module):
@@ -226,13 +268,23 @@ class Column:
         if is_peft_saved_copies(module):
             return _with_saved_copies(self, module, ctx)
         _check_linear_like(module, ctx, "column")
+        out = module.nf if is_conv1d(module) else module.out_features
         if self.parts is None:
-            return _switched(_from(module, ColumnParallelLinear, ColumnParallelConv1D, ctx,
-                                   gather_output=self.gather_output, sequence_parallel=self.sequence_parallel), ctx)
+            split = _heads_split(out, ctx, "Column") if self.heads else _feature_split(out, ctx, self.uneven)
+            return _switched(_with_split(ColumnParallelLinear, ColumnParallelConv1D, module, ctx, split,
+                                         gather_output=self.gather_output, sequence_parallel=self.sequence_parallel),
+                             ctx)
         if self.gather_output:
             raise ValueError("Column(parts=..., gather_output=True): gathering a fused projection would "
                              "interleave its parts' shards ([q_0 k_0 v_0 q_1 ...]); keep the output sharded")
-        parts = _part_sizes(self.parts, module.nf if is_conv1d(module) else module.out_features)
+        if self.heads:
+            raise ValueError("Column(parts=..., heads=True): a fused projection with heads is FusedQKV's")
+        parts: List[Any] = list(_part_sizes(self.parts, out))
+        if self.uneven and any(n % ctx.group.size for n in parts):  # each component as evenly as possible
+            parts = [Sharded.balanced(0, n, ctx.group.size).parts[0] for n in parts]
+            if is_conv1d(module):
+                raise ValueError(f"parallelize: module '{ctx.name}' is a Conv1D whose parts {self.parts} do not divide "
+                                 f"the TP degree {ctx.group.size}; uneven splits are supported on nn.Linear only")
         return _switched(_from(module, FusedColumnParallelLinear, FusedColumnParallelConv1D, ctx, parts=parts,
                                sequence_parallel=self.sequence_parallel), ctx)
 
@@ -275,11 +327,14 @@ class FusedQKV:
             raise ValueError(f"{layer}: out_features={out} is not (heads + 2 * kv_heads) * head_dim for heads={heads}, "
                              f"kv_heads={kv}")
         placement = qkv_placement(heads, kv, out // (heads + 2 * kv), ctx.group.size, layer=layer)
-        parts = [part.size for part in placement.parts]
-        options = dict(parts=parts, part_shards=[part.shards for part in placement.parts])
         if is_conv1d(module):
+            if any(part.is_uneven for part in placement.parts):
+                raise ValueError(f"{layer}: a Conv1D whose heads ({heads}, {kv} KV) do not divide the TP degree "
+                                 f"{ctx.group.size}; uneven splits are supported on nn.Linear only")
+            options = dict(parts=[part.size for part in placement.parts],
+                           part_shards=[part.shards for part in placement.parts])
             return Built(FusedColumnParallelConv1D.from_conv1d(module, group=ctx.group, **options))
-        return Built(FusedColumnParallelLinear.from_dense(module, group=ctx.group, **options))
+        return Built(FusedColumnParallelLinear.from_dense(module, group=ctx.group, parts=list(placement.parts)))
 
 
 @dataclass(frozen=True)
@@ -310,19 +365,26 @@ class KVColumn:
             where = where or "KV heads (multi-head: its heads)"
         else:
             count, where = _count(self.kv_heads, ctx, "KVColumn", "kv_heads"), str(self.kv_heads)
-        shards = kv_shards(count, ctx.group.size, "kv_column", where)
-        if shards == ctx.group.size:
-            return Built(ColumnParallelLinear.from_dense(module, group=ctx.group))
-        return Built(FusedColumnParallelLinear.from_dense(module, group=ctx.group, parts=[module.out_features],
-                                                          part_shards=[shards]))
+        if count < 1 or module.out_features % count:
+            raise ValueError(f"kv_column: '{ctx.name}' has out_features={module.out_features}, not whole heads of "
+                             f"{where}={count} KV heads")
+        part = kv_part(count, module.out_features // count, ctx.group.size, "kv_column", where)
+        if part.shards == ctx.group.size:  # whole KV heads per rank (evenly, or as evenly as possible)
+            return Built(ColumnParallelLinear.from_dense(module, group=ctx.group,
+                                                         **({"split": part} if part.is_uneven else {})))
+        return Built(FusedColumnParallelLinear.from_dense(module, group=ctx.group, parts=[part]))
 
 
 @dataclass(frozen=True)
 class Row:
-    """Split input features; the input arrives sharded (``input_is_parallel``) or full."""
+    """Split input features; the input arrives sharded (``input_is_parallel``) or full. ``heads``: the
+    input is the attention's heads (o_proj), cut as ``Column(heads=True)`` cuts q_proj. ``uneven``: sharded
+    input features that do not divide the TP degree are cut as ``Column(uneven=True)`` cuts them."""
 
     input_is_parallel: bool = True
     sequence_parallel: bool = False
+    heads: bool = False
+    uneven: bool = False
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         if is_peft_lora(module):
@@ -330,8 +392,13 @@ class Row:
         if is_peft_saved_copies(module):
             return _with_saved_copies(self, module, ctx)
         _check_linear_like(module, ctx, "row")
-        return _switched(_from(module, RowParallelLinear, RowParallelConv1D, ctx,
-                               input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel), ctx)
+        features = module.nx if is_conv1d(module) else module.in_features
+        split = None
+        if self.input_is_parallel:
+            split = _heads_split(features, ctx, "Row") if self.heads else _feature_split(features, ctx, self.uneven)
+        return _switched(_with_split(RowParallelLinear, RowParallelConv1D, module, ctx, split,
+                                     input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel),
+                         ctx)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,11 @@ Every parameter of a tensor-parallel model has exactly one placement (pure data,
   than ranks, ``size // shards`` consecutive ranks hold replicas of one piece (grouped-query
   attention with fewer KV heads than ranks), and with ``padded=True`` the part is padded with
   zero rows up to a multiple of ``shards`` (a vocabulary that does not divide the TP degree).
+  An *uneven* part gives the rows of each piece (``counts``): heads or ffn that do not divide the
+  TP degree, split as evenly as possible (:func:`balanced`, :func:`head_parts`); every local
+  tensor has the largest piece's rows, a shorter piece followed by zero rows. Local tensors keep
+  one shape on every rank, so every collective stays as it is; the zero rows stay zero (the
+  layers keep their gradient zero: a row-parallel layer masks its padded input features).
 
 ``pieces(rank, size)`` answers "which rows of the dense tensor does this rank hold, and where in
 its local tensor"; ``shard`` and ``unshard`` are built on it, and so is everything that moves
@@ -38,6 +43,9 @@ __all__ = [
     "require_positive",
     "kv_shards",
     "padded_size",
+    "balanced",
+    "head_parts",
+    "kv_part",
     "qkv_placement",
 ]
 
@@ -82,6 +90,15 @@ def padded_size(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
+def balanced(units: int, pieces: int, unit: int = 1) -> Tuple[int, ...]:
+    """Rows of each of ``pieces`` consecutive pieces of ``units`` whole units of ``unit`` rows, as even
+    as possible: the first ``units % pieces`` pieces get one unit more (28 heads over 8: 4,4,4,4,3,3,3,3)."""
+    if units < 0 or pieces < 1 or unit < 1:
+        raise ValueError(f"balanced: cannot split {units} units of {unit} rows into {pieces} pieces")
+    q, r = divmod(units, pieces)
+    return tuple((q + (j < r)) * unit for j in range(pieces))
+
+
 @dataclass(frozen=True)
 class Piece:
     """Rows ``[start, start + length)`` of the dense tensor (along the placement's dim) are rows
@@ -95,16 +112,33 @@ class Piece:
 @dataclass(frozen=True)
 class Part:
     """One component of a sharded dimension: ``size`` dense rows cut into ``shards`` pieces
-    (zero-padded up to a multiple of ``shards`` when ``padded``)."""
+    (zero-padded up to a multiple of ``shards`` when ``padded``). ``counts``: an uneven cut, the rows
+    of each piece in order (they sum to ``size``); each local tensor holds the largest, a shorter
+    piece followed by zero rows."""
 
     size: int
     shards: int
     padded: bool = False
+    counts: Optional[Tuple[int, ...]] = None
 
     @property
     def local_size(self) -> int:
         """Rows of this part in each rank's local tensor (padding included)."""
+        if self.counts is not None:
+            return max(self.counts)
         return -(-self.size // self.shards)
+
+    @property
+    def is_uneven(self) -> bool:
+        """Some piece is shorter than the local tensor's rows (uneven counts, or a padded last chunk)."""
+        return self.local_size * self.shards != self.size
+
+    def piece(self, j: int) -> Tuple[int, int]:
+        """``(start, length)`` of piece ``j`` in the part's dense rows."""
+        if self.counts is not None:
+            return sum(self.counts[:j]), self.counts[j]
+        lo = min(j * self.local_size, self.size)
+        return lo, min(lo + self.local_size, self.size) - lo
 
 
 class Placement:
@@ -176,6 +210,12 @@ class Sharded(Placement):
         for part in self.parts:
             if part.shards < 1 or part.size < 0:
                 raise ValueError(f"invalid part {part}")
+            if part.counts is not None:
+                if part.padded or len(part.counts) != part.shards or sum(part.counts) != part.size or \
+                        min(part.counts) < 0:
+                    raise ValueError(f"invalid uneven part {part}: counts must be {part.shards} rows, >= 0, summing "
+                                     f"to {part.size} (and padded False: the counts say where the padding is)")
+                continue
             if not part.padded and part.size % part.shards:
                 raise ValueError(f"a part of size {part.size} does not split into {part.shards} shards")
 
@@ -184,6 +224,14 @@ class Sharded(Placement):
     def split(dim: int, size: int, tp_size: int, *, padded: bool = False) -> "Sharded":
         """One part of ``size`` rows, one piece per rank (``padded``: size need not divide)."""
         return Sharded(dim, (Part(size, tp_size, padded),))
+
+    @staticmethod
+    def balanced(dim: int, size: int, tp_size: int, unit: int = 1) -> "Sharded":
+        """One part of ``size`` rows in whole units of ``unit`` rows, one piece per rank, as evenly as
+        possible (:func:`balanced`): a plain split when the units divide the TP degree."""
+        if size % unit:
+            raise ValueError(f"Sharded.balanced: size {size} is not whole units of {unit} rows")
+        return Sharded(dim, (_uneven(size, balanced(size // unit, tp_size, unit)),))
 
     @staticmethod
     def fused(dim: int, sizes: Sequence[int], tp_size: int, shards: Optional[Sequence[int]] = None,
@@ -227,12 +275,10 @@ class Sharded(Placement):
         out: List[Piece] = []
         full_off = local_off = 0
         for part in self.parts:
-            chunk = part.local_size
-            lo = (rank // (size // part.shards)) * chunk
-            hi = min(lo + chunk, part.size)
-            out.append(Piece(full_off + min(lo, part.size), local_off, max(hi - lo, 0)))
+            start, length = part.piece(rank // (size // part.shards))
+            out.append(Piece(full_off + start, local_off, length))
             full_off += part.size
-            local_off += chunk
+            local_off += part.local_size
         return tuple(out)
 
     def full_shape(self, local_shape: Sequence[int]) -> Tuple[int, ...]:
@@ -272,15 +318,52 @@ class Sharded(Placement):
         return rows[0] if len(rows) == 1 else torch.cat(rows, dim=self.dim)
 
 
-def qkv_placement(num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int, *, dim: int = 0,
-                  layer: str = "attention") -> Sharded:
-    """Fused ``[q; k; v]`` projection: q split by heads; k and v by :func:`kv_shards`."""
-    require_divisible(num_heads, tp_size, layer, "num_heads")
+def _uneven(size: int, counts: Sequence[int]) -> Part:
+    """A part cut into ``counts`` rows per piece: a plain (torch.chunk) part when they are all equal."""
+    counts = tuple(int(c) for c in counts)
+    if len(set(counts)) == 1:
+        return Part(size, len(counts))
+    return Part(size, len(counts), counts=counts)
+
+
+def head_parts(num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int,
+               layer: str = "attention") -> Tuple[Part, Part]:
+    """``(query part, key/value part)``: how the query heads and the KV heads (each of K and V) are cut
+    at TP degree ``tp_size``, whole heads only and each query head on a rank holding its KV head (the
+    ``num_heads / num_kv_heads`` query heads of a KV head are consecutive, as ``repeat_kv`` assumes).
+
+    - KV heads divide the TP degree, or are fewer and divide it (:func:`kv_shards`): as before, with
+      the query heads of each KV head split over the ranks holding it as evenly as possible.
+    - More KV heads than ranks, not dividing: the KV heads as evenly as possible (:func:`balanced`),
+      each rank the query heads of its KV heads (groups kept whole).
+    Uneven parts pad every rank to the largest piece: a rank with fewer query heads has zero heads after
+    its own (attributes such as ``num_heads`` count the padded width; see the module docstring)."""
+    require_positive(num_heads, layer, "num_heads")
+    require_positive(num_kv_heads, layer, "num_kv_heads")
+    require_positive(head_dim, layer, "head_dim")
     if num_heads % num_kv_heads:
         raise ValueError(f"{layer}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    kv = kv_shards(num_kv_heads, tp_size, layer, "num_kv_heads")
-    q_rows, kv_rows = num_heads * head_dim, num_kv_heads * head_dim
-    return Sharded.fused(dim, [q_rows, kv_rows, kv_rows], tp_size, [tp_size, kv, kv], layer=layer,
-                         names=["q", "k", "v"])
+    group = num_heads // num_kv_heads  # query heads per KV head
+    kv = kv_part(num_kv_heads, head_dim, tp_size, layer)
+    if kv.shards == tp_size:  # each rank whole KV heads, and the query heads that use them
+        return _uneven(num_heads * head_dim, [kv.piece(j)[1] * group for j in range(tp_size)]), kv
+    per_kv = tp_size // kv.shards  # ranks holding each (replicated) KV head; its query heads split over them
+    q_counts = [c for _ in range(kv.shards) for c in balanced(group, per_kv, head_dim)]
+    return _uneven(num_heads * head_dim, q_counts), kv
 
 
+def kv_part(num_kv_heads: int, head_dim: int, tp_size: int, layer: str = "attention",
+            what: str = "num_kv_heads") -> Part:
+    """How a K or V projection's ``num_kv_heads * head_dim`` rows are cut: at least as many KV heads as
+    ranks, whole heads per rank as evenly as possible; fewer, replicated by :func:`kv_shards`."""
+    require_positive(num_kv_heads, layer, what)
+    if num_kv_heads >= tp_size:
+        return _uneven(num_kv_heads * head_dim, balanced(num_kv_heads, tp_size, head_dim))
+    return Part(num_kv_heads * head_dim, kv_shards(num_kv_heads, tp_size, layer, what))
+
+
+def qkv_placement(num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int, *, dim: int = 0,
+                  layer: str = "attention") -> Sharded:
+    """Fused ``[q; k; v]`` projection: the parts of :func:`head_parts` (q, k, v)."""
+    q, kv = head_parts(num_heads, num_kv_heads, head_dim, tp_size, layer)
+    return Sharded(dim, (q, kv, kv))

@@ -10,7 +10,7 @@ gradient over them, so every replica carries the full gradient of the dense rows
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -19,7 +19,7 @@ from ..core.comm import sum_over_replicas
 from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, resolve_group
 from ..core.wgrad import WeightGradStore
-from ..core.placement import Placement, Sharded, require_positive
+from ..core.placement import Part, Placement, Sharded, require_positive
 from .base import TensorParallelModule
 from .from_dense import check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 from .switches import grad_sinks
@@ -42,12 +42,14 @@ class FusedColumnParallelLinear(TensorParallelModule):
     ``part_shards[i]`` (default: the TP degree) is how many pieces component i is cut into; it
     must divide both the component and the TP degree. Output: ``(..., local_out)``, the local
     pieces concatenated in component order (``split(self.local_parts, -1)`` separates them).
+    ``parts`` may also be :class:`~tplayers.core.placement.Part` objects, each saying how it is cut
+    (uneven pieces: heads or an ffn that do not divide the TP degree); then ``part_shards`` is not given.
     """
 
     def __init__(
         self,
         in_features: int,
-        parts: Sequence[int],
+        parts: Sequence[Union[int, Part]],
         bias: bool = True,
         *,
         group: GroupLike,
@@ -65,9 +67,17 @@ class FusedColumnParallelLinear(TensorParallelModule):
         # as ColumnParallelLinear's
         self.delay_wgrad, self.wgrad_store, self.accumulate_main_grad = delay_wgrad, WeightGradStore(), False
         self.collective_matmul = False
-        parts = [int(n) for n in parts]
         require_positive(in_features, layer, "in_features")
-        self.placement = Sharded.fused(0, parts, tp.size, part_shards, layer=layer, names=part_names)
+        if any(isinstance(n, Part) for n in parts):
+            if part_shards is not None or not all(isinstance(n, Part) for n in parts):
+                raise ValueError(f"{layer}: parts given as Part objects carry their own shards: give every part as a "
+                                 "Part, and no part_shards")
+            self.placement = Sharded(0, tuple(parts))
+            self.placement.check_size(tp.size)
+        else:
+            self.placement = Sharded.fused(0, [int(n) for n in parts], tp.size, part_shards, layer=layer,
+                                           names=part_names)
+        parts = [part.size for part in self.placement.parts]
         self.in_features, self.parts = in_features, parts
         self.part_shards = [part.shards for part in self.placement.parts]
         self.out_features = sum(parts)
@@ -113,12 +123,13 @@ class FusedColumnParallelLinear(TensorParallelModule):
                                       overlap_comm=self.overlap_comm, **grad_sinks(self))  # (..., [seq,] local_out)
 
     @classmethod
-    def from_dense(cls, dense: nn.Module, *, group: GroupLike, parts: Sequence[int] = (),
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, parts: Sequence[Any] = (),
                    **options: Any) -> "FusedColumnParallelLinear":
         """This rank's pieces of an ``nn.Linear`` whose output is ``parts`` fused back to back."""
         check_dense_linear(dense, cls)
-        if sum(parts) != dense.out_features:
-            raise ValueError(f"{cls.__name__}.from_dense: parts {list(parts)} sum to {sum(parts)}, "
+        sizes = [n.size if isinstance(n, Part) else int(n) for n in parts]
+        if sum(sizes) != dense.out_features:
+            raise ValueError(f"{cls.__name__}.from_dense: parts {sizes} sum to {sum(sizes)}, "
                              f"the linear has out_features={dense.out_features}")
         layer = cls(dense.in_features, parts, dense.bias is not None, group=group, device="meta",
                     dtype=dense.weight.dtype, **options)

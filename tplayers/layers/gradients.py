@@ -191,11 +191,32 @@ def _mismatch(label: str, ranks: List[int], every: torch.Tensor, j: int) -> Opti
             "every rank, or load the same checkpoint; TP ranks must also see the same batch")
 
 
+def _nonzero_padding(model: nn.Module, tp: TPGroup, grads: bool) -> List[str]:
+    """Labels of this rank's sharded parameters (and gradients) whose padding rows (past a shorter piece
+    of an uneven split, or a padded vocabulary's last rows) are not all zero."""
+    placements: Dict[str, Placement] = model_placements(model)
+    bad = []
+    for name, p in model.named_parameters():
+        placement = placements.get(name)
+        if not isinstance(placement, Sharded) or not any(part.is_uneven for part in placement.parts):
+            continue
+        for kind, t in [("value", p)] + ([("gradient", p.grad)] if grads else []):
+            if t is None or t.shape[placement.dim] != placement.local_size:
+                continue
+            for part, piece in zip(placement.parts, placement.pieces(tp.rank, tp.size)):
+                pad = t.narrow(placement.dim, piece.local_start + piece.length, part.local_size - piece.length)
+                if pad.numel() and bool(pad.detach().ne(0).any()):
+                    bad.append(f"'{name}' {kind}")
+                    break
+    return bad
+
+
 @torch.no_grad()
 def check_replicas(model: nn.Module, *, group: GroupLike = None, grads: bool = True) -> int:
     """Assert that every replicated parameter (and its gradient) is bitwise equal on every rank of the
     TP group, and every replicated piece of a sharded one (KV heads held by several ranks) on the ranks
-    holding it. Returns how many tensors it compared; raises AssertionError on every rank otherwise.
+    holding it; and that the padding rows of uneven splits (and of a padded vocabulary) are zero, value
+    and gradient. Returns how many tensors it compared; raises AssertionError on every rank otherwise.
 
     Collective over the TP group: one all-gather of three int64 per tensor (after one of three int64
     proving that every rank lists the same parameters). Meant for a training
@@ -217,10 +238,16 @@ def check_replicas(model: nn.Module, *, group: GroupLike = None, grads: bool = T
         raise AssertionError(f"check_replicas: rank(s) {differ.nonzero()[:, 0].tolist()} of the TP group list different "
                              f"parameters than rank 0 ({len(items)} replicated tensors to compare on this rank): "
                              "every rank must hold the same model, built the same way")
-    if not items:
-        return 0
-    local = torch.stack([_fingerprint(t) for _, t, _ in items])  # (n, 3)
-    every = all_gather_tensor(local[None].to(collective_device(tp.process_group)), 0, group=tp).cpu()  # (p, n, 3)
+    padding = _nonzero_padding(model, tp, grads)
+    # one more row, (nonzero padding tensors on this rank, 0, 0): every rank learns whether any rank has some
+    local = torch.stack([_fingerprint(t) for _, t, _ in items] + [torch.tensor([len(padding), 0, 0])])  # (n + 1, 3)
+    every = all_gather_tensor(local[None].to(collective_device(tp.process_group)), 0, group=tp).cpu()  # (p, n + 1, 3)
+    dirty = every[:, -1, 0].nonzero()[:, 0].tolist()
+    if dirty:
+        mine = f" (here: {', '.join(padding)})" if padding else ""
+        raise AssertionError(f"check_replicas: the zero padding of an uneven split is nonzero on rank(s) {dirty}{mine}: "
+                             "the padding rows past a rank's piece must stay zero (a row-parallel layer masks its "
+                             "padded input features; a weight loaded or set by hand must keep them zero)")
     for j, (label, _, stride) in enumerate(items):
         for start in range(0, tp.size, stride):
             message = _mismatch(label, list(range(start, start + stride)), every, j)

@@ -8,6 +8,12 @@ sliced; use ``device="meta"`` plus ``from_dense`` or a checkpoint to skip that).
 ``delay_wgrad=True``: backward computes the input gradient only and records the weight-gradient
 GEMMs in the layer's ``wgrad_store``; ``tplayers.backward_dw(model)`` runs them (gradients identical).
 ``tplayers.use_main_grad(model)``: the weight-gradient GEMMs accumulate into float32 ``param.main_grad``.
+
+``split``: how the split features are cut, a :class:`~tplayers.core.placement.Part` (default: evenly,
+one piece per rank). An uneven part (``Sharded.balanced(...).parts[0]``; whole heads:
+:func:`~tplayers.core.placement.head_parts`) gives every rank the largest piece's width, a shorter
+piece followed by zero features; the row-parallel layer masks those input features, so their weights
+stay zero and get a zero gradient.
 """
 from __future__ import annotations
 
@@ -21,12 +27,27 @@ from ..core.comm import gather_from_tp
 from ..core.functional import column_parallel_linear, row_parallel_linear
 from ..core.groups import GroupLike, resolve_group
 from ..core.wgrad import WeightGradStore
-from ..core.placement import Placement, Replicated, Sharded, require_divisible, require_positive
+from ..core.placement import Part, Placement, Replicated, Sharded, require_positive
 from .base import TensorParallelModule
 from .from_dense import check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 from .switches import grad_sinks
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _split_part(split: Optional[Part], features: int, tp_size: int, layer: str, what: str) -> Part:
+    """The part ``features`` are cut by: ``split`` (checked against the layer), else an even split."""
+    if split is None:
+        require_positive(features, layer, what)
+        if features % tp_size:
+            raise ValueError(f"{layer}: {what}={features} is not divisible by the TP degree {tp_size}; for pieces as "
+                             "even as possible pass split= (an uneven Part: Sharded.balanced(...).parts[0]), in a plan "
+                             "the style Column(uneven=True) / Row(uneven=True) on both sides")
+        return Part(features, tp_size)
+    if not isinstance(split, Part) or split.size != features or split.shards != tp_size or split.padded:
+        raise ValueError(f"{layer}: split={split!r} must be a Part of {what}={features} rows cut into one piece per "
+                         f"rank (shards={tp_size}; uneven pieces by counts=, not padded=)")
+    return split
 
 
 class ColumnParallelLinear(TensorParallelModule):
@@ -48,6 +69,7 @@ class ColumnParallelLinear(TensorParallelModule):
         sequence_parallel: bool = False,
         overlap_comm: bool = True,
         delay_wgrad: bool = False,
+        split: Optional[Part] = None,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -56,7 +78,11 @@ class ColumnParallelLinear(TensorParallelModule):
         self.delay_wgrad, self.wgrad_store, self.accumulate_main_grad = delay_wgrad, WeightGradStore(), False
         self.collective_matmul = False  # set_overlap(model, collective_matmul=True), sequence parallel only
         require_positive(in_features, "ColumnParallelLinear", "in_features")
-        self.out_features_per_rank = require_divisible(out_features, self.group.size, "ColumnParallelLinear", "out_features")
+        self.split = _split_part(split, out_features, self.group.size, "ColumnParallelLinear", "out_features")
+        self.out_features_per_rank = self.split.local_size
+        if gather_output and self.split.is_uneven:
+            raise ValueError("ColumnParallelLinear: gather_output=True with an uneven split would gather the zero "
+                             "padding between the pieces; keep the output sharded (a row-parallel layer takes it)")
         if gather_output and sequence_parallel:
             raise ValueError(
                 "ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True "
@@ -94,7 +120,7 @@ class ColumnParallelLinear(TensorParallelModule):
         return linear_to_dense(self)
 
     def param_placements(self) -> Dict[str, Placement]:
-        rows = Sharded.split(0, self.out_features, self.group.size)
+        rows = Sharded(0, (self.split,))
         return {"weight": rows, "bias": rows} if self.bias is not None else {"weight": rows}
 
     def extra_repr(self) -> str:
@@ -123,6 +149,7 @@ class RowParallelLinear(TensorParallelModule):
         sequence_parallel: bool = False,
         overlap_comm: bool = True,
         delay_wgrad: bool = False,
+        split: Optional[Part] = None,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -131,9 +158,15 @@ class RowParallelLinear(TensorParallelModule):
         self.delay_wgrad, self.wgrad_store, self.accumulate_main_grad = delay_wgrad, WeightGradStore(), False
         self.collective_matmul = False  # set_overlap(model, collective_matmul=True), sequence parallel only
         require_positive(out_features, "RowParallelLinear", "out_features")
-        self.in_features_per_rank = require_divisible(in_features, self.group.size, "RowParallelLinear", "in_features")
+        self.split = _split_part(split, in_features, self.group.size, "RowParallelLinear", "in_features")
+        self.in_features_per_rank = self.split.local_size
+        # this rank's real input features; past them, zero padding of an uneven split
+        self.in_features_real = self.split.piece(self.group.rank)[1]
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+        if self.split.is_uneven and not input_is_parallel:
+            raise ValueError("RowParallelLinear: an uneven split needs input_is_parallel=True (the input arrives "
+                             "already cut by the same split)")
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel, self.overlap_comm = input_is_parallel, sequence_parallel, overlap_comm
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, device=device, dtype=dtype))
@@ -147,6 +180,11 @@ class RowParallelLinear(TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
             return F.linear(x, self.weight, self.bias)
+        if self.in_features_real < self.in_features_per_rank:
+            # the padding features of an uneven split: whatever the producer left there (a padded query head
+            # attends to a real KV head) must reach neither the output nor the weights' gradient
+            keep = torch.arange(x.shape[-1], device=x.device) < self.in_features_real
+            x = x * keep.to(x.dtype)  # (..., in_local)
         return row_parallel_linear(x, self.weight, self.bias, group=self.group,  # (..., out)
                                    input_is_parallel=self.input_is_parallel,
                                    sequence_parallel=self.sequence_parallel, **grad_sinks(self))
@@ -165,7 +203,7 @@ class RowParallelLinear(TensorParallelModule):
         return linear_to_dense(self)
 
     def param_placements(self) -> Dict[str, Placement]:
-        columns = Sharded.split(1, self.in_features, self.group.size)
+        columns = Sharded(1, (self.split,))
         return {"weight": columns, "bias": Replicated()} if self.bias is not None else {"weight": columns}
 
     def extra_repr(self) -> str:

@@ -1,0 +1,150 @@
+"""Uneven sharding (issue 28): heads, KV heads and ffn that do not divide the TP degree, split as
+evenly as possible through the placement contract (``Part.counts``), every rank padded to the largest
+piece with zero rows that stay zero. Pure placement checks, then layers and HF models against dense."""
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+from conftest import examples
+from _helpers import F64
+
+import tplayers
+from tplayers import ColumnParallelLinear, RowParallelLinear
+from tplayers.core.placement import Part, Sharded, balanced, head_parts
+from tplayers.testing import assert_matches_dense, get_world
+
+
+# ------------------------------------------------------------------ the placement contract (pure)
+
+
+def test_balanced_gives_the_first_ranks_one_unit_more():
+    assert balanced(28, 8) == (4, 4, 4, 4, 3, 3, 3, 3)
+    assert balanced(100, 3) == (34, 33, 33)
+    assert balanced(7, 2, unit=8) == (32, 24)
+    assert balanced(2, 4) == (1, 1, 0, 0)
+    with pytest.raises(ValueError, match="cannot split"):
+        balanced(3, 0)
+
+
+@pytest.mark.parametrize("heads, kv, tp, q_heads, kv_heads, kv_shards", [
+    (28, 4, 8, (4, 3) * 4, None, 4),  # Qwen2.5-7B at TP 8: each KV head on two ranks, its 7 query heads 4 + 3
+    (7, 7, 2, (4, 3), (4, 3), 2),  # multi-head, 7 heads at TP 2
+    (6, 3, 2, (4, 2), (2, 1), 2),  # KV groups kept whole: 2 KV heads (4 query heads) and 1 (2)
+    (6, 2, 4, (2, 1, 2, 1), None, 2),  # fewer KV heads than ranks: 3 query heads of a KV head over two ranks
+    (40, 10, 8, (8, 8, 4, 4, 4, 4, 4, 4), (2, 2, 1, 1, 1, 1, 1, 1), 8),  # Phi-3-medium at TP 8
+    (8, 2, 4, None, None, 2),  # even: plain parts, as before
+])
+def test_head_parts_keep_query_heads_with_their_kv_head(heads, kv, tp, q_heads, kv_heads, kv_shards):
+    q, k = head_parts(heads, kv, 2, tp)
+    assert q.counts == (None if q_heads is None else tuple(2 * h for h in q_heads))
+    assert k.counts == (None if kv_heads is None else tuple(2 * h for h in kv_heads)) and k.shards == kv_shards
+    group = heads // kv
+    for rank in range(tp):  # every query head a rank holds uses a KV head the same rank holds
+        (qp,), (kp,) = Sharded(0, (q,)).pieces(rank, tp), Sharded(0, (k,)).pieces(rank, tp)
+        q_heads_held = range(qp.start // 2, (qp.start + qp.length) // 2)
+        assert all(kp.start // 2 <= h // group < (kp.start + kp.length) // 2 for h in q_heads_held), rank
+        # and its local padded KV heads line up with repeat_kv: local query head i uses local KV head i // local_group
+        local_group = q.local_size // k.local_size
+        assert all(h // group - kp.start // 2 == i // local_group for i, h in enumerate(q_heads_held)), rank
+
+
+def test_head_parts_refuse_what_cannot_be_split():
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        head_parts(6, 4, 2, 2)
+
+
+@settings(max_examples=examples(20))
+@given(units=st.integers(1, 30), unit=st.integers(1, 4), tp=st.integers(1, 8), cols=st.integers(1, 3),
+       dim=st.integers(0, 1))
+def test_uneven_parts_shard_and_unshard(units, unit, tp, cols, dim):
+    placement = Sharded.balanced(dim, units * unit, tp, unit)
+    shape = [units * unit, cols][::1 if dim == 0 else -1]
+    full = torch.arange(float(units * unit * cols)).reshape(shape)
+    locals_ = [placement.shard(full, r, tp) for r in range(tp)]
+    assert all(t.shape[dim] == placement.local_size == -(-units // tp) * unit for t in locals_)
+    assert torch.equal(placement.unshard(locals_), full)
+    for r, t in enumerate(locals_):  # rows past this rank's piece are zero padding
+        (piece,) = placement.pieces(r, tp)
+        assert not t.narrow(dim, piece.length, t.shape[dim] - piece.length).any()
+
+
+def test_an_uneven_part_is_validated():
+    with pytest.raises(ValueError, match="invalid uneven part"):
+        Sharded(0, (Part(10, 3, counts=(4, 4, 3)),))
+    with pytest.raises(ValueError, match="must be a Part"):
+        ColumnParallelLinear(4, 10, group=None, split=Part(10, 2, counts=(6, 4)))  # one rank: shards must be 1
+
+
+# ------------------------------------------------------------------ layers against dense
+
+
+class _DenseMLP(nn.Module):
+    def __init__(self, hidden, ffn, bias):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, ffn, bias=bias, dtype=F64), nn.Linear(ffn, hidden, bias=bias, dtype=F64)
+
+    def forward(self, x):
+        return self.fc2(torch.sigmoid(self.fc1(x)))  # sigmoid(0) = 1/2: padding features must be masked
+
+
+class _UnevenMLP(nn.Module):
+    def __init__(self, dense, group, sequence_parallel):
+        super().__init__()
+        split = Sharded.balanced(0, dense.fc1.out_features, torch.distributed.get_world_size(group)).parts[0]
+        self.fc1 = ColumnParallelLinear.from_dense(dense.fc1, group=group, split=split,
+                                                   sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear.from_dense(dense.fc2, group=group, split=split, sequence_parallel=sequence_parallel)
+
+    def forward(self, x):
+        return self.fc2(torch.sigmoid(self.fc1(x)))
+
+
+def _check_uneven_mlp(group, seed, hidden, ffn, bias, sequence_parallel):
+    torch.manual_seed(seed)
+    dense = _DenseMLP(hidden, ffn, bias)
+    tp = _UnevenMLP(dense, group, sequence_parallel)
+    x = torch.randn(2, 2 * group.size(), hidden, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    sp = -2 if sequence_parallel else None
+    report = assert_matches_dense(tp, dense, x, group=group, input_shard_dims=[sp], output_shard_dim=sp)
+    # the zero rows (fc1) and columns (fc2) past this rank's piece: still zero, and a zero gradient
+    real = tp.fc2.in_features_real
+    pads = [tp.fc1.weight[real:], tp.fc1.weight.grad[real:], tp.fc2.weight[:, real:], tp.fc2.weight.grad[:, real:]]
+    if bias:
+        pads += [tp.fc1.bias[real:], tp.fc1.bias.grad[real:]]
+    return report.output_error, all(not t.any() for t in pads), real < tp.fc1.weight.shape[0]
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+@settings(max_examples=examples(3))
+@given(seed=st.integers(0, 2**16), hidden=st.integers(1, 9), ffn=st.integers(1, 23), bias=st.booleans(),
+       sequence_parallel=st.booleans())
+def test_uneven_column_row_mlp_matches_dense(tp, seed, hidden, ffn, bias, sequence_parallel):
+    for _, pads_zero, _ in get_world(tp).run(_check_uneven_mlp, seed, hidden, ffn, bias, sequence_parallel):
+        assert pads_zero
+
+
+def test_padding_is_masked_on_the_shorter_ranks():
+    """ffn 7 at TP 2 (4 + 3): rank 1's padding feature gets sigmoid(0) = 1/2 from fc1; without the row
+    layer's mask it would reach the output and fc2's padded column's gradient."""
+    out = get_world(2).run(_check_uneven_mlp, 0, 5, 7, True, False)
+    assert [short for _, _, short in out] == [False, True]
+    assert all(pads_zero for _, pads_zero, _ in out)
+
+
+def _dirty_padding(group):
+    torch.manual_seed(0)
+    tp = _UnevenMLP(_DenseMLP(4, 7, True), group, False)  # ffn 7 at TP 2: rank 1 holds 3 rows and a padding row
+    tplayers.check_replicas(tp, group=group, grads=False)  # clean: passes
+    if group.rank() == 1:
+        with torch.no_grad():
+            tp.fc1.weight[3].fill_(1.0)
+    with pytest.raises(AssertionError) as caught:
+        tplayers.check_replicas(tp, group=group, grads=False)
+    return str(caught.value)
+
+
+def test_check_replicas_finds_nonzero_padding_on_every_rank():
+    messages = get_world(2).run(_dirty_padding)
+    assert all("zero padding of an uneven split is nonzero on rank(s) [1]" in m for m in messages), messages
+    assert "'fc1.weight' value" in messages[1]
