@@ -67,7 +67,8 @@ FAMILIES = {
 # Heads, KV heads and ffn that do not divide the TP degree (issue 28): whole heads as evenly as possible, KV
 # groups kept whole, every rank padded to the largest piece. family -> (config class, model class, overrides)
 UNEVEN = {
-    # 6 heads / 3 KV heads at TP 2: 2 KV heads (4 query heads) on rank 0, 1 (2) on rank 1
+    # 6 heads / 3 KV heads at TP 2: 2 KV heads (4 query heads) on rank 0, 1 (2) on rank 1; at TP 4 the KV
+    # heads are held by 2, 1, 1 ranks (query heads 1, 1, 2, 2)
     "llama_uneven": ("LlamaConfig", "LlamaForCausalLM", {"num_attention_heads": 6, "num_key_value_heads": 3,
                                                         "hidden_size": 48, "intermediate_size": 100}),
     # q/k/v biases; 7 heads at TP 3 (3, 2, 2), ffn 100 (34, 33, 33)
@@ -245,7 +246,8 @@ def test_auto_plan_matches_dense(family, tp):
         assert not skipped and fraction > (0.7 if family in OWN_CONFIG else 0.9 if family.startswith(("deepseek", "longcat")) else 0.95)
 
 
-@pytest.mark.parametrize("family, tp", [("llama_uneven", 2), ("qwen2_uneven", 3), ("mistral_uneven", 4)])
+@pytest.mark.parametrize("family, tp", [("llama_uneven", 2), ("llama_uneven", 4), ("qwen2_uneven", 3),
+                                        ("mistral_uneven", 4)])
 def test_heads_and_ffn_that_do_not_divide_the_tp_degree(family, tp):
     """Refused before (issue 28); now every rank holds whole heads, as evenly as possible, equal to dense
     (logits, loss, gradients, 5 SGD steps, generate); check_replicas also finds every padding row zero."""

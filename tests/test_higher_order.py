@@ -99,14 +99,14 @@ def test_gradient_penalty_of_a_linear_critic_matches_dense(tp):
 def _replica_penalty(group, rows):
     g = tplayers.resolve_group(group)
     torch.manual_seed(0)
-    w0 = torch.randn(4, 3, dtype=F64)  # one replica held by every rank (num_shards=1)
+    w0 = torch.randn(4, 3, dtype=F64)  # one replica held by every rank (holders=(p,))
     c = torch.randn(g.size, 4, 3, dtype=F64)  # what each rank multiplies it by
 
     def dense_loss(w):
         return sum((w * c[r]).sin().sum() for r in range(g.size))
 
     def tp_loss(w):  # each rank's share of the loss, summed over ranks
-        return reduce_from_tp((sum_over_replicas(w, group=g, num_shards=1, rows=rows) * c[g.rank]).sin().sum(),
+        return reduce_from_tp((sum_over_replicas(w, group=g, holders=(g.size,), rows=rows) * c[g.rank]).sin().sum(),
                               group=g)
 
     out = []

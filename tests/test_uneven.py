@@ -34,6 +34,8 @@ def test_balanced_gives_the_first_ranks_one_unit_more():
     (6, 2, 4, (2, 1, 2, 1), None, 2),  # fewer KV heads than ranks: 3 query heads of a KV head over two ranks
     (40, 10, 8, (8, 8, 4, 4, 4, 4, 4, 4), (2, 2, 1, 1, 1, 1, 1, 1), 8),  # Phi-3-medium at TP 8
     (8, 2, 4, None, None, 2),  # even: plain parts, as before
+    (6, 2, 3, (2, 1, 3), None, 2),  # 2 KV heads at TP 3: held by 2 and 1 ranks
+    (28, 4, 6, (4, 3, 4, 3, 7, 7), None, 4),  # Qwen2.5-7B at TP 6: KV heads held by 2, 2, 1, 1 ranks
 ])
 def test_head_parts_keep_query_heads_with_their_kv_head(heads, kv, tp, q_heads, kv_heads, kv_shards):
     q, k = head_parts(heads, kv, 2, tp)
@@ -47,6 +49,18 @@ def test_head_parts_keep_query_heads_with_their_kv_head(heads, kv, tp, q_heads, 
         # and its local padded KV heads line up with repeat_kv: local query head i uses local KV head i // local_group
         local_group = q.local_size // k.local_size
         assert all(h // group - kp.start // 2 == i // local_group for i, h in enumerate(q_heads_held)), rank
+
+
+def test_kv_heads_fewer_than_ranks_not_dividing_are_held_as_evenly_as_possible():
+    _, kv = head_parts(6, 3, 2, 4)
+    assert kv.holders == (2, 1, 1) and kv.replica_sets(4) == ((0, 1), (2,), (3,)) and kv.first_holders(4) == (0, 2, 3)
+    placement = Sharded(0, (kv,))
+    full = torch.arange(6.0)
+    locals_ = [placement.shard(full, r, 4) for r in range(4)]
+    assert [t.tolist() for t in locals_] == [[0, 1], [0, 1], [2, 3], [4, 5]]
+    assert torch.equal(placement.unshard(locals_), full)
+    with pytest.raises(ValueError, match="held by \\[2, 1, 1\\] ranks"):
+        placement.pieces(0, 3)
 
 
 def test_head_parts_refuse_what_cannot_be_split():

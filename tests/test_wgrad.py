@@ -225,13 +225,14 @@ def test_main_grad_refuses_bad_buffers():
         tplayers.column_parallel_linear(torch.randn(2, 8), w, None, group=None, main_grads=(torch.zeros(3, 8), None))
     with pytest.raises(ValueError, match="there is no bias"):
         tplayers.row_parallel_linear(torch.randn(2, 8), w, None, group=None, main_grads=(None, torch.zeros(4)))
-    for runs in (((2, 5, 1),), ((2, 2, 1),), ((2, 4, 1), (1, 3, 1)), ((0, 2, 0),)):
+    for runs in (((2, 5, (1,)),), ((2, 2, (1,)),), ((2, 4, (1,)), (1, 3, (1,)))):
         with pytest.raises(ValueError, match="replicated rows .* must be ordered, non-empty"):
             tplayers.column_parallel_linear(torch.randn(2, 8), w, None, group=None,
                                             main_grads=(ReplicatedRows(torch.zeros(4, 8), runs), None))
-    with pytest.raises(ValueError, match="num_shards=2 does not divide the TP degree 1"):  # refused before any collective
-        tplayers.column_parallel_linear(torch.randn(2, 8), w, None, group=None,
-                                        main_grads=(ReplicatedRows(torch.zeros(4, 8), ((0, 2, 2),)), None))
+    for holders in ((2,), (1, 1), (0, 1), ()):  # refused before any collective: they do not cover one rank
+        with pytest.raises(ValueError, match=r"holders=.* do not cover the TP group of 1 ranks"):
+            tplayers.column_parallel_linear(torch.randn(2, 8), w, None, group=None,
+                                            main_grads=(ReplicatedRows(torch.zeros(4, 8), ((0, 2, holders),)), None))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

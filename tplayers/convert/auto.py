@@ -258,11 +258,12 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
     attention = sorted({n.rpartition(".")[0] for n, s in layers.items()
                         if n.rpartition(".")[2] in _HEAD_PROJECTIONS and isinstance(s, (Column, KVColumn))
                         and not getattr(s, "gather_output", False)})
-    for attn in attention:  # q_proj and o_proj cut by whole heads (as evenly as possible when they do not divide)
-        for leaf, kind in (("q_proj", Column), ("o_proj", Row)):
-            style = layers.get(f"{attn}.{leaf}")
-            if type(style) is kind and style == kind():
-                layers[f"{attn}.{leaf}"] = kind(heads=True)
+    by_heads = [attn for attn in attention if layers.get(f"{attn}.q_proj") == Column()
+                and layers.get(f"{attn}.o_proj") in (None, Row())]
+    for attn in by_heads:  # q_proj and o_proj cut by whole heads (as evenly as possible when they do not divide)
+        layers[f"{attn}.q_proj"] = Column(heads=True)
+        if f"{attn}.o_proj" in layers:
+            layers[f"{attn}.o_proj"] = Row(heads=True)
     for name, style in list(layers.items()):  # an MLP's ffn that does not divide: as evenly as possible
         if name.rpartition(".")[2] in _FFN_PROJECTIONS and type(style) in (Column, Row) and style == type(style)():
             layers[name] = type(style)(uneven=True)
@@ -272,6 +273,9 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
         name="auto", layers=layers,
         # transformers >= 4.48 reshapes with view(..., -1, head_dim); older versions, and attentions keeping
         # head counts of their own (Exaone 4, Seed-OSS, Nemotron), read these: one rule for every family.
+        # fused [q; k; v] projections (GPT-NeoX's query_key_value, CodeGen's qkv_proj) and MLA's q_b / kv_b are
+        # cut evenly by rows: their heads must divide the TP degree
+        require_divisible={n: ("config.num_attention_heads",) for n in attention if n not in by_heads},
         set_attrs={n: _local_attention_attrs for n in attention})
     return AutoPlan(plan=plan, sources={k: hf[k] for k in hf}, unmatched=unmatched, skipped=skipped)
 

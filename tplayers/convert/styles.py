@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..core.comm import copy_to_tp
 from ..core.groups import TPGroup
-from ..core.placement import Part, Sharded, head_parts, kv_part, qkv_placement
+from ..core.placement import Part, Sharded, head_parts, kv_part, kv_shards, qkv_placement, require_divisible
 from ..layers.experts import ExpertSplit, ParallelExperts
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from ..layers.fused import FusedColumnParallelLinear
@@ -326,15 +326,16 @@ class FusedQKV:
         if heads < 1 or kv < 1 or out % (heads + 2 * kv):
             raise ValueError(f"{layer}: out_features={out} is not (heads + 2 * kv_heads) * head_dim for heads={heads}, "
                              f"kv_heads={kv}")
+        # heads that do not divide the TP degree stay refused here: the plan's output projection (a plain
+        # Row) and the attention's own head attributes would not follow an uneven cut
+        require_divisible(heads, ctx.group.size, layer, "num_heads")
+        kv_shards(kv, ctx.group.size, layer, "num_kv_heads")
         placement = qkv_placement(heads, kv, out // (heads + 2 * kv), ctx.group.size, layer=layer)
+        options = dict(parts=[part.size for part in placement.parts],
+                       part_shards=[part.shards for part in placement.parts])
         if is_conv1d(module):
-            if any(part.is_uneven for part in placement.parts):
-                raise ValueError(f"{layer}: a Conv1D whose heads ({heads}, {kv} KV) do not divide the TP degree "
-                                 f"{ctx.group.size}; uneven splits are supported on nn.Linear only")
-            options = dict(parts=[part.size for part in placement.parts],
-                           part_shards=[part.shards for part in placement.parts])
             return Built(FusedColumnParallelConv1D.from_conv1d(module, group=ctx.group, **options))
-        return Built(FusedColumnParallelLinear.from_dense(module, group=ctx.group, parts=list(placement.parts)))
+        return Built(FusedColumnParallelLinear.from_dense(module, group=ctx.group, **options))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Protocol, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_grou
 from .placement import Placement
 
 __all__ = ["Pending", "Observer", "set_observer", "all_reduce", "all_gather", "reduce_scatter", "ring_exchange",
-           "sum_over_replica_ranks", "split", "owned_copy", "all_gather_tensor", "all_reduce_tensor",
+           "sum_over_replica_ranks", "replica_slot", "split", "owned_copy", "all_gather_tensor", "all_reduce_tensor",
            "broadcast_tensor", "barrier", "reduce_scatter_tensor", "all_reduce_", "gather_placed", "bit_hash",
            "bytes_hash", "ranks_that_differ", "all_gather_text", "TRACE_COLLECTIVES", "SEQ_DIM", "sum_partials", "wait_for_ranks"]
 
@@ -203,13 +203,27 @@ def _not_finite(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t).all()
 
 
-def sum_over_replica_ranks(rows: torch.Tensor, g: TPGroup, num_shards: int) -> torch.Tensor:
-    """``rows`` summed over the ranks that hold the same replica of them: the group's ranks in
-    ``num_shards`` consecutive runs of ``p // num_shards`` (KV heads replicated over more ranks than
-    there are heads). One all-reduce of a ``(num_shards, *rows.shape)`` buffer with this rank's rows
-    in its run's slot. Returns a new tensor."""
-    slot = g.rank // (g.size // num_shards)
-    buf = rows.new_zeros((num_shards,) + tuple(rows.shape))
+def replica_slot(holders: Sequence[int], g: TPGroup, what: str = "replicated rows") -> int:
+    """Which replica rank ``g.rank`` holds, the group's ranks held in runs of ``holders[j]`` consecutive
+    ranks (KV heads replicated over more ranks than there are heads: ``(2, 2)`` at TP 4, ``(2, 1)`` at
+    TP 3); a ValueError naming the layout when it does not cover the group."""
+    if not holders or min(holders) < 1 or sum(holders) != g.size:
+        raise ValueError(f"{what}: replicas held by {list(holders)} consecutive ranks do not cover the TP group of "
+                         f"{g.size} ranks")
+    end = 0
+    for slot, n in enumerate(holders):
+        end += n
+        if g.rank < end:
+            return slot
+    raise AssertionError("unreachable: holders sum to the group size")
+
+
+def sum_over_replica_ranks(rows: torch.Tensor, g: TPGroup, holders: Sequence[int]) -> torch.Tensor:
+    """``rows`` summed over the ranks that hold the same replica of them: the group's ranks in runs of
+    ``holders[j]`` consecutive ranks (see :func:`replica_slot`). One all-reduce of a
+    ``(len(holders), *rows.shape)`` buffer with this rank's rows in its run's slot. Returns a new tensor."""
+    slot = replica_slot(holders, g)
+    buf = rows.new_zeros((len(holders),) + tuple(rows.shape))
     buf[slot].copy_(rows)
     return all_reduce(buf, g).wait()[slot]
 

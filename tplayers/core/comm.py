@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .collectives import all_gather, all_reduce, owned_copy, reduce_scatter, split, sum_over_replica_ranks
+from .collectives import all_gather, all_reduce, owned_copy, reduce_scatter, replica_slot, split, sum_over_replica_ranks
 from .groups import GroupLike, TPGroup, resolve_group
 
 __all__ = [
@@ -183,14 +183,14 @@ class _SumOverReplicas(torch.autograd.Function):
     """Identity forward; backward sums the gradient of rows ``[start, stop)`` (dim 0) over the
     ranks holding the same replica of them, and passes the other rows through.
 
-    Ranks are grouped in ``num_shards`` consecutive runs of ``p // num_shards`` (the layout of
-    KV heads replicated over more ranks than there are heads). One all-reduce of a
-    ``(num_shards, stop - start, ...)`` buffer with this rank's rows in its run's slot.
+    Ranks are grouped in runs of ``holders[j]`` consecutive ranks (the layout of KV heads replicated
+    over more ranks than there are heads). One all-reduce of a ``(len(holders), stop - start, ...)``
+    buffer with this rank's rows in its run's slot.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, g: TPGroup, num_shards: int, start: int, stop: int) -> torch.Tensor:
-        ctx.g, ctx.num_shards, ctx.rows = g, num_shards, (start, stop)
+    def forward(ctx, x: torch.Tensor, g: TPGroup, holders: Tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+        ctx.g, ctx.holders, ctx.rows = g, holders, (start, stop)
         # No gradient (a delayed weight gradient: delay_wgrad) stays None: no all-reduce of zeros now;
         # the gradient comes through here later, when the recorded work is flushed.
         ctx.set_materialize_grads(False)
@@ -200,7 +200,7 @@ class _SumOverReplicas(torch.autograd.Function):
     def backward(ctx, grad: Optional[torch.Tensor]):
         if grad is None:
             return None, None, None, None, None
-        return _ReduceOverReplicas.apply(grad, ctx.g, ctx.num_shards, *ctx.rows), None, None, None, None
+        return _ReduceOverReplicas.apply(grad, ctx.g, ctx.holders, *ctx.rows), None, None, None, None
 
 
 class _ReduceOverReplicas(torch.autograd.Function):
@@ -208,9 +208,9 @@ class _ReduceOverReplicas(torch.autograd.Function):
     the same replica of them forward (the other rows pass through); identity backward."""
 
     @staticmethod
-    def forward(ctx, grad: torch.Tensor, g: TPGroup, num_shards: int, start: int, stop: int) -> torch.Tensor:
-        ctx.g, ctx.num_shards, ctx.rows = g, num_shards, (start, stop)
-        summed = sum_over_replica_ranks(grad[start:stop], g, num_shards)
+    def forward(ctx, grad: torch.Tensor, g: TPGroup, holders: Tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+        ctx.g, ctx.holders, ctx.rows = g, holders, (start, stop)
+        summed = sum_over_replica_ranks(grad[start:stop], g, holders)
         if start == 0 and stop == grad.shape[0]:
             return summed
         out = grad.clone(memory_format=torch.contiguous_format)  # never write into autograd's grad
@@ -219,7 +219,7 @@ class _ReduceOverReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _SumOverReplicas.apply(grad, ctx.g, ctx.num_shards, *ctx.rows), None, None, None, None
+        return _SumOverReplicas.apply(grad, ctx.g, ctx.holders, *ctx.rows), None, None, None, None
 
 
 # ---------------------------------------------------------------- public wrappers
@@ -283,19 +283,20 @@ def reduce_scatter_to_sequence(x: torch.Tensor, *, group: GroupLike, seq_dim: in
     return x if g.size == 1 else _ReduceScatterToSequence.apply(x, g, seq_dim)
 
 
-def sum_over_replicas(x: torch.Tensor, *, group: GroupLike, num_shards: int,
+def sum_over_replicas(x: torch.Tensor, *, group: GroupLike, holders: Sequence[int],
                       rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """Identity forward (a view, no copy). Backward: the gradient of ``x`` (or of its dim-0 rows
-    ``rows=(start, stop)``) summed over the ``p // num_shards`` consecutive ranks that hold the
-    same replica of it (e.g. a KV head shared by several ranks)."""
+    ``rows=(start, stop)``) summed over the consecutive ranks that hold the same replica of it (e.g. a
+    KV head shared by several ranks): the group's ranks in runs of ``holders[j]`` (``(2, 2)``: two
+    replicas on two ranks each; ``(2, 1)`` at TP 3)."""
     g = resolve_group(group)
-    if num_shards < 1 or g.size % num_shards:
-        raise ValueError(f"sum_over_replicas: num_shards={num_shards} does not divide the TP degree {g.size}")
+    holders = tuple(int(n) for n in holders)
+    replica_slot(holders, g, "sum_over_replicas")  # raises naming a layout that does not cover the group
     start, stop = (0, x.shape[0]) if rows is None else rows
     if not 0 <= start <= stop <= x.shape[0]:
         raise ValueError(f"sum_over_replicas: rows={rows} outside dim 0 of size {x.shape[0]}")
-    if num_shards == g.size or start == stop:
+    if max(holders) == 1 or start == stop:
         return x
-    return _SumOverReplicas.apply(x, g, num_shards, start, stop)
+    return _SumOverReplicas.apply(x, g, holders, start, stop)
 
 

@@ -14,7 +14,8 @@ Every parameter of a tensor-parallel model has exactly one placement (pure data,
   than ranks, ``size // shards`` consecutive ranks hold replicas of one piece (grouped-query
   attention with fewer KV heads than ranks), and with ``padded=True`` the part is padded with
   zero rows up to a multiple of ``shards`` (a vocabulary that does not divide the TP degree).
-  An *uneven* part gives the rows of each piece (``counts``): heads or ffn that do not divide the
+  A part may say how many consecutive ranks hold each piece (``holders``: 2 KV heads at TP 3 are
+  held by 2 and 1 ranks). An *uneven* part gives the rows of each piece (``counts``): heads or ffn that do not divide the
   TP degree, split as evenly as possible (:func:`balanced`, :func:`head_parts`); every local
   tensor has the largest piece's rows, a shorter piece followed by zero rows. Local tensors keep
   one shape on every rank, so every collective stays as it is; the zero rows stay zero (the
@@ -114,12 +115,39 @@ class Part:
     """One component of a sharded dimension: ``size`` dense rows cut into ``shards`` pieces
     (zero-padded up to a multiple of ``shards`` when ``padded``). ``counts``: an uneven cut, the rows
     of each piece in order (they sum to ``size``); each local tensor holds the largest, a shorter
-    piece followed by zero rows."""
+    piece followed by zero rows. ``holders``: how many consecutive ranks hold each piece (they sum to
+    the TP degree); None: ``p // shards`` each."""
 
     size: int
     shards: int
     padded: bool = False
     counts: Optional[Tuple[int, ...]] = None
+    holders: Optional[Tuple[int, ...]] = None
+
+    def holder_counts(self, size: int) -> Tuple[int, ...]:
+        """How many consecutive ranks of a group of ``size`` hold each piece."""
+        return self.holders if self.holders is not None else (size // self.shards,) * self.shards
+
+    def piece_index(self, rank: int, size: int) -> int:
+        """Which piece rank ``rank`` of a group of ``size`` holds."""
+        end = 0
+        for j, n in enumerate(self.holder_counts(size)):
+            end += n
+            if rank < end:
+                return j
+        raise ValueError(f"rank {rank} is outside a TP group of size {size}")
+
+    def first_holders(self, size: int) -> Tuple[int, ...]:
+        """The first rank holding each piece (the one that counts it, and the one unshard reads)."""
+        starts, start = [], 0
+        for n in self.holder_counts(size):
+            starts.append(start)
+            start += n
+        return tuple(starts)
+
+    def replica_sets(self, size: int) -> Tuple[Tuple[int, ...], ...]:
+        """The ranks holding each piece (one rank each when every rank holds its own piece)."""
+        return tuple(tuple(range(f, f + n)) for f, n in zip(self.first_holders(size), self.holder_counts(size)))
 
     @property
     def local_size(self) -> int:
@@ -215,9 +243,11 @@ class Sharded(Placement):
                         min(part.counts) < 0:
                     raise ValueError(f"invalid uneven part {part}: counts must be {part.shards} rows, >= 0, summing "
                                      f"to {part.size} (and padded False: the counts say where the padding is)")
-                continue
-            if not part.padded and part.size % part.shards:
+            elif not part.padded and part.size % part.shards:
                 raise ValueError(f"a part of size {part.size} does not split into {part.shards} shards")
+            if part.holders is not None and (len(part.holders) != part.shards or min(part.holders) < 1):
+                raise ValueError(f"invalid part {part}: holders must give 1 or more ranks for each of its "
+                                 f"{part.shards} pieces")
 
     # -- constructors ------------------------------------------------------------------------
     @staticmethod
@@ -264,7 +294,11 @@ class Sharded(Placement):
     def check_size(self, size: int) -> None:
         """Raise unless this placement can be laid over ``size`` ranks."""
         for part in self.parts:
-            if part.shards > size or size % part.shards:
+            if part.holders is not None:
+                if sum(part.holders) != size:
+                    raise ValueError(f"{size} ranks' local tensors cannot hold a part whose pieces are held by "
+                                     f"{list(part.holders)} ranks (they sum to {sum(part.holders)})")
+            elif part.shards > size or size % part.shards:
                 raise ValueError(f"{size} ranks' local tensors cannot hold a part cut into {part.shards} shards "
                                  f"(the TP degree must be a multiple of the shard count)")
 
@@ -275,7 +309,7 @@ class Sharded(Placement):
         out: List[Piece] = []
         full_off = local_off = 0
         for part in self.parts:
-            start, length = part.piece(rank // (size // part.shards))
+            start, length = part.piece(part.piece_index(rank, size))
             out.append(Piece(full_off + start, local_off, length))
             full_off += part.size
             local_off += part.local_size
@@ -311,10 +345,9 @@ class Sharded(Placement):
                                  f"the placement expects {self.local_size}")
         rows: List[torch.Tensor] = []
         for i, part in enumerate(self.parts):
-            stride = size // part.shards
-            for j in range(part.shards):  # the first replica of each piece
-                p = self.pieces(j * stride, size)[i]
-                rows.append(locals_[j * stride].narrow(self.dim, p.local_start, p.length))
+            for first in part.first_holders(size):  # the first replica of each piece
+                p = self.pieces(first, size)[i]
+                rows.append(locals_[first].narrow(self.dim, p.local_start, p.length))
         return rows[0] if len(rows) == 1 else torch.cat(rows, dim=self.dim)
 
 
@@ -332,8 +365,9 @@ def head_parts(num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int,
     at TP degree ``tp_size``, whole heads only and each query head on a rank holding its KV head (the
     ``num_heads / num_kv_heads`` query heads of a KV head are consecutive, as ``repeat_kv`` assumes).
 
-    - KV heads divide the TP degree, or are fewer and divide it (:func:`kv_shards`): as before, with
-      the query heads of each KV head split over the ranks holding it as evenly as possible.
+    - Fewer KV heads than ranks: each KV head held by consecutive ranks (as many each when they divide
+      the TP degree, :func:`kv_shards`; else as evenly as possible: 2 KV heads at TP 3 by 2 and 1), its
+      query heads split over the ranks holding it as evenly as possible.
     - More KV heads than ranks, not dividing: the KV heads as evenly as possible (:func:`balanced`),
       each rank the query heads of its KV heads (groups kept whole).
     Uneven parts pad every rank to the largest piece: a rank with fewer query heads has zero heads after
@@ -347,19 +381,22 @@ def head_parts(num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int,
     kv = kv_part(num_kv_heads, head_dim, tp_size, layer)
     if kv.shards == tp_size:  # each rank whole KV heads, and the query heads that use them
         return _uneven(num_heads * head_dim, [kv.piece(j)[1] * group for j in range(tp_size)]), kv
-    per_kv = tp_size // kv.shards  # ranks holding each (replicated) KV head; its query heads split over them
-    q_counts = [c for _ in range(kv.shards) for c in balanced(group, per_kv, head_dim)]
+    # the ranks holding each (replicated) KV head split its query heads
+    q_counts = [c for n in kv.holder_counts(tp_size) for c in balanced(group, n, head_dim)]
     return _uneven(num_heads * head_dim, q_counts), kv
 
 
 def kv_part(num_kv_heads: int, head_dim: int, tp_size: int, layer: str = "attention",
             what: str = "num_kv_heads") -> Part:
     """How a K or V projection's ``num_kv_heads * head_dim`` rows are cut: at least as many KV heads as
-    ranks, whole heads per rank as evenly as possible; fewer, replicated by :func:`kv_shards`."""
+    ranks, whole heads per rank as evenly as possible; fewer, each head on consecutive ranks (replicas),
+    as many ranks each as possible (:func:`kv_shards` when they divide the TP degree)."""
     require_positive(num_kv_heads, layer, what)
     if num_kv_heads >= tp_size:
         return _uneven(num_kv_heads * head_dim, balanced(num_kv_heads, tp_size, head_dim))
-    return Part(num_kv_heads * head_dim, kv_shards(num_kv_heads, tp_size, layer, what))
+    if tp_size % num_kv_heads == 0:
+        return Part(num_kv_heads * head_dim, kv_shards(num_kv_heads, tp_size, layer, what))
+    return Part(num_kv_heads * head_dim, num_kv_heads, holders=balanced(tp_size, num_kv_heads))
 
 
 def qkv_placement(num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int, *, dim: int = 0,

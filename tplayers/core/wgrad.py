@@ -35,14 +35,14 @@ __all__ = ["WeightGradStore", "WgradSink", "ReplicatedRows", "accumulate_matmul"
 
 class ReplicatedRows(NamedTuple):
     """A ``main_grad`` buffer some of whose dim-0 rows are replicated over ranks (KV heads shared by
-    several ranks): each ``(start, stop, num_shards)`` of ``runs`` is held by ``p // num_shards``
-    consecutive ranks. Each backward's contribution to those rows is summed over the replica ranks
+    several ranks): the rows ``[start, stop)`` of each ``(start, stop, holders)`` of ``runs`` are held
+    by runs of ``holders[j]`` consecutive ranks (``(2, 2)`` at TP 4; ``(2, 1)`` at TP 3). Each backward's contribution to those rows is summed over the replica ranks
     before it is added (as the ``.grad`` path's ``sum_over_replicas``
     does: one all-reduce per run for the weight and one for the bias), so the buffer always holds
     complete gradients and a replica's rows agree on every rank."""
 
     buffer: torch.Tensor
-    runs: Tuple[Tuple[int, int, int], ...]
+    runs: Tuple[Tuple[int, int, Tuple[int, ...]], ...]
 
 
 Compute = Callable[[], Sequence[Optional[torch.Tensor]]]
@@ -84,13 +84,13 @@ def check_main_grads(main: MainGrads, weight: torch.Tensor, bias: Optional[torch
                              f"the {name} is {tuple(param.shape)} on {param.device}")
         if isinstance(entry, ReplicatedRows):
             done = 0
-            for start, stop, num_shards in entry.runs:
-                if not done <= start < stop <= buf.shape[0] or num_shards < 1:
+            for start, stop, holders in entry.runs:
+                if not done <= start < stop <= buf.shape[0]:
                     raise ValueError(f"{op}: the {name}'s replicated rows {entry.runs} must be ordered, non-empty "
-                                     f"(start, stop, num_shards) runs within its {buf.shape[0]} rows")
-                if group_size % num_shards:
-                    raise ValueError(f"{op}: the {name}'s replicated rows {entry.runs}: num_shards={num_shards} does "
-                                     f"not divide the TP degree {group_size}")
+                                     f"(start, stop, holders) runs within its {buf.shape[0]} rows")
+                if not holders or min(holders) < 1 or sum(holders) != group_size:
+                    raise ValueError(f"{op}: the {name}'s replicated rows {entry.runs}: holders={tuple(holders)} do "
+                                     f"not cover the TP group of {group_size} ranks")
                 done = stop
     return tuple(main)
 
@@ -232,12 +232,12 @@ def _accumulate(main: MainBuffer, grad_t: torch.Tensor, g: TPGroup,
         add(main, grad_t)
         return
     buf, done = main.buffer, 0
-    for start, stop, num_shards in main.runs:
+    for start, stop, holders in main.runs:
         if done < start:
             add(buf[done:start], grad_t[done:start])
         part = buf.new_zeros(buf[start:stop].shape)
         add(part, grad_t[start:stop])
-        buf[start:stop].add_(sum_over_replica_ranks(part, g, num_shards) if num_shards < g.size else part)
+        buf[start:stop].add_(sum_over_replica_ranks(part, g, holders) if max(holders) > 1 else part)
         done = stop
     if done < buf.shape[0]:
         add(buf[done:], grad_t[done:])

@@ -81,7 +81,8 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
     tensor is this rank's piece (views of the parameters when loading, so DCP writes straight into
     them): a placement's piece of a part cut into p shards is exactly DTensor's chunk, padded
     vocabularies included. A part with replicas (fewer shards than ranks) is saved as the rank's
-    sub-chunk when it divides, else as the full gathered part; it is loaded in full.
+    sub-chunk when it divides, else (and an uneven part, whose pieces are not DTensor's chunks) as the
+    full gathered part; it is loaded in full.
     """
     state: Dict[str, Any] = {}
     post: List[Tuple[torch.Tensor, torch.Tensor]] = []
@@ -100,14 +101,15 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
             shape_t = tuple(shape)
             if p == 1:
                 state[key] = local.clone() if for_save else local
-            elif part.shards == p:
+            elif part.shards == p and part.counts is None:
                 chunk = local.contiguous().clone() if for_save else local
                 state[key] = _dtensor(chunk, e.group, d, shape_t, meshes)
-            elif for_save and part.size % p == 0:
+            elif for_save and part.size % p == 0 and part.counts is None and part.holders is None:
                 sub = local.chunk(p // part.shards, dim=d)[r % (p // part.shards)].contiguous().clone()
                 state[key] = _dtensor(sub, e.group, d, shape_t, meshes)
-            elif for_save:
-                state[key] = gather_placed(local, Sharded.split(d, part.size, part.shards), group=e.group)
+            elif for_save:  # uneven pieces or replicas: the whole part, gathered (its padded local rows)
+                padded = t.narrow(d, piece.local_start, part.local_size)
+                state[key] = gather_placed(padded, Sharded(d, (part,)), group=e.group)
             else:
                 full = torch.empty(shape_t, dtype=t.dtype, device=t.device)
                 state[key] = full

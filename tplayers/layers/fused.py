@@ -5,8 +5,8 @@ SwiGLU's gate and up). Each component is split across ranks on its own, so rank 
 ``[part_0 shard r; part_1 shard r; ...]`` and never a slice across components.
 
 A component may have fewer shards than ranks (GQA with fewer KV heads than ranks): then
-``p // num_shards`` consecutive ranks hold the same piece, and backward sums that piece's
-gradient over them, so every replica carries the full gradient of the dense rows it holds.
+consecutive ranks hold the same piece (``p // shards`` each, or the part's ``holders``), and backward
+sums that piece's gradient over them, so every replica carries the full gradient of the dense rows it holds.
 """
 from __future__ import annotations
 
@@ -24,15 +24,18 @@ from .base import TensorParallelModule
 from .from_dense import check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 from .switches import grad_sinks
 
-__all__ = ["FusedColumnParallelLinear", "with_replica_grads"]
+__all__ = ["FusedColumnParallelLinear", "ReplicaRun", "with_replica_grads"]
 
 
-def with_replica_grads(t: torch.Tensor, runs: Sequence[Tuple[int, int, int]], group: GroupLike) -> torch.Tensor:
-    """``t`` (a view of it: no copy) whose rows in each run ``(start, stop, num_shards)`` of
+ReplicaRun = Tuple[int, int, Tuple[int, ...]]  # (start, stop, holders): local rows held by runs of ranks
+
+
+def with_replica_grads(t: torch.Tensor, runs: Sequence[ReplicaRun], group: GroupLike) -> torch.Tensor:
+    """``t`` (a view of it: no copy) whose rows in each run ``(start, stop, holders)`` of
     `FusedColumnParallelLinear.replica_runs` have their gradient summed over the ranks holding the same
     replica of them (one all-reduce per run)."""
-    for lo, hi, n in runs:
-        t = sum_over_replicas(t, group=group, num_shards=n, rows=(lo, hi))
+    for lo, hi, holders in runs:
+        t = sum_over_replicas(t, group=group, holders=holders, rows=(lo, hi))
     return t
 
 
@@ -96,20 +99,21 @@ class FusedColumnParallelLinear(TensorParallelModule):
         """Some component has fewer shards than ranks (its gradient is summed over replicas)."""
         return any(n < self.group.size for n in self.part_shards)
 
-    def replica_runs(self) -> Tuple[Tuple[int, int, int], ...]:
-        """``(start, stop, num_shards)`` of each run of consecutive local rows (dim 0 of the weight
-        and bias) that is replicated over ranks; adjacent components with the same shard count (k
-        and v) form one run."""
-        runs: List[List[int]] = []
+    def replica_runs(self) -> Tuple[ReplicaRun, ...]:
+        """``(start, stop, holders)`` of each run of consecutive local rows (dim 0 of the weight and
+        bias) that is replicated over ranks (``holders``: how many consecutive ranks hold each replica);
+        adjacent components replicated alike (k and v) form one run."""
+        runs: List[List[Any]] = []
         start = 0
-        for local, n in zip(self.local_parts, self.part_shards):
-            if n < self.group.size:
-                if runs and runs[-1][1] == start and runs[-1][2] == n:
+        for local, part in zip(self.local_parts, self.placement.parts):
+            holders = part.holder_counts(self.group.size)
+            if max(holders) > 1:
+                if runs and runs[-1][1] == start and runs[-1][2] == holders:
                     runs[-1][1] = start + local
                 else:
-                    runs.append([start, start + local, n])
+                    runs.append([start, start + local, holders])
             start += local
-        return tuple((lo, hi, n) for lo, hi, n in runs)
+        return tuple((lo, hi, h) for lo, hi, h in runs)
 
     def _with_replica_grads(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a view of it: no copy) whose replicated components' gradients are summed over

@@ -54,7 +54,7 @@ def _owned_pieces(t: torch.Tensor, placement: Placement, tp: TPGroup) -> Iterato
     held by several ranks (replicated KV heads) only on the first of them."""
     assert isinstance(placement, Sharded)
     for part, piece in zip(placement.parts, placement.pieces(tp.rank, tp.size)):
-        if tp.rank % (tp.size // part.shards) == 0:
+        if tp.rank in part.first_holders(tp.size):
             yield t.narrow(placement.dim, piece.local_start, piece.length)
 
 
@@ -119,7 +119,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
             if dp_mesh is None:
                 contributions = [norm(t) for t in _owned_pieces(local, placement, tp)]
             elif all(part.shards == tp.size for part in placement.parts):
-                contributions = [norm(local)]  # no piece is replicated over TP: the whole dp shard counts
+                # no piece is replicated over TP: the whole dp shard counts (padding rows are zero)
+                contributions = [norm(local)]
             else:  # replicated KV pieces: gather the dp shards (this one parameter), then cut the pieces
                 local, dp_mesh = g.full_tensor(), None
                 contributions = [norm(t) for t in _owned_pieces(local, placement, tp)]
@@ -145,9 +146,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     return total_norm.to(grads[0][1].dtype if grads else torch.get_default_dtype())
 
 
-def _replica_items(model: nn.Module, tp: TPGroup, grads: bool) -> List[Tuple[str, Optional[torch.Tensor], int]]:
-    """(label, tensor or None, replica set) of everything that must be bitwise equal across some ranks;
-    the replica set is a stride: ranks with equal ``rank // stride`` hold the same thing (p: all ranks).
+ReplicaSets = Tuple[Tuple[int, ...], ...]
+
+
+def _replica_items(model: nn.Module, tp: TPGroup, grads: bool) -> List[Tuple[str, Optional[torch.Tensor], ReplicaSets]]:
+    """(label, tensor or None, replica sets) of everything that must be bitwise equal across some ranks;
+    the replica sets: the ranks holding the same thing (all ranks, or the holders of each KV head).
     A gradient gets its entry even when it is None, so every rank lists the same items."""
     placements: Dict[str, Placement] = model_placements(model)
     items = []
@@ -156,13 +160,14 @@ def _replica_items(model: nn.Module, tp: TPGroup, grads: bool) -> List[Tuple[str
         kinds = [("value", p)] + ([("gradient", p.grad)] if grads else [])
         for kind, t in kinds:
             if placement is None or not placement.is_sharded:
-                items.append((f"'{name}' {kind}", t, tp.size))
+                items.append((f"'{name}' {kind}", t, (tuple(range(tp.size)),)))
                 continue
             for i, (part, piece) in enumerate(zip(placement.parts, placement.pieces(tp.rank, tp.size))):
-                if part.shards < tp.size:  # replicas of one piece on size // shards consecutive ranks
+                holders = part.holder_counts(tp.size)
+                if max(holders) > 1:  # replicas of each piece on consecutive ranks (the label: the same on all)
                     local = None if t is None else t.narrow(placement.dim, piece.local_start, piece.length)
-                    items.append((f"'{name}' {kind} (part {i}, a piece held by {tp.size // part.shards} ranks)",
-                                  local, tp.size // part.shards))
+                    items.append((f"'{name}' {kind} (part {i}, pieces held by {'/'.join(map(str, holders))} ranks)",
+                                  local, part.replica_sets(tp.size)))
     return items
 
 
@@ -248,9 +253,9 @@ def check_replicas(model: nn.Module, *, group: GroupLike = None, grads: bool = T
         raise AssertionError(f"check_replicas: the zero padding of an uneven split is nonzero on rank(s) {dirty}{mine}: "
                              "the padding rows past a rank's piece must stay zero (a row-parallel layer masks its "
                              "padded input features; a weight loaded or set by hand must keep them zero)")
-    for j, (label, _, stride) in enumerate(items):
-        for start in range(0, tp.size, stride):
-            message = _mismatch(label, list(range(start, start + stride)), every, j)
+    for j, (label, _, sets) in enumerate(items):
+        for ranks in sets:
+            message = _mismatch(label, list(ranks), every, j)
             if message is not None:
                 raise AssertionError(f"check_replicas: {message}")
     return len(items)

@@ -40,7 +40,7 @@ from ..core.comm import copy_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Sharded
 from .base import TensorParallelModule
-from .fused import with_replica_grads
+from .fused import ReplicaRun, with_replica_grads
 
 __all__ = ["is_peft_lora", "prepare_lora", "LoRAPiece", "FullWidthDropout"]
 
@@ -74,11 +74,14 @@ class LoRAPiece(TensorParallelModule):
     hooks :func:`prepare_lora` installs on ``lora_A`` do it)."""
 
     def __init__(self, weight: torch.Tensor, placement: Sharded, *, group: GroupLike,
-                 replica_runs: Tuple[Tuple[int, int, int], ...] = ()) -> None:
+                 replica_runs: Tuple[ReplicaRun, ...] = ()) -> None:
         super().__init__()
         self.group = resolve_group(group)
         self.placement = placement
-        self.replica_runs = tuple(replica_runs)  # (start, stop, shards): local rows held by several ranks
+        self.replica_runs = tuple(replica_runs)  # (start, stop, holders): local rows held by several ranks
+        # a row layer's lora_A over an uneven split: this rank's real input features (the rest is padding)
+        self.in_features_real = (placement.pieces(self.group.rank, self.group.size)[0].length
+                                 if placement.dim == 1 and len(placement.parts) == 1 else weight.shape[1])
         self.out_features, self.in_features = weight.shape  # local
         self.weight = nn.Parameter(weight)
 
@@ -93,6 +96,8 @@ class LoRAPiece(TensorParallelModule):
         return piece
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out), local sizes
+        if self.in_features_real < self.in_features:  # padding features: masked, as RowParallelLinear does
+            x = x * (torch.arange(x.shape[-1], device=x.device) < self.in_features_real).to(x.dtype)
         # rows of a KV head other ranks hold too: their gradient summed there, as the base layer's
         return F.linear(x, with_replica_grads(self.weight, self.replica_runs, self.group))
 
