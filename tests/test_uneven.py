@@ -162,3 +162,78 @@ def test_check_replicas_finds_nonzero_padding_on_every_rank():
     messages = get_world(2).run(_dirty_padding)
     assert all("zero padding of an uneven split is nonzero on rank(s) [1]" in m for m in messages), messages
     assert "'fc1.weight' value" in messages[1]
+
+
+# ------------------------------------------------------------------ checkpoints across even and uneven layouts
+
+
+def _llama(seed):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=90, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False, pad_token_id=None)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def _uneven_checkpoint(group, path: str, mode: str):
+    """6 heads / 2 KV heads, ffn 90: TP 4 uneven (query heads 2, 1, 2, 1; ffn 23, 23, 22, 22), TP 3 uneven
+    (KV heads held by 2 and 1 ranks), TP 2 even. ``save``: one SGD step, then a DCP checkpoint and a dense
+    file; ``dcp``: load the checkpoint into a model built from other weights; ``dense``: the dense file into a
+    model built on the meta device."""
+    from tplayers.testing import dense_parameters
+    if mode == "dense":
+        with torch.device("meta"):
+            model = _llama(0)
+        tplayers.parallelize(model, "auto", group=group, audit=False)
+        model.to_empty(device="cpu")
+        model.model.rotary_emb.inv_freq = _llama(0).model.rotary_emb.inv_freq  # a buffer to_empty leaves empty
+        with torch.no_grad():  # what to_empty may leave in memory: load_dense writes the padding (zeros) too
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        tplayers.load_dense(model, f"{path}/dense.safetensors")
+    else:
+        model = tplayers.parallelize(_llama(0 if mode == "save" else 1), "auto", group=group, audit=False)
+        if mode == "dcp":
+            with torch.no_grad():  # load_checkpoint zeroes the padding too
+                for p in model.parameters():
+                    p.fill_(float("nan"))
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    if mode == "save":
+        model(ids, labels=ids).loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+        tplayers.save_checkpoint(model, f"{path}/dcp")
+        tplayers.save_dense(model, f"{path}/dense.safetensors")
+    elif mode == "dcp":
+        tplayers.load_checkpoint(model, f"{path}/dcp")
+    tplayers.check_replicas(model, grads=False)  # the padding rows are zero after every load
+    with torch.no_grad():
+        logits = model(ids).logits
+    return dense_parameters(model), logits
+
+
+def test_checkpoints_reshard_between_even_and_uneven_layouts(tmp_path):
+    saved, logits = get_world(4).run(_uneven_checkpoint, str(tmp_path), "save")[0]
+    for tp, mode in ((2, "dcp"), (3, "dcp"), (3, "dense")):
+        for loaded, loaded_logits in get_world(tp).run(_uneven_checkpoint, str(tmp_path), mode):
+            assert loaded.keys() == saved.keys()
+            for name, tensor in saved.items():
+                assert torch.equal(loaded[name], tensor), (tp, mode, name)
+            torch.testing.assert_close(loaded_logits, logits, rtol=1e-12, atol=1e-12)
+
+
+def _uneven_coverage(group):
+    model = tplayers.parallelize(_llama(0), "auto", group=group, audit=False)
+    report = tplayers.coverage(model)
+    return report.uneven, report.largest_share, str(report)
+
+
+def test_coverage_reports_the_imbalance():
+    """6 heads / 2 KV heads and ffn 90 at TP 4: the query heads 2, 1, 2, 1 and the ffn 23, 23, 22, 22 rows
+    per rank; rank 0 holds more than an even share, and the report says how much."""
+    uneven, share, text = get_world(4).run(_uneven_coverage)[0]
+    assert uneven["model.layers.0.self_attn.q_proj.weight"] == "16, 8, 16, 8 (padded to 16)"
+    assert uneven["model.layers.1.mlp.down_proj.weight"] == "23, 23, 22, 22 (padded to 23)"
+    assert "model.layers.0.self_attn.k_proj.weight" not in uneven  # each KV head on two ranks: even
+    assert 1.05 < share < 1.1, share
+    assert f"the largest rank holds {share:.3f}x an even split's share" in text

@@ -35,6 +35,8 @@ class CoverageReport:
     sharded_params: int = 0  # dense element count of the sharded parameters
     total_params: int = 0  # dense element count of every parameter (tied ones once)
     audit: Any = None  # the AuditReport (tplayers.convert.audit): each distinct region vs its dense twin
+    uneven: Dict[str, str] = field(default_factory=dict)  # parameter -> its rows per rank, where they differ
+    largest_share: float = 1.0  # the most a rank holds of the sharded parameters, over an even split's share
 
     @property
     def sharded_fraction(self) -> float:
@@ -47,8 +49,12 @@ class CoverageReport:
     def __str__(self) -> str:
         lines = [f"tplayers coverage of {self.model} (plan '{self.plan}'): {self.sharded_fraction:.1%} of "
                  f"{self.total_params:,} parameters sharded"]
+        if self.uneven:
+            lines.append(f"  uneven splits: the largest rank holds {self.largest_share:.3f}x an even split's share of "
+                         "the sharded parameters (every rank is padded to it)")
         lines += _section("TP layers", _grouped(f"{n}: {v}" for n, v in self.layers.items()))
         lines += _section("replicated parameters", _grouped(f"{n}: {v}" for n, v in self.replicated.items()))
+        lines += _section("uneven splits (rows per rank)", _grouped(f"{n}: {v}" for n, v in self.uneven.items()))
         lines += _section("left dense (no plan entry)", _grouped(self.dense_layers))
         lines += _section("left out", _grouped(f"{n}: {v}" for n, v in self.skipped.items()))
         lines += _section("plan patterns that matched nothing", self.unmatched)
@@ -81,11 +87,19 @@ def build_report(model: nn.Module, plan_name: str, layers: Dict[str, str], named
     placements = model_placements(model)
     tp_prefixes = [f"{n}." for n, m in model.named_modules() if isinstance(m, TensorParallelModule)]
     replicated: Dict[str, str] = {}
+    uneven: Dict[str, str] = {}
+    tp_size = next((m.group.size for m in model.modules() if isinstance(m, TensorParallelModule)), 1)
+    held = [0] * tp_size  # the sharded elements each rank holds (its real rows, not padding)
     sharded = total = 0
     for name, param in model.named_parameters():
         placement = placements.get(name)
         if isinstance(placement, Sharded):
             numel = math.prod(placement.full_shape(tuple(param.shape)))
+            per_row = numel // max(placement.full_size, 1)
+            rows = [sum(p.length for p in placement.pieces(r, tp_size)) for r in range(tp_size)]
+            held = [h + n * per_row for h, n in zip(held, rows)]
+            if len(set(rows)) > 1:
+                uneven[name] = f"{', '.join(map(str, rows))} (padded to {placement.local_size})"
             sharded += numel
         else:
             numel = param.numel()
@@ -97,7 +111,8 @@ def build_report(model: nn.Module, plan_name: str, layers: Dict[str, str], named
              and n not in skipped and not any(n.startswith(p) for p in tp_prefixes)]
     return CoverageReport(plan=plan_name, model=type(model).__name__, layers=layers, replicated=replicated,
                           dense_layers=dense, unmatched=list(unmatched), skipped=dict(skipped),
-                          sharded_params=sharded, total_params=total)
+                          sharded_params=sharded, total_params=total, uneven=uneven,
+                          largest_share=max(held) * tp_size / sum(held) if sum(held) else 1.0)
 
 
 def coverage(model: nn.Module) -> CoverageReport:

@@ -96,6 +96,9 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
         p, r, d = e.group.size, e.group.rank, e.layout.dim
         for key, full_off, part, piece in parts_of(e):
             local = t.narrow(d, piece.local_start, piece.length)
+            if not for_save and piece.length < part.local_size:  # padding (uneven pieces, a padded vocabulary):
+                pad = t.narrow(d, piece.local_start + piece.length, part.local_size - piece.length)
+                post.append((torch.zeros_like(pad), pad))  # zero after the load, whatever to_empty left there
             shape = list(t.shape)
             shape[d] = part.size
             shape_t = tuple(shape)
