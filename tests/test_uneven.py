@@ -1,6 +1,8 @@
 """Uneven sharding (issue 28): heads, KV heads and ffn that do not divide the TP degree, split as
 evenly as possible through the placement contract (``Part.counts``), every rank padded to the largest
 piece with zero rows that stay zero. Pure placement checks, then layers and HF models against dense."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -237,3 +239,34 @@ def test_coverage_reports_the_imbalance():
     assert "model.layers.0.self_attn.k_proj.weight" not in uneven  # each KV head on two ranks: even
     assert 1.05 < share < 1.1, share
     assert f"the largest rank holds {share:.3f}x an even split's share" in text
+
+
+# ------------------------------------------------------------------ Qwen2.5-7B's heads at TP 8
+
+
+def _qwen_heads_at_tp8(group):
+    """28 query heads and 4 KV heads (Qwen2.5-7B's), head_dim 2, at TP 8: each KV head on two ranks, its 7
+    query heads 4 + 3. Logits and every gradient against the dense model, float64."""
+    from tplayers.testing import dense_parameters
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=56, intermediate_size=36, num_hidden_layers=1,
+                                      num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32,
+                                      tie_word_embeddings=False, pad_token_id=None)
+    torch.manual_seed(0)
+    dense = transformers.Qwen2ForCausalLM(config).double()
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    out_d, out_t = dense(ids, labels=ids), model(ids, labels=ids)
+    out_d.loss.backward(), out_t.loss.backward()
+    grads = dense_parameters(model, grads=True)
+    errors = [float((out_t.logits - out_d.logits).abs().max())]
+    errors += [float((grads[n] - p.grad).abs().max() / p.grad.abs().max()) for n, p in dense.named_parameters()]
+    tplayers.check_replicas(model)
+    attn = model.model.layers[0].self_attn
+    return max(errors), attn.q_proj.weight.shape[0] // 2, attn.num_key_value_groups
+
+
+def test_qwen2_5_7b_heads_at_tp8_match_dense():
+    """Refused before (28 % 8); Megatron, vLLM and DTensor plans refuse it too."""
+    for error, local_heads, groups in get_world(8).run(_qwen_heads_at_tp8):
+        assert error < 1e-12 and local_heads == 4 and groups == 4, (error, local_heads, groups)
