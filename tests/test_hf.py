@@ -98,20 +98,21 @@ def test_gpt2_vocab_not_divisible_by_tp_is_padded_and_stays_tied():
         assert err < 1e-9 and "ParallelLMHead" in swapped
 
 
-def _kv_heads_do_not_fit(group):
-    model = _llama(kv_heads=3, heads=12)
-    with pytest.raises(ValueError, match=r"module 'model.layers.0.self_attn.k_proj'.*config.num_key_value_heads=3 "
-                                         r"is fewer than the TP degree 4 and does not divide it"):
-        tplayers.parallelize(model, "llama", group=group)
-    model = _llama(kv_heads=2, heads=6)
-    with pytest.raises(ValueError, match=r"module 'model.layers.0.self_attn': config.num_attention_heads=6 "
-                                         r"is not divisible by the TP degree 4"):
-        tplayers.parallelize(model, "llama", group=group)
-    return True
+def _heads_that_do_not_divide(group, heads: int, kv_heads: int, sequence_parallel: bool):
+    """Refused by the "llama" plan before (3 KV heads at TP 4; 6 heads at TP 4): now whole heads as evenly as
+    possible, equal to dense, with and without sequence parallelism."""
+    dense = _llama(kv_heads=kv_heads, heads=heads, seed=3)
+    model = tplayers.parallelize(copy.deepcopy(dense), "llama", group=group, sequence_parallel=sequence_parallel)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    _assert_lm_matches(model, dense, ids)
+    tplayers.check_replicas(model)
+    return sorted(tplayers.coverage(model).uneven)
 
 
-def test_llama_plan_names_the_module_when_heads_do_not_fit():
-    assert all(get_world(4).run(_kv_heads_do_not_fit))
+@pytest.mark.parametrize("heads, kv_heads, sequence_parallel", [(12, 3, False), (6, 2, True)])
+def test_llama_plan_splits_heads_that_do_not_divide_the_tp_degree(heads, kv_heads, sequence_parallel):
+    for uneven in get_world(4).run(_heads_that_do_not_divide, heads, kv_heads, sequence_parallel):
+        assert "model.layers.0.self_attn.q_proj.weight" in uneven, uneven
 
 
 def _hf_roundtrip(group, src_dir: str, out_dir: str):

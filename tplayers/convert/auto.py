@@ -36,12 +36,10 @@ from typing import Callable, Dict, List, Optional, Union
 
 import torch.nn as nn
 
-from .plan import Plan, local_head_attrs
-from ..core.placement import head_parts
+from .plan import Plan, local_attention_attrs
 from .plans import MODEL_TYPES, PLANS
 from .sequence import ReplicateReduceGrad
-from .styles import (Column, Experts, KVColumn, LatentKV, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding,
-                     VocabHead, attention_heads)
+from .styles import Column, Experts, KVColumn, LatentKV, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding, VocabHead
 
 __all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "translate_style"]
 
@@ -264,6 +262,9 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
         layers[f"{attn}.q_proj"] = Column(heads=True)
         if f"{attn}.o_proj" in layers:
             layers[f"{attn}.o_proj"] = Row(heads=True)
+        for kv in ("k_proj", "v_proj"):
+            if layers.get(f"{attn}.{kv}") == KVColumn():
+                layers[f"{attn}.{kv}"] = KVColumn(uneven=True)
     for name, style in list(layers.items()):  # an MLP's ffn that does not divide: as evenly as possible
         if name.rpartition(".")[2] in _FFN_PROJECTIONS and type(style) in (Column, Row) and style == type(style)():
             layers[name] = type(style)(uneven=True)
@@ -276,25 +277,8 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
         # fused [q; k; v] projections (GPT-NeoX's query_key_value, CodeGen's qkv_proj) and MLA's q_b / kv_b are
         # cut evenly by rows: their heads must divide the TP degree
         require_divisible={n: ("config.num_attention_heads",) for n in attention if n not in by_heads},
-        set_attrs={n: _local_attention_attrs for n in attention})
+        set_attrs={n: local_attention_attrs for n in attention})
     return AutoPlan(plan=plan, sources={k: hf[k] for k in hf}, unmatched=unmatched, skipped=skipped)
-
-
-def _local_attention_attrs(attn: nn.Module, tp_size: int) -> Dict[str, int]:
-    """:func:`~tplayers.convert.plan.local_head_attrs`, and ``hidden_size`` (older transformers reshape the
-    attention's output by it) at the local heads' width, where the attention keeps it."""
-    local = local_head_attrs(attn, tp_size)
-    heads, _ = attention_heads(attn)
-    hidden = getattr(attn, "hidden_size", None)
-    if heads and isinstance(hidden, int) and not isinstance(hidden, bool):
-        if hidden % heads == 0:
-            local["hidden_size"] = hidden // heads * head_parts(heads, attention_heads(attn)[1], 1, tp_size)[0].local_size
-        elif hidden % tp_size == 0:
-            local["hidden_size"] = hidden // tp_size
-        else:
-            raise ValueError(f"parallelize: {type(attn).__name__}.hidden_size={hidden} is neither whole heads of its "
-                             f"{heads} heads nor divisible by the TP degree {tp_size}")
-    return local
 
 
 def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: Dict[str, List[str]], param_keys: set,

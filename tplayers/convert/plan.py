@@ -17,7 +17,7 @@ from ..core.placement import head_parts
 from .sequence import GatherSequence, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
 from .styles import Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead, attention_heads
 
-__all__ = ["Plan", "STYLE_NAMES", "local_head_attrs", "resolve_style", "sequence_parallel_variant"]
+__all__ = ["Plan", "STYLE_NAMES", "local_attention_attrs", "local_head_attrs", "resolve_style", "sequence_parallel_variant"]
 
 #: The style names a plan may use as strings (``{"blocks.*.fc1": "column"}``) -> the style each stands for.
 STYLE_NAMES: Dict[str, Style] = {
@@ -84,6 +84,23 @@ def local_head_attrs(attn: nn.Module, tp_size: int) -> Dict[str, int]:
              "num_key_value_groups": local_heads // local_kv}
     return {attr: value for attr, value in local.items()
             if isinstance(getattr(attn, attr, None), int) and not isinstance(getattr(attn, attr), bool)}
+
+
+def local_attention_attrs(attn: nn.Module, tp_size: int) -> Dict[str, int]:
+    """:func:`local_head_attrs`, and ``hidden_size`` (older transformers reshape the
+    attention's output by it) at the local heads' width, where the attention keeps it."""
+    local = local_head_attrs(attn, tp_size)
+    heads, _ = attention_heads(attn)
+    hidden = getattr(attn, "hidden_size", None)
+    if heads and isinstance(hidden, int) and not isinstance(hidden, bool):
+        if hidden % heads == 0:
+            local["hidden_size"] = hidden // heads * head_parts(heads, attention_heads(attn)[1], 1, tp_size)[0].local_size
+        elif hidden % tp_size == 0:
+            local["hidden_size"] = hidden // tp_size
+        else:
+            raise ValueError(f"parallelize: {type(attn).__name__}.hidden_size={hidden} is neither whole heads of its "
+                             f"{heads} heads nor divisible by the TP degree {tp_size}")
+    return local
 
 
 def sequence_parallel_variant(plan: Plan, first_block: Sequence[str], norms: Sequence[str], final_norm: Sequence[str],

@@ -345,9 +345,13 @@ class KVColumn:
     else each KV head is held by ``p / num_kv_heads`` consecutive ranks (replicas whose gradients
     are summed). ``kv_heads``: the count, or the dotted attribute path on the parent module (the
     attention) that holds it; None (default): the attention's KV heads as :func:`attention_heads`
-    reads them (Hugging Face's ``config.num_key_value_heads``; multi-head attention: its heads)."""
+    reads them (Hugging Face's ``config.num_key_value_heads``; multi-head attention: its heads).
+    ``uneven``: KV heads that do not divide the TP degree (nor divide it) are cut as evenly as possible
+    (:func:`~tplayers.core.placement.kv_part`) instead of refused; the query projection must then be
+    ``Column(heads=True)`` and the output projection ``Row(heads=True)`` (a plain column would not follow)."""
 
     kv_heads: Union[None, int, str] = None
+    uneven: bool = False
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         if is_peft_lora(module):
@@ -369,6 +373,8 @@ class KVColumn:
         if count < 1 or module.out_features % count:
             raise ValueError(f"kv_column: '{ctx.name}' has out_features={module.out_features}, not whole heads of "
                              f"{where}={count} KV heads")
+        if not self.uneven:
+            kv_shards(count, ctx.group.size, "kv_column", where)  # refuses what does not split or replicate evenly
         part = kv_part(count, module.out_features // count, ctx.group.size, "kv_column", where)
         if part.shards == ctx.group.size:  # whole KV heads per rank (evenly, or as evenly as possible)
             return Built(ColumnParallelLinear.from_dense(module, group=ctx.group,

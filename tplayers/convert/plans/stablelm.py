@@ -22,7 +22,7 @@ from ...core.groups import TPGroup
 from ...core.placement import Replicated, kv_shards, require_divisible
 from ...layers.base import PLACEMENTS_ATTR
 from ..plan import Plan
-from ..styles import BuildContext, Built, attention_heads
+from ..styles import BuildContext, Built, KVColumn, attention_heads
 from . import llama
 
 __all__ = ["PLAN", "LocalHeadNorms"]
@@ -101,8 +101,11 @@ PLAN = Plan(
     layers={**{pattern: style for pattern, style in llama.PLAN.layers.items()
                if not pattern.endswith(("q_norm", "k_norm"))},
             "*layers.*.self_attn.q_layernorm": LocalHeadNorms(),
-            "*layers.*.self_attn.k_layernorm": LocalHeadNorms(kv=True)},
-    divide_attrs=dict(llama.PLAN.divide_attrs),
-    require_divisible=dict(llama.PLAN.require_divisible),
+            "*layers.*.self_attn.k_layernorm": LocalHeadNorms(kv=True),
+            # LocalHeadNorms picks each rank's heads' norms by the even split: heads must divide the TP degree,
+            # KV heads divide it or be divided by it (kv_shards)
+            "*layers.*.self_attn.k_proj": KVColumn(),
+            "*layers.*.self_attn.v_proj": KVColumn()},
+    require_divisible={"*layers.*.self_attn": ("config.num_attention_heads",)},
     set_attrs=dict(llama.PLAN.set_attrs),
 )
