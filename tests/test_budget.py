@@ -152,3 +152,37 @@ def test_budget_for_hf_reads_the_config_and_names_what_is_missing():
         tplayers.megatron_budget_for_hf(dense, (2, 5))
     with pytest.raises(ValueError, match="has no Hugging Face config with num_hidden_layers, hidden_size, vocab_size"):
         tplayers.megatron_budget_for_hf(torch.nn.Linear(2, 2), (2, 5), tp_size=2)
+
+
+# ---------------------------------------------------------------------------- tplayers bench --module hf:llama
+
+
+TINY_HF = ["--tp", "2", "--batch", "2", "--seq", "8", "--hidden", "16", "--ffn", "32", "--heads", "2",
+           "--no-progress"]
+
+
+def test_bench_hf_llama_prints_measured_against_the_budget(capsys):
+    pytest.importorskip("transformers")
+    from tplayers.cli import main
+
+    assert main(["bench", "--module", "hf:llama", *TINY_HF]) == 0
+    out = capsys.readouterr().out
+    assert "measured vs Megatron-layout budget: 2 decoder layers, [b, s, h]=[2, 8, 16]" in out
+    total = [line for line in out.splitlines() if line.startswith("total") and " all " in line]
+    assert len(total) == 1 and total[0].split()[-1] == "1.00", out  # "auto" Llama: exactly the layout's minimum
+    assert main(["bench", "--module", "hf:llama", *TINY_HF, "--loss-parallel", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["schema"] == "tplayers-bench-budget/1" and report["config"]["module"] == "hf:llama"
+    assert report["totals"]["all"]["ratio"] == 1.0
+    assert {(r["op"], r["phase"]) for r in report["rows"]} == {("all_reduce", "forward"), ("all_reduce", "backward")}
+
+
+def test_bench_hf_refuses_what_it_cannot_do(capsys):
+    from tplayers.cli import main
+
+    assert main(["bench", "--module", "hf:llama", "--simulate", "--no-progress"]) == 2
+    assert "--simulate" in capsys.readouterr().err
+    assert main(["bench", "--module", "mlp", "--loss-parallel", "--no-progress"]) == 2
+    assert "--loss-parallel applies to --module hf:" in capsys.readouterr().err
+    assert main(["bench", "--module", "hf:qwen2", "--sequence-parallel", "--no-progress"]) == 2
+    assert "no sequence-parallel plan" in capsys.readouterr().err

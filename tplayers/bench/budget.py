@@ -55,8 +55,8 @@ import torch.nn as nn
 
 from ..layers.base import TensorParallelModule
 
-__all__ = ["BudgetItem", "CommBudget", "BudgetComparison", "megatron_budget", "megatron_budget_for_hf",
-           "wire_bytes"]
+__all__ = ["BudgetItem", "CommBudget", "BudgetComparison", "ComparisonRow", "megatron_budget",
+           "megatron_budget_for_hf", "wire_bytes"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 PHASES = ("forward", "backward")
