@@ -72,6 +72,8 @@ def test_budget_tp1_is_empty_and_bad_arguments_are_named():
     assert tplayers.megatron_budget(**SMALL, tp_size=1).items == []
     with pytest.raises(ValueError, match="megatron_budget: layers must be an integer >= 1, got 0"):
         tplayers.megatron_budget(**dict(SMALL, layers=0), tp_size=2)
+    with pytest.raises(ValueError, match=r"seq=5 is not divisible by the TP degree 2 \(sequence parallel\)"):
+        tplayers.megatron_budget(**dict(SMALL, seq=5), tp_size=2, sequence_parallel=True)
     with pytest.raises(ValueError, match="dtype must be a torch.dtype or an element size"):
         tplayers.megatron_budget(**dict(SMALL, dtype="fp32"), tp_size=2)
     assert tplayers.megatron_budget(**dict(SMALL, dtype=2), tp_size=2).total_bytes("all_reduce") == 10 * ACT // 2
@@ -144,10 +146,10 @@ def test_budget_for_hf_reads_the_config_and_names_what_is_missing():
     cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2)
     dense = transformers.LlamaForCausalLM(cfg)  # not parallelized: the TP degree is given
-    b = tplayers.megatron_budget_for_hf(dense, (2, 5), tp_size=4, sequence_parallel=True)
+    b = tplayers.megatron_budget_for_hf(dense, (2, 8), tp_size=4, sequence_parallel=True)
     # 3 layers x 2 RMSNorms + the final one, 16 weights each, float32
     assert b.counts()[("all_reduce", "backward")] == 1 and b.total_bytes("all_reduce", "backward") == 7 * 16 * 4
-    assert b.total_bytes("all_gather", "forward") == 7 * 2 * 5 * 16 * 4 + 2 * 5 * 100 * 4
+    assert b.total_bytes("all_gather", "forward") == 7 * 2 * 8 * 16 * 4 + 2 * 8 * 100 * 4
     with pytest.raises(ValueError, match="pass tp_size= \\(the model has no TP layers\\)"):
         tplayers.megatron_budget_for_hf(dense, (2, 5))
     with pytest.raises(ValueError, match="has no Hugging Face config with num_hidden_layers, hidden_size, vocab_size"):

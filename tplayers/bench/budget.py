@@ -151,6 +151,8 @@ def megatron_budget(*, layers: int, batch: int, seq: int, hidden: int, vocab: in
             raise ValueError(f"megatron_budget: {name} must be an integer >= 1, got {v!r}")
     if norm_params is not None and (not isinstance(norm_params, int) or norm_params < 0):
         raise ValueError(f"megatron_budget: norm_params must be an integer >= 0, got {norm_params!r}")
+    if sequence_parallel and seq % tp_size:
+        raise ValueError(f"megatron_budget: seq={seq} is not divisible by the TP degree {tp_size} (sequence parallel)")
     e = _elements(dtype)
     p, L = tp_size, layers
     act = batch * seq * hidden * e

@@ -152,7 +152,8 @@ def bench_command(args: argparse.Namespace) -> int:
     unused = [flag for flag, given in (("--loss-parallel", args.loss_parallel), ("--layers", args.layers is not None),
                                        ("--vocab", args.vocab is not None)) if given]
     if unused:
-        print(f"tplayers bench: {', '.join(unused)} applies to --module hf:FAMILY only", file=sys.stderr)
+        print(f"tplayers bench: {', '.join(unused)} appl{'y' if len(unused) > 1 else 'ies'} to --module hf:FAMILY only",
+              file=sys.stderr)
         return 2
     try:
         cfg = bench_config(args, tp)
