@@ -62,6 +62,9 @@ FIGURES: Tuple[Figure, ...] = (
            "tplayers verify --model examples.own_model:build --plan examples.own_model:PLAN --tp 1,2,4",
            ("docs/cli.md",), sample=True),
     Figure("bench", "tplayers bench", ("docs/cli.md",), sample=True),
+    Figure("bench-budget", "tplayers bench --module hf:llama", ("docs/cli.md",), sample=True),
+    Figure("bench-budget-sp", "tplayers bench --module hf:llama --sequence-parallel --loss-parallel", ("docs/cli.md",),
+           sample=True),
     Figure("bench-timeline",
            "tplayers bench --module block --batch 2 --seq 256 --hidden 256 --ffn 1024 --heads 8 --iters 20 "
            "--link 0.02/20 --plot docs/bench_timeline.png", ("docs/cli.md", "README.md")),
@@ -86,6 +89,12 @@ def tiny_argv(figure: Figure, plot: Optional[str] = None) -> List[str]:
     if argv[0] == "verify":
         return argv + ["--tp", "2"] + ([] if "--model" in argv else ["-k", "Column->GELU->Row MLP"])
     raise ValueError(f"no tiny form for {figure.command!r}")
+
+
+def counts_only(figure: Figure) -> bool:
+    """A bench figure that counts collectives against their budget (``--module hf:FAMILY``): nothing timed."""
+    argv = figure.argv
+    return "--module" in argv and argv[argv.index("--module") + 1].startswith("hf:")
 
 
 def _env() -> dict:
@@ -136,7 +145,7 @@ def regenerate(figure: Figure) -> None:
     start, end = console_block_lines(text, figure.command)
     lines = text.split("\n")
     out = proc.stdout.rstrip("\n").split("\n")
-    if figure.argv[0] == "bench":  # timings: say when and where they were taken
+    if figure.argv[0] == "bench" and not counts_only(figure):  # timings: say when and where they were taken
         lines[start - 1] = f"$ {figure.command}    {_stamp()}"
     lines[start:end] = out
     path.write_text("\n".join(lines))

@@ -26,6 +26,9 @@ happens but is counted as compute: measure exposure with the default (several qu
 Both are context managers holding explicit objects. They watch core's collectives through core's
 one observer hook (`tplayers.core.collectives.set_observer`), installed while any is active and
 removed after: when none is, a collective costs core one truth test.
+
+``acct.against(budget)`` holds the records against what a layout must communicate
+(:mod:`.budget`: `megatron_budget`, `megatron_budget_for_hf`), per phase and collective.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import torch.nn as nn
 from ..core import collectives
 from ..core.fingerprint import set_collective_checks
 from ..core.groups import TPGroup
+from .budget import BudgetComparison, CommBudget
 from .everywhere import sleep_until, wrap_torch_distributed
 from .link import LinkModel, parse_link
 
@@ -137,6 +141,11 @@ class CommAccounting:
                 "counts": {f"{op}/{phase}": n for (op, phase), n in sorted(self.counts().items())},
                 "bytes": {f"{op}/{phase}": self.total_bytes(op, phase) for op, phase in sorted(self.counts())},
                 "exposed_ms": {"forward": self.exposed_ms("forward"), "backward": self.exposed_ms("backward")}}
+
+    def against(self, budget: CommBudget) -> BudgetComparison:
+        """These records against ``budget`` (e.g. `tplayers.megatron_budget_for_hf`), per phase and
+        collective: counts, bytes, bytes on the wire and measured / budget; ``print`` it for the table."""
+        return BudgetComparison.of(self.records, budget)
 
     def __str__(self) -> str:
         rows = [f"{'op':<15} {'phase':<9} {'count':>5} {'MB':>10} {'exposed ms':>10}"]

@@ -86,21 +86,29 @@ def _add_verify(sub: Any) -> None:
 
 
 def _add_bench(sub: Any) -> None:
+    from ..bench.hf_budget import HF_FAMILIES
     from ..bench.overlap import LAYER_SHAPES, MODES, SHAPES
 
     b = sub.add_parser("bench", help="comm-overlap microbenchmark",
                        description="Time forward+backward of a TP module with the overlapped backward and with "
                                    "blocking collectives, the collectives alone, the matmuls alone, dense torch.nn "
                                    "and naive model parallelism; report the share of communication hidden.")
-    b.add_argument("--module", choices=["mlp", "column", "block"], default=None,
+    b.add_argument("--module", choices=["mlp", "column", "block"] + [f"hf:{f}" for f in HF_FAMILIES], default=None,
                    help="mlp: Column -> GELU -> Row (default); column: one ColumnParallelLinear; "
-                        "block: one ParallelTransformerBlock (attention + MLP)")
+                        "block: one ParallelTransformerBlock (attention + MLP); hf:FAMILY: a tiny Hugging Face "
+                        "causal LM of that family, one step's collectives counted against the Megatron-layout budget "
+                        "(not timed; --batch 2 --seq 64 --hidden 64 --ffn 128 --heads 4 --layers 2 --vocab 256 "
+                        "unless given)")
     b.add_argument("--shape", choices=sorted(SHAPES) + sorted(LAYER_SHAPES), default="comm-heavy",
                    help="named shape: " + "; ".join(f"{k}: {v}" for k, v in SHAPES.items()) + " (default comm-heavy); "
                         "or one real layer (a block): " + ", ".join(LAYER_SHAPES))
     for dim in ("batch", "seq", "hidden", "ffn"):
         b.add_argument(f"--{dim}", type=_positive, default=None, help=f"override the shape's {dim}")
-    b.add_argument("--heads", type=_positive, default=4, help="attention heads of --module block (default 4)")
+    b.add_argument("--heads", type=_positive, default=4, help="attention heads of --module block or hf: (default 4)")
+    b.add_argument("--layers", type=_positive, default=None, help="decoder layers of --module hf: (default 2)")
+    b.add_argument("--vocab", type=_positive, default=None, help="vocabulary of --module hf: (default 256)")
+    b.add_argument("--loss-parallel", action="store_true",
+                   help="--module hf: the loss on vocabulary-split logits (parallelize(loss_parallel=True))")
     b.add_argument("--tp", type=_positive, default=None, help="TP size (default 2; under torchrun: the world size)")
     b.add_argument("--sequence-parallel", action="store_true", help="shard activations along the sequence")
     b.add_argument("--iters", type=_positive, default=None, help="timed iterations per mode (default 50; --quick: 10)")

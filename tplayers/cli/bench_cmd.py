@@ -8,12 +8,14 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
+from ..bench.hf_budget import HF_FAMILIES, HFBudgetConfig, format_hf_budget, run_hf_budget
 from ..bench.link import DEFAULT_CPU_LINK
 from ..bench.overlap import LAYER_SHAPES, MODE_LABELS, SHAPES, BenchConfig, run_overlap_bench
+from ..testing import FORKSERVER_PRELOAD
 from ._launch import run_on_ranks, under_torchrun
 from .output import print_out
 
-__all__ = ["bench_command", "bench_config", "output_problem", "format_report", "plot_report"]
+__all__ = ["bench_command", "bench_config", "hf_budget_config", "output_problem", "format_report", "plot_report"]
 
 
 # ---------------------------------------------------------------------------- the command
@@ -94,9 +96,65 @@ def _link(args: argparse.Namespace, tp: int) -> "tuple[Optional[str], bool]":
     return None, False
 
 
+def hf_budget_config(args: argparse.Namespace, tp: int) -> HFBudgetConfig:
+    """The HFBudgetConfig of ``--module hf:FAMILY`` (ValueError: unusable, with the message to print)."""
+    refused = [flag for flag, given in (("--simulate", args.simulate), ("--plot", args.plot), ("--trace", args.trace),
+                                        ("--link", args.link)) if given]
+    if refused:
+        raise ValueError(f"bench --module {args.module} counts one step's collectives (nothing timed): "
+                         f"{', '.join(refused)} do not apply")
+    defaults = HFBudgetConfig(family="")
+    sizes = {dim: getattr(args, dim) if getattr(args, dim) is not None else getattr(defaults, dim)
+             for dim in ("batch", "seq", "hidden", "ffn", "layers", "vocab")}
+    if args.ffn is None and args.hidden is not None:
+        sizes["ffn"] = 2 * args.hidden
+    cfg = HFBudgetConfig(family=args.module[len("hf:"):], heads=args.heads, dtype=args.dtype, device=args.device,
+                         sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel, seed=args.seed,
+                         **sizes)
+    cfg.check(tp)
+    return cfg
+
+
+def _hf_budget_command(args: argparse.Namespace, tp: int) -> int:
+    """``tplayers bench --module hf:FAMILY``: one counted step on every rank, measured vs budget."""
+    try:
+        cfg = hf_budget_config(args, tp)
+    except ValueError as e:
+        print(f"tplayers {e}", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("transformers") is None:
+        print(f"tplayers bench: --module {args.module} needs transformers: pip install 'tplayers[hf]'", file=sys.stderr)
+        return 2
+    module = f"transformers.models.{HF_FAMILIES[cfg.family][0]}.modeling_{HF_FAMILIES[cfg.family][0]}"
+    if module not in FORKSERVER_PRELOAD:  # spawned ranks fork from a server that imported it once, not each on its own
+        FORKSERVER_PRELOAD.append(module)
+    per_rank, reporter = run_on_ranks(run_hf_budget, cfg, tp=args.tp, device=args.device, backend=args.backend,
+                                      threads=args.threads, timeout_s=args.timeout)
+    if not reporter:
+        return 0
+    result = per_rank[0]
+    print_out(json.dumps(result["report"], indent=2) if args.json else format_hf_budget(result))
+    if args.save:
+        try:
+            with open(args.save, "w") as f:
+                json.dump(result["report"], f, indent=2)
+        except OSError as e:
+            print(f"tplayers bench: could not write the result (printed above): {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def bench_command(args: argparse.Namespace) -> int:
     """``tplayers bench`` with parsed arguments: run, print (table or JSON), save, plot; the exit status."""
     tp = args.tp or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else (8 if args.simulate else 2))
+    if args.module and args.module.startswith("hf:"):
+        return _hf_budget_command(args, tp)
+    unused = [flag for flag, given in (("--loss-parallel", args.loss_parallel), ("--layers", args.layers is not None),
+                                       ("--vocab", args.vocab is not None)) if given]
+    if unused:
+        print(f"tplayers bench: {', '.join(unused)} appl{'y' if len(unused) > 1 else 'ies'} to --module hf:FAMILY only",
+              file=sys.stderr)
+        return 2
     try:
         cfg = bench_config(args, tp)
     except ValueError as e:

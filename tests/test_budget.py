@@ -1,0 +1,190 @@
+"""The Megatron-layout communication budget (tplayers.bench.budget): its figures worked out by hand, a
+measurement held against it, a Hugging Face Llama at TP 2 measured at exactly the budget, and
+``tplayers bench --module hf:llama`` printing the table."""
+import json
+
+import pytest
+import torch
+
+import tplayers
+from tplayers.bench.budget import wire_bytes
+from tplayers.bench.accounting import CommRecord
+from tplayers import testing
+from tplayers.testing import get_world
+
+# the ranks fork from a server that has imported the model code once (as in tests/test_hf.py)
+testing.FORKSERVER_PRELOAD.append("transformers.models.llama.modeling_llama")
+
+# 2 layers, [b, s, h] = [2, 4, 8], vocabulary 10, float32: one (b, s, h) activation = 2*4*8*4 = 256 bytes
+SMALL = dict(layers=2, batch=2, seq=4, hidden=8, vocab=10, dtype=torch.float32)
+ACT = 256
+
+
+def _table(budget):
+    return {f"{op}/{phase}": (n, budget.total_bytes(op, phase)) for (op, phase), n in sorted(budget.counts().items())}
+
+
+def test_budget_without_sequence_parallelism_tp2_logits_gathered():
+    b = tplayers.megatron_budget(**SMALL, tp_size=2)
+    # forward: 2 per layer (o_proj, down_proj) + the embedding; backward: 2 per layer (q/k/v, gate/up) + the
+    # head's input; the logits (2, 4, 10) gathered: 80 floats
+    assert _table(b) == {"all_gather/forward": (1, 2 * 4 * 10 * 4), "all_reduce/backward": (5, 5 * ACT),
+                         "all_reduce/forward": (5, 5 * ACT)}
+    # ring at p = 2: an all-reduce sends its buffer once (2 * 1/2), an all-gather half of it
+    assert b.wire_bytes("all_reduce", "forward") == 5 * ACT
+    assert b.wire_bytes("all_gather", "forward") == 160
+    assert b.wire_bytes() == 5 * ACT + 160 + 5 * ACT
+
+
+def test_budget_without_sequence_parallelism_tp4_vocab_parallel_loss():
+    b = tplayers.megatron_budget(**SMALL, tp_size=4, loss_parallel=True)
+    # the loss: the row maxima (b*s = 8 floats) and (target logit, sum of exps) per row (16 floats); no gather
+    assert _table(b) == {"all_reduce/backward": (5, 5 * ACT), "all_reduce/forward": (7, 5 * ACT + 32 + 64)}
+    assert b.wire_bytes("all_reduce", "forward") == pytest.approx(2 * 3 / 4 * (5 * ACT + 96))
+
+
+def test_budget_with_sequence_parallelism_tp4_vocabulary_padded():
+    b = tplayers.megatron_budget(**SMALL, tp_size=4, sequence_parallel=True)
+    # forward: per layer 2 all-gathers + 2 reduce-scatters, the embedding's reduce-scatter, the head's input
+    # gathered, and the logits (vocabulary 10 padded to 12 at TP 4) gathered
+    # backward: per layer 2 output-gradient gathers, 2 input re-gathers (weight gradients), 2 reduce-scatters;
+    # the head's re-gather and reduce-scatter, the embedding's output gradient gathered; the norms' gradients
+    # ((2*2 + 1) norms of 8 floats) in one all-reduce
+    assert _table(b) == {"all_gather/backward": (10, 10 * ACT), "all_gather/forward": (6, 5 * ACT + 2 * 4 * 12 * 4),
+                         "all_reduce/backward": (1, 5 * 8 * 4), "reduce_scatter/backward": (5, 5 * ACT),
+                         "reduce_scatter/forward": (5, 5 * ACT)}
+    assert b.wire_bytes("all_gather", "forward") == pytest.approx(3 / 4 * (5 * ACT + 384))
+    assert b.wire_bytes("all_reduce", "backward") == pytest.approx(2 * 3 / 4 * 160)
+
+
+def test_budget_with_sequence_parallelism_tp2_same_wire_as_without_for_the_layers():
+    """A ring all-reduce is a reduce-scatter + an all-gather: the layers' forward wire bytes agree."""
+    sp = tplayers.megatron_budget(**SMALL, tp_size=2, sequence_parallel=True, loss_parallel=True, norm_params=0)
+    plain = tplayers.megatron_budget(**SMALL, tp_size=2, loss_parallel=True)
+    assert _table(sp) == {"all_gather/backward": (10, 10 * ACT), "all_gather/forward": (5, 5 * ACT),
+                          "all_reduce/forward": (2, 32 + 64), "reduce_scatter/backward": (5, 5 * ACT),
+                          "reduce_scatter/forward": (5, 5 * ACT)}  # norm_params=0: no norm all-reduce
+    layers_sp = sp.wire_bytes("all_gather", "forward") + sp.wire_bytes("reduce_scatter", "forward") - 2 * ACT / 2
+    assert layers_sp == plain.wire_bytes("all_reduce", "forward") - 2 * (32 + 64) / 2 - ACT
+
+
+def test_budget_tp1_is_empty_and_bad_arguments_are_named():
+    assert tplayers.megatron_budget(**SMALL, tp_size=1).items == []
+    with pytest.raises(ValueError, match="megatron_budget: layers must be an integer >= 1, got 0"):
+        tplayers.megatron_budget(**dict(SMALL, layers=0), tp_size=2)
+    with pytest.raises(ValueError, match=r"seq=5 is not divisible by the TP degree 2 \(sequence parallel\)"):
+        tplayers.megatron_budget(**dict(SMALL, seq=5), tp_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="dtype must be a torch.dtype or an element size"):
+        tplayers.megatron_budget(**dict(SMALL, dtype="fp32"), tp_size=2)
+    assert tplayers.megatron_budget(**dict(SMALL, dtype=2), tp_size=2).total_bytes("all_reduce") == 10 * ACT // 2
+    with pytest.raises(ValueError, match="no ring model for collective 'alltoall'"):
+        wire_bytes("alltoall", 10, 2)
+
+
+def _record(op, phase, nbytes, p=2):
+    return CommRecord(op, nbytes, p, phase, "m", 0.0)
+
+
+def test_accounting_against_budget_rows_ratio_and_extras():
+    budget = tplayers.megatron_budget(**SMALL, tp_size=2)
+    acct = tplayers.CommAccounting()
+    acct.records = ([_record("all_reduce", "forward", ACT)] * 5 + [_record("all_gather", "forward", 320)]
+                    + [_record("all_reduce", "backward", ACT)] * 11          # 6 more than the layout needs
+                    + [_record("broadcast", "forward", 64)])                 # not in the budget at all
+    cmp = acct.against(budget)
+    rows = {(r.op, r.phase): (r.count, r.budget_count, r.nbytes, r.budget_nbytes, r.ratio) for r in cmp.rows}
+    assert rows == {("all_reduce", "forward"): (5, 5, 5 * ACT, 5 * ACT, 1.0),
+                    ("all_gather", "forward"): (1, 1, 320, 320, 1.0),
+                    ("broadcast", "forward"): (1, 0, 64, 0, None),
+                    ("all_reduce", "backward"): (11, 5, 11 * ACT, 5 * ACT, 11 / 5)}
+    assert [(r.op, r.phase) for r in cmp.rows][-1] == ("all_reduce", "backward")  # forward rows first
+    assert cmp.ratio == pytest.approx((5 * ACT + 160 + 64 + 11 * ACT) / (5 * ACT + 160 + 5 * ACT))
+    table = str(cmp)
+    assert "x budget" in table and "2.20" in table and "extra" in table
+    assert json.loads(json.dumps(cmp.as_dict()))["totals"]["backward"]["ratio"] == pytest.approx(2.2)
+    # the accounting's own summaries are unchanged by the comparison
+    assert acct.summary()["counts"]["all_reduce/backward"] == 11 and "exposed ms" in str(acct)
+    with pytest.raises(ValueError, match=r"the budget is for TP 4, but collectives ran on groups of \[2\] ranks"):
+        acct.against(tplayers.megatron_budget(**SMALL, tp_size=4))
+
+
+# ---------------------------------------------------------------------------- a Hugging Face Llama, measured
+
+
+def _llama_step(group, loss_parallel):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
+                      tie_word_embeddings=False)
+    model = tplayers.parallelize(LlamaForCausalLM(cfg).double(), "auto", group=group, loss_parallel=loss_parallel)
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()  # the first step (the audit) ...
+    with tplayers.comm_accounting(model) as acct:  # ... then one counted
+        model(ids, labels=ids).loss.backward()
+    budget = tplayers.megatron_budget_for_hf(model, ids.shape, loss_parallel=loss_parallel)
+    cmp = acct.against(budget)
+    return budget.description, [(r.op, r.phase, r.count, r.budget_count, r.nbytes, r.budget_nbytes) for r in cmp.rows], \
+        cmp.ratio
+
+
+@pytest.mark.parametrize("loss_parallel", [False, True])
+def test_hf_llama_auto_at_tp2_measures_exactly_the_budget(loss_parallel):
+    pytest.importorskip("transformers")
+    act = 2 * 6 * 32 * 8
+    last = ([("all_reduce", "forward", 7, 7, 5 * act + 96 + 192, 5 * act + 96 + 192)] if loss_parallel else
+            [("all_reduce", "forward", 5, 5, 5 * act, 5 * act), ("all_gather", "forward", 1, 1, 2 * 6 * 96 * 8, 2 * 6 * 96 * 8)])
+    for description, rows, ratio in get_world(2).run(_llama_step, loss_parallel):
+        assert description.startswith("2 decoder layers, [b, s, h]=[2, 6, 32], vocab 96, float64, TP 2")
+        assert rows == last + [("all_reduce", "backward", 5, 5, 5 * act, 5 * act)]
+        assert ratio == 1.0
+
+
+def test_budget_for_hf_reads_the_config_and_names_what_is_missing():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    dense = transformers.LlamaForCausalLM(cfg)  # not parallelized: the TP degree is given
+    b = tplayers.megatron_budget_for_hf(dense, (2, 8), tp_size=4, sequence_parallel=True)
+    # 3 layers x 2 RMSNorms + the final one, 16 weights each, float32
+    assert b.counts()[("all_reduce", "backward")] == 1 and b.total_bytes("all_reduce", "backward") == 7 * 16 * 4
+    assert b.total_bytes("all_gather", "forward") == 7 * 2 * 8 * 16 * 4 + 2 * 8 * 100 * 4
+    with pytest.raises(ValueError, match="pass tp_size= \\(the model has no TP layers\\)"):
+        tplayers.megatron_budget_for_hf(dense, (2, 5))
+    with pytest.raises(ValueError, match="has no Hugging Face config with num_hidden_layers, hidden_size, vocab_size"):
+        tplayers.megatron_budget_for_hf(torch.nn.Linear(2, 2), (2, 5), tp_size=2)
+
+
+# ---------------------------------------------------------------------------- tplayers bench --module hf:llama
+
+
+TINY_HF = ["--tp", "2", "--batch", "2", "--seq", "8", "--hidden", "16", "--ffn", "32", "--heads", "2",
+           "--no-progress"]
+
+
+def test_bench_hf_llama_prints_measured_against_the_budget(capsys):
+    pytest.importorskip("transformers")
+    from tplayers.cli import main
+
+    assert main(["bench", "--module", "hf:llama", *TINY_HF]) == 0
+    out = capsys.readouterr().out
+    assert "measured vs Megatron-layout budget: 2 decoder layers, [b, s, h]=[2, 8, 16]" in out
+    total = [line for line in out.splitlines() if line.startswith("total") and " all " in line]
+    assert len(total) == 1 and total[0].split()[-1] == "1.00", out  # "auto" Llama: exactly the layout's minimum
+    assert main(["bench", "--module", "hf:llama", *TINY_HF, "--loss-parallel", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["schema"] == "tplayers-bench-budget/1" and report["config"]["module"] == "hf:llama"
+    assert report["totals"]["all"]["ratio"] == 1.0
+    assert {(r["op"], r["phase"]) for r in report["rows"]} == {("all_reduce", "forward"), ("all_reduce", "backward")}
+
+
+def test_bench_hf_refuses_what_it_cannot_do(capsys):
+    from tplayers.cli import main
+
+    assert main(["bench", "--module", "hf:llama", "--simulate", "--no-progress"]) == 2
+    assert "--simulate" in capsys.readouterr().err
+    assert main(["bench", "--module", "mlp", "--loss-parallel", "--no-progress"]) == 2
+    assert "--loss-parallel applies to --module hf:" in capsys.readouterr().err
+    assert main(["bench", "--module", "hf:qwen2", "--sequence-parallel", "--no-progress"]) == 2
+    assert "no sequence-parallel plan" in capsys.readouterr().err

@@ -1,0 +1,125 @@
+"""``tplayers bench --module hf:FAMILY``: a tiny Hugging Face causal LM of a shipped family, parallelized,
+one forward + backward counted on every rank and held against its Megatron-layout budget
+(:mod:`.budget`). Counted, not timed: the figures are deterministic (the collectives a step issues).
+
+The model is built from a config (random weights, nothing downloaded) with the sizes asked for; the
+first step runs uncounted (it holds the audit's own collectives, once per model), the second is
+counted. ``parallelize(model, "auto")``, or with ``sequence_parallel`` the family's shipped
+sequence-parallel plan (the "auto" plan is the plain TP layout).
+"""
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Tuple
+
+import torch
+
+from ..convert import parallelize
+from ..convert.plans import SP_PLANS
+from ..core.dtypes import DTYPES
+from ..core.groups import GroupLike, resolve_group
+from .accounting import comm_accounting
+from .budget import megatron_budget_for_hf
+
+__all__ = ["HF_FAMILIES", "HFBudgetConfig", "run_hf_budget", "format_hf_budget", "BUDGET_SCHEMA"]
+
+BUDGET_SCHEMA = "tplayers-bench-budget/1"
+
+# family -> (the config's model_type, its causal-LM class); the sizes are set in _config
+HF_FAMILIES: Dict[str, Tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "gpt2": ("gpt2", "GPT2LMHeadModel"),
+}
+
+
+@dataclass(frozen=True)
+class HFBudgetConfig:
+    """What ``tplayers bench --module hf:FAMILY`` builds and runs."""
+
+    family: str
+    layers: int = 2
+    batch: int = 2
+    seq: int = 64
+    hidden: int = 64
+    ffn: int = 128
+    heads: int = 4
+    vocab: int = 256
+    dtype: str = "float32"
+    device: str = "cpu"
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    seed: int = 0
+
+    @property
+    def plan(self) -> str:
+        return self.family if self.sequence_parallel else "auto"
+
+    def check(self, tp: int) -> None:
+        """Clear errors, before any rank starts, for what cannot run."""
+        if self.family not in HF_FAMILIES:
+            raise ValueError(f"bench: no Hugging Face family {self.family!r}; known: {', '.join(HF_FAMILIES)}")
+        if self.sequence_parallel and self.family not in SP_PLANS:
+            raise ValueError(f"bench: --module hf:{self.family} has no sequence-parallel plan (the 'auto' plan is the "
+                             f"plain TP layout; shipped plans with one: {', '.join(sorted(set(SP_PLANS) & set(HF_FAMILIES)))})")
+        if self.hidden % self.heads:
+            raise ValueError(f"bench: hidden={self.hidden} is not divisible by heads={self.heads}")
+        for name, value in (("heads", self.heads), ("ffn", self.ffn)):
+            if value % tp:
+                raise ValueError(f"bench: {name}={value} is not divisible by the TP degree {tp} (hf:{self.family})")
+        if self.sequence_parallel and self.seq % tp:
+            raise ValueError(f"bench: seq={self.seq} is not divisible by the TP degree {tp} (sequence parallel)")
+
+
+def _config(cfg: HFBudgetConfig) -> Any:
+    from transformers import AutoConfig
+
+    model_type, _ = HF_FAMILIES[cfg.family]
+    if model_type == "gpt2":
+        sizes = dict(n_embd=cfg.hidden, n_inner=cfg.ffn, n_layer=cfg.layers, n_head=cfg.heads, n_positions=cfg.seq,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=0)  # GPT-2's own (50256) lies outside a tiny vocabulary
+    else:
+        sizes = dict(hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
+                     num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads, max_position_embeddings=cfg.seq,
+                     tie_word_embeddings=False)
+    return AutoConfig.for_model(model_type, vocab_size=cfg.vocab, **sizes)
+
+
+def run_hf_budget(group: GroupLike, cfg: HFBudgetConfig) -> Dict[str, Any]:
+    """On every rank: build, parallelize, one uncounted step, one counted; the comparison (JSON-ready) and its table."""
+    import transformers
+
+    g = resolve_group(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    torch.manual_seed(cfg.seed)
+    model_class = getattr(transformers, HF_FAMILIES[cfg.family][1])
+    model = model_class(_config(cfg)).to(device, DTYPES[cfg.dtype])
+    model = parallelize(model, cfg.plan, group=g, sequence_parallel=cfg.sequence_parallel,
+                        loss_parallel=cfg.loss_parallel)
+    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(cfg.seed)).to(device)
+    model(ids, labels=ids).loss.backward()  # the first step: the audit's collectives (once per model)
+    with comm_accounting(model) as acct:
+        model(ids, labels=ids).loss.backward()
+    budget = megatron_budget_for_hf(model, tuple(ids.shape), tp_size=g.size, sequence_parallel=cfg.sequence_parallel,
+                                    loss_parallel=cfg.loss_parallel)
+    comparison = acct.against(budget)
+    report = {"schema": BUDGET_SCHEMA, "config": dict(asdict(cfg), module=f"hf:{cfg.family}", plan=cfg.plan),
+              "environment": {"tp": g.size, "device": cfg.device, "torch": torch.__version__,
+                              "transformers": transformers.__version__, "model": type(model).__name__,
+                              "host": platform.node()},
+              **comparison.as_dict()}
+    return {"report": report, "table": str(comparison), "budget": str(budget)}
+
+
+def format_hf_budget(result: Dict[str, Any]) -> str:
+    """The table ``tplayers bench --module hf:FAMILY`` prints."""
+    c, env = result["report"]["config"], result["report"]["environment"]
+    sp = " sequence-parallel" if c["sequence_parallel"] else ""
+    loss = " loss-parallel" if c["loss_parallel"] else ""
+    head = (f"tplayers bench: {c['module']} ({env['model']}, plan '{c['plan']}'{sp}{loss})  tp={env['tp']}  "
+            f"{c['dtype']}  {env['device']}; one forward+backward with labels after a first step, collectives "
+            "counted (not timed)")
+    return "\n".join([head, "", result["table"], "", result["budget"]])
