@@ -32,7 +32,7 @@ def _lora_llama(targets, seed=0, **lora):
     return peft.get_peft_model(base, config)
 
 
-def _train(group, targets, wrapper, dropout=0.0, saved=(), dora=False):
+def _train(group, targets, wrapper, dropout=0.0, saved=(), dora=False, embeds=False, steps=5):
     dense = _lora_llama(targets, lora_dropout=dropout, **({"modules_to_save": list(saved)} if saved else {}),
                         **({"use_dora": True} if dora else {}))
     if dropout:  # training mode: the adapters' dropout draws masks (both models from the same seed each step)
@@ -43,24 +43,23 @@ def _train(group, targets, wrapper, dropout=0.0, saved=(), dora=False):
     opt_d = torch.optim.SGD([p for p in dense.parameters() if p.requires_grad], lr=0.5)
     opt_t = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     g = torch.Generator().manual_seed(1)
-    for step in range(5):
+    for step in range(steps):
         ids = torch.randint(0, VOCAB, (2, 10), generator=g)
-        # DoRA: the embeddings are the input, a leaf on both sides, so the input gradient is compared too
-        embeds = dense.get_input_embeddings()(ids).detach() if dora else None
-        inputs = [{"inputs_embeds": embeds.clone().requires_grad_(True)} if dora else {"input_ids": ids}
-                  for _ in range(2)]
+        # embeds: the embeddings are the input, a leaf on both sides, so the input gradient is compared too
+        x = dense.get_input_embeddings()(ids).detach() if embeds else None
+        inputs = [{"inputs_embeds": x.clone().requires_grad_(True)} if embeds else {"input_ids": ids} for _ in range(2)]
         torch.manual_seed(10 + step)
         out_d = dense(**inputs[0], labels=ids)
         torch.manual_seed(10 + step)
         out_t = model(**inputs[1], labels=ids)
         if step == 0:  # the first forward audited each region, the adapters' twins included
             audit = tplayers.coverage(model if wrapper else model.base_model.model).audit
-            # (DoRA's run feeds embeddings, so the embedding is never called: its audit stays pending)
-            assert all(r.status == "passed" or (dora and r.name.endswith("embed_tokens")) for r in audit.regions), \
+            # (fed embeddings, the embedding is never called: its audit stays pending)
+            assert all(r.status == "passed" or (embeds and r.name.endswith("embed_tokens")) for r in audit.regions), \
                 str(audit)
         torch.testing.assert_close(out_t.logits, out_d.logits, rtol=1e-9, atol=1e-9)
         out_d.loss.backward(), out_t.loss.backward()
-        if dora:
+        if embeds:
             torch.testing.assert_close(inputs[1]["inputs_embeds"].grad, inputs[0]["inputs_embeds"].grad,
                                        rtol=1e-9, atol=1e-12, msg=lambda m: f"step {step}, input gradient: {m}")
         grads = dense_parameters(model, grads=True)
@@ -74,11 +73,13 @@ def _train(group, targets, wrapper, dropout=0.0, saved=(), dora=False):
     params = dense_parameters(model)
     for name, p in dense.named_parameters():
         torch.testing.assert_close(params[name], p.detach(), rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
-    # PEFT's own merge works on the shards: the merged TP model computes the same logits
+    # in eval (no dropout; DoRA reuses the base layer's output), then merged by PEFT's own merge, which works
+    # on the shards: the TP model computes the same logits
     ids = torch.randint(0, VOCAB, (2, 6), generator=g)
     dense.eval(), model.eval()
     with torch.no_grad():
         want = dense(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-9, atol=1e-9)
         model.merge_adapter()
         torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-9, atol=1e-9)
     return str(tplayers.coverage(model if wrapper else model.base_model.model)), len(trained)
@@ -101,19 +102,21 @@ def test_training_a_lora_on_tp_layers_follows_the_dense_lora(tp, wrapper, dropou
             assert "lm_head: PEFT modules_to_save over ParallelLMHead" in report
 
 
-@pytest.mark.parametrize("tp, wrapper, dropout", [(2, False, 0.0), (4, True, 0.1)])
-def test_training_a_dora_on_tp_layers_follows_the_dense_dora(tp, wrapper, dropout):
+@pytest.mark.parametrize("tp, wrapper, dropout, embeds", [(2, False, 0.0, False), (4, True, 0.1, True)])
+def test_training_a_dora_on_tp_layers_follows_the_dense_dora(tp, wrapper, dropout, embeds):
     """DoRA (use_dora=True): the magnitude vector is split like the output rows on column layers (the
     weight norm of a row is local there) and replicated on row layers, whose weight norm spans the split
     input features (the squared norms summed over the group). Output, input gradient and every adapter
     gradient (lora_A, lora_B, the magnitude) follow the dense DoRA for 5 SGD steps, in training with
     lora_dropout 0.1 too (PEFT then recomputes the base term on the dropped input), and PEFT's DoRA merge
-    works on the shards. At TP 4 the 2 KV heads are replicated: v_proj's magnitude rows sum over replicas."""
-    targets = TARGETS + ["v_proj"]
-    for report, trained in get_world(tp).run(_train, targets, wrapper, dropout, (), True):
+    works on the shards. At TP 4 the 2 KV heads are replicated: v_proj's magnitude rows sum over replicas.
+    3 steps: at the first, m = ||W + s B A|| so m / n = 1 and the base term's gradient is zero. TP 2: DoRA on
+    the embedding too (no plan entry matches PEFT's embedding wrapper: it stays whole on every rank)."""
+    targets = TARGETS + ["v_proj"] + ([] if embeds else ["embed_tokens"])
+    for report, trained in get_world(tp).run(_train, targets, wrapper, dropout, (), True, embeds, 3):
         assert "o_proj: PEFT LoRA over RowParallelLinear (x2)" in report
         assert "v_proj: PEFT LoRA over" in report
-        assert trained == 3 * 2 * len(targets)  # lora_A, lora_B and the magnitude of each target, 2 layers
+        assert trained == 3 * (2 * len(TARGETS + ["v_proj"]) + (not embeds))  # lora_A, lora_B and magnitude each
 
 
 def _collectives(group, dora, dropout):
