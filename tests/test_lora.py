@@ -155,6 +155,13 @@ def _refusals(group):
     with pytest.raises(TypeError, match=r"module 'model.layers.0.mlp.up_proj': LoRA variants \['default'\] "
                                         r"\(ALoraLinearVariant\)"):
         tplayers.parallelize(_lora_llama(["up_proj"], alora_invocation_tokens=[5]).base_model.model, "auto", group=group)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=16))
+    gpt2 = peft.get_peft_model(gpt2, peft.LoraConfig(r=4, target_modules=["c_fc"], use_dora=True, fan_in_fan_out=True))
+    with pytest.raises(TypeError, match=r"module 'transformer.h.0.mlp.c_fc': adapter 'default': DoRA as DoraLinearLayer "
+                                        r"with fan_in_fan_out=True is not supported"):
+        tplayers.parallelize(gpt2.base_model.model, "auto", group=group)
     return True
 
 

@@ -88,9 +88,10 @@ def _check_plain_lora(module: nn.Module, name: str) -> None:
     for adapter in _dora_adapters(module):
         magnitude = module.lora_magnitude_vector[adapter]
         if type(magnitude).__name__ != "DoraLinearLayer" or getattr(magnitude, "fan_in_fan_out", False):
-            raise TypeError(f"parallelize: module '{name}': adapter '{adapter}': DoRA on a {type(magnitude).__name__} "
-                            f"(fan_in_fan_out={getattr(magnitude, 'fan_in_fan_out', None)}) is not supported on TP "
-                            "layers: only DoRA on an nn.Linear base (PEFT's DoraLinearLayer) is split")
+            raise TypeError(f"parallelize: module '{name}': adapter '{adapter}': DoRA as {type(magnitude).__name__} "
+                            f"with fan_in_fan_out={getattr(magnitude, 'fan_in_fan_out', None)} is not supported on TP "
+                            "layers: only DoRA over an nn.Linear is split (a TP layer holds a GPT-2 Conv1D's weight as "
+                            "nn.Linear's (out, in), which PEFT's DoRA merge would transpose)")
     if getattr(module, "merged", False):
         raise ValueError(f"parallelize: module '{name}': the LoRA adapter is merged into the base weight; "
                          "unmerge it first (or merge_and_unload() and parallelize the plain model)")
