@@ -270,3 +270,33 @@ def test_qwen2_5_7b_heads_at_tp8_match_dense():
     """Refused before (28 % 8); Megatron, vLLM and DTensor plans refuse it too."""
     for error, local_heads, groups in get_world(8).run(_qwen_heads_at_tp8):
         assert error < 1e-12 and local_heads == 4 and groups == 4, (error, local_heads, groups)
+
+
+# ------------------------------------------------------------------ PEFT LoRA over uneven heads
+
+
+def _lora_over_uneven_heads(group):
+    """LoRA on every linear of the 6 heads / 2 KV heads, ffn 90 Llama at TP 4 (query heads 2, 1, 2, 1: a
+    padded query head attends to a real KV head, so o_proj's lora_A must mask it as the layer does)."""
+    import peft
+    from tplayers.testing import dense_parameters
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    dense = peft.get_peft_model(_llama(0), config)
+    for name, p in dense.named_parameters():  # lora_B starts at zero: give it values so every gradient flows
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, audit=False)
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    out_d, out_t = dense(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    out_d.loss.backward(), out_t.loss.backward()
+    grads = dense_parameters(model, grads=True)
+    errors = [float((out_t.logits - out_d.logits).abs().max())]
+    errors += [float((grads[n] - p.grad).abs().max()) for n, p in dense.named_parameters() if p.requires_grad]
+    tplayers.check_replicas(model)
+    return max(errors), sum(p.requires_grad for p in dense.parameters())
+
+
+def test_lora_over_uneven_heads_matches_dense():
+    pytest.importorskip("peft")
+    for error, trained in get_world(4).run(_lora_over_uneven_heads):
+        assert error < 1e-12 and trained == 28, (error, trained)

@@ -8,9 +8,9 @@ from .vocab import ParallelLMHead, VocabParallelEmbedding
 from .norm import ParallelNorm
 from .gradients import check_replicas, clip_grad_norm_
 from .same_inputs import check_same_inputs, check_same_output_grads
-from .lora import LoRAPiece
+from .lora import DoRAMagnitude, LoRAPiece
 from .experts import ParallelExperts
 
-__all__ = ["LoRAPiece", "TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",
+__all__ = ["LoRAPiece", "DoRAMagnitude", "TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",
            "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "ParallelExperts", "model_placements", "set_overlap", "backward_dw", "pending_wgrad", "use_main_grad", "main_grads_to_grads", "zero_main_grads", "require_divisible",
            "clip_grad_norm_", "check_replicas", "check_same_inputs", "check_same_output_grads"]
