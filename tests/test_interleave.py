@@ -16,7 +16,7 @@ from _helpers import F64, MULTI_RANK, TP_SIZES, _check_block, configs
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
-@settings(max_examples=examples(6))
+@settings(max_examples=examples(4))  # 6 until stop 34 (the slowest property test: suite time)
 @given(config=configs, batch=st.integers(2, 5), seq=st.sampled_from([4, 8]),
        mask_kind=st.sampled_from(["none", "bool", "float"]), sequence_parallel=st.booleans(),
        seed=st.integers(0, 2**16), chunks=st.sampled_from([2, 3, 8]), delay_wgrad=st.booleans(),

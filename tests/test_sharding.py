@@ -79,10 +79,14 @@ def test_qkv_layout_replicates_kv_heads_when_fewer_than_ranks():
     layout = qkv_layout(heads, kv, hd, 4)
     shards = [layout.shard(w, r, 4).squeeze(1).tolist() for r in range(4)]
     assert shards[0] == [0, 1, 8, 9, 10, 11] and shards[3] == [6, 7, 8, 9, 10, 11]
-    with pytest.raises(ValueError, match="num_heads=6 is not divisible by the TP degree 4"):
-        qkv_layout(6, 2, 2, 4)
-    with pytest.raises(ValueError, match="num_kv_heads=3"):
-        qkv_layout(12, 3, 2, 4)
+    # refused before; now whole heads as evenly as possible (tests/test_uneven.py): 6 heads / 2 KV heads at TP 4,
+    # each KV head on two ranks, its 3 query heads 2 + 1; 3 KV heads at TP 4 held by 2, 1, 1 ranks
+    q, k, v = qkv_layout(6, 2, 2, 4).parts
+    assert q.counts == (4, 2, 4, 2) and k == v and k.shards == 2 and k.holders is None
+    q, k, _ = qkv_layout(12, 3, 2, 4).parts
+    assert q.counts == (4, 4, 8, 8) and k.holders == (2, 1, 1)
+    with pytest.raises(ValueError, match="num_heads=6 is not a multiple of num_kv_heads=4"):
+        qkv_layout(6, 4, 2, 2)
 
 
 def test_errors_name_the_parameter():

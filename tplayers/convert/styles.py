@@ -328,8 +328,14 @@ class FusedQKV:
                              f"kv_heads={kv}")
         # heads that do not divide the TP degree stay refused here: the plan's output projection (a plain
         # Row) and the attention's own head attributes would not follow an uneven cut
-        require_divisible(heads, ctx.group.size, layer, "num_heads")
-        kv_shards(kv, ctx.group.size, layer, "num_kv_heads")
+        why = ("; FusedQKV splits whole heads evenly only (the output projection and the attention's head "
+               "attributes of a plan follow an even cut); separate q/k/v projections split unevenly: "
+               "Column(heads=True), KVColumn(uneven=True), Row(heads=True)")
+        try:
+            require_divisible(heads, ctx.group.size, layer, "num_heads")
+            kv_shards(kv, ctx.group.size, layer, "num_kv_heads")
+        except ValueError as e:
+            raise ValueError(f"{e}{why}") from None
         placement = qkv_placement(heads, kv, out // (heads + 2 * kv), ctx.group.size, layer=layer)
         options = dict(parts=[part.size for part in placement.parts],
                        part_shards=[part.shards for part in placement.parts])

@@ -166,8 +166,9 @@ def _replica_items(model: nn.Module, tp: TPGroup, grads: bool) -> List[Tuple[str
                 holders = part.holder_counts(tp.size)
                 if max(holders) > 1:  # replicas of each piece on consecutive ranks (the label: the same on all)
                     local = None if t is None else t.narrow(placement.dim, piece.local_start, piece.length)
-                    items.append((f"'{name}' {kind} (part {i}, pieces held by {'/'.join(map(str, holders))} ranks)",
-                                  local, part.replica_sets(tp.size)))
+                    held = (f"a piece held by {holders[0]} ranks" if len(set(holders)) == 1
+                            else f"pieces held by {'/'.join(map(str, holders))} ranks")
+                    items.append((f"'{name}' {kind} (part {i}, {held})", local, part.replica_sets(tp.size)))
     return items
 
 
