@@ -144,7 +144,7 @@ def _refusals(group):
     with pytest.raises(ValueError, match=r"NoPlan has no tensor-parallel plan of its own .* model_type 'mystery'"):
         tplayers.parallelize(NoPlan(), "auto", group=group)
     toy = _ToyForCausalLM()
-    with pytest.raises(ValueError, match=r"'auto', sequence_parallel=True\): the 'auto' plan is the plain TP layout"):
+    with pytest.raises(ValueError, match=r"'auto', sequence_parallel=True\): the plan splits no attention by heads"):
         tplayers.parallelize(toy, "auto", group=group, sequence_parallel=True)
     toy.config.base_model_tp_plan["layers.*.feed_forward.router"] = "diagonal"
     with pytest.raises(ValueError, match=r"module 'model.layers.0.feed_forward.router' has the unknown Hugging Face "

@@ -187,4 +187,4 @@ def test_bench_hf_refuses_what_it_cannot_do(capsys):
     assert main(["bench", "--module", "mlp", "--loss-parallel", "--no-progress"]) == 2
     assert "--loss-parallel applies to --module hf:" in capsys.readouterr().err
     assert main(["bench", "--module", "hf:qwen2", "--sequence-parallel", "--no-progress"]) == 2
-    assert "no sequence-parallel plan" in capsys.readouterr().err
+    assert "no shipped sequence-parallel plan" in capsys.readouterr().err

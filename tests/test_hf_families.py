@@ -257,6 +257,57 @@ def test_heads_and_ffn_that_do_not_divide_the_tp_degree(family, tp):
         assert plan == "auto" and not skipped and fraction > 0.95
 
 
+def _check_family_sequence_parallel(group, family: str, seed: int):
+    """``parallelize(model, "auto", sequence_parallel=True)``: the residual stream split along the sequence
+    between the TP layers, derived from the model's own plan (issue 26 item 5; refused before). Logits, loss,
+    every gradient, the audit of every region, and greedy generation (which falls back to plain TP for the
+    one-token steps)."""
+    # Gemma's RMSNorm multiplies by its weight in float32: under SP the weight's gradient is a sum of per-rank
+    # float32 partials (dense: one float32 sum over every token), so it agrees to float32's precision (measured
+    # 8e-8 relative, Gemma2 TP 2)
+    tol = {"gemma": 1e-6, "gemma2": 1e-6}.get(family, FLOAT32_NORM_FAMILIES.get(family, 1e-9))
+    dense = _build(family, seed)
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, sequence_parallel=True)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, 4 * group.size()), generator=g)
+    out_d, out_t = dense(ids, labels=ids), model(ids, labels=ids)
+    _close(out_t.logits, out_d.logits, tol, "logits")
+    out_d.loss.backward()
+    out_t.loss.backward()
+    grads = dense_parameters(model, grads=True)
+    for name, p in dense.named_parameters():
+        _close(grads[name], p.grad, tol, f"grad of {name}")
+    tplayers.check_replicas(model)
+    report = tplayers.coverage(model)
+    assert report.audit.passed and all(r.status == "passed" for r in report.audit.regions), str(report.audit)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=g)
+    kw = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, **kw), dense.generate(prompt, **kw))
+    assert not report.skipped, report.skipped  # the norms "auto" leaves out are in the variant's region
+    return report.plan, sorted(n for n, v in report.layers.items() if "sequence" in v.lower())
+
+
+@pytest.mark.parametrize("family, tp", [("llama", 2), ("qwen3", 2), ("gemma2", 2), ("gpt_neox", 2), ("apertus", 2),
+                                        ("mistral_uneven", 4)])
+def test_auto_plan_with_sequence_parallelism_matches_dense(family, tp):
+    _build(family)
+    for plan, sequence_layers in get_world(tp).run(_check_family_sequence_parallel, family, seed=tp):
+        assert plan == "auto+sp" and sequence_layers, (plan, sequence_layers)
+
+
+def _auto_sequence_parallel_refusal(group):
+    with pytest.raises(ValueError, match=r"sequence_parallel=True\): 'model.layers.0.mlp' holds layers styled "
+                                         r"\['Experts'\]; sequence parallelism covers attention, dense MLPs"):
+        tplayers.parallelize(_build("mixtral"), "auto", group=group, sequence_parallel=True)
+    return True
+
+
+def test_auto_sequence_parallelism_refuses_moe_naming_the_module():
+    _build("mixtral")
+    assert all(get_world(2).run(_auto_sequence_parallel_refusal))
+
+
 def _apertus_without_its_addition(group):
     """Apertus' own tp_plan leaves its xIELU activation's learnable scalars (alpha_p, alpha_n) whole between
     up_proj and down_proj: forward exact, their gradients per-rank partial sums. Without tplayers' family

@@ -5,7 +5,7 @@ one forward + backward counted on every rank and held against its Megatron-layou
 The model is built from a config (random weights, nothing downloaded) with the sizes asked for; the
 first step runs uncounted (it holds the audit's own collectives, once per model), the second is
 counted. ``parallelize(model, "auto")``, or with ``sequence_parallel`` the family's shipped
-sequence-parallel plan (the "auto" plan is the plain TP layout).
+sequence-parallel plan (the layout Megatron's budget assumes, and the one the tests compare it with).
 """
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ class HFBudgetConfig:
         if self.family not in HF_FAMILIES:
             raise ValueError(f"bench: no Hugging Face family {self.family!r}; known: {', '.join(HF_FAMILIES)}")
         if self.sequence_parallel and self.family not in SP_PLANS:
-            raise ValueError(f"bench: --module hf:{self.family} has no sequence-parallel plan (the 'auto' plan is the "
-                             f"plain TP layout; shipped plans with one: {', '.join(sorted(set(SP_PLANS) & set(HF_FAMILIES)))})")
+            raise ValueError(f"bench: --module hf:{self.family} has no shipped sequence-parallel plan (shipped plans "
+                             f"with one: {', '.join(sorted(set(SP_PLANS) & set(HF_FAMILIES)))})")
         if self.hidden % self.heads:
             raise ValueError(f"bench: hidden={self.hidden} is not divisible by heads={self.heads}")
         for name, value in (("heads", self.heads), ("ffn", self.ffn)):

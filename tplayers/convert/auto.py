@@ -24,7 +24,8 @@ style name through :data:`HF_STYLES`. What we chose where transformers differs:
 - a model without a plan of its own (GPT-2, OPT, Falcon) gets tplayers' shipped plan for its
   ``config.model_type`` (:data:`~tplayers.convert.plans.MODEL_TYPES`);
 - ``sequence_parallel`` entries (norms inside a sequence-parallel region) are not applied: "auto"
-  is the plain TP layout, its norms see the whole sequence.
+  is the plain TP layout, its norms see the whole sequence; ``parallelize(model, "auto",
+  sequence_parallel=True)`` derives its sequence-parallel variant (:func:`sequence_parallel_auto`).
 
 A style name outside the table is an error naming it and the module.
 """
@@ -36,12 +37,13 @@ from typing import Callable, Dict, List, Optional, Union
 
 import torch.nn as nn
 
-from .plan import Plan, local_attention_attrs
+from .plan import Plan, local_attention_attrs, sequence_parallel_variant
 from .plans import MODEL_TYPES, PLANS
 from .sequence import ReplicateReduceGrad
 from .styles import Column, Experts, KVColumn, LatentKV, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding, VocabHead
 
-__all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "translate_style"]
+__all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "sequence_parallel_auto",
+           "translate_style"]
 
 _KV_PROJECTIONS = ("k_proj", "v_proj")
 # The children of an attention module whose column split divides its heads: the attention's own
@@ -83,7 +85,8 @@ SKIPPED_STYLES: Dict[str, str] = {
     # complete output (its row layers all-reduce), so there is nothing left to sum.
     "gather": "its children's outputs are already complete (tplayers row layers all-reduce)",
     "all_reduce": "its children's outputs are already complete (tplayers row layers all-reduce)",
-    "sequence_parallel": "the 'auto' plan is the plain TP layout: this norm sees the whole sequence",
+    "sequence_parallel": "the 'auto' plan is the plain TP layout: this norm sees the whole sequence (with "
+                         "sequence_parallel=True, the variant derived from the module tree splits it)",
 }
 
 _REFUSED: Dict[str, str] = {
@@ -279,6 +282,72 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
         require_divisible={n: ("config.num_attention_heads",) for n in attention if n not in by_heads},
         set_attrs={n: local_attention_attrs for n in attention})
     return AutoPlan(plan=plan, sources={k: hf[k] for k in hf}, unmatched=unmatched, skipped=skipped)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A normalization layer (``nn.LayerNorm`` or a family's RMSNorm / LayerNorm class): per-token, so it runs on
+    a sequence chunk as it does on the whole sequence."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def sequence_parallel_auto(model: nn.Module, plan: Plan) -> Plan:
+    """The sequence-parallel variant of ``model``'s ``"auto"`` plan (Korthikanti et al., as the shipped
+    ``"llama"`` plan's): the first decoder layer scatters the residual stream along the sequence; the norms
+    directly inside each decoder layer run on this rank's chunk (their gradients summed); each attention takes
+    the gathered sequence (q/k/v stay plain column layers, its output projection reduce-scatters); the MLP's
+    column layers all-gather their input once and its row layer reduce-scatters; the final norm gathers.
+
+    Derived from the module tree, for decoder-only models whose decoder layers sit in one ``nn.ModuleList``,
+    each holding an attention the plan splits by heads and norms and MLPs as direct children. Anything else is
+    refused, naming the module and why (MoE experts, which take every rank's tokens; modules with parameters
+    the variant does not know; a model without a final norm after its layers)."""
+    modules = dict(model.named_modules())
+    attention = sorted(plan.set_attrs)
+    where = "parallelize(model, 'auto', sequence_parallel=True)"
+    if not attention:
+        raise ValueError(f"{where}: the plan splits no attention by heads, so there are no decoder layers to put in a "
+                         "sequence-parallel region; use sequence_parallel=False or a plan of your own")
+    blocks = sorted({a.rpartition(".")[0] for a in attention})
+    lists = sorted({b.rpartition(".")[0] for b in blocks})
+    container = modules.get(lists[0]) if len(lists) == 1 else None
+    if not isinstance(container, nn.ModuleList) or len(container) != len(blocks):
+        raise ValueError(f"{where}: the split attentions {attention[:2]}... are not one per decoder layer of a single "
+                         f"ModuleList (found {lists}); use sequence_parallel=False or a plan of your own")
+    norms: List[str] = []
+    gather: List[str] = []
+    keep: List[str] = []
+    for block in blocks:
+        for child_name, child in modules[block].named_children():
+            name = f"{block}.{child_name}"
+            inside = {n: st for n, st in plan.layers.items() if n.startswith(name + ".") or n == name}
+            if name in attention:
+                gather.append(name)
+                keep += [n for n, st in inside.items() if isinstance(st, (Column, KVColumn))]
+            elif _is_norm(child):
+                norms.append(name)
+            elif inside and all(type(st) in (Column, Row, ReplicateReduceGrad) for st in inside.values()):
+                # an MLP: its column layers gather once, its row layer reduce-scatters; between them (the whole
+                # sequence, split features) an activation's learnable scalars have their gradients summed as before
+                continue
+            elif inside:
+                odd = sorted({type(st).__name__ if not isinstance(st, str) else st for st in inside.values()
+                              if type(st) not in (Column, Row, ReplicateReduceGrad)})
+                raise ValueError(f"{where}: '{name}' holds layers styled {odd}; sequence parallelism covers attention, "
+                                 "dense MLPs (column and row layers) and norms only (MoE experts and their router take "
+                                 "every rank's tokens); use sequence_parallel=False")
+            elif any(True for _ in child.parameters()):
+                raise ValueError(f"{where}: '{name}' ({type(child).__name__}) has parameters outside the plan; the "
+                                 "variant does not know whether it works on a sequence chunk; use sequence_parallel=False "
+                                 "or a plan of your own")
+    base = lists[0].rpartition(".")[0]
+    children = list(modules[base].named_children())
+    after = [n for n, _ in children][[n for n, _ in children].index(lists[0].rpartition(".")[2]) + 1:]
+    final = [f"{base}.{n}" if base else n for n in after if _is_norm(dict(children)[n])]  # registered after the layers
+    if len(final) != 1:
+        raise ValueError(f"{where}: {len(final)} norms registered after '{lists[0]}' in '{base or type(model).__name__}' "
+                         f"({final}); the variant gathers the sequence at the one final norm; use "
+                         "sequence_parallel=False or a plan of your own")
+    return sequence_parallel_variant(plan, [blocks[0]], norms, final[:1], gather_inputs=gather, keep=keep)
 
 
 def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: Dict[str, List[str]], param_keys: set,

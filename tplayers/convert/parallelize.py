@@ -50,7 +50,7 @@ from ..layers.base import TensorParallelModule, placements_of
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.same_inputs import check_same_inputs, check_same_output_grads, check_same_rng_once, has_dropout
 from .audit import AUDIT_ATTR, Auditor, find_regions
-from .auto import auto_plan
+from .auto import auto_plan, sequence_parallel_auto
 from .loss_parallel import apply_loss_parallel
 from .coverage import REPORT_ATTR, build_report
 from .plan import Plan, resolve_style
@@ -291,10 +291,12 @@ def _resolve_plan(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[st
     """(the Plan, Hugging Face plan keys that matched nothing, styles skipped): "auto" translates the
     model's own tp_plan; anything else is a shipped plan's name, a Plan or a dict."""
     if isinstance(plan, str) and plan == "auto":
-        if sequence_parallel:
-            raise ValueError("parallelize(model, 'auto', sequence_parallel=True): the 'auto' plan is the plain TP "
-                             "layout; for sequence parallelism use a shipped plan ('llama', 'gpt2') or your own")
         translated = auto_plan(model, experts=experts)
+        if sequence_parallel and translated.plan.name != "auto":  # a shipped plan stands in for the family
+            return get_plan(translated.plan.name, sequence_parallel=True), translated.unmatched, translated.skipped
+        if sequence_parallel:  # the norms the plain layout left out are in the variant's region now
+            sp = sequence_parallel_auto(model, translated.plan)
+            return sp, translated.unmatched, {n: why for n, why in translated.skipped.items() if n not in sp.layers}
         return translated.plan, translated.unmatched, translated.skipped
     if experts != "ffn":
         raise ValueError(f"parallelize(..., experts={experts!r}) applies to the 'auto' plan; in a plan of your own "
