@@ -35,7 +35,7 @@ def _check_gpt(group, config, batch, seq, sequence_parallel, seed):
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
-@settings(max_examples=examples(4))
+@settings(max_examples=examples(3))  # 4 until stop 34 (suite time: 12 s at TP 4)
 @given(vocab=st.integers(3, 13), activation=st.sampled_from(["gelu", "swiglu"]),
        norm=st.sampled_from(["layernorm", "rmsnorm"]), n_kv=st.sampled_from([1, 2, 4]), batch=st.integers(1, 2),
        sequence_parallel=st.booleans(), seed=st.integers(0, 2**16))

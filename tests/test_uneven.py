@@ -305,3 +305,35 @@ def test_lora_over_uneven_heads_matches_dense():
     pytest.importorskip("peft")
     for error, trained in get_world(4).run(_lora_over_uneven_heads):
         assert error < 1e-12 and trained == 28, (error, trained)
+
+
+# ------------------------------------------------------------------ a packed [gate; up] over an uneven ffn
+
+
+class _DenseGLU(nn.Module):
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False, dtype=F64)  # [gate; up] packed, as Phi-3's
+        self.down = nn.Linear(ffn, hidden, bias=False, dtype=F64)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(torch.sigmoid(gate) * up)
+
+
+def _check_uneven_glu(group, ffn):
+    """The styles "auto" gives a packed gate_up_proj and its down_proj when the ffn does not divide:
+    Column(parts=2, uneven=True) cuts each half as evenly as possible, Row(uneven=True) the same rows."""
+    from tplayers.convert import Column, Row
+    torch.manual_seed(0)
+    dense = _DenseGLU(6, ffn)
+    tp = tplayers.parallelize(copy.deepcopy(dense), {"gate_up": Column(parts=2, uneven=True),
+                                                    "down": Row(uneven=True)}, group=group, audit=False)
+    x = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(1), dtype=F64)
+    report = assert_matches_dense(tp, dense, x, group=group)
+    return report.output_error, tp.gate_up.weight.shape[0]
+
+
+def test_packed_gate_up_over_an_uneven_ffn_matches_dense():
+    for error, local_rows in get_world(3).run(_check_uneven_glu, 10):  # ffn 10 at TP 3: 4, 3, 3 per half
+        assert error < 1e-12 and local_rows == 8, (error, local_rows)
