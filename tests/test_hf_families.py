@@ -145,6 +145,20 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) 
     assert err <= tol * scale + 1e-14, f"{what}: max error {err:.3g} vs max value {scale:.3g} (tol {tol})"
 
 
+def _one_step_matches(model, dense, ids, tol: float) -> None:
+    """Logits, loss and every parameter's gradient of one forward + backward with labels equal the dense
+    model's (a shard against its slice of the dense gradient); every replica (and padding row) checked."""
+    out_d, out_t = dense(ids, labels=ids), model(ids, labels=ids)
+    _close(out_t.logits, out_d.logits, tol, "logits")
+    _close(out_t.loss, out_d.loss, tol, "loss")
+    out_d.loss.backward()
+    out_t.loss.backward()
+    grads = dense_parameters(model, grads=True)
+    for name, p in dense.named_parameters():
+        _close(grads[name], p.grad, tol, f"grad of {name}")
+    tplayers.check_replicas(model)  # every replicated parameter and its gradient equal on every rank
+
+
 def _check_family(group, family: str, seed: int):
     tol = FLOAT32_NORM_FAMILIES.get(family, 1e-9)
     dense = _build(family, seed)
@@ -161,16 +175,8 @@ def _check_family(group, family: str, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (2, 10), generator=g)
-    out_d, out_t = dense(ids, labels=ids), model(ids, labels=ids)
+    _one_step_matches(model, dense, ids, tol)
     assert report.audit.passed, str(report.audit)  # the first forward audited every distinct region
-    _close(out_t.logits, out_d.logits, tol, "logits")
-    _close(out_t.loss, out_d.loss, tol, "loss")
-    out_d.loss.backward()
-    out_t.loss.backward()
-    grads = dense_parameters(model, grads=True)
-    for name, p in dense.named_parameters():
-        _close(grads[name], p.grad, tol, f"grad of {name}")
-    tplayers.check_replicas(model)  # every replicated parameter and its gradient equal on every rank
 
     # 2 SGD steps on the same batches: the TP model follows the dense one (5 until stop 34: each step cost ~0.3 s
     # per family and TP size, and a replica or padding row that drifts does so at the first step)
@@ -270,14 +276,7 @@ def _check_family_sequence_parallel(group, family: str, seed: int):
     model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, sequence_parallel=True)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (2, 4 * group.size()), generator=g)
-    out_d, out_t = dense(ids, labels=ids), model(ids, labels=ids)
-    _close(out_t.logits, out_d.logits, tol, "logits")
-    out_d.loss.backward()
-    out_t.loss.backward()
-    grads = dense_parameters(model, grads=True)
-    for name, p in dense.named_parameters():
-        _close(grads[name], p.grad, tol, f"grad of {name}")
-    tplayers.check_replicas(model)
+    _one_step_matches(model, dense, ids, tol)
     report = tplayers.coverage(model)
     assert report.audit.passed and all(r.status == "passed" for r in report.audit.regions), str(report.audit)
     prompt = torch.randint(0, VOCAB, (2, 5), generator=g)
