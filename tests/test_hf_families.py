@@ -422,3 +422,27 @@ def test_shipped_plans_refuse_what_they_cannot_split():
     for family in ("stablelm", "bloom", "gpt_bigcode", "persimmon"):
         _build(family)
     assert all(get_world(4).run(_shipped_plans_refuse_what_they_cannot_split))
+
+
+def _latent_attention_collectives(group):
+    """Backward collectives of DeepSeek-V2 (2 MLA layers, the second MoE) at TP 2, one step counted."""
+    model = tplayers.parallelize(_build("deepseek_v2"), "auto", group=group, audit=False)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()  # the first step holds the input checks' own collectives
+    with tplayers.comm_accounting(model) as acct:
+        model(ids, labels=ids).loss.backward()
+    return [(r.op, r.module, r.nbytes) for r in acct.records if r.phase == "backward"]
+
+
+def test_latent_attention_sums_the_rotary_key_once_per_layer():
+    """LatentKV (kv_a_proj_with_mqa whole on every rank): the shared rotary key's gradient is one all-reduce of
+    b x s x rope_dim per MLA layer backward (2 x 6 x 4 float64 = 384 bytes), beside q_b's and kv_b's input
+    gradients (b x s x 16 latents each). The whole backward: 10 all-reduces, exact."""
+    _build("deepseek_v2")
+    for records in get_world(2).run(_latent_attention_collectives):
+        assert all(op == "all_reduce" for op, _, _ in records), records
+        assert [n for _, m, n in records if m == "_CopyToTPBackward"] == [384, 384], records
+        assert sorted(n for _, m, n in records if m == "_ColumnParallelLinearFnBackward") == \
+            [1536] * 4 + [3072] * 3, records  # q_b, kv_b per layer; dense MLP, shared experts, head
+        assert [n for _, m, n in records if m == "_CopyManyToTPBackward"] == [3264], records  # MoE tokens + weights
+        assert len(records) == 10, records
