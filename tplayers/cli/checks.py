@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..core.groups import TPGroup
 from ..core.dtypes import DTYPES
+from ..core.placement import Sharded
 from ..layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, set_overlap,
                       use_main_grad)
 from ..models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
@@ -85,6 +86,19 @@ def _mlp_pair(g: TPGroup, cfg: VerifyConfig, act: bool, **options: Any) -> Match
                        **_seq_shards(options.get("sequence_parallel", False)))
 
 
+def _uneven_mlp(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
+    """An ffn that does not divide p (32p + 3): split as evenly as possible (``split=``), each rank padded to the
+    largest piece; sigmoid(0) = 1/2 on the padding features, which the row layer must mask."""
+    d = _dims(g)
+    ffn = d["ffn"] + 3
+    dense = _dense(nn.Sequential(nn.Linear(d["hidden"], ffn), nn.Sigmoid(), nn.Linear(ffn, d["hidden"])), cfg)
+    split = Sharded.balanced(0, ffn, g.size).parts[0]
+    tp = nn.Sequential(ColumnParallelLinear.from_dense(dense[0], group=g, split=split, **options), nn.Sigmoid(),
+                       RowParallelLinear.from_dense(dense[2], group=g, split=split, **options))
+    return match_dense(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg,
+                       **_seq_shards(options.get("sequence_parallel", False)))
+
+
 variant("ColumnParallelLinear", "gather_output=False", _column)
 variant("ColumnParallelLinear", "gather_output=True", _column, gather_output=True)
 variant("ColumnParallelLinear", "overlap_comm=False", _column, overlap_comm=False)
@@ -96,6 +110,7 @@ variant("Column->Row", "sequence_parallel=True", _mlp_pair, tol_scale=2, act=Fal
 variant("Column->GELU->Row MLP", "", _mlp_pair, tol_scale=2, act=True)
 variant("Column->GELU->Row MLP", "overlap_comm=False", _mlp_pair, tol_scale=2, act=True, overlap_comm=False)
 variant("Column->GELU->Row MLP", "sequence_parallel=True", _mlp_pair, tol_scale=2, act=True, sequence_parallel=True)
+variant("Column->Sigmoid->Row MLP", "ffn 32p+3, uneven split", _uneven_mlp, tol_scale=2)
 
 
 # ---------------------------------------------------------------------------- the checks: vocab, blocks
