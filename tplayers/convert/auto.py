@@ -31,6 +31,7 @@ A style name outside the table is an error naming it and the module.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Union
@@ -269,10 +270,8 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
             if layers.get(f"{attn}.{kv}") == KVColumn():
                 layers[f"{attn}.{kv}"] = KVColumn(uneven=True)
     for name, style in list(layers.items()):  # an MLP's ffn that does not divide: as evenly as possible
-        if name.rpartition(".")[2] in _FFN_PROJECTIONS and type(style) in (Column, Row) and style == type(style)():
-            layers[name] = type(style)(uneven=True)
-        elif name.rpartition(".")[2] in _FFN_PROJECTIONS and style == Column(parts=2):
-            layers[name] = Column(parts=2, uneven=True)
+        if name.rpartition(".")[2] in _FFN_PROJECTIONS and style in (Column(), Row(), Column(parts=2)):
+            layers[name] = dataclasses.replace(style, uneven=True)
     plan = Plan(
         name="auto", layers=layers,
         # transformers >= 4.48 reshapes with view(..., -1, head_dim); older versions, and attentions keeping
@@ -339,15 +338,15 @@ def sequence_parallel_auto(model: nn.Module, plan: Plan) -> Plan:
                 raise ValueError(f"{where}: '{name}' ({type(child).__name__}) has parameters outside the plan; the "
                                  "variant does not know whether it works on a sequence chunk; use sequence_parallel=False "
                                  "or a plan of your own")
-    base = lists[0].rpartition(".")[0]
+    base, _, leaf = lists[0].rpartition(".")
     children = list(modules[base].named_children())
-    after = [n for n, _ in children][[n for n, _ in children].index(lists[0].rpartition(".")[2]) + 1:]
-    final = [f"{base}.{n}" if base else n for n in after if _is_norm(dict(children)[n])]  # registered after the layers
+    after = children[[n for n, _ in children].index(leaf) + 1:]  # registered after the layers
+    final = [f"{base}.{n}" if base else n for n, child in after if _is_norm(child)]
     if len(final) != 1:
         raise ValueError(f"{where}: {len(final)} norms registered after '{lists[0]}' in '{base or type(model).__name__}' "
                          f"({final}); the variant gathers the sequence at the one final norm; use "
                          "sequence_parallel=False or a plan of your own")
-    return sequence_parallel_variant(plan, [blocks[0]], norms, final[:1], gather_inputs=gather, keep=keep)
+    return sequence_parallel_variant(plan, [blocks[0]], norms, final, gather_inputs=gather, keep=keep)
 
 
 def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: Dict[str, List[str]], param_keys: set,

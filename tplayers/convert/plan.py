@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch.nn as nn
 
@@ -66,6 +66,16 @@ class Plan:
     set_attrs: Dict[str, Callable[[nn.Module, int], Dict[str, Any]]] = field(default_factory=dict)
 
 
+def _local_head_counts(attn: nn.Module, tp_size: int) -> Optional[Tuple[int, int]]:
+    """(query heads, KV heads) in each rank's local tensors (the padded width: :func:`head_parts`), or None
+    when the attention keeps no query-head count."""
+    heads, kv = attention_heads(attn)
+    if heads is None:
+        return None
+    q, kv_rows = head_parts(heads, kv, 1, tp_size, f"parallelize: {type(attn).__name__}")  # head_dim 1: rows = heads
+    return q.local_size, kv_rows.local_size
+
+
 def local_head_attrs(attn: nn.Module, tp_size: int) -> Dict[str, int]:
     """The head-count attributes a Hugging Face attention keeps, at one rank's heads (a ``set_attrs``
     rule; the one rule for every family): ``num_heads`` / ``num_attention_heads`` = heads / p;
@@ -74,12 +84,10 @@ def local_head_attrs(attn: nn.Module, tp_size: int) -> Dict[str, int]:
     heads / local KV heads. Heads that do not divide the TP degree count each rank's padded width (the largest rank's heads,
     :func:`~tplayers.core.placement.head_parts`), the same on every rank. Heads and KV heads are read by :func:`~tplayers.convert.styles.attention_heads`
     (no KV count: multi-head); attributes the attention does not keep are left out."""
-    heads, kv = attention_heads(attn)
-    if heads is None:
+    counts = _local_head_counts(attn, tp_size)
+    if counts is None:
         return {}
-    layer = f"parallelize: {type(attn).__name__}"
-    q, kv_rows = head_parts(heads, kv, 1, tp_size, layer)  # head_dim 1: rows are heads
-    local_heads, local_kv = q.local_size, kv_rows.local_size
+    local_heads, local_kv = counts
     local = {"num_heads": local_heads, "num_attention_heads": local_heads, "num_key_value_heads": local_kv,
              "num_key_value_groups": local_heads // local_kv}
     return {attr: value for attr, value in local.items()
@@ -94,7 +102,7 @@ def local_attention_attrs(attn: nn.Module, tp_size: int) -> Dict[str, int]:
     hidden = getattr(attn, "hidden_size", None)
     if heads and isinstance(hidden, int) and not isinstance(hidden, bool):
         if hidden % heads == 0:
-            local["hidden_size"] = hidden // heads * head_parts(heads, attention_heads(attn)[1], 1, tp_size)[0].local_size
+            local["hidden_size"] = hidden // heads * _local_head_counts(attn, tp_size)[0]
         elif hidden % tp_size == 0:
             local["hidden_size"] = hidden // tp_size
         else:

@@ -236,14 +236,19 @@ def _heads_split(features: int, ctx: BuildContext, style: str) -> Optional[Part]
     return q if q.is_uneven else None
 
 
+def _refuse_uneven_conv1d(module: nn.Module, ctx: BuildContext, what: str) -> None:
+    """GPT-2's Conv1D twins split evenly only: refuse an uneven cut of ``what`` on one."""
+    if is_conv1d(module):
+        raise ValueError(f"parallelize: module '{ctx.name}' is a Conv1D whose {what} do not divide the TP degree "
+                         f"{ctx.group.size}; uneven splits are supported on nn.Linear only")
+
+
 def _with_split(layer_cls: type, conv_cls: type, module: nn.Module, ctx: BuildContext, split: Optional[Part],
                 **options: Any) -> nn.Module:
-    """``_from`` with an uneven ``split`` passed on (nn.Linear only: GPT-2's Conv1D twins split evenly)."""
+    """``_from`` with an uneven ``split`` passed on (nn.Linear only)."""
     if split is None:
         return _from(module, layer_cls, conv_cls, ctx, **options)
-    if is_conv1d(module):
-        raise ValueError(f"parallelize: module '{ctx.name}' is a Conv1D whose {split.size} features do not divide "
-                         f"the TP degree {ctx.group.size}; uneven splits are supported on nn.Linear only")
+    _refuse_uneven_conv1d(module, ctx, f"{split.size} features")
     return layer_cls.from_dense(module, group=ctx.group, split=split, **options)
 
 
@@ -281,10 +286,8 @@ class Column:
             raise ValueError("Column(parts=..., heads=True): a fused projection with heads is FusedQKV's")
         parts: List[Any] = list(_part_sizes(self.parts, out))
         if self.uneven and any(n % ctx.group.size for n in parts):  # each component as evenly as possible
+            _refuse_uneven_conv1d(module, ctx, f"parts {self.parts}")
             parts = [Sharded.balanced(0, n, ctx.group.size).parts[0] for n in parts]
-            if is_conv1d(module):
-                raise ValueError(f"parallelize: module '{ctx.name}' is a Conv1D whose parts {self.parts} do not divide "
-                                 f"the TP degree {ctx.group.size}; uneven splits are supported on nn.Linear only")
         return _switched(_from(module, FusedColumnParallelLinear, FusedColumnParallelConv1D, ctx, parts=parts,
                                sequence_parallel=self.sequence_parallel), ctx)
 

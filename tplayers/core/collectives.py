@@ -29,7 +29,7 @@ import torch.distributed._functional_collectives as funcol  # the compiled paths
 
 from .fingerprint import SLOT, Stamp, stamp
 from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
-from .placement import Placement
+from .placement import Placement, holder_slot
 
 __all__ = ["Pending", "Observer", "set_observer", "all_reduce", "all_gather", "reduce_scatter", "ring_exchange",
            "sum_over_replica_ranks", "replica_slot", "split", "owned_copy", "all_gather_tensor", "all_reduce_tensor",
@@ -210,12 +210,7 @@ def replica_slot(holders: Sequence[int], g: TPGroup, what: str = "replicated row
     if not holders or min(holders) < 1 or sum(holders) != g.size:
         raise ValueError(f"{what}: replicas held by {list(holders)} consecutive ranks do not cover the TP group of "
                          f"{g.size} ranks")
-    end = 0
-    for slot, n in enumerate(holders):
-        end += n
-        if g.rank < end:
-            return slot
-    raise AssertionError("unreachable: holders sum to the group size")
+    return holder_slot(holders, g.rank)
 
 
 def sum_over_replica_ranks(rows: torch.Tensor, g: TPGroup, holders: Sequence[int]) -> torch.Tensor:

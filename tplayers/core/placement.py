@@ -30,6 +30,7 @@ weights between dense and sharded form (``from_dense``/``to_dense``, checkpoints
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "kv_shards",
     "padded_size",
     "balanced",
+    "holder_slot",
     "head_parts",
     "kv_part",
     "qkv_placement",
@@ -100,6 +102,15 @@ def balanced(units: int, pieces: int, unit: int = 1) -> Tuple[int, ...]:
     return tuple((q + (j < r)) * unit for j in range(pieces))
 
 
+def holder_slot(holders: Sequence[int], rank: int) -> int:
+    """Which piece rank ``rank`` holds, the pieces held by runs of ``holders[j]`` consecutive ranks
+    (``(2, 1)``: ranks 0 and 1 hold piece 0, rank 2 piece 1); a ValueError past the last run."""
+    for slot, end in enumerate(accumulate(holders)):
+        if rank < end:
+            return slot
+    raise ValueError(f"rank {rank} is outside the {sum(holders)} ranks holding pieces {list(holders)}")
+
+
 @dataclass(frozen=True)
 class Piece:
     """Rows ``[start, start + length)`` of the dense tensor (along the placement's dim) are rows
@@ -130,20 +141,11 @@ class Part:
 
     def piece_index(self, rank: int, size: int) -> int:
         """Which piece rank ``rank`` of a group of ``size`` holds."""
-        end = 0
-        for j, n in enumerate(self.holder_counts(size)):
-            end += n
-            if rank < end:
-                return j
-        raise ValueError(f"rank {rank} is outside a TP group of size {size}")
+        return holder_slot(self.holder_counts(size), rank)
 
     def first_holders(self, size: int) -> Tuple[int, ...]:
         """The first rank holding each piece (the one that counts it, and the one unshard reads)."""
-        starts, start = [], 0
-        for n in self.holder_counts(size):
-            starts.append(start)
-            start += n
-        return tuple(starts)
+        return tuple(accumulate(self.holder_counts(size), initial=0))[:-1]
 
     def replica_sets(self, size: int) -> Tuple[Tuple[int, ...], ...]:
         """The ranks holding each piece (one rank each when every rank holds its own piece)."""
@@ -394,9 +396,8 @@ def kv_part(num_kv_heads: int, head_dim: int, tp_size: int, layer: str = "attent
     require_positive(num_kv_heads, layer, what)
     if num_kv_heads >= tp_size:
         return _uneven(num_kv_heads * head_dim, balanced(num_kv_heads, tp_size, head_dim))
-    if tp_size % num_kv_heads == 0:
-        return Part(num_kv_heads * head_dim, kv_shards(num_kv_heads, tp_size, layer, what))
-    return Part(num_kv_heads * head_dim, num_kv_heads, holders=balanced(tp_size, num_kv_heads))
+    holders = balanced(tp_size, num_kv_heads)  # ranks per KV head; equal when they divide the TP degree
+    return Part(num_kv_heads * head_dim, num_kv_heads, holders=None if len(set(holders)) == 1 else holders)
 
 
 def qkv_placement(num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int, *, dim: int = 0,

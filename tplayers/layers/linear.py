@@ -32,7 +32,17 @@ from .base import TensorParallelModule
 from .from_dense import check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 from .switches import grad_sinks
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "mask_padding"]
+
+
+def mask_padding(x: torch.Tensor, real: int, width: int) -> torch.Tensor:
+    """``x`` (last dim: a local piece of ``width`` features, ``real`` of them real) with the features from
+    ``real`` on zeroed: the padding of an uneven split, where a producer may leave anything (a padded query
+    head attends to a real KV head). ``x`` itself when ``real == width`` (no padding: an even split, or an
+    input that is not a piece at all); never in place (autograd may have saved ``x``)."""
+    if real >= width:
+        return x
+    return x * (torch.arange(x.shape[-1], device=x.device) < real).to(x.dtype)  # (..., in_local)
 
 
 def _split_part(split: Optional[Part], features: int, tp_size: int, layer: str, what: str) -> Part:
@@ -180,11 +190,8 @@ class RowParallelLinear(TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
             return F.linear(x, self.weight, self.bias)
-        if self.in_features_real < self.in_features_per_rank:
-            # the padding features of an uneven split: whatever the producer left there (a padded query head
-            # attends to a real KV head) must reach neither the output nor the weights' gradient
-            keep = torch.arange(x.shape[-1], device=x.device) < self.in_features_real
-            x = x * keep.to(x.dtype)  # (..., in_local)
+        # the padding features of an uneven split reach neither the output nor the weights' gradient
+        x = mask_padding(x, self.in_features_real, self.in_features_per_rank)
         return row_parallel_linear(x, self.weight, self.bias, group=self.group,  # (..., out)
                                    input_is_parallel=self.input_is_parallel,
                                    sequence_parallel=self.sequence_parallel, **grad_sinks(self))

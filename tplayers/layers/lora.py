@@ -61,6 +61,7 @@ from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Replicated, Sharded
 from .base import TensorParallelModule
 from .fused import ReplicaRun, with_replica_grads
+from .linear import mask_padding
 
 __all__ = ["is_peft_lora", "prepare_lora", "LoRAPiece", "DoRAMagnitude", "FullWidthDropout"]
 
@@ -133,8 +134,7 @@ class LoRAPiece(TensorParallelModule):
         return piece
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out), local sizes
-        if self.in_features_real < self.in_features:  # padding features: masked, as RowParallelLinear does
-            x = x * (torch.arange(x.shape[-1], device=x.device) < self.in_features_real).to(x.dtype)
+        x = mask_padding(x, self.in_features_real, self.in_features)  # an uneven split's padding, as RowParallelLinear
         # rows of a KV head other ranks hold too: their gradient summed there, as the base layer's
         return F.linear(x, with_replica_grads(self.weight, self.replica_runs, self.group))
 
