@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import tplayers
 from tplayers.bench.overlap import SHAPES
+from tplayers.bench.report import quartiles
 from tplayers.core.collectives import all_reduce_tensor
 from tplayers.testing import World
 
@@ -45,9 +46,8 @@ def _rank(group, shape: str, layers: int, repeats: int):
     tplayers.set_collective_checks(True)
     slowest = lambda v: all_reduce_tensor(torch.tensor(v), group=group, op="max")  # noqa: E731
     on, off = slowest(times[True]), slowest(times[False])  # per step, the slower rank's time
-    ratios = sorted((on / off).tolist())  # each checked step against the unchecked step right after it
-    q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
-    return statistics.median(on.tolist()), statistics.median(off.tolist()), q(0.5), q(0.25), q(0.75), max(counted)
+    # each checked step against the unchecked step right after it
+    return statistics.median(on.tolist()), statistics.median(off.tolist()), *quartiles((on / off).tolist()), max(counted)
 
 
 def main() -> None:

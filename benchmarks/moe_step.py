@@ -18,6 +18,7 @@ import time
 import torch
 
 import tplayers
+from tplayers.bench.report import quartiles
 from tplayers.convert import auto_plan
 from tplayers.convert.styles import Experts
 from tplayers.core.collectives import all_reduce_tensor
@@ -53,8 +54,7 @@ def _rank(group, layers: int, repeats: int):
     dense_bytes = sum(p.numel() * p.element_size() for p in MixtralForCausalLM(config).parameters())
     out = {}
     for k, m in models.items():
-        ratios = sorted((step[k] / step["replicated"]).tolist())
-        q = [ratios[min(len(ratios) - 1, int(f * len(ratios)))] for f in (0.5, 0.25, 0.75)]
+        q = quartiles((step[k] / step["replicated"]).tolist())
         held = sum(p.numel() * p.element_size() for p in m.parameters()) / dense_bytes
         out[k] = (statistics.median(step[k].tolist()), q, held)
     return out

@@ -21,6 +21,7 @@ import torch
 
 import tplayers
 from tplayers.bench.measure import resolve_link
+from tplayers.bench.report import quartiles
 from tplayers.core import functional
 from tplayers.core.collectives import all_reduce_tensor
 from tplayers.core.groups import resolve_group
@@ -53,9 +54,7 @@ def _rank(group, layers: int, repeats: int, link: str):
     functional.joins_siblings = joins
     slowest = lambda v: all_reduce_tensor(torch.tensor(v), group=group, op="max")  # noqa: E731
     after, before = slowest(times[True]), slowest(times[False])
-    ratios = sorted((after / before).tolist())
-    q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
-    return (statistics.median(after.tolist()), statistics.median(before.tolist()), q(0.5), q(0.25), q(0.75),
+    return (statistics.median(after.tolist()), statistics.median(before.tolist()), *quartiles((after / before).tolist()),
             counts[True], counts[False])
 
 

@@ -17,6 +17,7 @@ import time
 import torch
 
 import tplayers
+from tplayers.bench.report import quartiles
 from tplayers.core.collectives import all_reduce_tensor
 from tplayers.testing import World
 
@@ -46,13 +47,9 @@ def _rank(group, layers: int, repeats: int):
             times[heads].append(1e3 * elapsed)
     step = {k: all_reduce_tensor(torch.tensor(v), group=group, op="max") for k, v in times.items()}  # slower rank
 
-    def quartiles(values: torch.Tensor):
-        r = sorted(values.tolist())
-        return [r[min(len(r) - 1, int(f * len(r)))] for f in (0.5, 0.25, 0.75)]
-
     return ({k: statistics.median(v.tolist()) for k, v in step.items()},
-            {"7 / 8": quartiles(step[7] / step[8]), "7 / 6": quartiles(step[7] / step[6]),
-             "7 / mean(6, 8)": quartiles(2 * step[7] / (step[6] + step[8]))})
+            {"7 / 8": quartiles((step[7] / step[8]).tolist()), "7 / 6": quartiles((step[7] / step[6]).tolist()),
+             "7 / mean(6, 8)": quartiles((2 * step[7] / (step[6] + step[8])).tolist())})
 
 
 def main() -> None:

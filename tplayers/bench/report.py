@@ -9,7 +9,7 @@ import socket
 import math
 import statistics
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -17,7 +17,7 @@ from .._version import __version__
 from ..core.groups import TPGroup
 from .timing import Timing
 
-__all__ = ["SCHEMA", "SCHEDULES", "summarize", "backend_name", "median_interval", "ratio_interval"]
+__all__ = ["SCHEMA", "SCHEDULES", "summarize", "backend_name", "median_interval", "quartiles", "ratio_interval"]
 
 SCHEMA = "tplayers-bench/3"
 # /2: summary.overlap_saving_ci_ms, hidden_fraction_ci, within_noise; config.link and "link"; summary.exposed_comm_ms
@@ -50,6 +50,16 @@ def median_interval(values: List[float], z: float = 1.96) -> Tuple[float, float]
     n = len(ordered)
     k = max(0, math.floor(n / 2 - z * math.sqrt(n) / 2))
     return ordered[k], ordered[n - 1 - k]
+
+
+def quartiles(values: Sequence[float]) -> Tuple[float, float, float]:
+    """``(median, lower quartile, upper quartile)`` of ``values`` as order statistics (the value at index
+    ``floor(f * n)`` of the sorted values, f = 0.5, 0.25, 0.75): what the benchmarks report for paired
+    step ratios."""
+    ordered = sorted(values)
+    n = len(ordered)
+    at = lambda f: ordered[min(n - 1, int(f * n))]  # noqa: E731
+    return at(0.5), at(0.25), at(0.75)
 
 
 def _environment(tp: int, backend: str, cfg: Any) -> Dict[str, Any]:
