@@ -188,8 +188,10 @@ def test_bench_hf_sequence_parallel_without_a_shipped_plan_uses_auto(capsys):
     out = capsys.readouterr().out
     assert "plan 'auto' sequence-parallel" in out, out
     rows = {tuple(line.split()[:2]): line.split()[2:4] for line in out.splitlines() if line.startswith(("all_", "reduce"))}
-    # the same collectives as the shipped llama SP plan: 3 / 5 / 4 forward, 8 / 7 / 2 backward (RESULTS.md)
-    assert rows[("all_gather", "forward")] == ["5", "5"] and rows[("reduce_scatter", "backward")] == ["2", "5"], out
+    # the same collectives as the shipped llama SP plan: every region's input gathered once each way, its input
+    # gradient reduce-scattered (an all-reduce of the whole sequence for q/k/v and the head before)
+    assert rows[("all_gather", "forward")] == ["5", "5"] and rows[("reduce_scatter", "backward")] == ["5", "5"], out
+    assert rows[("all_gather", "backward")] == ["10", "10"], out
 
 
 def test_bench_hf_refuses_what_it_cannot_do(capsys):

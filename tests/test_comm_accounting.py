@@ -247,3 +247,54 @@ def _siblings(group, sizes):
 def test_columns_on_the_same_input_share_one_backward_all_reduce(tp):
     for backward in get_world(tp).run(_siblings, (8, 4 * tp)):
         assert backward == [("all_reduce", 2 * 5 * 8 * 8)], backward  # one f for q, k and v (was three)
+
+
+class _GatheredAttention(torch.nn.Module):
+    """An attention-like module that needs the whole sequence: it gathers its input itself; q and k read the
+    gathered tensor (k through a view of all of it), a replicated branch reads it too."""
+
+    def __init__(self, q, k, v, o, group):
+        super().__init__()
+        self.q, self.k, self.v, self.o, self.group = q, k, v, o, group
+
+    def forward(self, x):  # (b, s/p, h)
+        full = tplayers.core.comm.gather_sequence_for_columns(x, group=self.group) if self.group else x  # (b, s, h)
+        s = full.shape[1] // (self.group.size() if self.group else 1)
+        rank = self.group.rank() if self.group else 0
+        replicated = torch.tanh(full)[:, rank * s:(rank + 1) * s]  # this rank's chunk of a replicated branch
+        return self.o(self.q(full) * self.k(full[:, :]) + self.v(full)) + replicated + x
+
+
+def _gathered_siblings(group):
+    from tplayers.testing import dense_parameters
+
+    torch.manual_seed(0)
+    p, h, f = group.size(), 8, 4 * group.size()
+    dense = _GatheredAttention(*[torch.nn.Linear(h, f).double() for _ in range(3)], torch.nn.Linear(f, h).double(),
+                               None)
+    col = lambda m: tplayers.ColumnParallelLinear.from_dense(m, group=group)  # noqa: E731
+    row = tplayers.RowParallelLinear.from_dense(dense.o, group=group, sequence_parallel=True)
+    model = _GatheredAttention(col(dense.q), col(dense.k), col(dense.v), row, group)
+    xd = torch.randn(2, 3 * p, h, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = xd.detach().chunk(p, 1)[group.rank()].clone().requires_grad_()
+    weights = torch.randn(2, 3 * p, h, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with tplayers.comm_accounting() as acc:
+        out = model(x)
+        (out * weights.chunk(p, 1)[group.rank()]).sum().backward()
+    out_d = dense(xd)
+    (out_d * weights).sum().backward()
+    torch.testing.assert_close(out, out_d.detach().chunk(p, 1)[group.rank()], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(x.grad, xd.grad.chunk(p, 1)[group.rank()], rtol=1e-10, atol=1e-10)
+    grads = dense_parameters(model, grads=True)
+    for name, param in dense.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    return [(r.phase, r.op) for r in acc.records]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_columns_on_a_sequence_their_module_gathered_reduce_scatter_into_its_shard(tp):
+    # Megatron's layout although the module gathered its input itself (HF attention): q/k/v keep the shard, gather
+    # it again in backward and reduce-scatter their summed input gradient; the replicated branch's gradient is split.
+    for records in get_world(tp).run(_gathered_siblings):
+        assert records == [("forward", "all_gather"), ("forward", "reduce_scatter"), ("backward", "all_gather"),
+                           ("backward", "all_gather"), ("backward", "reduce_scatter")], records

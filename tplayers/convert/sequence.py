@@ -15,7 +15,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.comm import copy_to_tp, gather_from_sequence, scatter_to_sequence
+from ..core.comm import copy_to_tp, gather_sequence_for_columns, scatter_to_sequence
 from ..core.groups import TPGroup
 from ..core.placement import Replicated
 from ..layers.base import PLACEMENTS_ATTR
@@ -123,8 +123,9 @@ class SequenceParallelNorm(_SequenceStyle):
         # (with the switch off no gradient is recorded, so the reduction above is never reached)
         _reduce_param_grads(module, tp)
         if self.gather_output:
-            # the head after it all-reduces its input gradient, so the gradient here is complete: split it
-            module.register_forward_hook(lambda m, args, out: gather_from_sequence(out, group=tp, grad_is_partial=False)
+            # the head after it takes the sequence-parallel path on this rank's chunk (what else reads the
+            # gathered output gets its gradient split)
+            module.register_forward_hook(lambda m, args, out: gather_sequence_for_columns(out, group=tp)
                                          if switch.active else out)
 
 
@@ -132,14 +133,14 @@ class SequenceParallelNorm(_SequenceStyle):
 class GatherSequence(_SequenceStyle):
     """Leave the sequence-parallel region for one module whose code needs the whole sequence
     (HF Llama attention reshapes with its input's shape): its first input (``hidden_states``) is
-    all-gathered along the sequence. Its TP layers inside are plain (non-sequence-parallel)
-    column layers, whose backward all-reduces the input gradient, so this one splits it."""
+    all-gathered along the sequence. Its column layers called on that gathered input keep only this
+    rank's chunk, gather it again in backward and reduce-scatter their summed input gradient
+    (`tplayers.core.comm.gather_sequence_for_columns`); whatever else reads it gets its gradient split."""
 
     style_name = "gather_sequence"
 
     def _attach(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
-        map_first_input(module, lambda x: gather_from_sequence(x, group=tp, grad_is_partial=False)
-                        if switch.active else x)
+        map_first_input(module, lambda x: gather_sequence_for_columns(x, group=tp) if switch.active else x)
 
 
 @dataclass(frozen=True)

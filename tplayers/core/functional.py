@@ -43,7 +43,7 @@ from .collectives import SEQ_DIM, all_gather, sum_partials
 from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
 from .groups import GroupLike, TPGroup, resolve_group
 from .ring import ring_gather_linear, ring_linear_scatter
-from .siblings import Siblings, join_siblings, joins_siblings, register
+from .siblings import Siblings, join_siblings, joins_siblings, register, take_shard
 from .prepare import autocast_inputs, check_linear_inputs, warn_cuda_connections_once
 from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads
 
@@ -146,6 +146,10 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     summed over their replica ranks first (collective: every rank of the group runs the backward).
     """
     g = resolve_group(group)
+    joins = joins_siblings(x, g, collective_matmul)
+    offered = take_shard(x, g) if joins and not sequence_parallel else None
+    if offered is not None:  # x: a sequence its module gathered (gather_sequence_for_columns); work on its shard
+        x, sequence_parallel = offered[0], True
     check_linear_inputs("column_parallel_linear", x, weight, bias, weight.shape[1], g, sequence_parallel,
                         collective_matmul)
     x, weight, bias = autocast_inputs(x, weight, bias)
@@ -154,7 +158,9 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     warn_cuda_connections_once(x, g, overlap_comm)
     main = check_main_grads(main_grads, weight, bias, "column_parallel_linear", g.size)
     sink = WgradSink(g, wgrad_store, main, (weight, bias), gather_input=sequence_parallel)
-    siblings = join_siblings(x, g, weight, sequence_parallel) if joins_siblings(x, g, collective_matmul) else None
+    siblings = join_siblings(x, g, weight, sequence_parallel) if joins else None
+    if offered is not None and siblings.x_full is None:
+        siblings.x_full = offered[1].to(x.dtype)  # the set's forward gather, done already (cast as x under autocast)
     return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, sink, collective_matmul,
                                          siblings)  # siblings: q/k/v, gate/up ... on this same x
 

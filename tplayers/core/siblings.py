@@ -22,18 +22,26 @@ reads ``x``). Weight gradients are each layer's own, returned as usual (``.grad`
 ``torch.autograd.grad`` all see the ordinary path). Under sequence parallelism the set also gathers
 its input once in forward (kept only while the set is being called) and once in backward, and
 reduce-scatters the summed gradient once.
+
+A module whose own code needs the whole sequence (HF attention views q/k/v with its input's (b, s); the
+LM head after the last norm) gathers its input itself (`tplayers.core.comm.gather_sequence_for_columns`)
+and offers the shard it came from. Column layers called on that very gathered tensor take the
+sequence-parallel path on the shard (the gathered tensor seeds the set's forward gather): they save the
+shard, gather it again in backward and reduce-scatter their summed input gradient into it, as Megatron's
+layout does, instead of all-reducing a whole-sequence gradient and keeping the gathered input alive.
+Whatever else reads the gathered tensor gets its ordinary (complete) gradient, split back to the shard.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .collectives import SEQ_DIM, Pending, all_gather, sum_partials
 from .groups import TPGroup
 
-__all__ = ["Siblings", "join_siblings", "joins_siblings", "register"]
+__all__ = ["Siblings", "join_siblings", "joins_siblings", "register", "offer_shard", "take_shard"]
 
 
 class Siblings:
@@ -88,6 +96,34 @@ class Siblings:
 
 
 _LAST: list = [None]  # the set the last column layer joined (None once its backward began)
+
+
+_OFFERED: list = [None]  # (weak reference to the gathered tensor, its shard, group): the last offer
+
+
+def offer_shard(x_full: torch.Tensor, x_shard: torch.Tensor, g: TPGroup) -> None:
+    """``x_full`` is ``x_shard`` gathered along the sequence over ``g``: column layers called on ``x_full``
+    may take the sequence-parallel path on ``x_shard`` (:func:`take_shard`). One offer at a time (a later
+    one replaces it); it holds the shard (often nothing else does: a norm's output replaced by its gather)
+    only while ``x_full`` lives."""
+    offer = _OFFERED[0] = (weakref.ref(x_full), x_shard, g)
+    weakref.finalize(x_full, _withdraw, offer)
+
+
+def _withdraw(offer: tuple) -> None:
+    if _OFFERED[0] is offer:
+        _OFFERED[0] = None
+
+
+def take_shard(x: torch.Tensor, g: TPGroup) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(shard, gathered)`` when ``x`` is the tensor last offered over ``g``, or a view of all of it
+    (HF causal LMs call their head on ``hidden_states[:, slice(0, None), :]``), else None."""
+    offer = _OFFERED[0]
+    full = offer[0]() if offer is not None and offer[2] == g else None
+    if full is None or not (x is full or (x._base is full and x.shape == full.shape and x.stride() == full.stride()
+                                          and x.storage_offset() == full.storage_offset())):
+        return None
+    return offer[1], x
 
 
 def join_siblings(x: torch.Tensor, g: TPGroup, weight: torch.Tensor, sequence_parallel: bool) -> Siblings:
