@@ -331,27 +331,30 @@ def test_the_audit_finds_apertus_partial_activation_gradients():
         assert '"model.layers.*.mlp.act_fn": "replicate_reduce_grad"' in message, message
 
 
-def _under_gradient_checkpointing(group, reentrant: bool):
+def _under_gradient_checkpointing(group, reentrant: bool, sequence_parallel: bool):
     """HF activation checkpointing around each decoder layer: the audit runs inside a checkpointed
     forward, its own saved tensors kept out of the checkpoint's count (before: the recomputation saved a
-    different number of tensors than the first forward, a CheckpointError at backward)."""
+    different number of tensors than the first forward, a CheckpointError at backward). With sequence
+    parallelism: the norms' gradients summed by one all-reduce per forward (their set made in the first
+    forward, each norm's own sum in the recomputation inside backward), two steps."""
     dense = _build("llama").train()
     model = copy.deepcopy(dense)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    tplayers.parallelize(model, "auto", group=group)
+    tplayers.parallelize(model, "auto", group=group, sequence_parallel=sequence_parallel)
     ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
-    model(ids, labels=ids).loss.backward()
-    dense(ids, labels=ids).loss.backward()
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        dense(ids, labels=ids).loss.backward()
     grads = dense_parameters(model, grads=True)
     for name, p in dense.named_parameters():
         _close(grads[name], p.grad, 1e-9, f"grad of {name}")
     return [r.status for r in tplayers.coverage(model).audit.regions]
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_audit_under_gradient_checkpointing(reentrant):
+@pytest.mark.parametrize("reentrant,sequence_parallel", [(False, False), (False, True), (True, True)])
+def test_audit_under_gradient_checkpointing(reentrant, sequence_parallel):
     _build("llama")
-    for statuses in get_world(2).run(_under_gradient_checkpointing, reentrant):
+    for statuses in get_world(2).run(_under_gradient_checkpointing, reentrant, sequence_parallel):
         assert statuses == ["passed"] * 4
 
 

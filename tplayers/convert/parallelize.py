@@ -45,6 +45,7 @@ import torch.nn as nn
 from ..core.collectives import bit_hash, ranks_that_differ, wait_for_ranks
 from ..core.fingerprint import name_modules
 from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..core.partial_grads import PartialGradSum
 from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, placements_of
 from ..layers.fused import FusedColumnParallelLinear
@@ -85,6 +86,7 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
     built: Dict[str, Built] = {}
     replaced: List[str] = []
     switch = SequenceSwitch()  # one per call: every sequence-parallel layer and hook of this model
+    partial_grads = PartialGradSum(tp)  # one per call: the norms' gradients summed by one all-reduce
     for name, pat in matched:
         if any(name.startswith(r + ".") for r in replaced):
             continue
@@ -92,7 +94,8 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
         if isinstance(module, TensorParallelModule):
             raise ValueError(f"parallelize: module '{name}' is already tensor-parallel "
                              f"({type(module).__name__}); parallelize each model once")
-        ctx = BuildContext(name=name, group=tp, parent=modules[name.rpartition(".")[0]], switch=switch)
+        ctx = BuildContext(name=name, group=tp, parent=modules[name.rpartition(".")[0]], switch=switch,
+                           partial_grads=partial_grads)
         try:
             built[name] = styles[pat].build(module, ctx)
         except (ValueError, TypeError, AttributeError) as e:

@@ -3,9 +3,9 @@
 Under sequence parallelism the activations between the TP layers are ``(b, s/p, h)``. These styles
 keep the module and attach forward hooks (in ``Built.finish``, after every check of the plan passed).
 A norm inside the region runs on this rank's tokens, so its replicated parameters get partial
-gradients: they enter its forward through ``copy_to_tp`` (identity forward, all-reduce of the
-gradient backward), the same mechanism as :class:`~tplayers.layers.norm.ParallelNorm`, and carry the
-placement ``Replicated(partial_grad=True)``.
+gradients: they enter its forward through the call's :class:`~tplayers.core.partial_grads.PartialGradSum`
+(identity forward; backward every norm's gradient summed over the group by one all-reduce), and carry
+the placement ``Replicated(partial_grad=True)``.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.comm import copy_to_tp, gather_sequence_for_columns, scatter_to_sequence
-from ..core.groups import TPGroup
+from ..core.comm import gather_sequence_for_columns, scatter_to_sequence
+from ..core.partial_grads import PartialGradSum
 from ..core.placement import Replicated
 from ..layers.base import PLACEMENTS_ATTR
-from .styles import BuildContext, Built, SequenceSwitch
+from .styles import BuildContext, Built
 
 __all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "ReplicateReduceGrad", "map_first_input", "route_params_through",
            "check_sequence_region"]
@@ -72,25 +72,28 @@ class _SequenceStyle:
         if self.style_name in getattr(module, _MARK, ()):
             raise ValueError(f"parallelize: module '{ctx.name}' already has the {self.style_name} hooks of an "
                              "earlier parallelize call")
-        return Built(module, finish=lambda: self._apply(module, ctx.group, ctx.switch), region=self._region())
+        return Built(module, finish=lambda: self._apply(module, ctx), region=self._region())
 
     def _region(self) -> Optional[str]:
         return None
 
-    def _apply(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
+    def _apply(self, module: nn.Module, ctx: BuildContext) -> None:
         setattr(module, _MARK, getattr(module, _MARK, ()) + (self.style_name,))
-        if tp.size > 1:
-            self._attach(module, tp, switch)
+        if ctx.group.size > 1:
+            self._attach(module, ctx)
 
-    def _attach(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
+    def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
         raise NotImplementedError
 
 
-def _reduce_param_grads(module: nn.Module, tp: TPGroup) -> None:
-    """The module's own parameters enter its forward through ``copy_to_tp`` (their gradients are
-    summed over the group) and carry ``Replicated(partial_grad=True)``."""
+def _reduce_param_grads(module: nn.Module, ctx: BuildContext) -> None:
+    """The module's own parameters enter its forward through the call's ``PartialGradSum`` (their
+    gradients summed over the group, every such module's by one all-reduce) and carry
+    ``Replicated(partial_grad=True)``."""
     names = tuple(n for n, p in module.named_parameters(recurse=False))
-    route_params_through(module, names, lambda p: copy_to_tp(p, group=tp))
+    partial = ctx.partial_grads if ctx.partial_grads is not None else PartialGradSum(ctx.group)
+    partial.register(module, names)
+    route_params_through(module, names, partial.read)
     setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n in names})
 
 
@@ -102,8 +105,8 @@ class ReplicateReduceGrad(_SequenceStyle):
 
     style_name = "replicate_reduce_grad"
 
-    def _attach(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
-        _reduce_param_grads(module, tp)
+    def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
+        _reduce_param_grads(module, ctx)
 
 
 @dataclass(frozen=True)
@@ -119,9 +122,10 @@ class SequenceParallelNorm(_SequenceStyle):
     def _region(self) -> Optional[str]:
         return "leave_sequence" if self.gather_output else None
 
-    def _attach(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
+    def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
         # (with the switch off no gradient is recorded, so the reduction above is never reached)
-        _reduce_param_grads(module, tp)
+        tp, switch = ctx.group, ctx.switch
+        _reduce_param_grads(module, ctx)
         if self.gather_output:
             # the head after it takes the sequence-parallel path on this rank's chunk (what else reads the
             # gathered output gets its gradient split)
@@ -139,7 +143,8 @@ class GatherSequence(_SequenceStyle):
 
     style_name = "gather_sequence"
 
-    def _attach(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
+    def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
+        tp, switch = ctx.group, ctx.switch
         map_first_input(module, lambda x: gather_sequence_for_columns(x, group=tp) if switch.active else x)
 
 
@@ -157,7 +162,9 @@ class ScatterSequence(_SequenceStyle):
     def _region(self) -> Optional[str]:
         return "enter_sequence"
 
-    def _attach(self, module: nn.Module, tp: TPGroup, switch: SequenceSwitch) -> None:
+    def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
+        tp, switch = ctx.group, ctx.switch
+
         def enter(x: torch.Tensor) -> torch.Tensor:  # (b, s, h) -> (b, s/p, h)
             seq = x.shape[-2]
             if seq % tp.size and torch.is_grad_enabled():

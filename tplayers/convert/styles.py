@@ -9,7 +9,7 @@ to know which style it is running.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 import torch
@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..core.comm import copy_to_tp
 from ..core.groups import TPGroup
+from ..core.partial_grads import PartialGradSum
 from ..core.placement import Part, Sharded, head_parts, kv_part, kv_shards, qkv_placement, require_divisible
 from ..layers.experts import ExpertSplit, ParallelExperts
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
@@ -49,12 +50,14 @@ class SequenceSwitch:
 @dataclass(frozen=True)
 class BuildContext:
     """Where a style is applied: the module's qualified name, its parent, the TP group, and the
-    sequence-parallel switch of this ``parallelize`` call."""
+    sequence-parallel switch and the replicated parameters with partial gradients of this ``parallelize``
+    call."""
 
     name: str
     group: TPGroup
     parent: Optional[nn.Module] = None
     switch: SequenceSwitch = field(default_factory=SequenceSwitch)
+    partial_grads: Optional[PartialGradSum] = None  # the call's replicated parameters with partial gradients
 
 
 @dataclass
@@ -158,7 +161,7 @@ def _with_lora(style: Style, module: nn.Module, ctx: BuildContext, kind: str) ->
     """A PEFT LoRA layer: its ``base_layer`` built by ``style``, the adapter split to match
     (:mod:`tplayers.layers.lora`); the PEFT module stays in place."""
     # the wrapper is transparent: the base layer's parent is the module's (KVColumn reads the attention's heads)
-    base = style.build(module.base_layer, BuildContext(f"{ctx.name}.base_layer", ctx.group, ctx.parent, ctx.switch))
+    base = style.build(module.base_layer, replace(ctx, name=f"{ctx.name}.base_layer"))
     install = prepare_lora(module, base.module, kind, ctx.name)
 
     def finish() -> None:
@@ -180,7 +183,7 @@ def _with_saved_copies(style: Style, module: nn.Module, ctx: BuildContext) -> Bu
     (the copies train; each is split like the module it copies); the wrapper stays in place."""
     inner = [("original_module", module.original_module)] + [(f"modules_to_save.{a}", m)
                                                              for a, m in module.modules_to_save.items()]
-    built = [(path, style.build(m, BuildContext(f"{ctx.name}.{path}", ctx.group, ctx.parent, ctx.switch)))
+    built = [(path, style.build(m, replace(ctx, name=f"{ctx.name}.{path}")))
              for path, m in inner]
 
     def finish() -> None:
