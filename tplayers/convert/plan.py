@@ -125,6 +125,8 @@ def sequence_parallel_variant(plan: Plan, first_block: Sequence[str], norms: Seq
                 style = dataclasses.replace(style, sequence_parallel=True)
             elif isinstance(style, Row):
                 style = dataclasses.replace(style, sequence_parallel=True)
+            elif isinstance(style, VocabEmbedding) and not style.sequence_parallel:
+                style = dataclasses.replace(style, partial_output=True)  # the first block reduce-scatters it
         layers[pat] = style
     layers.update({pat: ScatterSequence() for pat in first_block})
     layers.update({pat: SequenceParallelNorm() for pat in norms})

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..core.comm import gather_sequence_for_columns, scatter_to_sequence
 from ..core.partial_grads import PartialGradSum
+from ..core.partial_sum import PartialSum
 from ..core.placement import Replicated
 from ..layers.base import PLACEMENTS_ATTR
 from .styles import BuildContext, Built
@@ -173,6 +174,8 @@ class ScatterSequence(_SequenceStyle):
                                  f"pad it to a multiple of {tp.size}, or run this forward under torch.no_grad() "
                                  "(generate() does), which falls back to the non-sequence-parallel path")
             switch.set(seq % tp.size == 0)
+            if isinstance(x, PartialSum):  # a vocabulary-parallel embedding's lookup, not summed yet
+                return x.reduce_scatter() if switch.active else x.summed()
             return scatter_to_sequence(x, group=tp) if switch.active else x
 
         map_first_input(module, enter)

@@ -426,6 +426,7 @@ class VocabEmbedding:
     A scaled embedding (``forward = embedding(ids) * embed_scale``, Gemma's) keeps its scale."""
 
     sequence_parallel: bool = False
+    partial_output: bool = False  # sequence-parallel variants: the first block reduce-scatters the lookup
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         if is_peft_saved_copies(module):
@@ -438,7 +439,8 @@ class VocabEmbedding:
         except TypeError as e:
             raise TypeError(f"parallelize: module '{ctx.name}' (style 'vocab_embedding'): {e}. Leave it out of "
                             "the plan ('replicate') to keep it dense") from None
-        return Built(VocabParallelEmbedding.from_dense(module, group=ctx.group, sequence_parallel=self.sequence_parallel))
+        return Built(VocabParallelEmbedding.from_dense(module, group=ctx.group, sequence_parallel=self.sequence_parallel,
+                                                       partial_output=self.partial_output))
 
 
 @dataclass(frozen=True)

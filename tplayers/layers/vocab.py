@@ -28,6 +28,7 @@ from ..core.comm import gather_from_tp, reduce_from_tp, reduce_scatter_to_sequen
 from ..core.collectives import SEQ_DIM
 from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..core.partial_sum import partial_sum
 from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range
 from .base import TensorParallelModule
@@ -129,7 +130,9 @@ class VocabParallelEmbedding(_VocabParallelBase):
     """``nn.Embedding`` with the vocabulary split across the TP group.
 
     Input: integer ids ``(...)``, identical on every rank. Output ``(..., dim)`` on every rank,
-    or ``(..., seq/p, dim)`` with ``sequence_parallel=True`` (ids ``(..., seq)``).
+    or ``(..., seq/p, dim)`` with ``sequence_parallel=True`` (ids ``(..., seq)``). ``partial_output=True``:
+    ``(..., dim)`` as a :class:`~tplayers.core.partial_sum.PartialSum`, summed when its values are first read,
+    or reduce-scattered by a sequence-parallel region's entry (a Hugging Face model reads its shape first).
     ``num_embeddings`` need not divide the TP degree (padded, see the module docstring).
     Initialization draws the full ``nn.Embedding`` table (same RNG calls) and keeps this rank's rows.
     """
@@ -142,12 +145,16 @@ class VocabParallelEmbedding(_VocabParallelBase):
         *,
         group: GroupLike,
         sequence_parallel: bool = False,
+        partial_output: bool = False,
         scale: ScaleLike = None,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
         tp = resolve_group(group)
+        if partial_output and sequence_parallel:
+            raise ValueError("VocabParallelEmbedding: partial_output=True returns the unsummed (b, s, dim) lookup for "
+                             "a later reduce-scatter; sequence_parallel=True reduce-scatters it here: pass one")
         if num_embeddings < 1 or embedding_dim < 1:
             raise ValueError(f"VocabParallelEmbedding: num_embeddings={num_embeddings} and "
                              f"embedding_dim={embedding_dim} must be positive")
@@ -158,6 +165,7 @@ class VocabParallelEmbedding(_VocabParallelBase):
             padding_idx %= num_embeddings
         self._init_vocab(num_embeddings, tp)
         self.embedding_dim, self.padding_idx, self.sequence_parallel = embedding_dim, padding_idx, sequence_parallel
+        self.partial_output = partial_output
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim, device=device, dtype=dtype))
         # non-persistent, like HF's: checkpoints hold the same keys as a plain embedding's
         self.register_buffer("embed_scale", None if scale is None else _scale_tensor(scale, device), persistent=False)
@@ -201,6 +209,8 @@ class VocabParallelEmbedding(_VocabParallelBase):
         out = self._scaled(out)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, group=self.group, seq_dim=SEQ_DIM)  # (..., seq/p, dim)
+        if self.partial_output:  # summed when read; reduce-scattered by the sequence-parallel region's entry
+            return partial_sum(out, group=self.group)  # (..., dim)
         return reduce_from_tp(out, group=self.group)  # (..., dim)
 
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:

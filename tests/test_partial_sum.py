@@ -1,0 +1,59 @@
+"""PartialSum: a vocabulary-parallel embedding's lookup left unsummed until its values are read, so a
+sequence-parallel region's entry reduce-scatters it (Megatron's layout) while a Hugging Face model reads
+its shape first; any other read sums it once, so no reader ever sees a partial value."""
+import pytest
+import torch
+
+import tplayers
+from tplayers.core.partial_sum import PartialSum
+from tplayers.testing import get_world
+
+VOCAB, DIM = 11, 4
+
+
+def _lookups(group):
+    g = tplayers.resolve_group(group)
+    torch.manual_seed(0)
+    dense = torch.nn.Embedding(VOCAB, DIM).double()
+    emb = tplayers.VocabParallelEmbedding.from_dense(dense, group=group, partial_output=True)
+    ids = torch.randint(0, VOCAB, (2, 3 * g.size), generator=torch.Generator().manual_seed(1))
+    full = dense(ids)  # (b, s, h)
+    ops = []
+    with tplayers.comm_accounting() as acc:  # metadata: no collective
+        out = emb(ids)
+        meta = (out.shape, out.dtype, out.device, out.dim(), out.size(-1), len(out), out.requires_grad, out.ndim)
+    assert isinstance(out, PartialSum) and meta == (full.shape, full.dtype, full.device, 3, DIM, 2, True, 3), meta
+    ops.append([r.op for r in acc.records])
+    with tplayers.comm_accounting() as acc:  # a sequence-parallel region's entry: this rank's chunk, reduce-scattered
+        chunk = out.reduce_scatter()
+    ops.append([r.op for r in acc.records])
+    torch.testing.assert_close(chunk, full.detach().chunk(g.size, 1)[g.rank], rtol=0, atol=0)
+    weights = torch.randn(full.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    (chunk * weights.chunk(g.size, 1)[g.rank]).sum().backward()
+    (full * weights).sum().backward()
+    grad = tplayers.testing.dense_parameters(emb, grads=True)["weight"]
+    torch.testing.assert_close(grad, dense.weight.grad, rtol=1e-12, atol=1e-12)
+    # any other read sums it, once: a product (Gemma's scale), a sum, a custom Function; plain tensors come out
+    with tplayers.comm_accounting() as acc:
+        out = emb(ids)
+        scaled, total = out * 2.0, out.sum(dim=-1)
+        again = out.reduce_scatter()  # after a sum: a split of it, no collective
+    ops.append([r.op for r in acc.records])
+    assert type(scaled) is torch.Tensor and type(total) is torch.Tensor
+    torch.testing.assert_close(scaled, 2.0 * full, rtol=0, atol=0)
+    torch.testing.assert_close(total, full.sum(dim=-1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(again, full.chunk(g.size, 1)[g.rank], rtol=0, atol=0)
+    with torch.no_grad():
+        assert torch.equal(torch.nn.functional.dropout(emb(ids), 0.0), full)
+    return ops
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_partial_lookup_is_reduce_scattered_or_summed_once_when_read(tp):
+    for ops in get_world(tp).run(_lookups):
+        assert ops == [[], ["reduce_scatter"], ["all_reduce"]], ops
+
+
+def test_partial_output_and_sequence_parallel_are_one_or_the_other():
+    with pytest.raises(ValueError, match="partial_output=True returns the unsummed"):
+        tplayers.VocabParallelEmbedding(8, 4, group=None, partial_output=True, sequence_parallel=True)
