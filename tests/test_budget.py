@@ -70,6 +70,8 @@ def test_budget_with_sequence_parallelism_tp2_same_wire_as_without_for_the_layer
 
 def test_budget_tp1_is_empty_and_bad_arguments_are_named():
     assert tplayers.megatron_budget(**SMALL, tp_size=1).items == []
+    with pytest.raises(ValueError, match=r"kv_replicas must be \(ranks sharing a KV head: > 1, dividing the TP degree 4"):
+        tplayers.megatron_budget(**SMALL, tp_size=4, kv_replicas=(3, 10))
     with pytest.raises(ValueError, match="megatron_budget: layers must be an integer >= 1, got 0"):
         tplayers.megatron_budget(**dict(SMALL, layers=0), tp_size=2)
     with pytest.raises(ValueError, match=r"seq=5 is not divisible by the TP degree 2 \(sequence parallel\)"):
@@ -104,7 +106,8 @@ def test_accounting_against_budget_rows_ratio_and_extras():
     assert json.loads(json.dumps(cmp.as_dict()))["totals"]["backward"]["ratio"] == pytest.approx(2.2)
     # the accounting's own summaries are unchanged by the comparison
     assert acct.summary()["counts"]["all_reduce/backward"] == 11 and "exposed ms" in str(acct)
-    with pytest.raises(ValueError, match=r"the budget is for TP 4, but collectives ran on groups of \[2\] ranks"):
+    with pytest.raises(ValueError, match=r"the budget is for groups of \[4\] ranks \(TP 4\), but collectives ran on "
+                                         r"groups of \[2\] ranks"):
         acct.against(tplayers.megatron_budget(**SMALL, tp_size=4))
 
 
@@ -141,14 +144,44 @@ def test_hf_llama_auto_at_tp2_measures_exactly_the_budget(loss_parallel):
         assert ratio == 1.0
 
 
+def _replicated_kv_step(group):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=False, attention_bias=True)
+    model = tplayers.parallelize(LlamaForCausalLM(cfg).double(), "auto", group=group, loss_parallel=True)
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
+    with tplayers.comm_accounting(model) as acct:
+        model(ids, labels=ids).loss.backward()
+    cmp = acct.against(tplayers.megatron_budget_for_hf(model, ids.shape, loss_parallel=True))
+    kv = [(r.count, r.budget_count, r.nbytes, r.budget_nbytes) for r in cmp.rows if r.phase == "backward"]
+    return cmp.budget.description, kv, cmp.ratio
+
+
+def test_budget_counts_replicated_kv_heads_summed_over_the_ranks_sharing_them():
+    """8 heads, 2 KV heads (4 features each, with biases) at TP 4: each KV head on 2 ranks; per layer one
+    all-reduce over those 2 ranks of k and v weights and biases (2 x 4 x (32 + 1) float64)."""
+    pytest.importorskip("transformers")
+    act = 2 * 6 * 32 * 8
+    for description, rows, ratio in get_world(4).run(_replicated_kv_step):
+        assert description.endswith("vocab-parallel loss, each KV head on 2 ranks"), description
+        assert rows == [(7, 7, 5 * act + 2 * 264 * 8, 5 * act + 2 * 264 * 8)], rows
+        assert ratio == 1.0
+
+
 def test_budget_for_hf_reads_the_config_and_names_what_is_missing():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2)
     dense = transformers.LlamaForCausalLM(cfg)  # not parallelized: the TP degree is given
     b = tplayers.megatron_budget_for_hf(dense, (2, 8), tp_size=4, sequence_parallel=True)
-    # 3 layers x 2 RMSNorms + the final one, 16 weights each, float32
-    assert b.counts()[("all_reduce", "backward")] == 1 and b.total_bytes("all_reduce", "backward") == 7 * 16 * 4
+    # 3 layers x 2 RMSNorms + the final one, 16 weights each, float32; 2 KV heads at TP 4: per layer the k and v
+    # weights of one head (2 x 4 x 16) summed over the 2 ranks holding it
+    assert b.counts()[("all_reduce", "backward")] == 1 + 3
+    assert b.total_bytes("all_reduce", "backward") == 7 * 16 * 4 + 3 * 2 * 4 * 16 * 4 and b.group_sizes() == [2, 4]
     assert b.total_bytes("all_gather", "forward") == 7 * 2 * 8 * 16 * 4 + 2 * 8 * 100 * 4
     with pytest.raises(ValueError, match="pass tp_size= \\(the model has no TP layers\\)"):
         tplayers.megatron_budget_for_hf(dense, (2, 5))

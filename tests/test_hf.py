@@ -284,6 +284,31 @@ def test_hugging_face_projections_on_one_input_share_their_backward_all_reduce()
         assert counts == {"all_reduce": 5} and nbytes == 5 * 2 * 6 * 32 * 8, (counts, nbytes)
 
 
+def _kv_replica_collectives(group, kv_heads):
+    import copy
+
+    dense = _llama(kv_heads=kv_heads)
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()  # the first step (audit, input checks) ...
+    model.zero_grad(set_to_none=True)
+    with tplayers.comm_accounting() as acc:  # ... then one counted, equal to dense
+        _assert_lm_matches(model, dense, ids)
+    return [(r.group_size, r.nbytes) for r in acc.records if r.phase == "backward" and r.nbytes < 2 * 6 * 32 * 8]
+
+
+@pytest.mark.parametrize("tp,kv_heads,runs", [(4, 2, [(2, 2)] * 4), (3, 2, [(2, 1)] * 4)])
+def test_replicated_kv_heads_sum_their_weight_gradients_over_the_ranks_sharing_them(tp, kv_heads, runs):
+    # 8 heads, 2 KV heads of 4 features x hidden 32 (float64: 1024 bytes per projection, per rank): at TP 4 each
+    # KV head is held by 2 ranks, at TP 3 by 2 and 1. Each layer's k_proj and v_proj weight gradients are summed
+    # over the ranks sharing the head, by those ranks alone (their own group: 2 ranks, no padding), k and v
+    # together: one all-reduce of 2 x 1024 bytes per layer (the rank holding its head alone sends nothing).
+    # Before: one all-reduce each for k and v over the whole group, padded to a slot per KV head (2 x 1024).
+    for rank, records in enumerate(get_world(tp).run(_kv_replica_collectives, kv_heads)):
+        alone = runs[0][1] == 1 and rank == tp - 1
+        assert records == ([] if alone else [(2, 2 * 1024)] * 2), (rank, records)
+
+
 def _sequence_parallel_collectives(group):
     from collections import Counter
 

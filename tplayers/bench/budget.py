@@ -29,6 +29,11 @@ of ``(b, s, h)``:
   (its input again) + 1 reduce-scatter (its input gradient); and 1 all-reduce of every norm
   parameter's gradient (norms see ``s/p`` tokens: partial sums; Megatron-LM coalesces them into one).
 
+KV heads replicated (grouped-query attention with fewer KV heads than ranks, ``kv_replicas=(r, n)``:
+each KV head held by ``r`` ranks; Megatron-LM refuses this layout, tplayers' minimum is counted): per layer
+1 all-reduce over the ``r`` ranks sharing a head, of the ``n`` elements of the k and v weights (and biases)
+each rank holds, k and v together: their weight gradients are whole on each rank but must agree.
+
 The logits and the loss:
 
 - ``loss_parallel=False``: the logits gathered, 1 all-gather of ``(b, s, V)`` forward, nothing backward
@@ -86,6 +91,7 @@ class BudgetItem:
     count: int
     nbytes: int
     what: str
+    group_size: Optional[int] = None  # ranks taking part; None: the whole TP group
 
 
 @dataclass
@@ -109,7 +115,11 @@ class CommBudget:
 
     def wire_bytes(self, op: Optional[str] = None, phase: Optional[str] = None) -> float:
         """Bytes each rank sends (ring model)."""
-        return sum(i.count * wire_bytes(i.op, i.nbytes, self.tp_size) for i in self._of(op, phase))
+        return sum(i.count * wire_bytes(i.op, i.nbytes, i.group_size or self.tp_size) for i in self._of(op, phase))
+
+    def group_sizes(self) -> List[int]:
+        """The sizes of the groups the budget's collectives run on."""
+        return sorted({i.group_size or self.tp_size for i in self.items})
 
     def _of(self, op: Optional[str], phase: Optional[str]) -> List[BudgetItem]:
         return [i for i in self.items if (op is None or i.op == op) and (phase is None or i.phase == phase)]
@@ -135,7 +145,8 @@ def _dtype_name(dtype: Union[torch.dtype, int]) -> str:
 
 def megatron_budget(*, layers: int, batch: int, seq: int, hidden: int, vocab: int, tp_size: int,
                     dtype: Union[torch.dtype, int] = torch.float32, sequence_parallel: bool = False,
-                    loss_parallel: bool = False, norm_params: Optional[int] = None) -> CommBudget:
+                    loss_parallel: bool = False, norm_params: Optional[int] = None,
+                    kv_replicas: Optional[Tuple[int, int]] = None) -> CommBudget:
     """The Megatron-layout communication budget of one forward + backward of a decoder-only LM with
     ``layers`` decoder layers on input ``(batch, seq)`` over ``tp_size`` ranks (what is counted: the
     module docstring of `tplayers.bench.budget`).
@@ -144,13 +155,22 @@ def megatron_budget(*, layers: int, batch: int, seq: int, hidden: int, vocab: in
     activations between the TP regions split along the sequence. ``loss_parallel``: vocabulary-parallel
     cross-entropy on split logits (else the logits are gathered). ``norm_params``: under sequence
     parallelism, the elements of every norm's parameters (their gradients are summed over the ranks);
-    default ``(2 * layers + 1) * hidden`` (two RMSNorms per layer and the final one, weights only)."""
+    default ``(2 * layers + 1) * hidden`` (two RMSNorms per layer and the final one, weights only).
+    ``kv_replicas``: ``(ranks sharing a KV head, elements of the k and v parameters each rank holds per
+    layer)`` when KV heads are replicated (fewer KV heads than ranks, dividing them); their gradients in the
+    parameters' element size, ``dtype``'s."""
     sizes = dict(layers=layers, batch=batch, seq=seq, hidden=hidden, vocab=vocab, tp_size=tp_size)
     for name, v in sizes.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"megatron_budget: {name} must be an integer >= 1, got {v!r}")
     if norm_params is not None and (not isinstance(norm_params, int) or norm_params < 0):
         raise ValueError(f"megatron_budget: norm_params must be an integer >= 0, got {norm_params!r}")
+    if kv_replicas is not None:
+        ranks, elements = kv_replicas
+        if not (isinstance(ranks, int) and isinstance(elements, int) and 1 < ranks <= tp_size
+                and tp_size % ranks == 0 and elements > 0):
+            raise ValueError(f"megatron_budget: kv_replicas must be (ranks sharing a KV head: > 1, dividing the TP "
+                             f"degree {tp_size}; elements of k and v per rank: > 0), got {kv_replicas!r}")
     if sequence_parallel and seq % tp_size:
         raise ValueError(f"megatron_budget: seq={seq} is not divisible by the TP degree {tp_size} (sequence parallel)")
     e = _elements(dtype)
@@ -190,6 +210,12 @@ def megatron_budget(*, layers: int, batch: int, seq: int, hidden: int, vocab: in
         if params:
             bwd.append(BudgetItem("all_reduce", "backward", 1, params * e,
                                   f"norms: the gradients of their {params} parameters, one coalesced buffer"))
+    if kv_replicas is not None:
+        ranks, elements = kv_replicas
+        bwd.append(BudgetItem("all_reduce", "backward", L, elements * e,
+                              f"per layer 1: k and v weight gradients over the {ranks} ranks sharing a KV head",
+                              group_size=ranks))
+        words += f", each KV head on {ranks} ranks"
     if loss_parallel:
         fwd += [BudgetItem("all_reduce", "forward", 1, batch * seq * loss_e, "loss: each row's maximum logit"),
                 BudgetItem("all_reduce", "forward", 1, 2 * batch * seq * loss_e,
@@ -228,7 +254,20 @@ def megatron_budget_for_hf(model: nn.Module, input_shape: Sequence[int], *, tp_s
     norm_params = _norm_params(model, hidden) if sequence_parallel else None
     return megatron_budget(layers=int(config.num_hidden_layers), batch=int(input_shape[0]), seq=int(input_shape[1]),
                            hidden=hidden, vocab=int(config.vocab_size), tp_size=tp_size, dtype=dtype,
-                           sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, norm_params=norm_params)
+                           sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, norm_params=norm_params,
+                           kv_replicas=_kv_replicas(model, config, hidden, tp_size))
+
+
+def _kv_replicas(model: nn.Module, config: Any, hidden: int, tp_size: int) -> Optional[Tuple[int, int]]:
+    """``(ranks sharing a KV head, k and v elements per rank per layer)`` when KV heads are replicated evenly
+    (fewer than the ranks, dividing them); None otherwise. Biases: when the model's k projections have one."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not heads or not kv or kv >= tp_size or tp_size % kv:
+        return None
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    biased = any(n.rsplit(".", 1)[-1] == "k_proj" and getattr(m, "bias", None) is not None for n, m in model.named_modules())
+    return tp_size // kv, 2 * head_dim * (hidden + int(biased))
 
 
 def _norm_params(model: nn.Module, hidden: int) -> int:
@@ -273,10 +312,11 @@ class BudgetComparison:
     @classmethod
     def of(cls, records: Iterable[Any], budget: CommBudget) -> "BudgetComparison":
         records = list(records)
-        sizes = sorted({r.group_size for r in records} - {budget.tp_size})
+        sizes = sorted({r.group_size for r in records} - set(budget.group_sizes()))
         if sizes:
-            raise ValueError(f"comm accounting vs budget: the budget is for TP {budget.tp_size}, but collectives "
-                             f"ran on groups of {sizes} ranks")
+            raise ValueError(f"comm accounting vs budget: the budget is for groups of {budget.group_sizes()} ranks "
+                             f"(TP {budget.tp_size}), but collectives ran on groups of {sizes} ranks (KV heads "
+                             "replicated unevenly: the budget counts only an even replication)")
         keys = set(budget.counts()) | {(r.op, r.phase) for r in records}
         def order(key: Tuple[str, str]) -> Tuple[int, int, str]:  # forward first; the layout's ops, then others
             op, phase = key

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from typing import Dict, List, Mapping, Tuple, Union
+from typing import Any, Dict, List, Mapping, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -87,6 +87,7 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
     replaced: List[str] = []
     switch = SequenceSwitch()  # one per call: every sequence-parallel layer and hook of this model
     partial_grads = PartialGradSum(tp)  # one per call: the norms' gradients summed by one all-reduce
+    replica_sums: Dict[Any, PartialGradSum] = {}  # one per call: each attention's replicated k and v, summed at once
     for name, pat in matched:
         if any(name.startswith(r + ".") for r in replaced):
             continue
@@ -95,7 +96,7 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
             raise ValueError(f"parallelize: module '{name}' is already tensor-parallel "
                              f"({type(module).__name__}); parallelize each model once")
         ctx = BuildContext(name=name, group=tp, parent=modules[name.rpartition(".")[0]], switch=switch,
-                           partial_grads=partial_grads)
+                           partial_grads=partial_grads, replica_sums=replica_sums)
         try:
             built[name] = styles[pat].build(module, ctx)
         except (ValueError, TypeError, AttributeError) as e:

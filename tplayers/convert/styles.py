@@ -10,7 +10,7 @@ to know which style it is running.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -58,6 +58,7 @@ class BuildContext:
     parent: Optional[nn.Module] = None
     switch: SequenceSwitch = field(default_factory=SequenceSwitch)
     partial_grads: Optional[PartialGradSum] = None  # the call's replicated parameters with partial gradients
+    replica_sums: Dict[Any, PartialGradSum] = field(default_factory=dict)  # (attention, holders) -> its k and v
 
 
 @dataclass
@@ -391,7 +392,14 @@ class KVColumn:
         if part.shards == ctx.group.size:  # whole KV heads per rank (evenly, or as evenly as possible)
             return Built(ColumnParallelLinear.from_dense(module, group=ctx.group,
                                                          **({"split": part} if part.is_uneven else {})))
-        return Built(FusedColumnParallelLinear.from_dense(module, group=ctx.group, parts=[part]))
+        layer = FusedColumnParallelLinear.from_dense(module, group=ctx.group, parts=[part])
+        holders = part.holder_counts(ctx.group.size)
+        key = (id(ctx.parent), holders)  # k and v of one attention: their replica sums in one collective
+
+        def finish() -> None:
+            layer.replica_sum = ctx.replica_sums.setdefault(key, PartialGradSum(ctx.group, holders))
+            layer.replica_sum.register(layer, tuple(n for n, _ in layer.named_parameters(recurse=False)))
+        return Built(layer, finish=finish)
 
 
 @dataclass(frozen=True)

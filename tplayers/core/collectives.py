@@ -32,7 +32,7 @@ from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_grou
 from .placement import Placement, holder_slot
 
 __all__ = ["Pending", "Observer", "set_observer", "all_reduce", "all_gather", "reduce_scatter", "ring_exchange",
-           "sum_over_replica_ranks", "replica_slot", "split", "owned_copy", "all_gather_tensor", "all_reduce_tensor",
+           "sum_over_replica_ranks", "replica_group", "replica_slot", "split", "owned_copy", "all_gather_tensor", "all_reduce_tensor",
            "broadcast_tensor", "barrier", "reduce_scatter_tensor", "all_reduce_", "gather_placed", "bit_hash",
            "bytes_hash", "ranks_that_differ", "all_gather_text", "TRACE_COLLECTIVES", "SEQ_DIM", "sum_partials", "wait_for_ranks"]
 
@@ -213,10 +213,39 @@ def replica_slot(holders: Sequence[int], g: TPGroup, what: str = "replicated row
     return holder_slot(holders, g.rank)
 
 
+_REPLICA_GROUPS: dict = {}  # (process group, holders) -> this rank's run as a TPGroup, made once per process
+
+
+def replica_group(g: TPGroup, holders: Sequence[int]) -> Optional[TPGroup]:
+    """The ranks of ``g`` holding the same replica as this rank (its run of ``holders[slot]`` consecutive
+    ranks) as a group of their own, made on first use (``new_group(use_local_synchronization=True)``: only
+    the run's members take part, every run at once) and kept; a world of one for a run of one. None where
+    subgroups cannot be made (a fake group: ``tplayers bench --simulate``): the whole group sums instead."""
+    slot = replica_slot(holders, g)
+    holders = tuple(int(n) for n in holders)
+    key = (g.process_group, holders)
+    if key not in _REPLICA_GROUPS:
+        if holders[slot] == 1:
+            _REPLICA_GROUPS[key] = TPGroup(None, 0, 1)
+        elif is_fake(g.process_group) or holders[slot] == g.size:
+            _REPLICA_GROUPS[key] = None
+        else:
+            start = sum(holders[:slot])
+            ranks = [dist.get_global_rank(g.process_group, r) for r in range(start, start + holders[slot])]
+            sub = dist.new_group(ranks=ranks, backend=dist.get_backend(g.process_group),
+                                 use_local_synchronization=True)
+            _REPLICA_GROUPS[key] = TPGroup(sub, g.rank - start, holders[slot])
+    return _REPLICA_GROUPS[key]
+
+
 def sum_over_replica_ranks(rows: torch.Tensor, g: TPGroup, holders: Sequence[int]) -> torch.Tensor:
     """``rows`` summed over the ranks that hold the same replica of them: the group's ranks in runs of
-    ``holders[j]`` consecutive ranks (see :func:`replica_slot`). One all-reduce of a
-    ``(len(holders), *rows.shape)`` buffer with this rank's rows in its run's slot. Returns a new tensor."""
+    ``holders[j]`` consecutive ranks (see :func:`replica_slot`). One all-reduce over the run's own group
+    (:func:`replica_group`: a pair of ranks sends ``rows`` once, where the whole group would send
+    ``2(p-1)/p`` of a buffer padded to ``len(holders)`` slots). Returns a new tensor."""
+    sub = replica_group(g, holders)
+    if sub is not None:
+        return owned_copy(rows) if sub.size == 1 else all_reduce(owned_copy(rows), sub).wait()
     slot = replica_slot(holders, g)
     buf = rows.new_zeros((len(holders),) + tuple(rows.shape))
     buf[slot].copy_(rows)

@@ -27,6 +27,7 @@ from .siblings import offer_shard
 __all__ = [
     "copy_to_tp",
     "copy_many_to_tp",
+    "copy_many_to_replicas",
     "reduce_from_tp",
     "scatter_to_tp",
     "gather_from_tp",
@@ -70,6 +71,21 @@ class _ReduceFromTP(torch.autograd.Function):
         return _CopyToTP.apply(grad, ctx.g), None
 
 
+class _CopyManyToReplicas(torch.autograd.Function):
+    """Several tensors replicated alike over runs of ranks (a KV head's k and v weights and biases):
+    identity forward; backward their gradients summed over the ranks holding the same replica by ONE
+    collective (see :func:`copy_many_to_replicas`). First derivatives only."""
+
+    @staticmethod
+    def forward(ctx, g: TPGroup, holders: Tuple[int, ...], *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.g, ctx.holders = g, holders
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return (None, None, *_sum_packed(grads, ctx.g, ctx.holders))
+
+
 class _CopyManyToTP(torch.autograd.Function):
     """f for several tensors entering one region (an MoE layer's tokens and routing weights):
     identity forward; backward one all-reduce of all their gradients (see :func:`copy_many_to_tp`).
@@ -93,11 +109,13 @@ def _packs_into(dtype: torch.dtype, into: torch.dtype) -> bool:
             and torch.finfo(dtype).bits < torch.finfo(into).bits and {dtype, into} != {torch.float16, torch.bfloat16})
 
 
-def _sum_packed(grads: Sequence[torch.Tensor], g: TPGroup) -> List[torch.Tensor]:
-    """Each gradient summed over the group: those whose dtype converts exactly into the largest one's
-    share one all-reduce of one buffer (in that dtype); any other (float32 routing weights beside
-    bfloat16 tokens) gets its own. Never in place (autograd's tensors are not ours). Autograd
-    materializes a missing gradient as zeros, so every rank packs the same layout."""
+def _sum_packed(grads: Sequence[torch.Tensor], g: TPGroup,
+                holders: Optional[Tuple[int, ...]] = None) -> List[torch.Tensor]:
+    """Each gradient summed over the group (``holders``: over the ranks holding the same replica, see
+    `sum_over_replica_ranks`): those whose dtype converts exactly into the largest one's share one
+    collective of one buffer (in that dtype); any other (float32 routing weights beside bfloat16
+    tokens) gets its own. Never in place (autograd's tensors are not ours). Autograd materializes a
+    missing gradient as zeros, so every rank packs the same layout."""
     anchor = max(grads, key=lambda t: t.numel()).dtype
     packed = [i for i, t in enumerate(grads) if _packs_into(t.dtype, anchor)]
     buf = torch.empty(sum(grads[i].numel() for i in packed), dtype=anchor, device=grads[packed[0]].device)
@@ -106,11 +124,25 @@ def _sum_packed(grads: Sequence[torch.Tensor], g: TPGroup) -> List[torch.Tensor]
         buf[offset:offset + grads[i].numel()].view(grads[i].shape).copy_(grads[i])
         where[i] = offset
         offset += grads[i].numel()
-    pending = all_reduce(buf, g)
-    alone = {i: all_reduce(owned_copy(t), g) for i, t in enumerate(grads) if i not in where}
-    pending.wait()
+    if holders is not None:
+        buf = sum_over_replica_ranks(buf, g, holders)
+        alone = {i: _Ready(sum_over_replica_ranks(t, g, holders)) for i, t in enumerate(grads) if i not in where}
+    else:
+        pending = all_reduce(buf, g)
+        alone = {i: all_reduce(owned_copy(t), g) for i, t in enumerate(grads) if i not in where}
+        pending.wait()
     return [buf[where[i]:where[i] + t.numel()].view(t.shape).to(t.dtype) if i in where else alone[i].wait()
             for i, t in enumerate(grads)]
+
+
+class _Ready:
+    """A result already there, read like a `Pending`."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def wait(self) -> torch.Tensor:
+        return self.t
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -244,6 +276,23 @@ def copy_many_to_tp(xs: Sequence[torch.Tensor], *, group: GroupLike) -> Tuple[to
     if bad:
         raise TypeError(f"copy_many_to_tp: input {bad[0]} is not a floating-point tensor")
     return _CopyManyToTP.apply(g, *xs)
+
+
+def copy_many_to_replicas(xs: Sequence[torch.Tensor], *, group: GroupLike,
+                          holders: Sequence[int]) -> Tuple[torch.Tensor, ...]:
+    """Identity forward; backward the gradients of ``xs`` (every one replicated alike: the group's ranks
+    in runs of ``holders[j]`` consecutive ranks holding the same values) summed over their replica
+    ranks by ONE collective over the run's own group (`tplayers.core.collectives.replica_group`), as
+    :func:`sum_over_replicas` does for one tensor's rows. Floating-point tensors only."""
+    g = resolve_group(group)
+    holders = tuple(int(n) for n in holders)
+    replica_slot(holders, g, "copy_many_to_replicas")  # raises naming a layout that does not cover the group
+    if max(holders) == 1 or not xs:
+        return tuple(xs)
+    bad = [i for i, x in enumerate(xs) if not (torch.is_tensor(x) and x.is_floating_point())]
+    if bad:
+        raise TypeError(f"copy_many_to_replicas: input {bad[0]} is not a floating-point tensor")
+    return _CopyManyToReplicas.apply(g, holders, *xs)
 
 
 def reduce_from_tp(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:

@@ -15,6 +15,10 @@ hooks and DDP see complete gradients as before::
                                               backward: the node runs once every norm's backward has:
                                                 one all-reduce of [grad w_1, ..., grad w_n]
 
+With ``holders`` the parameters are replicated over runs of ranks instead (a replicated KV head's
+``k_proj`` and ``v_proj`` weights and biases): the one collective sums over the ranks holding the same
+replica (`tplayers.core.comm.copy_many_to_replicas`), k and v together.
+
 A set is used once per parameter: a module called a second time in a forward, a second forward
 before the backward, or a parameter changed in place since the set was made, starts a new set (its own all-reduce; each set sums exactly what reached it, so
 any order is right). Inside a backward (activation checkpointing's recomputation) each parameter goes
@@ -22,12 +26,12 @@ through its own ``copy_to_tp`` (reentrant checkpointing backpropagates through t
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
-from .comm import copy_many_to_tp, copy_to_tp
+from .comm import copy_many_to_replicas, copy_many_to_tp, copy_to_tp, sum_over_replicas
 from .groups import TPGroup
 
 __all__ = ["PartialGradSum"]
@@ -36,8 +40,9 @@ __all__ = ["PartialGradSum"]
 class PartialGradSum:
     """The replicated parameters with partial gradients of one ``parallelize`` call (one TP group)."""
 
-    def __init__(self, group: TPGroup) -> None:
+    def __init__(self, group: TPGroup, holders: Optional[Sequence[int]] = None) -> None:
         self.group = group
+        self.holders = None if holders is None else tuple(int(n) for n in holders)
         self.members: List[Tuple[nn.Module, str]] = []  # (module, parameter name), in registration order
         self._unused: Dict[int, Tuple[torch.Tensor, int]] = {}  # id(parameter) -> (its view in the current set,
         # the parameter's version then), until read
@@ -50,14 +55,21 @@ class PartialGradSum:
         if self.group.size == 1 or not param.requires_grad or not torch.is_grad_enabled():
             return param
         if torch._C._current_graph_task_id() != -1:  # a recomputation inside backward
-            return copy_to_tp(param, group=self.group)
+            return self._one(param)
         view, version = self._unused.pop(id(param), (None, None))
         if view is None or version != param._version:  # the first read of this forward, this parameter's
             # second, or a view made before the parameter changed in place (an optimizer step): a new set
             params = [p for p in (m._parameters.get(n) for m, n in self.members) if p is not None and p.requires_grad]
             if not any(p is param for p in params):  # not a registered parameter (functional_call's stand-in)
-                return copy_to_tp(param, group=self.group)
-            views = copy_many_to_tp(params, group=self.group)
+                return self._one(param)
+            views = (copy_many_to_tp(params, group=self.group) if self.holders is None else
+                     copy_many_to_replicas(params, group=self.group, holders=self.holders))
             self._unused = {id(p): (v, p._version) for p, v in zip(params, views)}
             view = self._unused.pop(id(param))[0]
         return view
+
+    def _one(self, param: torch.Tensor) -> torch.Tensor:
+        """``param`` through its own collective."""
+        if self.holders is None:
+            return copy_to_tp(param, group=self.group)
+        return sum_over_replicas(param, group=self.group, holders=self.holders)

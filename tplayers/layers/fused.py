@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
+from ..core.collectives import replica_group
+from ..core.partial_grads import PartialGradSum
 from ..core.comm import sum_over_replicas
 from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, resolve_group
@@ -88,6 +90,10 @@ class FusedColumnParallelLinear(TensorParallelModule):
         self.sequence_parallel, self.overlap_comm, self.layer = sequence_parallel, overlap_comm, layer
         self.weight = nn.Parameter(torch.empty(sum(self.local_parts), in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(sum(self.local_parts), device=device, dtype=dtype)) if bias else None
+        for _, _, holders in self.replica_runs():  # the replica ranks' own groups, made now (every rank builds)
+            replica_group(tp, holders)
+        # set by parallelize for a replicated k_proj / v_proj: their replica sums in one collective per forward
+        self.replica_sum: Optional[PartialGradSum] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -121,8 +127,12 @@ class FusedColumnParallelLinear(TensorParallelModule):
         return with_replica_grads(t, self.replica_runs(), self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self._with_replica_grads(self.weight)
-        bias = None if self.bias is None else self._with_replica_grads(self.bias)
+        if self.replica_sum is not None and not (self.delay_wgrad or self.accumulate_main_grad):
+            read = self.replica_sum.read  # (weight gradients into .grad now; the other sinks sum their own way)
+        else:
+            read = self._with_replica_grads
+        weight = read(self.weight)
+        bias = None if self.bias is None else read(self.bias)
         return column_parallel_linear(x, weight, bias, group=self.group, sequence_parallel=self.sequence_parallel,
                                       overlap_comm=self.overlap_comm, **grad_sinks(self))  # (..., [seq,] local_out)
 
