@@ -227,6 +227,31 @@ def test_bench_hf_sequence_parallel_without_a_shipped_plan_uses_auto(capsys):
     assert rows[("all_gather", "backward")] == ["10", "10"], out
 
 
+def _family_against_budget(group, family, sequence_parallel):
+    from tplayers.bench.hf_budget import HFBudgetConfig, run_hf_budget
+
+    cfg = HFBudgetConfig(family=family, batch=2, seq=8, hidden=16, ffn=32, heads=4, sequence_parallel=sequence_parallel,
+                         loss_parallel=True)
+    report = run_hf_budget(group, cfg)["report"]
+    return ({phase: (t["count"], t["budget_count"], round(t["ratio"], 3)) for phase, t in report["totals"].items()},
+            {(r["op"], r["phase"]): r["count"] for r in report["rows"]})
+
+
+@pytest.mark.parametrize("family,tp,sequence_parallel", [("qwen2", 4, True), ("mistral", 4, False), ("gpt2", 2, True)])
+def test_hf_families_send_the_megatron_budget(family, tp, sequence_parallel):
+    """Issue 26's targets, counted: every phase at the budget (GPT-2 under SP: its embedding's lookup is
+    all-reduced, not reduce-scattered, as it adds position embeddings before its first block)."""
+    pytest.importorskip("transformers")
+    for totals, counts in get_world(tp).run(_family_against_budget, family, sequence_parallel):
+        if family == "gpt2":
+            assert counts[("all_reduce", "forward")] == 3 and counts[("reduce_scatter", "forward")] == 4, counts
+            assert totals["backward"][2] == 1.0 and totals["forward"][2] <= 1.2, totals
+        else:
+            assert totals == {"forward": (totals["forward"][1],) * 2 + (1.0,),
+                              "backward": (totals["backward"][1],) * 2 + (1.0,),
+                              "all": (totals["all"][1],) * 2 + (1.0,)}, totals
+
+
 def test_bench_hf_refuses_what_it_cannot_do(capsys):
     from tplayers.cli import main
 
