@@ -45,13 +45,38 @@ def _lookups(group):
     torch.testing.assert_close(again, full.chunk(g.size, 1)[g.rank], rtol=0, atol=0)
     with torch.no_grad():
         assert torch.equal(torch.nn.functional.dropout(emb(ids), 0.0), full)
+    # GPT-2: position embeddings (1, s, h) added, a dropout that drops nothing: still one reduce-scatter, and
+    # one all-gather backward for the lookup and the positions together
+    pos = torch.randn(1, 3 * g.size, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3),
+                      requires_grad=True)
+    emb.zero_grad(set_to_none=True)
+    dense.zero_grad(set_to_none=True)
+    with tplayers.comm_accounting() as acc:
+        h = torch.nn.Dropout(0.1).eval()(emb(ids) + pos)
+        assert isinstance(h, PartialSum) and h.shape == full.shape
+        chunk = h.reduce_scatter()
+        (chunk * weights.chunk(g.size, 1)[g.rank]).sum().backward()
+    ops.append([(r.phase, r.op) for r in acc.records])
+    pos_d = pos.detach().clone().requires_grad_()
+    ((dense(ids) + pos_d) * weights).sum().backward()
+    torch.testing.assert_close(chunk, (full + pos).detach().chunk(g.size, 1)[g.rank], rtol=0, atol=0)
+    torch.testing.assert_close(pos.grad, pos_d.grad, rtol=1e-12, atol=1e-12)
+    grad = tplayers.testing.dense_parameters(emb, grads=True)["weight"]
+    torch.testing.assert_close(grad, dense.weight.grad, rtol=1e-12, atol=1e-12)
+    # a dropout in training, a broadcast along the sequence: summed first, exactly
+    h = emb(ids) + pos[:, :1]
+    torch.testing.assert_close(h.reduce_scatter(), (full + pos[:, :1]).chunk(g.size, 1)[g.rank], rtol=0, atol=0)
+    torch.manual_seed(5)
+    dropped = torch.nn.functional.dropout(emb(ids), 0.5)
+    assert type(dropped) is torch.Tensor
     return ops
 
 
 @pytest.mark.parametrize("tp", [2, 3])
 def test_partial_lookup_is_reduce_scattered_or_summed_once_when_read(tp):
     for ops in get_world(tp).run(_lookups):
-        assert ops == [[], ["reduce_scatter"], ["all_reduce"]], ops
+        assert ops[:3] == [[], ["reduce_scatter"], ["all_reduce"]], ops
+        assert ops[3] == [("forward", "reduce_scatter"), ("backward", "all_gather")], ops
 
 
 def test_partial_output_and_sequence_parallel_are_one_or_the_other():

@@ -12,9 +12,12 @@ families compute with it (Gemma scales it, GPT-2 adds position embeddings). So t
     (shape, dtype, device read)                   (shape, dtype, device read: metadata, no collective)
     first layer: split -> (b, s/p, h)             first layer: reduce_scatter(partial) -> (b, s/p, h)
 
-Every other use of its values (any torch function or method on it: a product, a sum, ``repr``, a
-custom Function) sums it first, with one all-reduce kept for later reads: whatever reads it sees the
-complete values, so the deferral can change the collectives but never a number.
+Two uses keep it unsummed, both exact: adding a tensor of its shape and dtype (GPT-2 and OPT add their
+position embeddings: the sum's chunk is this rank's reduce-scattered chunk plus the addend's chunk, one
+all-gather of the gradient backward serving both), and a dropout that drops nothing (``p == 0``, or not
+training). Every other use of its values (any torch function or method on it: a product, a norm,
+``repr``, a custom Function) sums it first, with one all-reduce kept for later reads: whatever reads it
+sees the complete values, so the deferral can change the collectives but never a number.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .collectives import all_gather, reduce_scatter, split
 from .comm import reduce_from_tp, reduce_scatter_to_sequence, scatter_to_sequence
 from .groups import TPGroup
 
@@ -37,25 +41,36 @@ _METADATA = frozenset({
 })
 
 
+_ADD = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__})
+
+
 class PartialSum(torch.Tensor):
-    """Each rank's partial sum (see the module docstring): its metadata reads as the sum's; any use of its
-    values uses :meth:`summed`. Made by :func:`partial_sum`."""
+    """Each rank's partial sum plus an optional addend of its own (see the module docstring): its metadata
+    reads as the value's; any other use of its values uses :meth:`summed`. Made by :func:`partial_sum`."""
 
     _partial: torch.Tensor
+    _addend: Optional[torch.Tensor]
     _group: TPGroup
     _summed: Optional[torch.Tensor]
 
     def summed(self) -> torch.Tensor:
-        """The sum over the group (an all-reduce the first time; the result is kept)."""
+        """The value: the partials summed over the group (an all-reduce the first time; the result is
+        kept), plus the addend."""
         if self._summed is None:
-            self._summed = reduce_from_tp(self._partial, group=self._group)
+            total = reduce_from_tp(self._partial, group=self._group)
+            self._summed = total if self._addend is None else total + self._addend
         return self._summed
 
     def reduce_scatter(self, seq_dim: int = -2) -> torch.Tensor:
-        """This rank's sequence chunk of the sum: a reduce-scatter, or a split of a sum already made."""
+        """This rank's sequence chunk of the value: a reduce-scatter (plus the addend's chunk), or a split
+        of a value already summed."""
         if self._summed is not None:
             return scatter_to_sequence(self._summed, group=self._group, seq_dim=seq_dim)
-        return reduce_scatter_to_sequence(self._partial, group=self._group, seq_dim=seq_dim)
+        if self._addend is None:
+            return reduce_scatter_to_sequence(self._partial, group=self._group, seq_dim=seq_dim)
+        if self._addend.shape[seq_dim] != self._partial.shape[seq_dim]:  # broadcast along the sequence
+            return scatter_to_sequence(self.summed(), group=self._group, seq_dim=seq_dim)
+        return _ReduceScatterAdd.apply(self._partial, self._addend, self._group, seq_dim)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[Dict[str, Any]] = None):
@@ -63,9 +78,52 @@ class PartialSum(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func in _ADD and not kwargs and len(args) == 2:
+            kept = _plus(*args) if isinstance(args[0], PartialSum) else _plus(args[1], args[0])
+            if kept is not None:
+                return kept
+        if func is torch.nn.functional.dropout and _drops_nothing(*args, **kwargs):
+            return args[0] if args else kwargs["input"]
         args, kwargs = torch.utils._pytree.tree_map(lambda a: a.summed() if isinstance(a, PartialSum) else a,
                                                     (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _plus(x: PartialSum, other: Any) -> Optional[PartialSum]:
+    """``x + other`` kept unsummed: ``other`` a plain tensor of ``x``'s dtype and dims that broadcasts to
+    ``x``'s shape (GPT-2's positions: (1, s, h)), no promotion, and ``x`` not summed yet; else None."""
+    if (x._summed is not None or not torch.is_tensor(other) or isinstance(other, PartialSum)
+            or other.dtype != x.dtype or other.device != x.device or other.dim() != x.dim()
+            or torch.broadcast_shapes(other.shape, x.shape) != x.shape):
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        addend = other if x._addend is None else x._addend + other
+    return _wrap(x._partial, addend, x._group)
+
+
+def _drops_nothing(input: Any = None, p: float = 0.5, training: bool = True, inplace: bool = False) -> bool:
+    return not inplace and (p == 0 or not training)
+
+
+class _ReduceScatterAdd(torch.autograd.Function):
+    """This rank's sequence chunk of ``sum(partial) + addend``; backward one all-gather of the chunk's
+    gradient, the gradient of both."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, addend: torch.Tensor, g: TPGroup, dim: int) -> torch.Tensor:
+        ctx.g, ctx.dim, ctx.addend_shape = g, dim, addend.shape
+        return reduce_scatter(partial, dim, g).wait().add_(split(addend, dim, g))  # (the reduce-scatter's own buffer)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        full = all_gather(grad, ctx.dim, ctx.g).wait()
+        return full, full.sum_to_size(ctx.addend_shape), None, None  # (a broadcast addend: summed over the batch)
+
+
+def _wrap(partial: torch.Tensor, addend: Optional[torch.Tensor], group: TPGroup) -> PartialSum:
+    out = partial.as_subclass(PartialSum)
+    out._partial, out._addend, out._group, out._summed = partial, addend, group, None
+    return out
 
 
 def partial_sum(partial: torch.Tensor, *, group: TPGroup) -> torch.Tensor:
@@ -75,6 +133,4 @@ def partial_sum(partial: torch.Tensor, *, group: TPGroup) -> torch.Tensor:
         return partial
     if torch.compiler.is_compiling():
         return reduce_from_tp(partial, group=group)
-    out = partial.as_subclass(PartialSum)
-    out._partial, out._group, out._summed = partial, group, None
-    return out
+    return _wrap(partial, None, group)
