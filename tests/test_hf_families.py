@@ -55,6 +55,11 @@ FAMILIES = {
     "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM",
                       dict(MLA, ffn_hidden_size=64, expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=2,
                            moe_topk=2, num_layers=2)),
+    # gpt-oss: its own plan names only the embedding ("auto" adds the rest): attention sinks (one per head),
+    # experts (experts, in, out) with [gate, up] interleaved and biases (the down projection's added once),
+    # sliding and full attention layers; biases and sinks drawn non-zero in _build
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8,
+                                                     "sliding_window": 4, "attn_implementation": "eager", **MOE}),
     # attentions that keep num_key_value_heads / num_heads attributes of their own: 8 heads, 2 KV heads, so
     # TP 4 replicates each KV head on two ranks and the attributes must follow the local heads
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"num_attention_heads": 8}),
@@ -136,7 +141,13 @@ def _build(family: str, seed: int = 0):
     if not hasattr(transformers, config_name):
         pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
     torch.manual_seed(seed)
-    return getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).double().eval()
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).double().eval()
+    if family == "gpt_oss":  # zero at init: a bias added p times (or sinks read for the wrong heads) would not show
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+    return model
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
@@ -449,3 +460,14 @@ def test_latent_attention_sums_the_rotary_key_once_per_layer():
             [1536] * 4 + [3072] * 3, records  # q_b, kv_b per layer; dense MLP, shared experts, head
         assert [n for _, m, n in records if m == "_CopyManyToTPBackward"] == [3264], records  # MoE tokens + weights
         assert len(records) == 10, records
+
+
+def test_gpt_oss_whole_experts_are_refused_naming_why():
+    """transformers' gpt-oss experts one-hot the routed ids over num_experts classes: another rank's expert
+    (the sentinel) would fail deep inside torch; refused when the plan is made, naming why."""
+    model = _build("gpt_oss")
+    with pytest.raises(ValueError, match=r"experts='whole'\): transformers' gpt-oss experts one-hot the routed"):
+        tplayers.convert.auto_plan(model, experts="whole")
+    layers = tplayers.convert.auto_plan(model).plan.layers  # the default: each expert's ffn split, the bias once
+    assert layers["model.layers.0.mlp.experts"].added_once == ("down_proj_bias",), layers
+    assert layers["model.layers.0.self_attn"] == tplayers.convert.PerHeadParams(("sinks",)), layers

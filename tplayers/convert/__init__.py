@@ -1,7 +1,7 @@
 """Floor 4, convert: ``parallelize`` an existing model from a plan; TP x DP meshes.
 
     styles.py       the style contract (build(module, ctx) -> Built) and the layer-swapping styles
-    sequence.py     sequence-parallel styles (scatter, gather, norms) and their hooks
+    sequence.py     sequence-parallel styles (scatter, gather, norms), replicated parameters with partial gradients
     plan.py         Plan (patterns -> styles, head-count attributes), style names, the SP variant
     plans/          one file per model family (llama, gpt2) and the registry
     auto.py         the "auto" plan: a Hugging Face model's own tp_plan translated to tplayers styles
@@ -21,13 +21,13 @@ from .mesh2d import Mesh2D, make_2d_mesh
 from .parallelize import parallelize
 from .plan import STYLE_NAMES, Plan, sequence_parallel_variant
 from .plans import PLANS, SP_PLANS, get_plan
-from .sequence import GatherSequence, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
+from .sequence import GatherSequence, PerHeadParams, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
 from .styles import BuildContext, Built, Column, Experts, FusedQKV, LatentKV, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead
 
 __all__ = [
     "parallelize", "audit", "AuditError", "AuditReport", "Plan", "Style", "BuildContext", "Built", "STYLE_NAMES", "sequence_parallel_variant",
     "Column", "Experts", "FusedQKV", "KVColumn", "LatentKV", "Row", "VocabEmbedding", "VocabHead", "Replicate",
-    "SequenceParallelNorm", "ScatterSequence", "GatherSequence", "ReplicateReduceGrad",
+    "SequenceParallelNorm", "ScatterSequence", "GatherSequence", "ReplicateReduceGrad", "PerHeadParams",
     "auto_plan", "HF_STYLES", "SKIPPED_STYLES", "CoverageReport", "coverage",
     "SP_PLANS", "PLANS", "get_plan",
     "ColumnParallelConv1D", "RowParallelConv1D", "FusedColumnParallelConv1D", "is_conv1d",

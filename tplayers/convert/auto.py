@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from .plan import Plan, local_attention_attrs, sequence_parallel_variant
 from .plans import MODEL_TYPES, PLANS
-from .sequence import ReplicateReduceGrad
+from .sequence import PerHeadParams, ReplicateReduceGrad
 from .styles import Column, Experts, KVColumn, LatentKV, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding, VocabHead
 
 __all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "sequence_parallel_auto",
@@ -59,6 +59,9 @@ _EXPERTS = f"{_REPLICATED_EXPERTS} (the plan does not split them): exact, but no
 # transformers' styles on an experts module's 3-D parameters (weights laid out (..., out, in)): the
 # dim to cut, counted from the end, and the number of packed parts ([gate; up] is two)
 _EXPERT_PARAM_STYLES = {"colwise": (2, 1), "packed_colwise": (2, 2), "rowwise": (1, 1), "packed_rowwise": (1, 2)}
+# tplayers' own (no transformers plan names it): a parameter of the experts added after their down projection,
+# kept whole and added by one rank (ParallelExperts' added_once)
+ADDED_ONCE = "added_once"
 
 # transformers' style names (4.48 .. 5.x) -> a tplayers style, by the last component of the module name.
 HF_STYLES: Dict[str, Callable[[str], Style]] = {
@@ -97,7 +100,7 @@ _REFUSED: Dict[str, str] = {
 
 # Entries transformers' own plans miss, by ``config.model_type``: the shared expert of Qwen2-MoE is
 # a dense MLP (HF's plan names ``mlp.gate_proj``, which that model does not have); Apertus' activation.
-FAMILY_ADDITIONS: Dict[str, Dict[str, str]] = {
+FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
     "qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise", "layers.*.mlp.shared_expert.up_proj": "colwise",
                   "layers.*.mlp.shared_expert.down_proj": "rowwise",
                   "layers.*.mlp.shared_expert_gate": "replicate"},  # Linear(h, 1): a scalar gate per token
@@ -119,11 +122,30 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, str]] = {
     # Apertus' xIELU activation has learnable scalars (alpha_p, alpha_n) between up_proj and down_proj: on
     # split activations each rank's gradient is a partial sum (found by the audit)
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+    # gpt-oss's own plan names only the embedding. Its attention is Llama's plus one learnable sink per head;
+    # its experts are laid out (experts, in, out) with [gate, up] interleaved feature by feature, so a contiguous
+    # cut of 2 * ffn keeps each gate beside its up; their biases: the up's split with it, the down's added once
+    "gpt_oss": {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+                "layers.*.self_attn": PerHeadParams(("sinks",)),
+                "layers.*.mlp.router": "replicate", "layers.*.mlp.experts": "moe_tp_experts",
+                "layers.*.mlp.experts.gate_up_proj": "rowwise", "layers.*.mlp.experts.gate_up_proj_bias": "rowwise",
+                "layers.*.mlp.experts.down_proj": "colwise", "layers.*.mlp.experts.down_proj_bias": ADDED_ONCE},
 }
 
 
-def translate_style(hf_style: str, module_name: str) -> Style:
-    """The tplayers style for transformers' ``hf_style`` on module ``module_name``, or an error."""
+# Families whose experts cannot run whole experts per rank, and why
+NO_WHOLE_EXPERTS: Dict[str, str] = {
+    "gpt_oss": "transformers' gpt-oss experts one-hot the routed expert ids over num_experts classes, so another "
+               "rank's expert (the id num_experts, which other families' experts skip) cannot be routed past",
+}
+
+
+def translate_style(hf_style: Union[str, Style], module_name: str) -> Style:
+    """The tplayers style for transformers' ``hf_style`` on module ``module_name`` (a tplayers style, from
+    :data:`FAMILY_ADDITIONS`, as it is), or an error."""
+    if not isinstance(hf_style, str):
+        return hf_style
     if hf_style in HF_STYLES:
         return HF_STYLES[hf_style](module_name.rpartition(".")[2])
     if hf_style in _REFUSED:
@@ -207,9 +229,12 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
     if experts not in ("ffn", "whole"):
         raise ValueError(f"parallelize(model, 'auto'): experts={experts!r}; choose 'ffn' (each expert's ffn split "
                          "across ranks) or 'whole' (whole experts per rank)")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if experts == "whole" and model_type in NO_WHOLE_EXPERTS:
+        raise ValueError(f"parallelize(model, 'auto', experts='whole'): {NO_WHOLE_EXPERTS[model_type]}; use "
+                         "experts='ffn' (each expert's ffn split across ranks)")
     hf = _unwrap(model)
     if not hf:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type in MODEL_TYPES:  # no plan of its own, but tplayers ships one for its family
             return AutoPlan(plan=PLANS[MODEL_TYPES[model_type]], sources={})
         raise ValueError(f"parallelize(model, 'auto'): {type(model).__name__} has no tensor-parallel plan of its own "
@@ -360,8 +385,12 @@ def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: D
             continue
         for name in names:
             module, splits, missing = modules[name], [], []
+            added = []
             for pname, p in module.named_parameters():
                 style = next((hf[k] for k in param_keys if _regex(k).match(f"{name}.{pname}")), None)
+                if style == ADDED_ONCE and "." not in pname:
+                    (splits.append((pname, 0, 1)) if whole else added.append(pname))  # whole: per expert, on dim 0
+                    continue
                 if "." in pname or style not in _EXPERT_PARAM_STYLES or p.dim() < 2:
                     missing.append(pname)
                     continue
@@ -377,7 +406,7 @@ def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: D
                        else "identity experts with whole experts per rank" if identity else "nothing to split")
                 out[name] = f"{_REPLICATED_EXPERTS}: {why} (exact, but no memory saved)"
             else:
-                out[name] = Experts(splits=tuple(splits), identity_experts=identity)
+                out[name] = Experts(splits=tuple(splits), identity_experts=identity, added_once=tuple(added))
     return out
 
 

@@ -18,11 +18,12 @@ import torch.nn as nn
 from ..core.comm import gather_sequence_for_columns, scatter_to_sequence
 from ..core.partial_grads import PartialGradSum
 from ..core.partial_sum import PartialSum
-from ..core.placement import Replicated
+from ..core.placement import Replicated, Sharded, head_parts
 from ..layers.base import PLACEMENTS_ATTR
-from .styles import BuildContext, Built
+from .styles import BuildContext, Built, attention_heads
 
-__all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "ReplicateReduceGrad", "map_first_input", "route_params_through",
+__all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "ReplicateReduceGrad", "PerHeadParams",
+           "map_first_input", "route_params_through",
            "check_sequence_region"]
 
 _MARK = "_tplayers_styles"  # the sequence styles already applied to a module (refuse stacking a second set)
@@ -108,6 +109,42 @@ class ReplicateReduceGrad(_SequenceStyle):
 
     def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
         _reduce_param_grads(module, ctx)
+
+
+@dataclass(frozen=True)
+class PerHeadParams:
+    """An attention's own parameters holding one value per query head along dim 0 (gpt-oss's attention
+    ``sinks``, shape ``(heads,)``): kept whole on every rank (state-dict names and shapes unchanged), read
+    during the attention's forward as this rank's heads' values, cut as ``Column(heads=True)`` cuts
+    ``q_proj`` (padded with zeros where heads do not divide the TP degree). Each rank's gradient covers its
+    heads only, so the gradients are summed over the group (with the call's other partial gradients: one
+    all-reduce per forward). The head counts come from the attention (``attention_heads``)."""
+
+    names: Tuple[str, ...]
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        heads, kv_heads = attention_heads(module)
+        if heads is None:
+            raise ValueError(f"parallelize: module '{ctx.name}' (PerHeadParams): the attention's query heads are not "
+                             "known (config.num_attention_heads)")
+        for name in self.names:
+            p = module._parameters.get(name)
+            if p is None or p.dim() < 1 or p.shape[0] != heads:
+                raise ValueError(f"parallelize: module '{ctx.name}' (PerHeadParams): parameter '{name}' must have "
+                                 f"one value per query head along dim 0 ({heads}), got "
+                                 f"{None if p is None else tuple(p.shape)}")
+        placement = Sharded(0, (head_parts(heads, kv_heads, 1, ctx.group.size, ctx.name)[0],))
+
+        def finish() -> None:
+            tp = ctx.group
+            if tp.size == 1:
+                return
+            partial = ctx.partial_grads if ctx.partial_grads is not None else PartialGradSum(tp)
+            partial.register(module, self.names)
+            route_params_through(module, self.names, lambda p: placement.shard(partial.read(p), tp.rank, tp.size))
+            setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n in self.names})
+        return Built(module, finish=finish, label=f"{type(module).__name__} reading this rank's heads of "
+                                                  f"{', '.join(self.names)}")
 
 
 @dataclass(frozen=True)

@@ -484,11 +484,13 @@ class Experts:
     splits: Tuple[ExpertSplit, ...]
     divide_attrs: Tuple[str, ...] = ("intermediate_dim", "intermediate_size", "expert_dim")
     identity_experts: Tuple[str, ...] = ()  # child nn.Identity experts (LongCat-Flash's zero experts)
+    added_once: Tuple[str, ...] = ()  # parameters added after the down projection (gpt-oss's down_proj_bias)
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         try:
             layer = ParallelExperts.from_dense(module, group=ctx.group, splits=self.splits,
-                                               divide_attrs=self.divide_attrs, identity_experts=self.identity_experts)
+                                               divide_attrs=self.divide_attrs, identity_experts=self.identity_experts,
+                                               added_once=self.added_once)
         except ValueError as e:
             raise ValueError(f"parallelize: module '{ctx.name}' (style Experts): {e}") from None
         return Built(layer)

@@ -24,6 +24,11 @@ shards, so whatever the family's code reads (``self.num_experts``, ``self.act_fn
 implementation: eager loop, ``grouped_mm``, ``batched_mm``) is unchanged. Which parameter is cut along
 which dim is data (``splits``), as transformers' plans give it (``packed_colwise`` ...).
 
+A parameter added after the expert's down projection (gpt-oss's ``down_proj_bias``) would be added by
+every rank to its partial sum, ``p`` times in all: named in ``added_once``, it stays whole on every rank
+and reads as itself on rank 0 and as zeros elsewhere during the forward; its gradient (rank 0's, whole)
+enters f with the tokens', so the same one all-reduce makes it complete on every rank.
+
 Every parameter cut along dim 0 instead means **whole experts per rank** (expert parallelism over the
 TP group): rank r holds experts ``[r E/p, (r + 1) E/p)``; the tokens are the same on every rank, so the
 router's expert ids are made local (another rank's expert becomes the sentinel ``num_experts``, which
@@ -40,7 +45,7 @@ import torch.nn as nn
 
 from ..core.comm import copy_many_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
-from ..core.placement import Placement, Sharded
+from ..core.placement import Placement, Replicated, Sharded
 from .base import TensorParallelModule
 
 __all__ = ["ParallelExperts", "ExpertSplit"]
@@ -105,15 +110,18 @@ class ParallelExperts(TensorParallelModule):
     _dense_attrs: Dict[str, Any]  # attributes changed from the dense module's, with their dense values
     _first_expert: Optional[int]  # whole experts per rank: this rank's first expert (None: each ffn split)
     _dense_children: Dict[str, nn.Module]  # the identity experts replaced by _ShareOfInput
+    _added_once: Tuple[str, ...] = ()  # parameters added after the partial products, by rank 0 only
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, splits: Sequence[ExpertSplit] = (),
                    divide_attrs: Sequence[str] = ("intermediate_dim", "intermediate_size", "expert_dim"),
-                   identity_experts: Sequence[str] = ()) -> "ParallelExperts":
+                   identity_experts: Sequence[str] = (), added_once: Sequence[str] = ()) -> "ParallelExperts":
         """This rank's shard of ``dense`` (which is left as it is). ``splits``: ``(name, dim, parts)``
         for every parameter; ``divide_attrs``: int attributes holding the ffn size (divided by p
         where present); ``identity_experts``: child ``nn.Identity`` experts (LongCat-Flash's zero
-        experts), which every rank would add whole to its partial sum: each adds 1/p of its input."""
+        experts), which every rank would add whole to its partial sum: each adds 1/p of its input;
+        ``added_once``: parameters added after the partial products (a bias of the down projection),
+        kept whole and added by rank 0 only (see the module docstring)."""
         g = resolve_group(group)
         what = f"ParallelExperts({type(dense).__name__})"
         whole = bool(splits) and all(dim == 0 for _, dim, _ in splits)
@@ -128,11 +136,18 @@ class ParallelExperts(TensorParallelModule):
                              "count its parameters' first dim")
         params = dict(dense.named_parameters(recurse=False))
         names = [s[0] for s in splits]
-        unsplit = sorted(set(dict(dense.named_parameters())) - set(names))
+        added_once = tuple(added_once)
+        if whole and added_once:
+            raise ValueError(f"{what}: with whole experts per rank every parameter is cut along dim 0 (a bias too); "
+                             f"added_once={list(added_once)} is for experts whose ffn is split")
+        if set(added_once) & set(names) or not set(added_once) <= set(params):
+            raise ValueError(f"{what}: added_once={list(added_once)} must name parameters of the experts that "
+                             f"splits does not (splits: {names})")
+        unsplit = sorted(set(dict(dense.named_parameters())) - set(names) - set(added_once))
         if not splits or unsplit:
             raise ValueError(f"{what}: every parameter of the experts must be split (got splits for {names}); "
                              f"not split: {unsplit}. A parameter added after the partial sums (a bias of the "
-                             "down projection) cannot be summed over ranks; keep such experts replicated")
+                             "down projection) cannot be split: name it in added_once")
         placements: Dict[str, Placement] = {}
         for name, dim, parts in splits:
             p = params.get(name)
@@ -152,6 +167,7 @@ class ParallelExperts(TensorParallelModule):
                              "expert's ffn instead)")
         new = _module_copy(dense, _parallel_class(type(dense)))
         new.group, new._dense_class, new._splits, new._dense_attrs = g, type(dense), placements, {}
+        new._added_once = added_once
         new._dense_children = {name: dense._modules[name] for name in identity_experts}
         for name in identity_experts:
             new._modules[name] = _ShareOfInput(g.size)
@@ -175,14 +191,17 @@ class ParallelExperts(TensorParallelModule):
         return new
 
     def param_placements(self) -> Dict[str, Placement]:
-        return dict(self._splits)
+        return {**self._splits, **{name: Replicated() for name in self._added_once}}
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         # f: the floating inputs (the tokens, the routing weights) enter whole; their gradients are partial
-        # sums over ranks (each rank's slice of every expert), summed by one all-reduce backward
+        # sums over ranks (each rank's slice of every expert), summed by one all-reduce backward (with the
+        # added-once parameters' gradients, whole on rank 0)
         floats = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.is_floating_point()]
         keys = [k for k, v in kwargs.items() if torch.is_tensor(v) and v.is_floating_point()]
-        entered = copy_many_to_tp([args[i] for i in floats] + [kwargs[k] for k in keys], group=self.group)
+        once = [self._parameters[n] for n in self._added_once]
+        entered = copy_many_to_tp([args[i] for i in floats] + [kwargs[k] for k in keys] + once, group=self.group)
+        entered, once = list(entered[:len(entered) - len(once)]), entered[len(entered) - len(once):]
         args = list(args)
         for i, t in zip(floats + keys, entered):
             if isinstance(i, int):
@@ -191,7 +210,13 @@ class ParallelExperts(TensorParallelModule):
                 kwargs[i] = t
         if self._first_expert is not None:
             self._route_to_local_experts(args, kwargs)
-        out = super().forward(*args, **kwargs)  # (tokens, h): this rank's partial sum
+        for name, t in zip(self._added_once, once):  # rank 0 adds it; the partial sums then hold it once
+            self.__dict__[name] = t if self.group.rank == 0 else t * 0
+        try:
+            out = super().forward(*args, **kwargs)  # (tokens, h): this rank's partial sum
+        finally:
+            for name in self._added_once:
+                self.__dict__.pop(name, None)
         if not torch.is_tensor(out):
             raise TypeError(f"ParallelExperts({self._dense_class.__name__}): the experts returned "
                             f"{type(out).__name__}; a tensor (the weighted sum of the experts' outputs) was expected")
@@ -222,7 +247,8 @@ class ParallelExperts(TensorParallelModule):
     def to_dense(self) -> nn.Module:
         """The dense experts module (collective: every rank gathers every shard)."""
         dense = _module_copy(self, self._dense_class)
-        for attr in ("group", "_dense_class", "_splits", "_dense_attrs", "_first_expert", "_dense_children"):
+        for attr in ("group", "_dense_class", "_splits", "_dense_attrs", "_first_expert", "_dense_children",
+                     "_added_once"):
             dense.__dict__.pop(attr, None)
         dense._modules.update(self._dense_children)
         for attr, value in self._dense_attrs.items():
