@@ -60,6 +60,11 @@ FAMILIES = {
     # sliding and full attention layers; biases and sinks drawn non-zero in _build
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8,
                                                      "sliding_window": 4, "attn_implementation": "eager", **MOE}),
+    # MiMo-V2-Flash: its plan styles the sliding layers' attention sinks "colwise" (PerHeadParams), v's head_dim
+    # differs from q/k's, a dense first layer then MoE
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM",
+                      {"head_dim": 8, "v_head_dim": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 32, "sliding_window": 4, "attn_implementation": "eager", **MOE}),
     # attentions that keep num_key_value_heads / num_heads attributes of their own: 8 heads, 2 KV heads, so
     # TP 4 replicates each KV head on two ranks and the attributes must follow the local heads
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"num_attention_heads": 8}),
@@ -123,7 +128,7 @@ OWN_CONFIG = {
 # partial sum with experts split: float32 rounding, measured up to 1.2e-7 (a router gradient, Mixtral TP 2).
 FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "apertus": 1e-5, "exaone4": 1e-4,
                          "mixtral": 1e-6, "qwen2_moe": 1e-6, "llama4": 1e-5, "deepseek_v2": 1e-5, "deepseek_v3": 1e-5,
-                         "longcat_flash": 1e-5}
+                         "longcat_flash": 1e-5, "mimo_v2_flash": 1e-6}
 
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon",
                                                                                   "stablelm", "bloom", "gpt_bigcode",

@@ -41,7 +41,8 @@ import torch.nn as nn
 from .plan import Plan, local_attention_attrs, sequence_parallel_variant
 from .plans import MODEL_TYPES, PLANS
 from .sequence import PerHeadParams, ReplicateReduceGrad
-from .styles import Column, Experts, KVColumn, LatentKV, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding, VocabHead
+from .styles import (Column, Experts, KVColumn, LatentKV, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding,
+                     VocabHead, attention_heads)
 
 __all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "sequence_parallel_auto",
            "translate_style"]
@@ -91,12 +92,9 @@ SKIPPED_STYLES: Dict[str, str] = {
     "all_reduce": "its children's outputs are already complete (tplayers row layers all-reduce)",
     "sequence_parallel": "the 'auto' plan is the plain TP layout: this norm sees the whole sequence (with "
                          "sequence_parallel=True, the variant derived from the module tree splits it)",
+    "local_params": "its own parameters follow their own keys (one value per query head, e.g. sinks, styled "
+                    "'colwise': read for this rank's heads; any other bare parameter refused); none here",
 }
-
-_REFUSED: Dict[str, str] = {
-    "local_params": "parameters sharded on their own (attention sinks) are not supported",
-}
-
 
 # Entries transformers' own plans miss, by ``config.model_type``: the shared expert of Qwen2-MoE is
 # a dense MLP (HF's plan names ``mlp.gate_proj``, which that model does not have); Apertus' activation.
@@ -148,9 +146,6 @@ def translate_style(hf_style: Union[str, Style], module_name: str) -> Style:
         return hf_style
     if hf_style in HF_STYLES:
         return HF_STYLES[hf_style](module_name.rpartition(".")[2])
-    if hf_style in _REFUSED:
-        raise ValueError(f"parallelize(model, 'auto'): module '{module_name}' has style '{hf_style}': "
-                         f"{_REFUSED[hf_style]}; give a plan of your own")
     raise ValueError(f"parallelize(model, 'auto'): module '{module_name}' has the unknown Hugging Face style "
                      f"'{hf_style}'; known: {sorted(HF_STYLES)}, left out: {sorted(SKIPPED_STYLES)}")
 
@@ -256,11 +251,17 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
     split = [n for n, st in layers.items() if isinstance(st, Experts)]
     unmatched = [k for k in hf if not matches[k] and k not in param_keys]
     replicated = [e for e in experts_found if e not in split]
+    per_head: Dict[str, List[str]] = {}  # an attention -> its parameters holding one value per head (sinks)
     for key in sorted(param_keys):  # a bare parameter: split with its experts, left inside replicated ones, else refused
         if all(any(p.startswith(e + ".") for e in split) for p in params if _regex(key).match(p)):
             continue
         names = [p for p in params if _regex(key).match(p)]
         outside = [p for p in names if not any(p.startswith(e + ".") for e in replicated)]
+        owners = [_per_head_owner(p, modules, hf[key]) for p in outside]
+        if outside and all(owners):
+            for p, owner in zip(outside, owners):
+                per_head.setdefault(owner, []).append(p.rpartition(".")[2])
+            continue
         if outside:
             raise ValueError(f"parallelize(model, 'auto'): the plan gives the bare parameter '{outside[0]}' the style "
                              f"'{hf[key]}'; sharding a parameter outside a module is not supported (outside MoE "
@@ -270,12 +271,20 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
         for name in names:
             if name in layers or any(name.startswith(e + ".") for e in split):  # experts split above, and inside them
                 continue
+            if hf[key] == "local_params" and not modules[name]._parameters:  # (MiMo's full-attention layers: no sinks)
+                continue
             if any(name == e or name.startswith(e + ".") for e in replicated):
                 skipped.setdefault(name, _EXPERTS)
             elif hf[key] in SKIPPED_STYLES:
                 skipped[name] = SKIPPED_STYLES[hf[key]]
             else:
                 layers[name] = translate_style(hf[key], name)
+    for owner, pnames in per_head.items():  # sinks styled colwise: read for this rank's heads
+        if owner in layers:
+            raise ValueError(f"parallelize(model, 'auto'): module '{owner}' has the style {layers[owner]!r} and "
+                             f"parameters {sorted(pnames)} styled per head; give a plan of your own")
+        layers[owner] = PerHeadParams(tuple(sorted(set(pnames))))
+        skipped.pop(owner, None)  # (its "local_params")
     for name in [n for n, st in layers.items() if isinstance(st, LatentKV)]:
         # the query's latent projection, like the KV one, runs whole on every rank (its output feeds q_b_proj)
         q_a = f"{name.rpartition('.')[0]}.q_a_proj"
@@ -372,6 +381,21 @@ def sequence_parallel_auto(model: nn.Module, plan: Plan) -> Plan:
                          f"({final}); the variant gathers the sequence at the one final norm; use "
                          "sequence_parallel=False or a plan of your own")
     return sequence_parallel_variant(plan, [blocks[0]], norms, final, gather_inputs=gather, keep=keep)
+
+
+def _per_head_owner(param: str, modules: Dict[str, nn.Module], style: str) -> Optional[str]:
+    """The attention owning ``param`` when ``param`` is its own parameter styled column-wise and holds one
+    value per query head along dim 0 (attention sinks, a per-head gate bias), else None."""
+    owner, _, leaf = param.rpartition(".")
+    module = modules.get(owner)
+    p = None if module is None else module._parameters.get(leaf)
+    if style not in ("colwise", "local_colwise") or p is None or p.dim() < 1:
+        return None
+    try:
+        heads = attention_heads(module)[0]
+    except AttributeError:
+        return None
+    return owner if heads == p.shape[0] else None
 
 
 def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: Dict[str, List[str]], param_keys: set,

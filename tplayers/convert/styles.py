@@ -115,6 +115,10 @@ def _kv_heads(attn: nn.Module) -> Tuple[Optional[int], int, str]:
     if kv is None and heads is None:
         raise AttributeError(f"{type(attn).__name__} has no attribute path 'config.num_key_value_heads' nor any other "
                              f"head count ({', '.join(_KV_HEAD_COUNTS[1:] + _HEAD_COUNTS)})")
+    groups = getattr(attn, "num_key_value_groups", None)  # the attention's own: per layer where the config is not
+    if (isinstance(groups, int) and not isinstance(groups, bool) and groups > 0 and heads and heads % groups == 0
+            and heads // groups != (heads if kv is None else kv)):  # (MiMo-V2-Flash's sliding layers: twice the KV heads)
+        return heads, heads // groups, "num_key_value_groups"
     if kv is None:
         return heads, heads, ""
     return heads, kv, where
