@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import tplayers
 from tplayers.convert import HF_STYLES, SKIPPED_STYLES, Column, KVColumn, LatentKV, ReplicateReduceGrad, Row
-from tplayers.convert.auto import translate_style
+from tplayers.convert.auto import auto_plan, translate_style
 from tplayers.testing import dense_parameters, get_world
 
 
@@ -213,3 +213,21 @@ def test_plan_keys_resolve_against_the_module_tree_or_are_refused_naming_the_pre
     with pytest.raises(ValueError, match=r"none of the 1 keys .* \(e.g. 'blocks.\*.fc'\) names a module, under its "
                                          r"base_model_prefix 'language_model' or under any of \['model'\]"):
         tplayers.convert.auto_plan(_Wrapped({"blocks.*.fc": "colwise"}))
+
+
+class _NormedEmbedding(nn.Embedding):
+    """An embedding with a forward of its own (a norm after the lookup): not a vocabulary split."""
+
+    def forward(self, ids):
+        out = super().forward(ids)
+        return out / out.norm(dim=-1, keepdim=True)
+
+
+def test_an_embedding_with_its_own_forward_stays_whole_and_the_report_says_why():
+    """Before: "auto" made every input embedding vocab-parallel, and the style refused this one: the whole
+    model refused (Inkling-2's normed embedding). Now it stays whole, the rest converts."""
+    model = _ToyForCausalLM()
+    model.model.embed_tokens = _NormedEmbedding(16, 8)
+    auto = auto_plan(model)
+    assert "model.embed_tokens" not in auto.plan.layers and "lm_head" in auto.plan.layers
+    assert "_NormedEmbedding has a forward of its own" in auto.skipped["model.embed_tokens"], auto.skipped

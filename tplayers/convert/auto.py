@@ -38,6 +38,7 @@ from typing import Callable, Dict, List, Optional, Union
 
 import torch.nn as nn
 
+from ..layers.vocab import embedding_scale
 from .plan import Plan, local_attention_attrs, sequence_parallel_variant
 from .plans import MODEL_TYPES, PLANS
 from .sequence import PerHeadParams, ReplicateReduceGrad
@@ -290,7 +291,7 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
         q_a = f"{name.rpartition('.')[0]}.q_a_proj"
         if q_a in modules and q_a not in layers:
             layers[q_a] = Replicate()
-    _vocab_parallel_ends(model, layers)
+    _vocab_parallel_ends(model, layers, skipped)
     attention = sorted({n.rpartition(".")[0] for n, s in layers.items()
                         if n.rpartition(".")[2] in _HEAD_PROJECTIONS and isinstance(s, (Column, KVColumn))
                         and not getattr(s, "gather_output", False)})
@@ -434,8 +435,9 @@ def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: D
     return out
 
 
-def _vocab_parallel_ends(model: nn.Module, layers: Dict[str, Union[str, Style]]) -> None:
-    """The input embedding and the output head become vocab-parallel (our choice; see the module docstring)."""
+def _vocab_parallel_ends(model: nn.Module, layers: Dict[str, Union[str, Style]], skipped: Dict[str, str]) -> None:
+    """The input embedding and the output head become vocab-parallel (our choice; see the module docstring);
+    an embedding with a forward of its own (a normed embedding) stays as it is, the report says why."""
     by_id = {id(m): n for n, m in model.named_modules()}
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
@@ -443,7 +445,14 @@ def _vocab_parallel_ends(model: nn.Module, layers: Dict[str, Union[str, Style]])
     head: Optional[nn.Module] = get_out() if callable(get_out) else None
     inner = lambda m: m.original_module if m is not None and is_peft_saved_copies(m) else m  # noqa: E731
     if isinstance(inner(emb), nn.Embedding) and id(emb) in by_id:
-        layers[by_id[id(emb)]] = VocabEmbedding()
+        try:
+            embedding_scale(inner(emb))  # a scaled embedding (Gemma's) splits; any other own forward does not
+        except TypeError:
+            skipped[by_id[id(emb)]] = (f"{type(inner(emb)).__name__} has a forward of its own (not embedding * scale): "
+                                       "kept whole on every rank")
+            layers.pop(by_id[id(emb)], None)
+        else:
+            layers[by_id[id(emb)]] = VocabEmbedding()
     if isinstance(inner(head), nn.Linear) and id(head) in by_id:
         layers[by_id[id(head)]] = VocabHead()
 
