@@ -85,6 +85,9 @@ UNEVEN = {
     "qwen2_uneven": ("Qwen2Config", "Qwen2ForCausalLM", {"num_attention_heads": 7, "num_key_value_heads": 7,
                                                         "hidden_size": 56, "intermediate_size": 100}),
     # 6 heads / 2 KV heads at TP 4: each KV head on two ranks, its 3 query heads 2 + 1; ffn 90 (23, 23, 22, 22)
+    # every expert's ffn 30 at TP 4 (8, 8, 7, 7): each rank padded to 8, padding rows zero with no gradient
+    "mixtral_uneven": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                              "intermediate_size": 30, **MOE}),
     "mistral_uneven": ("MistralConfig", "MistralForCausalLM", {"num_attention_heads": 6, "num_key_value_heads": 2,
                                                               "hidden_size": 48, "intermediate_size": 90}),
 }
@@ -127,7 +130,7 @@ OWN_CONFIG = {
 # MoE routers likewise compute their softmax in float32, and the routing weights' gradient is a per-rank
 # partial sum with experts split: float32 rounding, measured up to 1.2e-7 (a router gradient, Mixtral TP 2).
 FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "apertus": 1e-5, "exaone4": 1e-4,
-                         "mixtral": 1e-6, "qwen2_moe": 1e-6, "llama4": 1e-5, "deepseek_v2": 1e-5, "deepseek_v3": 1e-5,
+                         "mixtral": 1e-6, "mixtral_uneven": 1e-6, "qwen2_moe": 1e-6, "llama4": 1e-5, "deepseek_v2": 1e-5, "deepseek_v3": 1e-5,
                          "longcat_flash": 1e-5, "mimo_v2_flash": 1e-6}
 
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon",
@@ -270,7 +273,7 @@ def test_auto_plan_matches_dense(family, tp):
 
 
 @pytest.mark.parametrize("family, tp", [("llama_uneven", 2), ("llama_uneven", 4), ("qwen2_uneven", 3),
-                                        ("mistral_uneven", 4)])
+                                        ("mistral_uneven", 4), ("mixtral_uneven", 4)])
 def test_heads_and_ffn_that_do_not_divide_the_tp_degree(family, tp):
     """Refused before (issue 28); now every rank holds whole heads, as evenly as possible, equal to dense
     (logits, loss, gradients, 2 SGD steps, generate); check_replicas also finds every padding row zero."""

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
 
@@ -204,20 +205,71 @@ def test_parallel_moe_matches_dense(tp, hidden, ffn_per_rank, experts_per_rank, 
 
 
 def _refusals(group):
-    out = []
-    for ffn, experts, layout in ((6, 3, "whole"), (5, 2, "ffn")):
-        try:
-            tplayers.ParallelMoE.from_dense(DenseMoE(8, ffn, num_experts=experts), group=group, experts=layout)
-        except ValueError as e:
-            out.append(str(e))
-    return out
+    try:
+        tplayers.ParallelMoE.from_dense(DenseMoE(8, 6, num_experts=3), group=group, experts="whole")
+    except ValueError as e:
+        return str(e)
 
 
 def test_parallel_moe_refuses_what_does_not_split():
-    errors = get_world(2).run(_refusals)[0]
-    assert errors == [f"ParallelMoE (experts='{layout}'): ParallelExperts(DenseExperts).gate_up_proj: dim {dim} of size "
-                      f"{size} cannot be cut into 2 shards at TP degree 2 (the shard count must divide both)"
-                      for layout, dim, size in (("whole", 0, 3), ("ffn", 1, 5))], errors
+    """3 experts over 2 ranks cannot be whole experts per rank (an ffn of 5 splits unevenly: tested below)."""
+    error = get_world(2).run(_refusals)[0]
+    assert error == ("ParallelMoE (experts='whole'): ParallelExperts(DenseExperts).gate_up_proj: dim 0 of size 3 "
+                     "cannot be cut into 2 shards at TP degree 2 (the shard count must divide both)"), error
+
+
+class _SigmoidExperts(nn.Module):
+    """Experts with an activation that is not zero at zero (sigmoid): an uneven split's padding features
+    would feed act(0) = 0.5 into the down projection's padding columns and give them a gradient."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int):
+        super().__init__()
+        self.num_experts, self.intermediate_size = experts, ffn
+        g = torch.Generator().manual_seed(0)
+        self.up = nn.Parameter(torch.randn(experts, ffn, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5)
+        self.down = nn.Parameter(torch.randn(experts, hidden, ffn, generator=g, dtype=torch.float64) / ffn ** 0.5)
+
+    def forward(self, x, top_k_index, top_k_weights):  # (t, h), (t, k), (t, k)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            hidden = torch.sigmoid(x[token] @ self.up[e].T) @ self.down[e].T  # (n, h)
+            out = out.index_add(0, token, hidden * top_k_weights[token, slot, None])
+        return out
+
+
+def _uneven_ffn(group):
+    """An ffn of 7 over 3 ranks (3, 2, 2, each padded to 3), two SGD steps: equal to dense, padding zero."""
+    from tplayers.layers.experts import ParallelExperts
+
+    dense = _SigmoidExperts(3, 8, 7)
+    tp = ParallelExperts.from_dense(dense, group=group, splits=(("up", 1, 1), ("down", 2, 1)))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10, 8, dtype=torch.float64, generator=g)
+    index = torch.randint(0, 3, (10, 2), generator=g)
+    weights = torch.rand(10, 2, dtype=torch.float64, generator=g)
+    errors = []
+    for _ in range(2):
+        outs = [m(x, index, weights) for m in (tp, dense)]
+        errors.append(float((outs[0] - outs[1]).abs().max()))
+        for m, out in zip((tp, dense), outs):
+            m.zero_grad()
+            out.square().sum().backward()
+        grads = dense_parameters(tp, grads=True)
+        errors += [float((grads[n] - p.grad).abs().max()) for n, p in dense.named_parameters()]
+        with torch.no_grad():
+            for m in (tp, dense):
+                for p in m.parameters():
+                    p -= 0.5 * p.grad
+    tplayers.check_replicas(tp)  # every padding row zero (value and gradient) on every rank
+    return max(errors), tp.intermediate_size
+
+
+def test_an_uneven_expert_ffn_keeps_its_padding_zero():
+    """Refused before (the ffn must divide the TP degree); the padding's gradient is zeroed, so an activation
+    that is not zero at zero (sigmoid) leaves it zero through the steps."""
+    for error, local_ffn in get_world(3).run(_uneven_ffn):
+        assert error < 1e-12 and local_ffn == 3, (error, local_ffn)
 
 
 def _bfloat16_moe(group, layout):

@@ -100,6 +100,22 @@ class _TiedTo(torch.autograd.Function):
         return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
 
 
+class _ZeroPaddingGrad(torch.autograd.Function):
+    """``p`` itself (a view); backward its gradient with the padding of an uneven split zeroed, so padding
+    rows stay zero whatever the experts' activation gives at zero."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor, dim: int, real: torch.Tensor) -> torch.Tensor:
+        ctx.dim, ctx.real = dim, real
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape = [1] * grad.dim()
+        shape[ctx.dim] = -1
+        return grad * ctx.real.view(shape).to(grad.dtype), None, None
+
+
 class ParallelExperts(TensorParallelModule):
     """A Hugging Face-style experts module (3-D parameters, one slice per expert) with each expert's
     ffn split across the TP group; see the module docstring. Built by :meth:`from_dense` only:
@@ -111,6 +127,7 @@ class ParallelExperts(TensorParallelModule):
     _first_expert: Optional[int]  # whole experts per rank: this rank's first expert (None: each ffn split)
     _dense_children: Dict[str, nn.Module]  # the identity experts replaced by _ShareOfInput
     _added_once: Tuple[str, ...] = ()  # parameters added after the partial products, by rank 0 only
+    _padding: Dict[str, Tuple[int, torch.Tensor]] = {}  # uneven ffn: parameter -> (split dim, real features)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, splits: Sequence[ExpertSplit] = (),
@@ -157,7 +174,19 @@ class ParallelExperts(TensorParallelModule):
                                  "parts")
             dim = dim % p.dim()
             placements[name] = Sharded.fused(dim, [p.shape[dim] // parts] * parts, g.size,
-                                             layer=f"{what}.{name}", names=[f"dim {dim}"] * parts)
+                                             layer=f"{what}.{name}", names=[f"dim {dim}"] * parts) \
+                if whole or (p.shape[dim] // parts) % g.size == 0 else None
+        uneven = [n for n, pl in placements.items() if pl is None]
+        if uneven:  # an ffn that does not divide the TP degree: each part as evenly as possible, padded
+            ffn = {params[n].shape[d] // k for n, d, k in splits}
+            if len(ffn) != 1 or added_once:
+                raise ValueError(f"{what}: the ffn does not divide the TP degree {g.size} ({', '.join(uneven)}); "
+                                 "cut unevenly only when every split is the ffn or a packed [gate; up] of it (here "
+                                 f"{sorted(ffn)}) and nothing is added after the partial sums")
+            (ffn_size,) = ffn
+            part = Sharded.balanced(0, ffn_size, g.size).parts[0]
+            for name, dim, parts in splits:
+                placements[name] = Sharded(dim % params[name].dim(), (part,) * parts)
         for name in identity_experts:
             if not isinstance(getattr(dense, name, None), nn.Identity):
                 raise ValueError(f"{what}: identity expert '{name}' is a {type(getattr(dense, name, None)).__name__}, "
@@ -180,14 +209,22 @@ class ParallelExperts(TensorParallelModule):
         for attr in divide_attrs:
             value = getattr(dense, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
-                if value % g.size:
+                padded = uneven and value == ffn_size  # the largest piece: every rank's local width
+                if value % g.size and not padded:
                     raise ValueError(f"{what}: {attr}={value} is not divisible by the TP degree {g.size}")
                 new._dense_attrs[attr] = value
-                setattr(new, attr, value // g.size)
+                setattr(new, attr, part.local_size if padded else value // g.size)
+        new._padding = {}
         for name, placement in placements.items():
             p = params[name]
             local = placement.shard(p.detach(), g.rank, g.size).clone(memory_format=torch.contiguous_format)
             new._parameters[name] = nn.Parameter(local, requires_grad=p.requires_grad)
+            if uneven:  # where this rank's real features are along the split dim (the rest: zero padding)
+                real = torch.zeros(local.shape[placement.dim], dtype=torch.bool, device=local.device)
+                for piece in placement.pieces(g.rank, g.size):
+                    real[piece.local_start:piece.local_start + piece.length] = True
+                if not bool(real.all()):
+                    new._padding[name] = (placement.dim, real)
         return new
 
     def param_placements(self) -> Dict[str, Placement]:
@@ -212,10 +249,12 @@ class ParallelExperts(TensorParallelModule):
             self._route_to_local_experts(args, kwargs)
         for name, t in zip(self._added_once, once):  # rank 0 adds it; the partial sums then hold it once
             self.__dict__[name] = t if self.group.rank == 0 else t * 0
+        for name, (dim, real) in self._padding.items():  # padding rows: zero, and no gradient (act(0) may not be 0)
+            self.__dict__[name] = _ZeroPaddingGrad.apply(self._parameters[name], dim, real)
         try:
             out = super().forward(*args, **kwargs)  # (tokens, h): this rank's partial sum
         finally:
-            for name in self._added_once:
+            for name in (*self._added_once, *self._padding):
                 self.__dict__.pop(name, None)
         if not torch.is_tensor(out):
             raise TypeError(f"ParallelExperts({self._dense_class.__name__}): the experts returned "
@@ -248,7 +287,7 @@ class ParallelExperts(TensorParallelModule):
         """The dense experts module (collective: every rank gathers every shard)."""
         dense = _module_copy(self, self._dense_class)
         for attr in ("group", "_dense_class", "_splits", "_dense_attrs", "_first_expert", "_dense_children",
-                     "_added_once"):
+                     "_added_once", "_padding"):
             dense.__dict__.pop(attr, None)
         dense._modules.update(self._dense_children)
         for attr, value in self._dense_attrs.items():
