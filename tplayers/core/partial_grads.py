@@ -38,7 +38,9 @@ __all__ = ["PartialGradSum"]
 
 
 class PartialGradSum:
-    """The replicated parameters with partial gradients of one ``parallelize`` call (one TP group)."""
+    """A set of replicated parameters with partial gradients over one TP group, summed together: one per
+    ``parallelize`` call (its norms, per-head parameters), one per attention with replicated KV heads (its k
+    and v, ``holders`` their replica layout)."""
 
     def __init__(self, group: TPGroup, holders: Optional[Sequence[int]] = None) -> None:
         self.group = group
