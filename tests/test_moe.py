@@ -22,8 +22,9 @@ from tplayers.testing import assert_matches_dense, dense_parameters, get_world  
 from conftest import examples  # noqa: E402
 
 # the families' default configs are the published models' sizes (Mixtral 8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B,
-# Phi-3.5-MoE, Granite-3.0-MoE, gpt-oss-20b); two decoder layers keep the meta model small, the ratio is per layer
-FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "phimoe", "granitemoe", "gpt_oss"]
+# Phi-3.5-MoE, Granite-3.0-MoE, gpt-oss-20b; DeepSeek-V2's default expert ffn 1407 splits unevenly, on the meta
+# device); two decoder layers keep the meta model small, the ratio is per layer
+FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "phimoe", "granitemoe", "gpt_oss", "deepseek_v2"]
 # imported once by the forkserver the ranks fork from, not by every rank (seconds each)
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in FAMILIES)
 

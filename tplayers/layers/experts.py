@@ -105,15 +105,18 @@ class _ZeroPaddingGrad(torch.autograd.Function):
     rows stay zero whatever the experts' activation gives at zero."""
 
     @staticmethod
-    def forward(ctx, p: torch.Tensor, dim: int, real: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, p: torch.Tensor, dim: int, real: Tuple[Tuple[int, int], ...]) -> torch.Tensor:
         ctx.dim, ctx.real = dim, real
         return p.view_as(p)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         shape = [1] * grad.dim()
-        shape[ctx.dim] = -1
-        return grad * ctx.real.view(shape).to(grad.dtype), None, None
+        shape[ctx.dim] = grad.shape[ctx.dim]
+        mask = grad.new_zeros(shape)  # 1 on this rank's real features along the split dim
+        for start, length in ctx.real:
+            mask.narrow(ctx.dim, start, length).fill_(1)
+        return grad * mask, None, None
 
 
 class ParallelExperts(TensorParallelModule):
@@ -127,7 +130,8 @@ class ParallelExperts(TensorParallelModule):
     _first_expert: Optional[int]  # whole experts per rank: this rank's first expert (None: each ffn split)
     _dense_children: Dict[str, nn.Module]  # the identity experts replaced by _ShareOfInput
     _added_once: Tuple[str, ...] = ()  # parameters added after the partial products, by rank 0 only
-    _padding: Dict[str, Tuple[int, torch.Tensor]] = {}  # uneven ffn: parameter -> (split dim, real features)
+    _padding: Dict[str, Tuple[int, Tuple[Tuple[int, int], ...]]] = {}  # uneven ffn: parameter -> (split dim,
+    # (local start, length) of this rank's real features)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, splits: Sequence[ExpertSplit] = (),
@@ -219,12 +223,9 @@ class ParallelExperts(TensorParallelModule):
             p = params[name]
             local = placement.shard(p.detach(), g.rank, g.size).clone(memory_format=torch.contiguous_format)
             new._parameters[name] = nn.Parameter(local, requires_grad=p.requires_grad)
-            if uneven:  # where this rank's real features are along the split dim (the rest: zero padding)
-                real = torch.zeros(local.shape[placement.dim], dtype=torch.bool, device=local.device)
-                for piece in placement.pieces(g.rank, g.size):
-                    real[piece.local_start:piece.local_start + piece.length] = True
-                if not bool(real.all()):
-                    new._padding[name] = (placement.dim, real)
+            real = tuple((pc.local_start, pc.length) for pc in placement.pieces(g.rank, g.size))
+            if uneven and sum(n for _, n in real) < local.shape[placement.dim]:  # (the rest: zero padding)
+                new._padding[name] = (placement.dim, real)
         return new
 
     def param_placements(self) -> Dict[str, Placement]:
