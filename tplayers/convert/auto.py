@@ -414,7 +414,10 @@ def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: D
             for pname, p in module.named_parameters():
                 style = next((hf[k] for k in param_keys if _regex(k).match(f"{name}.{pname}")), None)
                 if style == ADDED_ONCE and "." not in pname:
-                    (splits.append((pname, 0, 1)) if whole else added.append(pname))  # whole: per expert, on dim 0
+                    if whole:  # per expert: cut on dim 0 with the rest
+                        splits.append((pname, 0, 1))
+                    else:
+                        added.append(pname)
                     continue
                 if "." in pname or style not in _EXPERT_PARAM_STYLES or p.dim() < 2:
                     missing.append(pname)

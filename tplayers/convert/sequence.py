@@ -88,14 +88,15 @@ class _SequenceStyle:
         raise NotImplementedError
 
 
-def _reduce_param_grads(module: nn.Module, ctx: BuildContext) -> None:
-    """The module's own parameters enter its forward through the call's ``PartialGradSum`` (their
-    gradients summed over the group, every such module's by one all-reduce) and carry
-    ``Replicated(partial_grad=True)``."""
-    names = tuple(n for n, p in module.named_parameters(recurse=False))
+def _reduce_param_grads(module: nn.Module, ctx: BuildContext, names: Optional[Tuple[str, ...]] = None,
+                        local: Callable[[torch.Tensor], torch.Tensor] = lambda p: p) -> None:
+    """The module's own parameters (``names``, default all) enter its forward through the call's
+    ``PartialGradSum`` (their gradients summed over the group, every such module's by one all-reduce), read
+    as ``local`` of them, and carry ``Replicated(partial_grad=True)``."""
+    names = tuple(n for n, p in module.named_parameters(recurse=False)) if names is None else names
     partial = ctx.partial_grads if ctx.partial_grads is not None else PartialGradSum(ctx.group)
     partial.register(module, names)
-    route_params_through(module, names, partial.read)
+    route_params_through(module, names, lambda p: local(partial.read(p)))
     setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n in names})
 
 
@@ -137,12 +138,8 @@ class PerHeadParams:
 
         def finish() -> None:
             tp = ctx.group
-            if tp.size == 1:
-                return
-            partial = ctx.partial_grads if ctx.partial_grads is not None else PartialGradSum(tp)
-            partial.register(module, self.names)
-            route_params_through(module, self.names, lambda p: placement.shard(partial.read(p), tp.rank, tp.size))
-            setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n in self.names})
+            if tp.size > 1:
+                _reduce_param_grads(module, ctx, self.names, lambda p: placement.shard(p, tp.rank, tp.size))
         return Built(module, finish=finish, label=f"{type(module).__name__} reading this rank's heads of "
                                                   f"{', '.join(self.names)}")
 

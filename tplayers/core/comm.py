@@ -126,23 +126,14 @@ def _sum_packed(grads: Sequence[torch.Tensor], g: TPGroup,
         offset += grads[i].numel()
     if holders is not None:
         buf = sum_over_replica_ranks(buf, g, holders)
-        alone = {i: _Ready(sum_over_replica_ranks(t, g, holders)) for i, t in enumerate(grads) if i not in where}
+        alone = {i: sum_over_replica_ranks(t, g, holders) for i, t in enumerate(grads) if i not in where}
     else:
         pending = all_reduce(buf, g)
-        alone = {i: all_reduce(owned_copy(t), g) for i, t in enumerate(grads) if i not in where}
+        launched = {i: all_reduce(owned_copy(t), g) for i, t in enumerate(grads) if i not in where}
         pending.wait()
-    return [buf[where[i]:where[i] + t.numel()].view(t.shape).to(t.dtype) if i in where else alone[i].wait()
+        alone = {i: p.wait() for i, p in launched.items()}
+    return [buf[where[i]:where[i] + t.numel()].view(t.shape).to(t.dtype) if i in where else alone[i]
             for i, t in enumerate(grads)]
-
-
-class _Ready:
-    """A result already there, read like a `Pending`."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def wait(self) -> torch.Tensor:
-        return self.t
 
 
 class _ScatterToTP(torch.autograd.Function):
