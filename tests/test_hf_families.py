@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import tplayers  # noqa: E402
 from tplayers import testing  # noqa: E402
+from tplayers.layers.experts import ParallelExperts  # noqa: E402
 from tplayers.testing import dense_parameters, get_world  # noqa: E402
 
 VOCAB = 96
@@ -468,6 +469,42 @@ def test_latent_attention_sums_the_rotary_key_once_per_layer():
             [1536] * 4 + [3072] * 3, records  # q_b, kv_b per layer; dense MLP, shared experts, head
         assert [n for _, m, n in records if m == "_CopyManyToTPBackward"] == [3264], records  # MoE tokens + weights
         assert len(records) == 10, records
+
+
+def _experts_sent_by_all_to_all(group, family: str):
+    dense = _build(family)
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, experts="all_to_all")
+    experts = [m for m in model.modules() if isinstance(m, ParallelExperts)]
+    assert experts and all(m._dispatch == "all_to_all" for m in experts), experts
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    _one_step_matches(model, dense, ids, FLOAT32_NORM_FAMILIES.get(family, 1e-9))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids[:, :4], **kw), dense.generate(ids[:, :4], **kw))
+    return tplayers.coverage(model).audit.passed
+
+
+@pytest.mark.parametrize("family, tp", [("qwen2_moe", 2), ("deepseek_v3", 4), ("gpt_oss", 2), ("mimo_v2_flash", 2)])
+def test_experts_sent_by_all_to_all_match_dense(family, tp):
+    """experts="all_to_all": whole experts per rank, each rank sending its share of the routed tokens to them.
+    Shared experts beside them (Qwen2-MoE's gated one, DeepSeek-V3's), a sigmoid router with groups (DeepSeek-V3),
+    per-expert biases and gpt-oss's one-hot over the experts (refused with experts="whole"): logits, loss, every
+    gradient and greedy decoding equal dense (Mixtral, in test_moe.py)."""
+    assert all(get_world(tp).run(_experts_sent_by_all_to_all, family))
+
+
+def _llama4_whole_experts(group):
+    try:
+        tplayers.parallelize(_build("llama4"), "auto", group=group, experts="all_to_all")
+    except ValueError as e:
+        return str(e)
+
+
+def test_experts_that_see_every_token_are_not_split_whole():
+    """Llama 4's experts take (hidden_states) already repeated per expert, no routed ids: whole experts per rank
+    are refused when the plan is built, naming why (an error inside the audit's first forward before)."""
+    for message in get_world(2).run(_llama4_whole_experts):
+        assert "Llama4TextExperts.forward takes ['hidden_states'] (every expert sees every token" in message, message
 
 
 def test_gpt_oss_whole_experts_are_refused_naming_why():

@@ -166,6 +166,29 @@ def test_a_rank_that_never_comes_is_reported_after_the_wait():
     assert seconds < 5, seconds
 
 
+def _a_rank_that_skips_the_experts_backward(group):
+    from tplayers.models.moe import DenseMoE
+
+    tplayers.set_collective_checks(True, timeout=2)
+    torch.manual_seed(0)
+    moe = tplayers.ParallelMoE.from_dense(DenseMoE(8, 4, 4, 2, dtype=torch.float64), group=group,
+                                          experts="all_to_all", sequence_parallel=True)
+    out = moe(torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True))
+    t0 = time.monotonic()
+    if torch.distributed.get_rank() == 1:  # its backward never comes
+        time.sleep(6)
+        return "rank 1 went on", 0.0
+    return _outcome(lambda: out.sum().backward()), time.monotonic() - t0
+
+
+def test_an_all_to_all_that_a_rank_never_joins_is_reported_after_the_wait():
+    """The token dispatch's all-to-alls carry no fingerprint (the counts before them do): their wait is bounded."""
+    with World(2) as world:  # a fresh world: the abandoned collective leaves its group unusable
+        (message, seconds), _ = world.run(_a_rank_that_skips_the_experts_backward)
+    assert "waited 2 s for the other ranks of the TP group at this collective (all_to_all of" in message, message
+    assert seconds < 5, seconds
+
+
 def _checked_one_collective_late(group):
     from tplayers.core import fingerprint
 

@@ -141,13 +141,14 @@ def test_split_experts_reshard_across_tp_sizes(tmp_path):
             assert torch.equal(from_file[name], tensor), name
 
 
-def _whole_experts(group, implementation: str):
+def _whole_experts(group, implementation: str, layout: str):
     """experts="whole": each rank holds num_experts / p whole experts; tokens routed elsewhere are the
-    sentinel transformers' experts skip. Logits, loss, every gradient, an SGD step and greedy decoding
-    against dense; the experts' collectives as with each ffn split."""
+    sentinel transformers' experts skip. experts="all_to_all": the same experts, each rank sending its share
+    of the routed tokens to them. Logits, loss, every gradient, an SGD step and greedy decoding against
+    dense; the experts' collectives."""
     dense = _mixtral()
     dense.config._experts_implementation = implementation
-    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, experts="whole", check_inputs=0)
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, experts=layout, check_inputs=0)
     experts = model.model.layers[0].mlp.experts
     held = (experts.num_experts, tuple(experts.gate_up_proj.shape))
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -167,18 +168,30 @@ def _whole_experts(group, implementation: str):
     with torch.no_grad():
         same_generate = torch.equal(model.generate(ids[:, :4], **kw), dense.generate(ids[:, :4], **kw))
     counts = sorted((r.op, r.phase) for r in acc.records
-                    if r.module.endswith("mlp.experts") or r.module == "_CopyManyToTPBackward")
+                    if r.module.endswith("mlp.experts") or r.module in _EXPERTS_BACKWARD)
     return held, errors, same_generate, counts, str(tplayers.coverage(model).audit)
 
 
-@pytest.mark.parametrize("tp, implementation", [(2, "eager"), (4, "eager"), (2, "batched_mm")])
-def test_whole_experts_per_rank_match_dense(tp, implementation):
-    for held, errors, same_generate, counts, audit in get_world(tp).run(_whole_experts, implementation):
+# the experts' collectives in backward, named by their autograd nodes
+_EXPERTS_BACKWARD = ("_CopyManyToTPBackward", "_AllToAllBackward", "_SplitRowsBackward")
+
+
+@pytest.mark.parametrize("tp, implementation, layout", [(2, "eager", "whole"), (4, "eager", "whole"),
+                                                        (2, "batched_mm", "whole"), (2, "eager", "all_to_all"),
+                                                        (4, "batched_mm", "all_to_all")])
+def test_whole_experts_per_rank_match_dense(tp, implementation, layout):
+    """Per MoE layer (two layers): "whole" all-reduces once each way; "all_to_all" all-gathers the per-expert
+    counts, sends the tokens with two all-to-alls each way, and (tokens the same on every rank: each sends its
+    share) all-gathers the outputs forward, the tokens' and routing weights' gradients backward."""
+    for held, errors, same_generate, counts, audit in get_world(tp).run(_whole_experts, implementation, layout):
         assert held == (4 // tp, (4 // tp, 2 * 64, 32)), held  # whole experts: every row of each
         assert errors["logits"] < 1e-12 and errors["loss"] < 1e-12, errors
         assert errors["grads"] < 1e-6, errors  # float32 routing weights (see test_hf_families)
         assert same_generate
-        assert counts == [("all_reduce", "backward")] * 2 + [("all_reduce", "forward")] * 2, counts
+        per_layer = ([("all_reduce", "backward"), ("all_reduce", "forward")] if layout == "whole" else
+                     [("all_gather", "forward")] * 2 + [("all_to_all", "forward")] * 2
+                     + [("all_to_all", "backward")] * 2 + [("all_gather", "backward")] * 2)
+        assert counts == sorted(per_layer * 2), counts
         assert "passed" in audit and "failed" not in audit, audit
 
 
@@ -203,6 +216,50 @@ def test_parallel_moe_matches_dense(tp, hidden, ffn_per_rank, experts_per_rank, 
     """tplayers' own MoE block: output, input gradient, router and every expert's gradient equal the dense
     block's, each expert's ffn split or whole experts per rank."""
     get_world(tp).run(_check_parallel_moe, hidden, ffn_per_rank * tp, experts_per_rank, top_k, tokens, layout, seed)
+
+
+def _check_all_to_all_moe(group, hidden, ffn, experts_per_rank, top_k, tokens, sequence_parallel, seed):
+    """experts="all_to_all": against dense (output, input gradient, router and every expert's gradient), and the
+    collectives of one step: the counts' all-gather, two all-to-alls each way; on tokens the same on every rank
+    each rank's rows are gathered back (forward) and their gradients and the routing weights' (backward); on a
+    rank's own tokens the router's partial gradient is all-reduced."""
+    torch.manual_seed(seed)
+    p = group.size()
+    num_experts = experts_per_rank * p
+    dense = DenseMoE(hidden, ffn, num_experts, min(top_k, num_experts), dtype=torch.float64)
+    tp = tplayers.ParallelMoE.from_dense(dense, group=group, experts="all_to_all", sequence_parallel=sequence_parallel)
+    x = torch.randn(2, tokens * (p if sequence_parallel else 1), hidden, dtype=torch.float64)
+    shard = 1 if sequence_parallel else None
+    assert_matches_dense(tp, dense, x, group=group, input_shard_dims=[shard], output_shard_dim=shard)
+    local = x.chunk(p, dim=1)[group.rank()] if sequence_parallel else x
+    with tplayers.comm_accounting(tp) as acc:
+        tp(local.clone().requires_grad_()).sum().backward()
+    back = tp.to_dense()  # and back: the same weights
+    for (name, a), (_, b) in zip(back.named_parameters(), dense.named_parameters()):
+        assert torch.equal(a, b), name
+    return sorted((r.op, r.phase) for r in acc.records), tp.experts.num_experts
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@settings(max_examples=examples(3))
+@given(hidden=st.integers(1, 8), ffn=st.integers(1, 5), experts_per_rank=st.integers(1, 2), top_k=st.integers(1, 3),
+       tokens=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_all_to_all_experts_match_dense(tp, sequence_parallel, hidden, ffn, experts_per_rank, top_k, tokens, seed):
+    """Whole experts per rank, each routed token sent to its expert's rank and back: equal to dense on tokens the
+    same on every rank (as few as one per rank, or none: 2 tokens over 4 ranks) and on each rank's own tokens."""
+    runs = get_world(tp).run(_check_all_to_all_moe, hidden, ffn, experts_per_rank, top_k, tokens, sequence_parallel,
+                             seed)
+    for counts, held in runs:
+        assert held == experts_per_rank
+        if tp == 1:
+            assert counts == [], counts
+        elif sequence_parallel:
+            assert counts == sorted([("all_gather", "forward")] + [("all_to_all", "forward")] * 2
+                                    + [("all_to_all", "backward")] * 2 + [("all_reduce", "backward")]), counts
+        else:
+            assert counts == sorted([("all_gather", "forward")] * 2 + [("all_to_all", "forward")] * 2
+                                    + [("all_to_all", "backward")] * 2 + [("all_gather", "backward")] * 2), counts
 
 
 def _refusals(group):

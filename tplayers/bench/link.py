@@ -63,7 +63,7 @@ class LinkModel:
             return 0.0
         if op == "all_reduce":
             return 2 * (p - 1) / p * nbytes * per_byte + 2 * (p - 1) * a
-        if op in ("all_gather", "reduce_scatter"):
+        if op in ("all_gather", "reduce_scatter", "all_to_all"):  # (all_to_all: an even split assumed)
             return (p - 1) / p * nbytes * per_byte + (p - 1) * a
         if op in ("broadcast", "send", "recv"):
             return nbytes * per_byte + a

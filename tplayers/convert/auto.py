@@ -220,15 +220,19 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
     """Translate ``model``'s own transformers plan into a tplayers :class:`Plan` (see the module
     docstring); pure: reads the model, changes nothing. A PEFT ``PeftModel`` is read through to the
     model it wraps. ``experts``: how MoE experts are split, ``"ffn"`` (every expert's ffn across the
-    ranks, transformers' ``moe_tp_experts``) or ``"whole"`` (whole experts per rank: expert
-    parallelism over the TP group)."""
-    if experts not in ("ffn", "whole"):
+    ranks, transformers' ``moe_tp_experts``), ``"whole"`` (whole experts per rank: expert
+    parallelism over the TP group, partial outputs all-reduced) or ``"all_to_all"`` (whole experts per
+    rank, each rank sending its share of the routed tokens to the experts' ranks and back: transformers'
+    ``ep_dispatch_experts`` with ``AllToAllEP``)."""
+    if experts not in ("ffn", "whole", "all_to_all"):
         raise ValueError(f"parallelize(model, 'auto'): experts={experts!r}; choose 'ffn' (each expert's ffn split "
-                         "across ranks) or 'whole' (whole experts per rank)")
+                         "across ranks), 'whole' (whole experts per rank) or 'all_to_all' (whole experts per rank, "
+                         "tokens sent to them)")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if experts == "whole" and model_type in NO_WHOLE_EXPERTS:
         raise ValueError(f"parallelize(model, 'auto', experts='whole'): {NO_WHOLE_EXPERTS[model_type]}; use "
-                         "experts='ffn' (each expert's ffn split across ranks)")
+                         "experts='ffn' (each expert's ffn split across ranks) or experts='all_to_all' (whole experts "
+                         "per rank, tokens sent to them: only this rank's expert ids reach its experts)")
     hf = _unwrap(model)
     if not hf:
         if model_type in MODEL_TYPES:  # no plan of its own, but tplayers ships one for its family
@@ -244,7 +248,8 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
                      if hf[key] in SKIPPED_STYLES and SKIPPED_STYLES[hf[key]] == _EXPERTS for n in names]
     layers: Dict[str, Union[str, Style]] = {}
     skipped: Dict[str, str] = {}
-    for name, why in _split_experts(modules, hf, matches, param_keys, whole=experts == "whole").items():
+    for name, why in _split_experts(modules, hf, matches, param_keys, whole=experts in ("whole", "all_to_all"),
+                                    dispatch="all_to_all" if experts == "all_to_all" else "all_reduce").items():
         if isinstance(why, Experts):
             layers[name] = why
         else:
@@ -400,10 +405,11 @@ def _per_head_owner(param: str, modules: Dict[str, nn.Module], style: str) -> Op
 
 
 def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: Dict[str, List[str]], param_keys: set,
-                   whole: bool) -> Dict[str, Union[Experts, str]]:
+                   whole: bool, dispatch: str = "all_reduce") -> Dict[str, Union[Experts, str]]:
     """Each ``moe_tp_experts`` module: an :class:`Experts` style when the plan styles every one of its
     parameters (3-D, laid out ``(experts, out, in)``) and names nothing inside it but identity experts,
-    else why it stays replicated. ``whole``: split by expert (dim 0) instead of by each expert's ffn."""
+    else why it stays replicated. ``whole``: split by expert (dim 0) instead of by each expert's ffn;
+    ``dispatch``: how tokens reach whole experts (``ParallelExperts.from_dense``)."""
     out: Dict[str, Union[Experts, str]] = {}
     for key, names in matches.items():
         if hf[key] != "moe_tp_experts":
@@ -434,7 +440,8 @@ def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: D
                        else "identity experts with whole experts per rank" if identity else "nothing to split")
                 out[name] = f"{_REPLICATED_EXPERTS}: {why} (exact, but no memory saved)"
             else:
-                out[name] = Experts(splits=tuple(splits), identity_experts=identity, added_once=tuple(added))
+                out[name] = Experts(splits=tuple(splits), identity_experts=identity, added_once=tuple(added),
+                                    dispatch=dispatch)
     return out
 
 

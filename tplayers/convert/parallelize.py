@@ -304,7 +304,8 @@ def _resolve_plan(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[st
         return translated.plan, translated.unmatched, translated.skipped
     if experts != "ffn":
         raise ValueError(f"parallelize(..., experts={experts!r}) applies to the 'auto' plan; in a plan of your own "
-                         "give the experts module Experts(splits=((name, 0, 1), ...)) for whole experts per rank")
+                         "give the experts module Experts(splits=((name, 0, 1), ...)) for whole experts per rank "
+                         "(dispatch='all_to_all' to send the tokens to them)")
     return get_plan(plan, sequence_parallel=sequence_parallel), [], {}
 
 
@@ -355,7 +356,9 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     ``experts`` ("auto" plans of MoE models): ``"ffn"`` (default) splits every expert's ffn across the
     ranks; ``"whole"`` gives each rank whole experts (``num_experts / p`` of them: expert parallelism over
     the TP group, GEMMs kept whole, compute per rank as the router balances it); both sum the partial
-    outputs with one all-reduce each way (:class:`~tplayers.layers.experts.ParallelExperts`).
+    outputs with one all-reduce each way (:class:`~tplayers.layers.experts.ParallelExperts`);
+    ``"all_to_all"``: whole experts per rank, each rank sending its share of the routed tokens to the
+    experts' ranks and back (two all-to-alls each way; :mod:`tplayers.layers.token_dispatch`).
     ``loss_parallel`` (Hugging Face causal LMs): called with ``labels``, the LM head keeps its
     vocabulary shard and the model's loss runs on it (`vocab_parallel_cross_entropy`: no all-gather of
     the logits, each rank holds 1/p of them); ``outputs.logits`` is then this rank's shard ``(b, s,

@@ -483,18 +483,22 @@ class Experts:
     (:class:`~tplayers.layers.experts.ParallelExperts`). ``splits``: ``(parameter, dim, parts)`` for
     every parameter, e.g. ``(("gate_up_proj", 1, 2), ("down_proj", 2, 1))`` for Mixtral's layout
     (``parts=2``: a packed ``[gate; up]``, each half split); ``divide_attrs``: the module's int
-    attributes holding the ffn size, divided by the TP degree where present."""
+    attributes holding the ffn size, divided by the TP degree where present; ``dispatch`` (every
+    parameter cut along dim 0, whole experts per rank): ``"all_reduce"`` (every rank runs its experts on
+    every token) or ``"all_to_all"`` (each rank sends its share of the routed tokens to the experts'
+    ranks and back: :mod:`tplayers.layers.token_dispatch`)."""
 
     splits: Tuple[ExpertSplit, ...]
     divide_attrs: Tuple[str, ...] = ("intermediate_dim", "intermediate_size", "expert_dim")
     identity_experts: Tuple[str, ...] = ()  # child nn.Identity experts (LongCat-Flash's zero experts)
     added_once: Tuple[str, ...] = ()  # parameters added after the down projection (gpt-oss's down_proj_bias)
+    dispatch: str = "all_reduce"  # whole experts: "all_to_all" sends each rank's share of the tokens to them
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         try:
             layer = ParallelExperts.from_dense(module, group=ctx.group, splits=self.splits,
                                                divide_attrs=self.divide_attrs, identity_experts=self.identity_experts,
-                                               added_once=self.added_once)
+                                               added_once=self.added_once, dispatch=self.dispatch)
         except ValueError as e:
             raise ValueError(f"parallelize: module '{ctx.name}' (style Experts): {e}") from None
         return Built(layer)

@@ -27,11 +27,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol  # the compiled paths
 
-from .fingerprint import SLOT, Stamp, stamp
+from .fingerprint import SLOT, Stamp, bounded_wait, checks_enabled, stamp
 from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
 from .placement import Placement, holder_slot
 
-__all__ = ["Pending", "Observer", "set_observer", "all_reduce", "all_gather", "reduce_scatter", "ring_exchange",
+__all__ = ["Pending", "Observer", "set_observer", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+           "ring_exchange",
            "sum_over_replica_ranks", "replica_group", "replica_slot", "split", "owned_copy", "all_gather_tensor", "all_reduce_tensor",
            "broadcast_tensor", "barrier", "reduce_scatter_tensor", "all_reduce_", "gather_placed", "bit_hash",
            "bytes_hash", "ranks_that_differ", "all_gather_text", "TRACE_COLLECTIVES", "SEQ_DIM", "sum_partials", "wait_for_ranks"]
@@ -349,6 +350,46 @@ def sum_partials(partial: torch.Tensor, g: TPGroup, sequence_parallel: bool, *, 
     if sequence_parallel:
         return reduce_scatter(partial, SEQ_DIM, g, async_op=async_op, check_finite=check)
     return all_reduce(partial, g, async_op=async_op, check_finite=check)
+
+
+class _Bounded:
+    """A collective's work whose wait on the CPU is bounded (see :func:`~.fingerprint.bounded_wait`)."""
+
+    __slots__ = ("work", "text")
+
+    def __init__(self, work: Any, text: str) -> None:
+        self.work, self.text = work, text
+
+    def wait(self) -> None:
+        bounded_wait(self.work, self.text, cpu=True)
+
+
+@_eager_on_old_torch
+def all_to_all(x: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], g: TPGroup, *,
+               async_op: bool = False) -> Pending:
+    """Rows of ``x`` (dim 0) to every rank of the group, in rank order: the first ``send_rows[0]`` to
+    rank 0, the next ``send_rows[1]`` to rank 1 ...; the result holds the rows every rank sent this
+    one, rank order (``recv_rows[j]`` from rank j). The sizes must pair up across ranks (rank i's
+    ``send_rows[j]`` is rank j's ``recv_rows[i]``): exchange them first, in a checked collective
+    (token dispatch all-gathers its counts). Not fingerprinted itself; its wait is bounded on the CPU."""
+    send_rows, recv_rows = [int(n) for n in send_rows], [int(n) for n in recv_rows]
+    if len(send_rows) != g.size or len(recv_rows) != g.size or sum(send_rows) != x.shape[0]:
+        raise ValueError(f"all_to_all: send_rows {send_rows} / recv_rows {recv_rows} must have one size per rank of "
+                         f"the group ({g.size}) and send_rows must cover the {x.shape[0]} rows of the input")
+    if g.size == 1:
+        return _done(x)
+    src = x.contiguous()
+    if _compiling():
+        moved = funcol.all_to_all_single(src, recv_rows, send_rows, _functional_pg(g))
+        return Pending(None, lambda: funcol.wait_tensor(moved))
+    out = torch.empty((sum(recv_rows),) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
+    nbytes = src.numel() * src.element_size()
+    bounded = src.device.type == "cpu" and checks_enabled() and not is_fake(g.process_group)
+    work, observed = _launch("all_to_all", nbytes, g, lambda: dist.all_to_all_single(
+        out, src, recv_rows, send_rows, group=g.process_group, async_op=async_op or bounded), src.device)
+    if bounded and work is not None:
+        work = _Bounded(work, f"all_to_all of {nbytes} bytes, rows sent {send_rows}, received {recv_rows}")
+    return _settled(Pending(work, lambda: out, observed), async_op)
 
 
 @_eager_on_old_torch

@@ -24,7 +24,8 @@ call (a rank that raised and went on, instead of the process group's 30 minutes 
 GPU the fingerprints are copied to the host without a synchronization and checked when the group's
 next collective launches (so on the same call on every rank, one collective late).
 
-Not covered: point-to-point ring steps (``collective_matmul``) and broadcasts, collectives inside a
+Not covered: point-to-point ring steps (``collective_matmul``) and broadcasts, all-to-alls (token dispatch:
+their split sizes travel first in a checked all-gather; their wait is bounded on the CPU), collectives inside a
 ``torch.compile`` graph, groups of the ``fake`` backend (simulation), a collective whose SIZE differs
 across ranks (the backend itself fails on it: gloo aborts, NCCL may hang), collectives other code
 issues on the group. Off: ``tplayers.set_collective_checks(False)`` or ``TPLAYERS_COLLECTIVE_CHECKS=0``.
@@ -42,7 +43,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectivesOutOfStep", "set_collective_checks", "Stamp", "stamp", "SLOT", "name_modules"]
+__all__ = ["CollectivesOutOfStep", "set_collective_checks", "Stamp", "stamp", "bounded_wait", "checks_enabled", "SLOT", "name_modules"]
 
 DIGEST = 8  # 8 bytes of fingerprint, one byte per element
 SLOT = DIGEST + 1  # elements per rank: the digest, then 1 where this rank's float16 partial sum is not finite
@@ -153,17 +154,7 @@ class Stamp:
 
     def wait(self, work: Any) -> None:
         """Wait for ``work``: on the CPU at most the configured timeout, then raise naming this call."""
-        if self.cpu:
-            try:
-                work.wait(timeout=timedelta(seconds=_SETTINGS.timeout))
-            except RuntimeError as e:
-                raise CollectivesOutOfStep(
-                    f"tplayers: waited {_SETTINGS.timeout:g} s for the other ranks of the TP group at this collective "
-                    f"({self.text}); not every rank issued it: a rank stopped issuing the model's collectives (it "
-                    "raised and went on, skipped a step, or is busy elsewhere). Set a longer wait with "
-                    f"tplayers.set_collective_checks(timeout=...). ({str(e).splitlines()[0]})") from None
-        else:
-            work.wait()
+        bounded_wait(work, self.text, self.cpu)
 
     def check(self, table: torch.Tensor) -> None:
         """``table``: the ``size * SLOT`` fingerprint elements every rank received. On the CPU checked
@@ -209,6 +200,27 @@ def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
             "bfloat16 (float32's range) for this model, or scale this layer's inputs down (if they are themselves not "
             "finite, that is the cause to fix). Checked on every rank with the collective's fingerprints "
             "(tplayers.set_collective_checks)")
+
+
+def checks_enabled() -> bool:
+    """Whether collectives are checked (:func:`set_collective_checks`)."""
+    return _SETTINGS.enabled
+
+
+def bounded_wait(work: Any, text: str, cpu: bool) -> None:
+    """Wait for ``work`` (the collective ``text`` describes): on the CPU at most the configured timeout, then
+    raise naming it; elsewhere as the backend waits."""
+    if not cpu:
+        work.wait()
+        return
+    try:
+        work.wait(timeout=timedelta(seconds=_SETTINGS.timeout))
+    except RuntimeError as e:
+        raise CollectivesOutOfStep(
+            f"tplayers: waited {_SETTINGS.timeout:g} s for the other ranks of the TP group at this collective "
+            f"({text}); not every rank issued it: a rank stopped issuing the model's collectives (it "
+            "raised and went on, skipped a step, or is busy elsewhere). Set a longer wait with "
+            f"tplayers.set_collective_checks(timeout=...). ({str(e).splitlines()[0]})") from None
 
 
 def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: int) -> Optional[Stamp]:

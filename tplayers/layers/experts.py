@@ -33,10 +33,13 @@ Every parameter cut along dim 0 instead means **whole experts per rank** (expert
 TP group): rank r holds experts ``[r E/p, (r + 1) E/p)``; the tokens are the same on every rank, so the
 router's expert ids are made local (another rank's expert becomes the sentinel ``num_experts``, which
 transformers' experts implementations skip, its routing weight zeroed) and the same f and g sum the
-ranks' shares. No all-to-all: that is for ranks holding different tokens.
+ranks' shares. Or, ``dispatch="all_to_all"``, each rank sends its share of the routed tokens to the
+experts' ranks and gets the outputs back (:mod:`~tplayers.layers.token_dispatch`): no all-reduce, and
+the one layout for ranks holding different tokens (``sequence_parallel=True``).
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -47,6 +50,7 @@ from ..core.comm import copy_many_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Replicated, Sharded
 from .base import TensorParallelModule
+from .token_dispatch import _TiedTo, dispatch_to_experts
 
 __all__ = ["ParallelExperts", "ExpertSplit"]
 
@@ -75,6 +79,14 @@ def _module_copy(module: nn.Module, cls: type) -> nn.Module:
     return new
 
 
+def _forward_inputs(cls: type) -> List[str]:
+    """The names of the positional inputs of ``cls.forward`` (after self); a ``*args`` counts as three."""
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return ["*args"] * 3
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 class _ShareOfInput(nn.Module):
     """An identity expert under TP: its input / p, so the partial sums over the ranks add it once."""
 
@@ -84,20 +96,6 @@ class _ShareOfInput(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x / self.size
-
-
-class _TiedTo(torch.autograd.Function):
-    """``out`` unchanged, recorded as depending on ``inputs`` (zero gradient): backward reaches the
-    inputs' f on every rank, whether or not this rank's experts used them."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-        ctx.shapes = [(t.shape, t.dtype, t.device) for t in inputs]
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
 
 
 class _ZeroPaddingGrad(torch.autograd.Function):
@@ -130,22 +128,37 @@ class ParallelExperts(TensorParallelModule):
     _first_expert: Optional[int]  # whole experts per rank: this rank's first expert (None: each ffn split)
     _dense_children: Dict[str, nn.Module]  # the identity experts replaced by _ShareOfInput
     _added_once: Tuple[str, ...] = ()  # parameters added after the partial products, by rank 0 only
+    _dispatch: str = "all_reduce"  # whole experts: "all_to_all" sends the tokens to them (token_dispatch)
+    _sequence_parallel: bool = False  # all-to-all: each rank's tokens are its own
     _padding: Dict[str, Tuple[int, Tuple[Tuple[int, int], ...]]] = {}  # uneven ffn: parameter -> (split dim,
     # (local start, length) of this rank's real features)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, splits: Sequence[ExpertSplit] = (),
                    divide_attrs: Sequence[str] = ("intermediate_dim", "intermediate_size", "expert_dim"),
-                   identity_experts: Sequence[str] = (), added_once: Sequence[str] = ()) -> "ParallelExperts":
+                   identity_experts: Sequence[str] = (), added_once: Sequence[str] = (), dispatch: str = "all_reduce",
+                   sequence_parallel: bool = False) -> "ParallelExperts":
         """This rank's shard of ``dense`` (which is left as it is). ``splits``: ``(name, dim, parts)``
         for every parameter; ``divide_attrs``: int attributes holding the ffn size (divided by p
         where present); ``identity_experts``: child ``nn.Identity`` experts (LongCat-Flash's zero
         experts), which every rank would add whole to its partial sum: each adds 1/p of its input;
         ``added_once``: parameters added after the partial products (a bias of the down projection),
-        kept whole and added by rank 0 only (see the module docstring)."""
+        kept whole and added by rank 0 only (see the module docstring); ``dispatch`` (whole experts per
+        rank): ``"all_reduce"`` (every rank runs its experts on every token, the partial outputs summed) or
+        ``"all_to_all"`` (each routed pair sent to its expert's rank and back:
+        :mod:`~tplayers.layers.token_dispatch`); ``sequence_parallel`` (``"all_to_all"`` only): the tokens
+        are this rank's own, not the same on every rank."""
         g = resolve_group(group)
         what = f"ParallelExperts({type(dense).__name__})"
         whole = bool(splits) and all(dim == 0 for _, dim, _ in splits)
+        if dispatch not in ("all_reduce", "all_to_all"):
+            raise ValueError(f"{what}: dispatch={dispatch!r}; choose 'all_reduce' or 'all_to_all'")
+        if dispatch == "all_to_all" and not whole:
+            raise ValueError(f"{what}: dispatch='all_to_all' sends tokens to whole experts: cut every parameter "
+                             "along dim 0 (whole experts per rank)")
+        if sequence_parallel and dispatch != "all_to_all":
+            raise ValueError(f"{what}: sequence_parallel=True (each rank its own tokens) needs dispatch='all_to_all': "
+                             "the all-reduce dispatch sums partial outputs of the same tokens")
         if whole and any(parts != 1 for _, _, parts in splits):
             raise ValueError(f"{what}: whole experts per rank (dim 0) are cut in one part")
         if any(dim == 0 for _, dim, _ in splits) and not whole:
@@ -155,6 +168,11 @@ class ParallelExperts(TensorParallelModule):
                                                             (p.shape[0] for p in dense.parameters(recurse=False)))):
             raise ValueError(f"{what}: whole experts per rank need the module's num_experts (got {experts!r}) to "
                              "count its parameters' first dim")
+        if whole and len(_forward_inputs(type(dense))) < 3:
+            raise ValueError(f"{what}: whole experts per rank need a forward of (hidden_states, top_k_index, "
+                             f"top_k_weights) that runs each token on the experts it is routed to; "
+                             f"{type(dense).__name__}.forward takes {_forward_inputs(type(dense))} (every expert "
+                             "sees every token it is given): split each expert's ffn instead (experts='ffn')")
         params = dict(dense.named_parameters(recurse=False))
         names = [s[0] for s in splits]
         added_once = tuple(added_once)
@@ -205,6 +223,7 @@ class ParallelExperts(TensorParallelModule):
         for name in identity_experts:
             new._modules[name] = _ShareOfInput(g.size)
         new._first_expert = None
+        new._dispatch, new._sequence_parallel = dispatch, bool(sequence_parallel)
         if whole:  # the router's expert ids become local ones; other ranks' experts the sentinel num_experts
             new._first_expert = g.rank * (experts // g.size)
             new._dense_attrs["_is_expert_parallel"] = getattr(dense, "_is_expert_parallel", None)
@@ -232,6 +251,8 @@ class ParallelExperts(TensorParallelModule):
         return {**self._splits, **{name: Replicated() for name in self._added_once}}
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._dispatch == "all_to_all":
+            return self._forward_all_to_all(args, kwargs)
         # f: the floating inputs (the tokens, the routing weights) enter whole; their gradients are partial
         # sums over ranks (each rank's slice of every expert), summed by one all-reduce backward (with the
         # added-once parameters' gradients, whole on rank 0)
@@ -266,6 +287,35 @@ class ParallelExperts(TensorParallelModule):
             out = _TiedTo.apply(out, *entered)
         return reduce_from_tp(out, group=self.group)  # g
 
+    def _forward_all_to_all(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> torch.Tensor:
+        """Whole experts per rank, tokens sent to them (:func:`~tplayers.layers.token_dispatch.dispatch_to_experts`):
+        the family's own forward runs on the rows this rank received, one local expert each."""
+        slots = [(0, i) for i in range(len(args))] + [(1, k) for k in kwargs]
+        read = lambda slot: (args[slot[1]] if slot[0] == 0 else kwargs[slot[1]])  # noqa: E731
+        tensors = [s for s in slots if torch.is_tensor(read(s))]
+        hidden = next((s for s in tensors if read(s).is_floating_point()), None)
+        index = next((s for s in tensors if not read(s).is_floating_point()), None)
+        weights = next((s for s in tensors if s != hidden and read(s).is_floating_point()
+                        and index is not None and read(s).shape == read(index).shape), None)
+        if hidden is None or index is None or weights is None or len(tensors) != 3:
+            raise TypeError(f"ParallelExperts({self._dense_class.__name__}): the all-to-all dispatch needs a forward "
+                            "of (hidden_states, top_k_index, top_k_weights) tensors; this call got "
+                            f"{[type(read(s)).__name__ for s in slots]}")
+
+        def run_experts(rows: torch.Tensor, ids: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
+            call_args, call_kwargs = list(args), dict(kwargs)
+            for slot, value in ((hidden, rows), (index, ids), (weights, ones)):
+                if slot[0] == 0:
+                    call_args[slot[1]] = value
+                else:
+                    call_kwargs[slot[1]] = value
+            return super(ParallelExperts, self).forward(*call_args, **call_kwargs)
+
+        x = read(hidden)
+        return dispatch_to_experts(run_experts, x, read(index), read(weights), group=self.group,
+                                   num_experts=self._dense_attrs["num_experts"],
+                                   sequence_parallel=self._sequence_parallel)
+
     def _route_to_local_experts(self, args: List[Any], kwargs: Dict[str, Any]) -> None:
         """Whole experts per rank: the routed expert ids (the integer tensor argument, ``top_k_index``)
         become this rank's local ids, and another rank's expert the sentinel ``num_experts`` (which
@@ -288,7 +338,7 @@ class ParallelExperts(TensorParallelModule):
         """The dense experts module (collective: every rank gathers every shard)."""
         dense = _module_copy(self, self._dense_class)
         for attr in ("group", "_dense_class", "_splits", "_dense_attrs", "_first_expert", "_dense_children",
-                     "_added_once", "_padding"):
+                     "_added_once", "_padding", "_dispatch", "_sequence_parallel"):
             dense.__dict__.pop(attr, None)
         dense._modules.update(self._dense_children)
         for attr, value in self._dense_attrs.items():
@@ -303,7 +353,9 @@ class ParallelExperts(TensorParallelModule):
 
     def extra_repr(self) -> str:
         if self._first_expert is not None:
+            how = (", tokens sent by all-to-all" + (" (this rank's own)" if self._sequence_parallel else "")
+                   if self._dispatch == "all_to_all" else "")
             return (f"tp={self.group.size}, whole experts [{self._first_expert}, "
-                    f"{self._first_expert + self.num_experts}) on this rank")
+                    f"{self._first_expert + self.num_experts}) on this rank{how}")
         cuts = ", ".join(f"{n}: dim {pl.dim} / {self.group.size}" for n, pl in self._splits.items())
         return f"tp={self.group.size}, {cuts}"
