@@ -1,6 +1,9 @@
 """A Mixtral-like training step at TP 2 with the experts split (`ParallelExperts`, issue 27: each expert's
-ffn across the ranks, or whole experts per rank) against the same model with the experts replicated
-(what "auto" did before): step time and parameter bytes per rank.
+ffn across the ranks, whole experts per rank with their partial outputs all-reduced, or whole experts
+per rank with the tokens sent to them by all-to-all) against the same model with the experts
+replicated (what "auto" did before): step time, parameter bytes per rank, and the bytes the MoE layers'
+collectives send per rank and step (`comm_accounting`, on the wire: a ring all-reduce sends 2(p-1)/p of its
+buffer, an all-to-all the rows bound for other ranks; counted once outside the timed steps).
 
 Real gloo on this machine's cores (no emulated link: the point is the compute and memory each rank
 carries). Both models are built from the same dense weights and run in one process, alternating step
@@ -18,6 +21,7 @@ import time
 import torch
 
 import tplayers
+from tplayers.bench.budget import wire_bytes
 from tplayers.bench.report import quartiles
 from tplayers.convert import auto_plan
 from tplayers.convert.styles import Experts
@@ -38,16 +42,27 @@ def _rank(group, layers: int, repeats: int):
     models = {"split": tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, audit=False, check_inputs=0),
               "whole": tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, audit=False, check_inputs=0,
                                             experts="whole"),
+              "all_to_all": tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, audit=False,
+                                                 check_inputs=0, experts="all_to_all"),
               "replicated": tplayers.parallelize(dense, replicated_plan, group=group, audit=False, check_inputs=0)}
     ids = torch.randint(0, 4096, (4, 256), generator=torch.Generator().manual_seed(1))
+    moe_bytes = {}
+    for name, model in models.items():  # the experts' collectives of one step: issued by them, or their backward
+        with tplayers.comm_accounting(model) as acc:
+            model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        moe_bytes[name] = sum(wire_bytes(r.op, r.nbytes, r.group_size) for r in acc.records
+                              if r.module.endswith("experts") or r.module in (
+                                  "_CopyManyToTPBackward", "_AllToAllBackward", "_SplitRowsBackward"))
+    names = list(models)
     times = {k: [] for k in models}
-    for i in range(3 * repeats + 6):
-        name = ("split", "whole", "replicated")[i % 3]
+    for i in range(len(names) * (repeats + 2)):
+        name = names[i % len(names)]
         t0 = time.perf_counter()
         models[name](input_ids=ids, labels=ids).loss.backward()
         elapsed = time.perf_counter() - t0
         models[name].zero_grad(set_to_none=True)
-        if i >= 6:
+        if i >= 2 * len(names):
             times[name].append(1e3 * elapsed)
     slowest = lambda v: all_reduce_tensor(torch.tensor(v), group=group, op="max")  # noqa: E731
     step = {k: slowest(v) for k, v in times.items()}
@@ -56,7 +71,7 @@ def _rank(group, layers: int, repeats: int):
     for k, m in models.items():
         q = quartiles((step[k] / step["replicated"]).tolist())
         held = sum(p.numel() * p.element_size() for p in m.parameters()) / dense_bytes
-        out[k] = (statistics.median(step[k].tolist()), q, held)
+        out[k] = (statistics.median(step[k].tolist()), q, held, moe_bytes[k])
     return out
 
 
@@ -70,9 +85,10 @@ def main() -> None:
         out = world.run(_rank, args.layers, args.repeats)[0]
     print(f"TP {args.tp} over gloo (CPU), Mixtral-like {args.layers} layers (hidden 256, 8 experts of ffn 896, top 2, "
           f"batch 4 x 256 tokens, float32), {args.repeats} rounds, slower rank:")
-    for name, (median, (ratio, low, high), held) in out.items():
+    for name, (median, (ratio, low, high), held, moved) in out.items():
         print(f"  experts {name:10s} step {median:7.1f} ms (median); paired / replicated {ratio:.3f}x "
-              f"(quartiles {low:.3f}-{high:.3f}); parameters per rank / dense {held:.3f}")
+              f"(quartiles {low:.3f}-{high:.3f}); parameters per rank / dense {held:.3f}; "
+              f"MoE collectives {moved / 1e6:.2f} MB on the wire per step (rank 0)")
 
 
 if __name__ == "__main__":

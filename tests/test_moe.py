@@ -237,7 +237,10 @@ def _check_all_to_all_moe(group, hidden, ffn, experts_per_rank, top_k, tokens, s
     back = tp.to_dense()  # and back: the same weights
     for (name, a), (_, b) in zip(back.named_parameters(), dense.named_parameters()):
         assert torch.equal(a, b), name
-    return sorted((r.op, r.phase) for r in acc.records), tp.experts.num_experts
+    moved = {phase: sum(r.nbytes for r in acc.records if r.op == "all_to_all" and r.phase == phase)
+             for phase in ("forward", "backward")}
+    assert moved["forward"] == moved["backward"], moved  # backward: the same rows, sent back the other way
+    return sorted((r.op, r.phase) for r in acc.records), tp.experts.num_experts, moved["forward"]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -250,7 +253,10 @@ def test_all_to_all_experts_match_dense(tp, sequence_parallel, hidden, ffn, expe
     same on every rank (as few as one per rank, or none: 2 tokens over 4 ranks) and on each rank's own tokens."""
     runs = get_world(tp).run(_check_all_to_all_moe, hidden, ffn, experts_per_rank, top_k, tokens, sequence_parallel,
                              seed)
-    for counts, held in runs:
+    pairs = 2 * tokens * (tp if sequence_parallel else 1) * min(top_k, experts_per_rank * tp)  # the batch's routes
+    sent = sum(moved for _, _, moved in runs)
+    assert sent <= 2 * pairs * hidden * 8, sent  # at most every pair leaves its rank and comes back, h float64 each
+    for counts, held, _ in runs:
         assert held == experts_per_rank
         if tp == 1:
             assert counts == [], counts

@@ -57,7 +57,7 @@ class CommRecord:
     """One collective: what, where, and its times (``time.perf_counter`` seconds)."""
 
     op: str  # all_reduce | all_gather | reduce_scatter | broadcast
-    nbytes: int  # the full buffer (all-gather output, reduce-scatter input)
+    nbytes: int  # the full buffer (all-gather output, reduce-scatter input); all-to-all: the rows sent to others
     group_size: int
     phase: str  # forward | backward
     module: str

@@ -76,10 +76,10 @@ def wire_bytes(op: str, nbytes: float, group_size: int) -> float:
         return 2 * (p - 1) / p * nbytes
     if op in ("all_gather", "reduce_scatter"):
         return (p - 1) / p * nbytes
-    if op in ("broadcast", "send", "recv"):
+    if op in ("broadcast", "send", "recv", "all_to_all"):  # (all_to_all: nbytes is what leaves this rank)
         return float(nbytes)
     raise ValueError(f"wire_bytes: no ring model for collective {op!r} (known: all_reduce, all_gather, "
-                     "reduce_scatter, broadcast, send, recv)")
+                     "reduce_scatter, broadcast, send, recv, all_to_all)")
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,9 @@ class LinkModel:
             return 0.0
         if op == "all_reduce":
             return 2 * (p - 1) / p * nbytes * per_byte + 2 * (p - 1) * a
-        if op in ("all_gather", "reduce_scatter", "all_to_all"):  # (all_to_all: an even split assumed)
+        if op == "all_to_all":  # nbytes: what this rank sends to the others
+            return nbytes * per_byte + (p - 1) * a
+        if op in ("all_gather", "reduce_scatter"):
             return (p - 1) / p * nbytes * per_byte + (p - 1) * a
         if op in ("broadcast", "send", "recv"):
             return nbytes * per_byte + a

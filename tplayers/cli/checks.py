@@ -226,16 +226,18 @@ variant("ParallelMLP", "swiglu, sequence_parallel=True", _parallel_mlp, tol_scal
 variant("ParallelMLP", "gelu, split_backward=True", _parallel_mlp, tol_scale=2, activation="gelu", sp=False, split=True)
 
 
-def _parallel_moe(g: TPGroup, cfg: VerifyConfig, experts: str, extra_ffn: int = 0) -> MatchReport:
+def _parallel_moe(g: TPGroup, cfg: VerifyConfig, experts: str, extra_ffn: int = 0, sp: bool = False) -> MatchReport:
     d = _dims(g)
     dense = _dense(DenseMoE(d["hidden"], d["ffn"] + extra_ffn, num_experts=2 * g.size, top_k=2), cfg)
-    tp = ParallelMoE.from_dense(dense, group=g, experts=experts)
-    return match_dense(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg)
+    tp = ParallelMoE.from_dense(dense, group=g, experts=experts, sequence_parallel=sp)
+    return match_dense(tp, dense, _input(cfg, cfg.batch, d["seq"], d["hidden"]), g, cfg, **_seq_shards(sp))
 
 
 variant("ParallelMoE", "top-2 of 2p experts, each expert's ffn split", _parallel_moe, tol_scale=2, experts="ffn")
 variant("ParallelMoE", "top-2 of 2p experts, whole experts per rank", _parallel_moe, tol_scale=2, experts="whole")
 variant("ParallelMoE", "each expert's ffn 32p+3, uneven split", _parallel_moe, tol_scale=2, experts="ffn", extra_ffn=3)
+variant("ParallelMoE", "whole experts, tokens sent by all-to-all, sequence_parallel=True", _parallel_moe, tol_scale=2,
+        experts="all_to_all", sp=True)
 
 
 def _heads(g: TPGroup) -> Dict[str, int]:

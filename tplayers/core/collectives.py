@@ -92,7 +92,8 @@ class Observer(Protocol):
     def launch(self, op: str, nbytes: int, g: TPGroup, device: Optional[torch.device],
                call: Callable[[], Any]) -> Tuple[Any, Any]:
         """Run ``call()`` (the torch.distributed call) and return ``(its work or None, a token)``;
-        ``nbytes``: the full buffer (all-gather output, reduce-scatter input)."""
+        ``nbytes``: the full buffer (all-gather output, reduce-scatter input; all-to-all: the rows this
+        rank sends to the others)."""
 
     def finished(self, token: Any, wait_started: float) -> None:
         """The caller's ``wait()`` on that collective's work returned (``wait_started``: when it began)."""
@@ -383,7 +384,8 @@ def all_to_all(x: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[in
         moved = funcol.all_to_all_single(src, recv_rows, send_rows, _functional_pg(g))
         return Pending(None, lambda: funcol.wait_tensor(moved))
     out = torch.empty((sum(recv_rows),) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    nbytes = src.numel() * src.element_size()
+    row_bytes = src[0:1].numel() * src.element_size() if src.shape[0] else 0
+    nbytes = (sum(send_rows) - send_rows[g.rank]) * row_bytes  # what leaves this rank (its own rows stay)
     bounded = src.device.type == "cpu" and checks_enabled() and not is_fake(g.process_group)
     work, observed = _launch("all_to_all", nbytes, g, lambda: dist.all_to_all_single(
         out, src, recv_rows, send_rows, group=g.process_group, async_op=async_op or bounded), src.device)
