@@ -1,6 +1,7 @@
 """A Mixtral-like training step at TP 2 with the experts split (`ParallelExperts`, issue 27: each expert's
 ffn across the ranks, whole experts per rank with their partial outputs all-reduced, or whole experts
-per rank with the tokens sent to them by all-to-all) against the same model with the experts
+per rank with the tokens sent to them by all-to-all, also under sequence parallelism: each rank's own
+chunk) against the same model with the experts
 replicated (what "auto" did before): step time, parameter bytes per rank, and the bytes the MoE layers'
 collectives send per rank and step (`comm_accounting`, on the wire: a ring all-reduce sends 2(p-1)/p of its
 buffer, an all-to-all the rows bound for other ranks; counted once outside the timed steps).
@@ -44,6 +45,8 @@ def _rank(group, layers: int, repeats: int):
                                             experts="whole"),
               "all_to_all": tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, audit=False,
                                                  check_inputs=0, experts="all_to_all"),
+              "all_to_all+sp": tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, audit=False,
+                                                    check_inputs=0, experts="all_to_all", sequence_parallel=True),
               "replicated": tplayers.parallelize(dense, replicated_plan, group=group, audit=False, check_inputs=0)}
     ids = torch.randint(0, 4096, (4, 256), generator=torch.Generator().manual_seed(1))
     moe_bytes = {}
@@ -86,7 +89,7 @@ def main() -> None:
     print(f"TP {args.tp} over gloo (CPU), Mixtral-like {args.layers} layers (hidden 256, 8 experts of ffn 896, top 2, "
           f"batch 4 x 256 tokens, float32), {args.repeats} rounds, slower rank:")
     for name, (median, (ratio, low, high), held, moved) in out.items():
-        print(f"  experts {name:10s} step {median:7.1f} ms (median); paired / replicated {ratio:.3f}x "
+        print(f"  experts {name:13s} step {median:7.1f} ms (median); paired / replicated {ratio:.3f}x "
               f"(quartiles {low:.3f}-{high:.3f}); parameters per rank / dense {held:.3f}; "
               f"MoE collectives {moved / 1e6:.2f} MB on the wire per step (rank 0)")
 

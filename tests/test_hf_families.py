@@ -283,7 +283,7 @@ def test_heads_and_ffn_that_do_not_divide_the_tp_degree(family, tp):
         assert plan == "auto" and not skipped and fraction > 0.95
 
 
-def _check_family_sequence_parallel(group, family: str, seed: int):
+def _check_family_sequence_parallel(group, family: str, seed: int, experts: str = "ffn"):
     """``parallelize(model, "auto", sequence_parallel=True)``: the residual stream split along the sequence
     between the TP layers, derived from the model's own plan (issue 26 item 5; refused before). Logits, loss,
     every gradient, the audit of every region, and greedy generation (which falls back to plain TP for the
@@ -293,10 +293,12 @@ def _check_family_sequence_parallel(group, family: str, seed: int):
     # 8e-8 relative, Gemma2 TP 2)
     tol = {"gemma": 1e-6, "gemma2": 1e-6}.get(family, FLOAT32_NORM_FAMILIES.get(family, 1e-9))
     dense = _build(family, seed)
-    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, sequence_parallel=True)
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, sequence_parallel=True, experts=experts)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (2, 4 * group.size()), generator=g)
     _one_step_matches(model, dense, ids, tol)
+    # MoE experts that ran on this rank's chunk (generate's one-token steps switch them back below)
+    chunked = sorted(n for n, m in model.named_modules() if isinstance(m, ParallelExperts) and m.sequence_parallel)
     report = tplayers.coverage(model)
     assert report.audit.passed and all(r.status == "passed" for r in report.audit.regions), str(report.audit)
     prompt = torch.randint(0, VOCAB, (2, 5), generator=g)
@@ -304,25 +306,69 @@ def _check_family_sequence_parallel(group, family: str, seed: int):
     with torch.no_grad():
         assert torch.equal(model.generate(prompt, **kw), dense.generate(prompt, **kw))
     assert not report.skipped, report.skipped  # the norms "auto" leaves out are in the variant's region
-    return report.plan, sorted(n for n, v in report.layers.items() if "sequence" in v.lower())
+    return report.plan, sorted(n for n, v in report.layers.items() if "sequence" in v.lower()), chunked
 
 
 @pytest.mark.parametrize("family, tp", [("llama", 2), ("qwen3", 2), ("gemma2", 2), ("gpt_neox", 2), ("apertus", 2),
                                         ("mistral_uneven", 4)])
 def test_auto_plan_with_sequence_parallelism_matches_dense(family, tp):
     _build(family)
-    for plan, sequence_layers in get_world(tp).run(_check_family_sequence_parallel, family, seed=tp):
+    for plan, sequence_layers, _ in get_world(tp).run(_check_family_sequence_parallel, family, seed=tp):
         assert plan == "auto+sp" and sequence_layers, (plan, sequence_layers)
 
 
+@pytest.mark.parametrize("family, tp", [("mixtral", 2), ("qwen2_moe", 2), ("deepseek_v3", 4), ("gpt_oss", 2)])
+def test_moe_with_sequence_parallelism_matches_dense(family, tp):
+    """MoE blocks on each rank's chunk of the sequence (Megatron's sequence parallelism with expert parallelism
+    over the TP group; refused before): experts sent their tokens by all-to-all, routers' gradients summed,
+    shared experts (Qwen2-MoE's gated one, DeepSeek-V3's) gathered once and reduce-scattered, gpt-oss's per-head
+    sinks kept beside the attention's gather (lost before: the region's style replaced them)."""
+    _build(family)
+    for plan, sequence_layers, chunked in get_world(tp).run(_check_family_sequence_parallel, family, seed=tp,
+                                                            experts="all_to_all"):
+        assert plan == "auto+sp" and sequence_layers and chunked, (plan, sequence_layers, chunked)
+
+
+def _moe_sequence_parallel_collectives(group):
+    dense = _build("mixtral")
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, sequence_parallel=True,
+                                 experts="all_to_all", audit=False, check_inputs=0)
+    ids = torch.randint(0, VOCAB, (2, 4 * group.size()), generator=torch.Generator().manual_seed(0))
+    with tplayers.comm_accounting(model) as acc:
+        model(ids, labels=ids).loss.backward()
+    experts = sorted((r.op, r.phase) for r in acc.records if r.module.endswith("experts")
+                     or r.module == "_AllToAllBackward")
+    return experts, [r.module for r in acc.records if r.op == "all_reduce"]
+
+
+def test_moe_on_sequence_chunks_sends_two_all_to_alls_each_way():
+    """Per MoE layer: forward the counts' all-gather and two all-to-alls, backward two all-to-alls; nothing
+    gathered or all-reduced for the experts (the routers' gradients join the norms' one all-reduce)."""
+    for experts, all_reduces in get_world(2).run(_moe_sequence_parallel_collectives):
+        per_layer = [("all_gather", "forward")] + [("all_to_all", "forward")] * 2 + [("all_to_all", "backward")] * 2
+        assert experts == sorted(per_layer * 2), experts
+        assert all_reduces == ["_CopyManyToTPBackward"], all_reduces  # every partial gradient: norms, routers
+
+
 def _auto_sequence_parallel_refusal(group):
-    with pytest.raises(ValueError, match=r"sequence_parallel=True\): 'model.layers.0.mlp' holds layers styled "
-                                         r"\['Experts'\]; sequence parallelism covers attention, dense MLPs"):
+    with pytest.raises(ValueError, match=r"sequence_parallel=True\): 'model.layers.0.mlp.experts' holds MoE experts "
+                                         r"whose partial outputs are summed over the ranks \(experts='ffn' or 'whole'\)"
+                                         r", so each rank needs every token; use experts='all_to_all'"):
         tplayers.parallelize(_build("mixtral"), "auto", group=group, sequence_parallel=True)
+    dense = _build("mixtral")
+    dense.config.output_router_logits = True
+    with pytest.raises(ValueError, match=r"load-balancing loss .* would be each chunk's"):
+        tplayers.parallelize(dense, "auto", group=group, sequence_parallel=True, experts="all_to_all")
+    model = tplayers.parallelize(_build("mixtral"), "auto", group=group, sequence_parallel=True, experts="all_to_all")
+    ids = torch.randint(0, VOCAB, (2, 4 * group.size()))
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM\(output_router_logits=True\) with MoE experts"):
+        model(ids, labels=ids, output_router_logits=True)
     return True
 
 
 def test_auto_sequence_parallelism_refuses_moe_naming_the_module():
+    """Experts whose partial outputs are all-reduced need every token: refused under sequence parallelism, naming
+    the module and the layout that runs; so is the router's load-balancing loss (it would be each chunk's)."""
     _build("mixtral")
     assert all(get_world(2).run(_auto_sequence_parallel_refusal))
 

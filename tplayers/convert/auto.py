@@ -337,9 +337,12 @@ def sequence_parallel_auto(model: nn.Module, plan: Plan) -> Plan:
     column layers all-gather their input once and its row layer reduce-scatters; the final norm gathers.
 
     Derived from the module tree, for decoder-only models whose decoder layers sit in one ``nn.ModuleList``,
-    each holding an attention the plan splits by heads and norms and MLPs as direct children. Anything else is
-    refused, naming the module and why (MoE experts, which take every rank's tokens; modules with parameters
-    the variant does not know; a model without a final norm after its layers)."""
+    each holding an attention the plan splits by heads and norms and MLPs as direct children. An MoE block runs
+    on the chunk too when its experts send their tokens by all-to-all (``experts="all_to_all"``): each rank
+    dispatches its own tokens, its router's (and any replicated module's) gradients are summed, shared experts
+    gather once and reduce-scatter like any MLP. Anything else is refused, naming the module and why (MoE experts
+    whose partial outputs are all-reduced, which take every rank's tokens; modules with parameters the variant
+    does not know; a model without a final norm after its layers)."""
     modules = dict(model.named_modules())
     attention = sorted(plan.set_attrs)
     where = "parallelize(model, 'auto', sequence_parallel=True)"
@@ -355,6 +358,7 @@ def sequence_parallel_auto(model: nn.Module, plan: Plan) -> Plan:
     norms: List[str] = []
     gather: List[str] = []
     keep: List[str] = []
+    moe: Dict[str, Style] = {}  # MoE blocks' styles on sequence chunks
     for block in blocks:
         for child_name, child in modules[block].named_children():
             name = f"{block}.{child_name}"
@@ -364,6 +368,8 @@ def sequence_parallel_auto(model: nn.Module, plan: Plan) -> Plan:
                 keep += [n for n, st in inside.items() if isinstance(st, (Column, KVColumn))]
             elif _is_norm(child):
                 norms.append(name)
+            elif any(isinstance(st, Experts) for st in inside.values()):
+                moe.update(_moe_on_sequence_chunks(name, inside, modules, where))
             elif inside and all(type(st) in (Column, Row, ReplicateReduceGrad) for st in inside.values()):
                 # an MLP: its column layers gather once, its row layer reduce-scatters; between them (the whole
                 # sequence, split features) an activation's learnable scalars have their gradients summed as before
@@ -386,7 +392,39 @@ def sequence_parallel_auto(model: nn.Module, plan: Plan) -> Plan:
         raise ValueError(f"{where}: {len(final)} norms registered after '{lists[0]}' in '{base or type(model).__name__}' "
                          f"({final}); the variant gathers the sequence at the one final norm; use "
                          "sequence_parallel=False or a plan of your own")
+    if moe:  # (exact names first: a module takes the first pattern that matches it)
+        plan = dataclasses.replace(plan, layers={**moe, **{k: v for k, v in plan.layers.items() if k not in moe}})
     return sequence_parallel_variant(plan, [blocks[0]], norms, final, gather_inputs=gather, keep=keep)
+
+
+def _moe_on_sequence_chunks(name: str, inside: Dict[str, Union[str, Style]], modules: Dict[str, nn.Module],
+                            where: str) -> Dict[str, Style]:
+    """The styles of MoE block ``name`` (its plan entries ``inside``) inside a sequence-parallel region, where it
+    runs on this rank's chunk of the sequence: experts sent their tokens by all-to-all (each rank its own), dense
+    MLPs beside them (shared experts) as any MLP of the region (gather once, reduce-scatter), and every replicated
+    module with parameters (the router, a shared expert's gate) its gradients summed over the group (each rank's
+    covers its own tokens only). Experts whose partial outputs are all-reduced take every rank's tokens: refused."""
+    out: Dict[str, Style] = {}
+    for n, st in inside.items():
+        if isinstance(st, Experts):
+            if st.dispatch != "all_to_all":
+                raise ValueError(f"{where}: '{n}' holds MoE experts whose partial outputs are summed over the ranks "
+                                 "(experts='ffn' or 'whole'), so each rank needs every token; use experts='all_to_all' "
+                                 "(each rank sends its own chunk's tokens to the experts' ranks) or "
+                                 "sequence_parallel=False")
+            out[n] = dataclasses.replace(st, sequence_parallel=True)
+        elif isinstance(st, Replicate) or st == "replicate":
+            out[n] = ReplicateReduceGrad()
+        elif not isinstance(st, (Column, Row, ReplicateReduceGrad)):
+            raise ValueError(f"{where}: '{n}' inside the MoE block '{name}' is styled {type(st).__name__ if not isinstance(st, str) else st}; "
+                             "on a sequence chunk an MoE block holds all-to-all experts, dense MLPs (column and row "
+                             "layers) and replicated modules only; use sequence_parallel=False")
+    split = [n for n in inside if n not in out or isinstance(out[n], Experts)]  # layers that handle their own
+    for n, m in modules.items():
+        if (n == name or n.startswith(name + ".")) and n not in split and m._parameters and \
+                not any(n.startswith(s + ".") for s in split):
+            out[n] = ReplicateReduceGrad()  # a router the plan leaves whole: its gradient is a partial sum now
+    return out
 
 
 def _per_head_owner(param: str, modules: Dict[str, nn.Module], style: str) -> Optional[str]:

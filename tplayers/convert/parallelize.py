@@ -48,6 +48,7 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.partial_grads import PartialGradSum
 from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, placements_of
+from ..layers.experts import ParallelExperts
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.same_inputs import check_same_inputs, check_same_output_grads, check_same_rng_once, has_dropout
 from .audit import AUDIT_ATTR, Auditor, find_regions
@@ -63,6 +64,29 @@ from .styles import (BuildContext, Built, Column, FusedQKV, KVColumn, Row, Seque
 __all__ = ["parallelize"]
 
 _Change = Tuple[nn.Module, str, object]
+
+
+_ROUTER_LOGITS = ("the load-balancing loss of transformers' MoE models (output_router_logits=True) averages the router "
+                  "over every token of the batch; under sequence parallelism each rank routes its own chunk, so the "
+                  "loss would be each chunk's, not the batch's")
+
+
+def _refuse_router_logits_in_config(model: nn.Module, experts: List[str]) -> None:
+    """MoE experts on sequence chunks (``experts``): refuse a model whose config adds the router's
+    load-balancing loss to its loss (it would be each rank's chunk's)."""
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError(f"parallelize(..., sequence_parallel=True): MoE experts {experts[:2]}: {_ROUTER_LOGITS}; set "
+                         "config.output_router_logits=False or use sequence_parallel=False")
+
+
+def _refuse_router_logits_argument(model: nn.Module, experts: List[str]) -> None:
+    """The same at every call: a forward given ``output_router_logits=True`` raises."""
+    def pre_hook(module: nn.Module, args: Any, kwargs: Dict[str, Any]) -> None:
+        if kwargs.get("output_router_logits"):
+            raise ValueError(f"{type(module).__name__}(output_router_logits=True) with MoE experts {experts[:2]} on "
+                             f"sequence chunks (parallelize(..., sequence_parallel=True)): {_ROUTER_LOGITS}; call it "
+                             "without output_router_logits, or parallelize with sequence_parallel=False")
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
 def _match(modules: Dict[str, nn.Module], styles: Dict[str, Style]) -> Tuple[List[Tuple[str, str]], set]:
@@ -358,7 +382,9 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     the TP group, GEMMs kept whole, compute per rank as the router balances it); both sum the partial
     outputs with one all-reduce each way (:class:`~tplayers.layers.experts.ParallelExperts`);
     ``"all_to_all"``: whole experts per rank, each rank sending its share of the routed tokens to the
-    experts' ranks and back (two all-to-alls each way; :mod:`tplayers.layers.token_dispatch`).
+    experts' ranks and back (two all-to-alls each way; :mod:`tplayers.layers.token_dispatch`); the one
+    layout MoE models take with ``sequence_parallel=True`` (each rank then sends its own chunk's tokens;
+    ``output_router_logits=True`` refused: the load-balancing loss would be each chunk's).
     ``loss_parallel`` (Hugging Face causal LMs): called with ``labels``, the LM head keeps its
     vocabulary shard and the model's loss runs on it (`vocab_parallel_cross_entropy`: no all-gather of
     the logits, each rank holds 1/p of them); ``outputs.logits`` is then this rank's shard ``(b, s,
@@ -377,6 +403,9 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     matched, used = _match(modules, styles)
     built = _build(modules, matched, styles, tp)
     check_sequence_region(p.name, {n: b.region for n, b in built.items()})
+    chunked_experts = [n for n, b in built.items() if isinstance(b.module, ParallelExperts) and b.module.sequence_parallel]
+    if chunked_experts:
+        _refuse_router_logits_in_config(model, chunked_experts)
     _refuse_no_match(model, modules, built, styles, p)
     changes = _attr_changes(modules, p, tp)
     retie = _ties(model, modules, built)
@@ -400,6 +429,8 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     if loss_parallel and tp.size > 1:
         apply_loss_parallel(model, tp)
     _watch_ranks_in_step(model, tp, check_inputs, check_consistency)
+    if chunked_experts:
+        _refuse_router_logits_argument(model, chunked_experts)
     if audit:
         auditor.arm()
     _report(model, p, plan, built, modules, styles, matched, used, unmatched_keys, skipped)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 import torch.nn as nn
 
 from ..core.placement import head_parts
-from .sequence import GatherSequence, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
+from .sequence import GatherSequence, PerHeadParams, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
 from .styles import Column, KVColumn, Replicate, Row, Style, VocabEmbedding, VocabHead, attention_heads
 
 __all__ = ["Plan", "STYLE_NAMES", "local_attention_attrs", "local_head_attrs", "resolve_style", "sequence_parallel_variant"]
@@ -131,6 +131,11 @@ def sequence_parallel_variant(plan: Plan, first_block: Sequence[str], norms: Seq
     layers.update({pat: ScatterSequence() for pat in first_block})
     layers.update({pat: SequenceParallelNorm() for pat in norms})
     layers.update({pat: SequenceParallelNorm(gather_output=True) for pat in final_norm})
-    layers.update({pat: GatherSequence() for pat in gather_inputs})
+    for pat in gather_inputs:  # a style the module has already (an attention's per-head sinks) is kept beside it
+        had = layers.get(pat)
+        if had is not None and not isinstance(had, PerHeadParams):
+            raise ValueError(f"sequence parallelism: '{pat}' gathers the sequence for its own code, but the plan already "
+                             f"styles it {type(had).__name__}; a module takes one style")
+        layers[pat] = GatherSequence(then=had)
     return Plan(layers=layers, divide_attrs=dict(plan.divide_attrs), require_divisible=dict(plan.require_divisible),
                 name=plan.name + "+sp", set_attrs=dict(plan.set_attrs))

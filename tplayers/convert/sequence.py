@@ -174,9 +174,25 @@ class GatherSequence(_SequenceStyle):
     (HF Llama attention reshapes with its input's shape): its first input (``hidden_states``) is
     all-gathered along the sequence. Its column layers called on that gathered input keep only this
     rank's chunk, gather it again in backward and reduce-scatter their summed input gradient
-    (`tplayers.core.comm.gather_sequence_for_columns`); whatever else reads it gets its gradient split."""
+    (`tplayers.core.comm.gather_sequence_for_columns`); whatever else reads it gets its gradient split.
+    ``then``: a style the module already has that keeps it in place (an attention's ``PerHeadParams``),
+    applied with it."""
 
+    then: Optional[PerHeadParams] = None
     style_name = "gather_sequence"
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        built = super().build(module, ctx)
+        if self.then is None:
+            return built
+        other = self.then.build(module, ctx)
+        own = built.finish
+
+        def finish() -> None:
+            own()
+            if other.finish is not None:
+                other.finish()
+        return Built(module, finish=finish, region=built.region, label=other.label)
 
     def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
         tp, switch = ctx.group, ctx.switch

@@ -486,22 +486,26 @@ class Experts:
     attributes holding the ffn size, divided by the TP degree where present; ``dispatch`` (every
     parameter cut along dim 0, whole experts per rank): ``"all_reduce"`` (every rank runs its experts on
     every token) or ``"all_to_all"`` (each rank sends its share of the routed tokens to the experts'
-    ranks and back: :mod:`tplayers.layers.token_dispatch`)."""
+    ranks and back: :mod:`tplayers.layers.token_dispatch`); ``sequence_parallel`` (``"all_to_all"``): the
+    experts sit in a sequence-parallel region and each rank's tokens are its own chunk of the sequence
+    (``parallelize(model, "auto", sequence_parallel=True, experts="all_to_all")``)."""
 
     splits: Tuple[ExpertSplit, ...]
     divide_attrs: Tuple[str, ...] = ("intermediate_dim", "intermediate_size", "expert_dim")
     identity_experts: Tuple[str, ...] = ()  # child nn.Identity experts (LongCat-Flash's zero experts)
     added_once: Tuple[str, ...] = ()  # parameters added after the down projection (gpt-oss's down_proj_bias)
     dispatch: str = "all_reduce"  # whole experts: "all_to_all" sends each rank's share of the tokens to them
+    sequence_parallel: bool = False  # "all_to_all": the tokens are this rank's sequence chunk (follows the switch)
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         try:
             layer = ParallelExperts.from_dense(module, group=ctx.group, splits=self.splits,
                                                divide_attrs=self.divide_attrs, identity_experts=self.identity_experts,
-                                               added_once=self.added_once, dispatch=self.dispatch)
+                                               added_once=self.added_once, dispatch=self.dispatch,
+                                               sequence_parallel=self.sequence_parallel)
         except ValueError as e:
             raise ValueError(f"parallelize: module '{ctx.name}' (style Experts): {e}") from None
-        return Built(layer)
+        return _switched(layer, ctx)
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ class ParallelExperts(TensorParallelModule):
     _dense_children: Dict[str, nn.Module]  # the identity experts replaced by _ShareOfInput
     _added_once: Tuple[str, ...] = ()  # parameters added after the partial products, by rank 0 only
     _dispatch: str = "all_reduce"  # whole experts: "all_to_all" sends the tokens to them (token_dispatch)
-    _sequence_parallel: bool = False  # all-to-all: each rank's tokens are its own
+    sequence_parallel: bool = False  # all-to-all: each rank's tokens are its own (a sequence switch may flip it)
     _padding: Dict[str, Tuple[int, Tuple[Tuple[int, int], ...]]] = {}  # uneven ffn: parameter -> (split dim,
     # (local start, length) of this rank's real features)
 
@@ -223,7 +223,7 @@ class ParallelExperts(TensorParallelModule):
         for name in identity_experts:
             new._modules[name] = _ShareOfInput(g.size)
         new._first_expert = None
-        new._dispatch, new._sequence_parallel = dispatch, bool(sequence_parallel)
+        new._dispatch, new.sequence_parallel = dispatch, bool(sequence_parallel)
         if whole:  # the router's expert ids become local ones; other ranks' experts the sentinel num_experts
             new._first_expert = g.rank * (experts // g.size)
             new._dense_attrs["_is_expert_parallel"] = getattr(dense, "_is_expert_parallel", None)
@@ -314,7 +314,7 @@ class ParallelExperts(TensorParallelModule):
         x = read(hidden)
         return dispatch_to_experts(run_experts, x, read(index), read(weights), group=self.group,
                                    num_experts=self._dense_attrs["num_experts"],
-                                   sequence_parallel=self._sequence_parallel)
+                                   sequence_parallel=self.sequence_parallel)
 
     def _route_to_local_experts(self, args: List[Any], kwargs: Dict[str, Any]) -> None:
         """Whole experts per rank: the routed expert ids (the integer tensor argument, ``top_k_index``)
@@ -338,7 +338,7 @@ class ParallelExperts(TensorParallelModule):
         """The dense experts module (collective: every rank gathers every shard)."""
         dense = _module_copy(self, self._dense_class)
         for attr in ("group", "_dense_class", "_splits", "_dense_attrs", "_first_expert", "_dense_children",
-                     "_added_once", "_padding", "_dispatch", "_sequence_parallel"):
+                     "_added_once", "_padding", "_dispatch", "sequence_parallel"):
             dense.__dict__.pop(attr, None)
         dense._modules.update(self._dense_children)
         for attr, value in self._dense_attrs.items():
@@ -353,7 +353,7 @@ class ParallelExperts(TensorParallelModule):
 
     def extra_repr(self) -> str:
         if self._first_expert is not None:
-            how = (", tokens sent by all-to-all" + (" (this rank's own)" if self._sequence_parallel else "")
+            how = (f", tokens sent by all-to-all, sequence_parallel={self.sequence_parallel}"
                    if self._dispatch == "all_to_all" else "")
             return (f"tp={self.group.size}, whole experts [{self._first_expert}, "
                     f"{self._first_expert + self.num_experts}) on this rank{how}")
