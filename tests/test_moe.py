@@ -16,6 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import tplayers  # noqa: E402
 from tplayers import testing  # noqa: E402
+from tplayers.io.walk import CheckpointError  # noqa: E402
 from tplayers.models.moe import DenseMoE  # noqa: E402
 from tplayers.testing import assert_matches_dense, dense_parameters, get_world  # noqa: E402
 
@@ -101,10 +102,10 @@ def test_an_moe_layer_sums_once_each_way(dtype):
             assert router < 1e-6, router  # float32 routing weights (the router softmax is float32)
 
 
-def _moe_checkpoint(group, path: str, save: bool):
+def _moe_checkpoint(group, path: str, save: bool, layout: str = "ffn"):
     """Mixtral at this TP size: save a DCP checkpoint (TP 2, after one SGD step), or load it (TP 4) into a
     model built from other weights; returns the dense parameters the model holds and its logits."""
-    model = tplayers.parallelize(_mixtral(seed=0 if save else 1), "auto", group=group, audit=False)
+    model = tplayers.parallelize(_mixtral(seed=0 if save else 1), "auto", group=group, audit=False, experts=layout)
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
     if save:
         model(ids, labels=ids).loss.backward()
@@ -118,14 +119,38 @@ def _moe_checkpoint(group, path: str, save: bool):
     return dense_parameters(model), logits
 
 
-def _moe_from_dense_file(group, path: str):
+def _moe_from_dense_file(group, path: str, layout: str = "ffn"):
     """The dense safetensors file into a Mixtral built on the meta device and parallelized first."""
     with torch.device("meta"):
         model = _mixtral(seed=0)
-    tplayers.parallelize(model, "auto", group=group, audit=False)
+    tplayers.parallelize(model, "auto", group=group, audit=False, experts=layout)
     model.to_empty(device="cpu")  # only this rank's shards are allocated
     tplayers.load_dense(model, f"{path}/dense.safetensors")
     return dense_parameters(model)
+
+
+def _cross_layout_checkpoint(group, path: str):
+    try:
+        _moe_checkpoint(group, path, False, "ffn")
+    except CheckpointError as e:
+        return str(e)
+
+
+def test_whole_experts_reshard_across_tp_sizes_and_layouts(tmp_path):
+    """Whole experts per rank saved at TP 2 (tokens sent by all-to-all), loaded at TP 4: the same dense parameters,
+    bit for bit, and the same logits. Into each expert's ffn split: through the dense file (a DCP checkpoint keeps
+    its layout, and says so)."""
+    saved, logits = get_world(2).run(_moe_checkpoint, str(tmp_path), True, "all_to_all")[0]
+    for loaded, loaded_logits in get_world(4).run(_moe_checkpoint, str(tmp_path), False, "all_to_all"):
+        assert loaded.keys() == saved.keys()
+        for name, tensor in saved.items():
+            assert torch.equal(loaded[name], tensor), name
+        torch.testing.assert_close(loaded_logits, logits, rtol=1e-12, atol=1e-12)
+    for from_file in get_world(4).run(_moe_from_dense_file, str(tmp_path), "ffn"):
+        for name, tensor in saved.items():
+            assert torch.equal(from_file[name], tensor), name
+    for message in get_world(4).run(_cross_layout_checkpoint, str(tmp_path)):
+        assert "'model.layers.0.mlp.experts.gate_up_proj' was saved with TP layout {'dim': 0, 'parts': [4]}" in message
 
 
 def test_split_experts_reshard_across_tp_sizes(tmp_path):
