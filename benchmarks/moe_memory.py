@@ -2,7 +2,7 @@
 MoE families at their default configs (the published models' sizes), two decoder layers, built on the
 meta device (no weights allocated). COUNTED: deterministic.
 
-    PYTHONPATH=. python benchmarks/moe_memory.py [--tp 2] [--experts ffn|whole] [family ...]
+    PYTHONPATH=. python benchmarks/moe_memory.py [--tp 2] [--experts ffn|whole|all_to_all] [family ...]
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("families", nargs="*", default=DEFAULT)
     ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--experts", default="ffn", choices=["ffn", "whole"])
+    ap.add_argument("--experts", default="ffn", choices=["ffn", "whole", "all_to_all"])
     args = ap.parse_args()
     with World(args.tp) as world:
         out = world.run(_rank, args.families, args.experts)[0]

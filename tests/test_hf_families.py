@@ -539,6 +539,32 @@ def test_experts_sent_by_all_to_all_match_dense(family, tp):
     assert all(get_world(tp).run(_experts_sent_by_all_to_all, family))
 
 
+def _experts_from_the_expert_parallel_plan(group):
+    """Zaya has no tensor-parallel plan, only an expert-parallel one (``ep_dispatch_experts`` over ``grouped_gemm``
+    parameters): "auto" refused it; with whole experts per rank its experts are split from that plan."""
+    config = transformers.ZayaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                                     num_experts_per_tok=1, router_hidden_size=16, max_position_embeddings=64,
+                                     eos_token_id=None, experts_implementation="eager")
+    torch.manual_seed(0)
+    dense = transformers.ZayaForCausalLM(config).double().eval()
+    with pytest.raises(ValueError, match="has no tensor-parallel plan of its own"):
+        tplayers.parallelize(copy.deepcopy(dense), "auto", group=group)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the plan covers part of the model (its attention stays whole): warned
+        model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, experts="all_to_all")
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    _one_step_matches(model, dense, ids, 1e-9)
+    return sorted(n for n, m in model.named_modules() if isinstance(m, ParallelExperts))
+
+
+def test_experts_only_the_expert_parallel_plan_names_are_split_whole():
+    if not hasattr(transformers, "ZayaConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no ZayaConfig")
+    for split in get_world(2).run(_experts_from_the_expert_parallel_plan):
+        assert split == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], split
+
+
 def _llama4_whole_experts(group):
     try:
         tplayers.parallelize(_build("llama4"), "auto", group=group, experts="all_to_all")

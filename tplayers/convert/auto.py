@@ -18,6 +18,9 @@ style name through :data:`HF_STYLES`. What we chose where transformers differs:
   whole (a parameter without a style, e.g. a bias, or an identity expert inside) stay replicated:
   exact, no memory saved, and the coverage report says why (a style on any other bare parameter is
   refused);
+- with whole experts per rank (``experts="whole"`` / ``"all_to_all"``), experts the tensor-parallel plan
+  does not name but the expert-parallel plan does (``base_model_ep_plan``: ``ep_dispatch_experts`` over
+  ``grouped_gemm`` parameters) are split by expert too (Muse-Spark, Zaya);
 - ``mla_kv_a_proj`` (multi-head latent attention) keeps the latent projections whole on every rank
   (:class:`~tplayers.convert.styles.LatentKV`: the shared rotary key's gradient summed), the ``q_a_proj``
   beside it too; DeepSeek-V3's plan, which names no attention, gets DeepSeek-V2's;
@@ -64,6 +67,8 @@ _EXPERT_PARAM_STYLES = {"colwise": (2, 1), "packed_colwise": (2, 2), "rowwise": 
 # tplayers' own (no transformers plan names it): a parameter of the experts added after their down projection,
 # kept whole and added by one rank (ParallelExperts' added_once)
 ADDED_ONCE = "added_once"
+# transformers' expert-parallel plan's style on experts' parameters (cut along the expert dim), read for whole experts
+GROUPED_GEMM = "grouped_gemm"
 
 # transformers' style names (4.48 .. 5.x) -> a tplayers style, by the last component of the module name.
 HF_STYLES: Dict[str, Callable[[str], Style]] = {
@@ -161,13 +166,16 @@ class AutoPlan:
     skipped: Dict[str, str] = field(default_factory=dict)  # module or parameter name -> why it is left as it is
 
 
-def _hf_plan(model: nn.Module) -> Dict[str, str]:
+def _hf_plan(model: nn.Module, whole_experts: bool = False) -> Dict[str, str]:
     """``{key under the model root: style}`` from the config's base plan and the class's head plan
-    (empty when the model has no plan of its own)."""
+    (empty when the model has no plan of its own); with ``whole_experts``, the experts its expert-parallel
+    plan names (``base_model_ep_plan``) that the base plan does not."""
     config = getattr(model, "config", None)
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     if base:
         base.update(FAMILY_ADDITIONS.get(getattr(config, "model_type", ""), {}))
+    if whole_experts:
+        base.update(_ep_experts(dict(getattr(config, "base_model_ep_plan", None) or {}), base))
     head = dict(getattr(type(model), "_tp_plan", None) or {})
     if not base:  # a head plan alone would shard the head and nothing else
         return {}
@@ -175,6 +183,19 @@ def _hf_plan(model: nn.Module) -> Dict[str, str]:
     if prefix:  # a model with a head around the base model
         base = {f"{prefix}.{k}": v for k, v in base.items()}
     return {**base, **head}
+
+
+def _ep_experts(ep: Dict[str, str], base: Dict[str, str]) -> Dict[str, str]:
+    """transformers' expert-parallel plan, read for whole experts per rank: an ``ep_dispatch_experts`` module
+    (whole experts, tokens reach them by its dispatch) whose parameters are ``grouped_gemm`` (cut along the
+    expert dim) becomes an experts module like ``moe_tp_experts``, where the tensor-parallel plan has none."""
+    out: Dict[str, str] = {}
+    for key, style in ep.items():
+        if style != "ep_dispatch_experts" or key in base:
+            continue
+        out[key] = "moe_tp_experts"
+        out.update({k: GROUPED_GEMM for k, st in ep.items() if st == "grouped_gemm" and k.startswith(key + ".")})
+    return out
 
 
 def _base_prefix(model: nn.Module, base: Dict[str, str]) -> str:
@@ -204,16 +225,16 @@ def _regex(key: str) -> "re.Pattern[str]":
     return re.compile(re.escape(key).replace(r"\*", r"\d+") + r"\Z")
 
 
-def _unwrap(model: nn.Module) -> Dict[str, str]:
+def _unwrap(model: nn.Module, whole_experts: bool = False) -> Dict[str, str]:
     """The plan of the transformers model inside a wrapper (PEFT's ``PeftModel``), keys under its path."""
     get_base = getattr(model, "get_base_model", None)
     base = get_base() if callable(get_base) else model
     if base is model or not isinstance(base, nn.Module):
-        return _hf_plan(model)
+        return _hf_plan(model, whole_experts)
     path = next((n for n, m in model.named_modules() if m is base), None)
     if path is None:
-        return _hf_plan(model)
-    return {f"{path}.{k}": v for k, v in _hf_plan(base).items()}
+        return _hf_plan(model, whole_experts)
+    return {f"{path}.{k}": v for k, v in _hf_plan(base, whole_experts).items()}
 
 
 def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
@@ -233,7 +254,7 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
         raise ValueError(f"parallelize(model, 'auto', experts='whole'): {NO_WHOLE_EXPERTS[model_type]}; use "
                          "experts='ffn' (each expert's ffn split across ranks) or experts='all_to_all' (whole experts "
                          "per rank, tokens sent to them: only this rank's expert ids reach its experts)")
-    hf = _unwrap(model)
+    hf = _unwrap(model, whole_experts=experts != "ffn")
     if not hf:
         if model_type in MODEL_TYPES:  # no plan of its own, but tplayers ships one for its family
             return AutoPlan(plan=PLANS[MODEL_TYPES[model_type]], sources={})
@@ -462,6 +483,9 @@ def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: D
                         splits.append((pname, 0, 1))
                     else:
                         added.append(pname)
+                    continue
+                if whole and style == GROUPED_GEMM and "." not in pname:  # the expert-parallel plan's
+                    splits.append((pname, 0, 1))
                     continue
                 if "." in pname or style not in _EXPERT_PARAM_STYLES or p.dim() < 2:
                     missing.append(pname)
