@@ -50,7 +50,7 @@ from ..core.comm import copy_many_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Replicated, Sharded
 from .base import TensorParallelModule
-from .token_dispatch import _TiedTo, dispatch_to_experts
+from .token_dispatch import dispatch_to_experts, tied_to
 
 __all__ = ["ParallelExperts", "ExpertSplit"]
 
@@ -284,7 +284,7 @@ class ParallelExperts(TensorParallelModule):
         if entered and torch.is_grad_enabled():
             # a rank none of whose experts got a token returns zeros that autograd cannot trace back to f:
             # its backward would skip f's all-reduce while the other ranks wait in theirs
-            out = _TiedTo.apply(out, *entered)
+            out = tied_to(out, *entered)
         return reduce_from_tp(out, group=self.group)  # g
 
     def _forward_all_to_all(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> torch.Tensor:

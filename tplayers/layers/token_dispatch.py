@@ -37,7 +37,7 @@ from ..core.collectives import all_gather_tensor
 from ..core.comm import all_to_all_rows, gather_rows, split_rows
 from ..core.groups import TPGroup
 
-__all__ = ["dispatch_to_experts"]
+__all__ = ["dispatch_to_experts", "tied_to"]
 
 ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -54,6 +54,13 @@ class _TiedTo(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
+
+
+def tied_to(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """``out`` unchanged, recorded as depending on ``inputs`` with a zero gradient: backward reaches the
+    inputs' collectives on every rank, also where this rank's experts used none of them (an expert that got
+    no token returns zeros autograd cannot trace back)."""
+    return _TiedTo.apply(out, *inputs)
 
 
 def dispatch_to_experts(run_experts: ExpertsForward, x: torch.Tensor, top_k_index: torch.Tensor,
@@ -87,7 +94,7 @@ def dispatch_to_experts(run_experts: ExpertsForward, x: torch.Tensor, top_k_inde
     expert = torch.arange(local, device=ids.device).repeat(g.size).repeat_interleave(mine.reshape(-1))
     out = run_experts(rows, expert.view(-1, 1), rows.new_ones((rows.shape[0], 1)))  # (n_r, h)
     if torch.is_grad_enabled() and rows.requires_grad:
-        out = _TiedTo.apply(out, rows)  # an expert that got no row still takes part in backward's exchange
+        out = tied_to(out, rows)  # an expert that got no row still takes part in backward's exchange
     back = all_to_all_rows(out, recv_rows, send_rows, group=g)  # (t_r * k, h), in `order`
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.numel(), device=order.device)
