@@ -369,7 +369,7 @@ def _bfloat16_moe(group, layout):
     return report.output_error, report.grad_error
 
 
-@pytest.mark.parametrize("layout", ["ffn", "whole"])
+@pytest.mark.parametrize("layout", ["ffn", "whole", "all_to_all"])
 def test_parallel_moe_in_bfloat16(layout):
     """A bfloat16 smoke test: assert_matches_dense's bfloat16 tolerance, routing identical on every rank."""
     for output_error, grad_error in get_world(2).run(_bfloat16_moe, layout):
