@@ -75,6 +75,23 @@ FAMILIES = {
     "gptj": ("GPTJConfig", "GPTJForCausalLM", {"num_key_value_heads": None, "rotary_dim": 4, "bos_token_id": 0,
                                                "eos_token_id": None}),
 }
+# Hybrid MoE families (Mamba mixers beside attention, dense MLP and MoE layers): their own plans name the routed
+# experts only; tplayers' additions split their attention, dense MLPs and shared experts; the Mamba mixers stay
+# whole (left dense, reported). family -> (config class, model class, overrides)
+HYBRID = {
+    "jamba": ("JambaConfig", "JambaForCausalLM", {"num_hidden_layers": 4, "num_experts": 4, "num_experts_per_tok": 2,
+              "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 0,
+              "mamba_d_state": 4, "mamba_dt_rank": 4, "eos_token_id": None, **MOE}),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                         {"num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32,
+                          "layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
+                          "mamba_d_state": 8, "mamba_chunk_size": 8, "eos_token_id": None, **MOE}),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   {"layers_block_type": ["mamba", "moe", "attention", "mlp"], "num_hidden_layers": None, "head_dim": 8,
+                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "moe_shared_expert_intermediate_size": 32, "mamba_num_heads": 4, "mamba_head_dim": 16,
+                    "ssm_state_size": 8, "n_groups": 1, "chunk_size": 8, "eos_token_id": None, **MOE}),
+}
 # Heads, KV heads and ffn that do not divide the TP degree (issue 28): whole heads as evenly as possible, KV
 # groups kept whole, every rank padded to the largest piece. family -> (config class, model class, overrides)
 UNEVEN = {
@@ -132,7 +149,8 @@ OWN_CONFIG = {
 # partial sum with experts split: float32 rounding, measured up to 1.2e-7 (a router gradient, Mixtral TP 2).
 FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "apertus": 1e-5, "exaone4": 1e-4,
                          "mixtral": 1e-6, "mixtral_uneven": 1e-6, "qwen2_moe": 1e-6, "llama4": 1e-5, "deepseek_v2": 1e-5, "deepseek_v3": 1e-5,
-                         "longcat_flash": 1e-5, "mimo_v2_flash": 1e-6}
+                         "longcat_flash": 1e-5, "mimo_v2_flash": 1e-6,
+                         "nemotron_h": 1e-5}  # (float32 router, Mamba and logits: measured 8e-8 relative, TP 2)
 
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon",
                                                                                   "stablelm", "bloom", "gpt_bigcode",
@@ -144,7 +162,7 @@ def _build(family: str, seed: int = 0):
     if family in OWN_CONFIG:
         config_name, model_name, kwargs = OWN_CONFIG[family]
     else:
-        config_name, model_name, overrides = FAMILIES[family] if family in FAMILIES else UNEVEN[family]
+        config_name, model_name, overrides = {**FAMILIES, **UNEVEN, **HYBRID}[family]
         kwargs = {k: v for k, v in {**COMMON, **overrides}.items()
                   if v is not None or k in ("pad_token_id", "eos_token_id")}
     if not hasattr(transformers, config_name):
@@ -348,6 +366,33 @@ def test_moe_on_sequence_chunks_sends_two_all_to_alls_each_way():
         per_layer = [("all_gather", "forward")] + [("all_to_all", "forward")] * 2 + [("all_to_all", "backward")] * 2
         assert experts == sorted(per_layer * 2), experts
         assert all_reduces == ["_CopyManyToTPBackward"], all_reduces  # every partial gradient: norms, routers
+
+
+def _check_hybrid(group, family: str):
+    dense = _build(family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the plan covers part of the model (the Mamba mixers): warned
+        model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    _one_step_matches(model, dense, ids, FLOAT32_NORM_FAMILIES.get(family, 1e-9))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids[:, :4], **kw), dense.generate(ids[:, :4], **kw))
+    report = tplayers.coverage(model)
+    assert report.audit.passed, str(report.audit)
+    return sorted(report.dense_layers), sorted(n for n, v in report.layers.items() if "Parallel" in v)
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID))
+def test_hybrid_moe_families_split_all_but_their_mamba_mixers(family):
+    """Jamba, Granite-MoE-Hybrid, Nemotron-H: their plans split the routed experts only (0.55-0.60 of the dense
+    model per rank at TP 2, benchmarks/RESULTS.md); with tplayers' additions every attention, dense MLP and
+    shared expert is split too, equal to dense (logits, loss, every gradient, audit, generate), and what stays
+    whole is the Mamba mixers' projections."""
+    _build(family)
+    for dense, split in get_world(2).run(_check_hybrid, family):
+        assert dense and all(".mamba." in n or ".mixer." in n for n in dense), dense
+        assert any("proj" in n or "linear" in n for n in split), split
 
 
 def _auto_sequence_parallel_refusal(group):

@@ -118,7 +118,23 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
                "layers.*.mlp.router": "replicate"},
     **{granite: {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
                  "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
-       for granite in ("granitemoe", "granitemoeshared")},
+       for granite in ("granitemoe",)},
+    # (and Granite's shared expert: one packed [gate; up] projection, then the down projection)
+    **{granite: {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                 "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+                 "layers.*.shared_mlp.input_linear": "packed_colwise", "layers.*.shared_mlp.output_linear": "rowwise"}
+       for granite in ("granitemoeshared", "granitemoehybrid")},
+    # hybrid (Mamba / linear-attention) MoE families whose own plans name their routed experts only: their
+    # attention layers, dense MLPs and shared experts are Llama's (their Mamba mixers stay whole)
+    "jamba": {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+              "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+              "layers.*.feed_forward.gate_proj": "colwise", "layers.*.feed_forward.up_proj": "colwise",
+              "layers.*.feed_forward.down_proj": "rowwise"},
+    "nemotron_h": {"layers.*.mixer.q_proj": "colwise", "layers.*.mixer.k_proj": "colwise",
+                   "layers.*.mixer.v_proj": "colwise", "layers.*.mixer.o_proj": "rowwise",
+                   "layers.*.mixer.up_proj": "colwise", "layers.*.mixer.down_proj": "rowwise",
+                   "layers.*.mixer.shared_experts.up_proj": "colwise",
+                   "layers.*.mixer.shared_experts.down_proj": "rowwise"},
     # LongCat-Flash's router is an nn.Linear classifier: replicated on purpose
     "longcat_flash": {"layers.*.mlp.router.classifier": "replicate"},
     # Llama 4's router is an nn.Linear(h, experts): replicated on purpose (every rank routes identically)
