@@ -20,7 +20,7 @@ style name through :data:`HF_STYLES`. What we chose where transformers differs:
   refused);
 - with whole experts per rank (``experts="whole"`` / ``"all_to_all"``), experts the tensor-parallel plan
   does not name but the expert-parallel plan does (``base_model_ep_plan``: ``ep_dispatch_experts`` over
-  ``grouped_gemm`` parameters) are split by expert too (Muse-Spark, Zaya);
+  ``grouped_gemm`` parameters) are split by expert too (Zaya, which has no tensor-parallel plan);
 - ``mla_kv_a_proj`` (multi-head latent attention) keeps the latent projections whole on every rank
   (:class:`~tplayers.convert.styles.LatentKV`: the shared rotary key's gradient summed), the ``q_a_proj``
   beside it too; DeepSeek-V3's plan, which names no attention, gets DeepSeek-V2's;
@@ -102,6 +102,9 @@ SKIPPED_STYLES: Dict[str, str] = {
                     "'colwise': read for this rank's heads; any other bare parameter refused); none here",
 }
 
+_LLAMA_ATTENTION = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+
 # Entries transformers' own plans miss, by ``config.model_type``: the shared expert of Qwen2-MoE is
 # a dense MLP (HF's plan names ``mlp.gate_proj``, which that model does not have); Apertus' activation.
 FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
@@ -113,22 +116,14 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
                     "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj", "layers.*.self_attn.kv_b_proj": "colwise",
                     "layers.*.self_attn.o_proj": "rowwise"},
     # Phi-3.5-MoE's and Granite-MoE's own plans name their experts only: their attention is Llama's
-    "phimoe": {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-               "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-               "layers.*.mlp.router": "replicate"},
-    **{granite: {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-                 "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
-       for granite in ("granitemoe",)},
+    "phimoe": {**_LLAMA_ATTENTION, "layers.*.mlp.router": "replicate"},
+    "granitemoe": _LLAMA_ATTENTION,
     # (and Granite's shared expert: one packed [gate; up] projection, then the down projection)
-    **{granite: {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-                 "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-                 "layers.*.shared_mlp.input_linear": "packed_colwise", "layers.*.shared_mlp.output_linear": "rowwise"}
-       for granite in ("granitemoeshared", "granitemoehybrid")},
+    **{granite: {**_LLAMA_ATTENTION, "layers.*.shared_mlp.input_linear": "packed_colwise",
+                 "layers.*.shared_mlp.output_linear": "rowwise"} for granite in ("granitemoeshared", "granitemoehybrid")},
     # hybrid (Mamba / linear-attention) MoE families whose own plans name their routed experts only: their
     # attention layers, dense MLPs and shared experts are Llama's (their Mamba mixers stay whole)
-    "jamba": {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-              "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-              "layers.*.feed_forward.gate_proj": "colwise", "layers.*.feed_forward.up_proj": "colwise",
+    "jamba": {**_LLAMA_ATTENTION, "layers.*.feed_forward.gate_proj": "colwise", "layers.*.feed_forward.up_proj": "colwise",
               "layers.*.feed_forward.down_proj": "rowwise"},
     "nemotron_h": {"layers.*.mixer.q_proj": "colwise", "layers.*.mixer.k_proj": "colwise",
                    "layers.*.mixer.v_proj": "colwise", "layers.*.mixer.o_proj": "rowwise",
@@ -145,9 +140,7 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
     # gpt-oss's own plan names only the embedding. Its attention is Llama's plus one learnable sink per head;
     # its experts are laid out (experts, in, out) with [gate, up] interleaved feature by feature, so a contiguous
     # cut of 2 * ffn keeps each gate beside its up; their biases: the up's split with it, the down's added once
-    "gpt_oss": {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-                "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-                "layers.*.self_attn": PerHeadParams(("sinks",)),
+    "gpt_oss": {**_LLAMA_ATTENTION, "layers.*.self_attn": PerHeadParams(("sinks",)),
                 "layers.*.mlp.router": "replicate", "layers.*.mlp.experts": "moe_tp_experts",
                 "layers.*.mlp.experts.gate_up_proj": "rowwise", "layers.*.mlp.experts.gate_up_proj_bias": "rowwise",
                 "layers.*.mlp.experts.down_proj": "colwise", "layers.*.mlp.experts.down_proj_bias": ADDED_ONCE},

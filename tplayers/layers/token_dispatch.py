@@ -82,7 +82,7 @@ def dispatch_to_experts(run_experts: ExpertsForward, x: torch.Tensor, top_k_inde
         x, top_k_weights = split_rows(x, group=g), split_rows(top_k_weights, group=g)
         top_k_index = top_k_index.tensor_split(g.size, dim=0)[g.rank]
     k = top_k_index.shape[-1]
-    ids = top_k_index.reshape(-1)  # (t_r * k,): the pairs, token-major
+    ids = top_k_index.reshape(-1).long()  # (t_r * k,): the pairs, token-major
     order = torch.argsort(ids, stable=True)  # pairs by expert, so by the rank holding it
     counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
     table = all_gather_tensor(counts.view(1, num_experts), 0, group=g)  # (p, E): sender s's pairs per expert
