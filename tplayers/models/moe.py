@@ -93,7 +93,8 @@ class ParallelMoE(TensorParallelModule):
     replicated. ``experts="ffn"`` (default): each expert's ffn split, the partial outputs summed by one
     all-reduce each way; ``"whole"``: ``num_experts / p`` whole experts per rank, summed the same way;
     ``"all_to_all"``: whole experts per rank, each routed token sent to its expert's rank and back (two
-    all-to-alls each way, no all-reduce). Input/output ``(..., hidden)``: the same on every rank, or with
+    all-to-alls each way instead of the all-reduce; tokens the same on every rank are split by rows first
+    and the outputs all-gathered). Input/output ``(..., hidden)``: the same on every rank, or with
     ``sequence_parallel=True`` (``"all_to_all"`` only) this rank's own tokens (its sequence chunk), the
     dense twin's input being their concatenation; each rank then routes its own tokens and the router's
     gradient (a partial sum) is all-reduced backward. Built with :meth:`from_dense`."""
