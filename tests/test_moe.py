@@ -293,6 +293,34 @@ def test_all_to_all_experts_match_dense(tp, sequence_parallel, hidden, ffn, expe
                                     + [("all_to_all", "backward")] * 2 + [("all_gather", "backward")] * 2), counts
 
 
+def _uneven_own_tokens(group):
+    """Each rank's own batch, of a different size on every rank (rank r: r + 1 tokens; TP 4: one rank's experts get
+    few or none): the dense twin runs their concatenation, its loss their sum."""
+    torch.manual_seed(0)
+    p, rank = group.size(), group.rank()
+    dense = DenseMoE(6, 4, 2 * p, 2, dtype=torch.float64)
+    tp = tplayers.ParallelMoE.from_dense(dense, group=group, experts="all_to_all", sequence_parallel=True)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(r + 1, 6, dtype=torch.float64, generator=g) for r in range(p)]
+    weights = [torch.randn(r + 1, 6, dtype=torch.float64, generator=g) for r in range(p)]
+    x = batches[rank].clone().requires_grad_()
+    (tp(x) * weights[rank]).sum().backward()
+    whole = torch.cat(batches).requires_grad_()
+    out = dense(whole)
+    (out * torch.cat(weights)).sum().backward()
+    errors = [float((tp(batches[rank]) - out[sum(range(1, rank + 1)):][:rank + 1]).abs().max()),
+              float((x.grad - whole.grad[sum(range(1, rank + 1)):][:rank + 1]).abs().max())]
+    grads = dense_parameters(tp, grads=True)
+    errors += [float((grads[n] - q.grad).abs().max()) for n, q in dense.named_parameters()]
+    return max(errors)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_all_to_all_experts_on_batches_of_different_sizes(tp):
+    for error in get_world(tp).run(_uneven_own_tokens):
+        assert error < 1e-12, error
+
+
 def _refusals(group):
     try:
         tplayers.ParallelMoE.from_dense(DenseMoE(8, 6, num_experts=3), group=group, experts="whole")
