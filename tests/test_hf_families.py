@@ -404,6 +404,10 @@ def _auto_sequence_parallel_refusal(group):
     dense.config.output_router_logits = True
     with pytest.raises(ValueError, match=r"load-balancing loss .* would be each chunk's"):
         tplayers.parallelize(dense, "auto", group=group, sequence_parallel=True, experts="all_to_all")
+    dense = _build("mixtral")  # a multimodal MoE keeps the flag in its text config (Qwen3-VL-MoE, GLM-4V-MoE)
+    dense.config.text_config = transformers.MixtralConfig(output_router_logits=True)
+    with pytest.raises(ValueError, match=r"load-balancing loss .* would be each chunk's"):
+        tplayers.parallelize(dense, "auto", group=group, sequence_parallel=True, experts="all_to_all")
     model = tplayers.parallelize(_build("mixtral"), "auto", group=group, sequence_parallel=True, experts="all_to_all")
     ids = torch.randint(0, VOCAB, (2, 4 * group.size()))
     with pytest.raises(ValueError, match=r"MixtralForCausalLM\(output_router_logits=True\) with MoE experts"):

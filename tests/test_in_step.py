@@ -189,6 +189,37 @@ def test_an_all_to_all_that_a_rank_never_joins_is_reported_after_the_wait():
     assert seconds < 5, seconds
 
 
+def _dispatch_out_of_step_on_a_gpu(group):
+    """As on a GPU (fingerprint tables checked one collective late): rank 0 dispatches MoE tokens, rank 1 issues
+    another all-gather of the same shape. The all-to-all checks the counts' table before it launches (it
+    launched, and rank 0 waited in it for the other rank)."""
+    from tplayers.core import fingerprint
+    from tplayers.core.collectives import all_gather_tensor
+    from tplayers.models.moe import DenseMoE
+
+    previous = tplayers.set_collective_checks(True, timeout=10)
+    fingerprint._LAG_ON_CPU[0] = True
+    try:
+        torch.manual_seed(0)
+        moe = tplayers.ParallelMoE.from_dense(DenseMoE(8, 4, 4, 2, dtype=torch.float64), group=group,
+                                              experts="all_to_all", sequence_parallel=True)
+        x = torch.randn(2, 3, 8, dtype=torch.float64)
+        if torch.distributed.get_rank() == 0:
+            return _outcome(lambda: moe(x))
+        pg = tplayers.resolve_group(group).process_group
+        return _outcome(lambda: (all_gather_tensor(torch.zeros(1, 4, dtype=torch.long), 0, group=group),
+                                 fingerprint.check_lagging(pg)))
+    finally:
+        fingerprint._LAG_ON_CPU[0] = False
+        tplayers.set_collective_checks(previous[0], timeout=previous[1])
+
+
+def test_token_dispatch_checks_its_counts_before_any_token_moves():
+    for message in get_world(2).run(_dispatch_out_of_step_on_a_gpu):
+        assert "forward all_gather" in message and "checked when the group's next collective launched" in message, \
+            message
+
+
 def _checked_one_collective_late(group):
     from tplayers.core import fingerprint
 

@@ -321,6 +321,38 @@ def test_all_to_all_experts_on_batches_of_different_sizes(tp):
         assert error < 1e-12, error
 
 
+def _frozen_tokens_one_rank_idle(group, sequence_parallel):
+    """Tokens without a gradient (the layers before frozen), experts and router trained, every token routed to
+    rank 0's experts: rank 1's experts get no row, yet both ranks must run the exchange back in backward (rank 1
+    skipped it: rank 0 waited in the all-to-all, CollectivesOutOfStep after the wait)."""
+    previous = tplayers.set_collective_checks(True, timeout=10)
+    try:
+        return _frozen_tokens_step(group, sequence_parallel)
+    finally:
+        tplayers.set_collective_checks(previous[0], timeout=previous[1])
+
+
+def _frozen_tokens_step(group, sequence_parallel):
+    torch.manual_seed(0)
+    dense = DenseMoE(8, 4, 4, 2, dtype=torch.float64)
+    with torch.no_grad():
+        dense.router.weight.copy_(torch.tensor([1.0, 0.9, -1.0, -1.0], dtype=torch.float64)[:, None].expand(4, 8))
+    tp = tplayers.ParallelMoE.from_dense(dense, group=group, experts="all_to_all", sequence_parallel=sequence_parallel)
+    x = torch.rand(2, 4, 8, dtype=torch.float64) + 0.1  # positive: experts 0 and 1 (rank 0's at TP 2) for every token
+    local = x.chunk(group.size(), dim=1)[group.rank()] if sequence_parallel else x
+    tp(local).square().sum().backward()
+    dense(x).square().sum().backward()
+    grads = dense_parameters(tp, grads=True)
+    return max(float((grads[n] - p.grad).abs().max()) for n, p in dense.named_parameters() if ".experts." in n
+               or n.startswith("experts."))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_trained_experts_on_frozen_tokens_with_an_idle_rank(sequence_parallel):
+    for error in get_world(2).run(_frozen_tokens_one_rank_idle, sequence_parallel):
+        assert error < 1e-12, error
+
+
 def _refusals(group):
     try:
         tplayers.ParallelMoE.from_dense(DenseMoE(8, 6, num_experts=3), group=group, experts="whole")

@@ -74,7 +74,10 @@ _ROUTER_LOGITS = ("the load-balancing loss of transformers' MoE models (output_r
 def _refuse_router_logits_in_config(model: nn.Module, experts: List[str]) -> None:
     """MoE experts on sequence chunks (``experts``): refuse a model whose config adds the router's
     load-balancing loss to its loss (it would be each rank's chunk's)."""
-    if getattr(getattr(model, "config", None), "output_router_logits", False):
+    config = getattr(model, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    configs = [config, get_text() if callable(get_text) else None, getattr(config, "text_config", None)]
+    if any(getattr(c, "output_router_logits", False) for c in configs if c is not None):
         raise ValueError(f"parallelize(..., sequence_parallel=True): MoE experts {experts[:2]}: {_ROUTER_LOGITS}; set "
                          "config.output_router_logits=False or use sequence_parallel=False")
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol  # the compiled paths
 
-from .fingerprint import SLOT, Stamp, bounded_wait, checks_enabled, stamp
+from .fingerprint import SLOT, Stamp, bounded_wait, check_lagging, checks_enabled, stamp
 from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
 from .placement import Placement, holder_slot
 
@@ -383,6 +383,8 @@ def all_to_all(x: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[in
     if _compiling():
         moved = funcol.all_to_all_single(src, recv_rows, send_rows, _functional_pg(g))
         return Pending(None, lambda: funcol.wait_tensor(moved))
+    if not is_fake(g.process_group):
+        check_lagging(g.process_group)  # (a GPU's lagging table: the split sizes' all-gather, checked now)
     out = torch.empty((sum(recv_rows),) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
     row_bytes = src[0:1].numel() * src.element_size() if src.shape[0] else 0
     nbytes = (sum(send_rows) - send_rows[g.rank]) * row_bytes  # what leaves this rank (its own rows stay)

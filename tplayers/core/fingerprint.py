@@ -25,7 +25,8 @@ GPU the fingerprints are copied to the host without a synchronization and checke
 next collective launches (so on the same call on every rank, one collective late).
 
 Not covered: point-to-point ring steps (``collective_matmul``) and broadcasts, all-to-alls (token dispatch:
-their split sizes travel first in a checked all-gather; their wait is bounded on the CPU), collectives inside a
+their split sizes travel first in a checked all-gather, whose table an all-to-all checks before it launches,
+on a GPU too; their wait is bounded on the CPU), collectives inside a
 ``torch.compile`` graph, groups of the ``fake`` backend (simulation), a collective whose SIZE differs
 across ranks (the backend itself fails on it: gloo aborts, NCCL may hang), collectives other code
 issues on the group. Off: ``tplayers.set_collective_checks(False)`` or ``TPLAYERS_COLLECTIVE_CHECKS=0``.
@@ -43,7 +44,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectivesOutOfStep", "set_collective_checks", "Stamp", "stamp", "bounded_wait", "checks_enabled", "SLOT", "name_modules"]
+__all__ = ["CollectivesOutOfStep", "set_collective_checks", "Stamp", "stamp", "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "name_modules"]
 
 DIGEST = 8  # 8 bytes of fingerprint, one byte per element
 SLOT = DIGEST + 1  # elements per rank: the digest, then 1 where this rank's float16 partial sum is not finite
@@ -223,19 +224,27 @@ def bounded_wait(work: Any, text: str, cpu: bool) -> None:
             f"tplayers.set_collective_checks(timeout=...). ({str(e).splitlines()[0]})") from None
 
 
+def check_lagging(pg: Any) -> None:
+    """Check the group's previous fingerprinted collective now if its table is still pending (a GPU's,
+    checked when the group's next collective launches: this is that launch)."""
+    state = _GROUPS.get(pg)
+    if state is None or state.lagging is None:
+        return
+    host, event, previous = state.lagging
+    state.lagging = None
+    if event is not None:
+        event.synchronize()
+    _verify(host, previous, late=True)
+
+
 def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: int) -> Optional[Stamp]:
     """The fingerprint of a collective on ``pg`` about to be launched (``sent``: the tensor this rank
     contributes), or None when it is not checked. First checks the group's previous collective if its
     table is still pending (GPU)."""
     if not _SETTINGS.enabled or size == 1 or sent.dtype in _UNSTAMPED or dist.get_backend(pg) == "fake":
         return None
+    check_lagging(pg)
     state = _group(pg)
-    if state.lagging is not None:
-        host, event, previous = state.lagging
-        state.lagging = None
-        if event is not None:
-            event.synchronize()
-        _verify(host, previous, late=True)
     task = torch._C._current_graph_task_id()
     backward = task != -1
     if backward:

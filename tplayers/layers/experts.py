@@ -314,7 +314,8 @@ class ParallelExperts(TensorParallelModule):
         x = read(hidden)
         return dispatch_to_experts(run_experts, x, read(index), read(weights), group=self.group,
                                    num_experts=self._dense_attrs["num_experts"],
-                                   sequence_parallel=self.sequence_parallel)
+                                   sequence_parallel=self.sequence_parallel,
+                                   experts_need_grad=any(p.requires_grad for p in self.parameters()))
 
     def _route_to_local_experts(self, args: List[Any], kwargs: Dict[str, Any]) -> None:
         """Whole experts per rank: the routed expert ids (the integer tensor argument, ``top_k_index``)
