@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Union
 import torch.nn as nn
 
 from ..layers.vocab import embedding_scale
-from .plan import Plan, local_attention_attrs, sequence_parallel_variant
+from .plan import Plan, local_attention_attrs, resolve_style, sequence_parallel_variant
 from .plans import MODEL_TYPES, PLANS
 from .sequence import PerHeadParams, ReplicateReduceGrad
 from .styles import (Column, Experts, KVColumn, LatentKV, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding,
@@ -435,7 +435,8 @@ def _moe_on_sequence_chunks(name: str, inside: Dict[str, Union[str, Style]], mod
     module with parameters (the router, a shared expert's gate) its gradients summed over the group (each rank's
     covers its own tokens only). Experts whose partial outputs are all-reduced take every rank's tokens: refused."""
     out: Dict[str, Style] = {}
-    for n, st in inside.items():
+    for n, value in inside.items():
+        st = resolve_style(value, n)
         if isinstance(st, Experts):
             if st.dispatch != "all_to_all":
                 raise ValueError(f"{where}: '{n}' holds MoE experts whose partial outputs are summed over the ranks "
@@ -443,12 +444,12 @@ def _moe_on_sequence_chunks(name: str, inside: Dict[str, Union[str, Style]], mod
                                  "(each rank sends its own chunk's tokens to the experts' ranks) or "
                                  "sequence_parallel=False")
             out[n] = dataclasses.replace(st, sequence_parallel=True)
-        elif isinstance(st, Replicate) or st == "replicate":
+        elif isinstance(st, Replicate):
             out[n] = ReplicateReduceGrad()
         elif not isinstance(st, (Column, Row, ReplicateReduceGrad)):
-            raise ValueError(f"{where}: '{n}' inside the MoE block '{name}' is styled {type(st).__name__ if not isinstance(st, str) else st}; "
-                             "on a sequence chunk an MoE block holds all-to-all experts, dense MLPs (column and row "
-                             "layers) and replicated modules only; use sequence_parallel=False")
+            raise ValueError(f"{where}: '{n}' inside the MoE block '{name}' is styled {type(st).__name__}; on a "
+                             "sequence chunk an MoE block holds all-to-all experts, dense MLPs (column and row layers) "
+                             "and replicated modules only; use sequence_parallel=False")
     split = [n for n in inside if n not in out or isinstance(out[n], Experts)]  # layers that handle their own
     for n, m in modules.items():
         if (n == name or n.startswith(name + ".")) and n not in split and m._parameters and \

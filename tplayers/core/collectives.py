@@ -383,12 +383,13 @@ def all_to_all(x: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[in
     if _compiling():
         moved = funcol.all_to_all_single(src, recv_rows, send_rows, _functional_pg(g))
         return Pending(None, lambda: funcol.wait_tensor(moved))
-    if not is_fake(g.process_group):
+    real = not is_fake(g.process_group)
+    if real:
         check_lagging(g.process_group)  # (a GPU's lagging table: the split sizes' all-gather, checked now)
     out = torch.empty((sum(recv_rows),) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
     row_bytes = src[0:1].numel() * src.element_size() if src.shape[0] else 0
     nbytes = (sum(send_rows) - send_rows[g.rank]) * row_bytes  # what leaves this rank (its own rows stay)
-    bounded = src.device.type == "cpu" and checks_enabled() and not is_fake(g.process_group)
+    bounded = real and src.device.type == "cpu" and checks_enabled()
     work, observed = _launch("all_to_all", nbytes, g, lambda: dist.all_to_all_single(
         out, src, recv_rows, send_rows, group=g.process_group, async_op=async_op or bounded), src.device)
     if bounded and work is not None:

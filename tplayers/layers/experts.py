@@ -87,6 +87,23 @@ def _forward_inputs(cls: type) -> List[str]:
     return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+Slot = Tuple[Any, Any]  # (the list of positional arguments or the kwargs dict, the index or key)
+
+
+def _routing_slots(args: List[Any], kwargs: Dict[str, Any]) -> Tuple[Optional[Slot], Optional[Slot], List[Slot]]:
+    """Where an experts call ``(hidden_states, top_k_index, top_k_weights)`` holds its tensors, positional or
+    keyword: the tokens (the first floating tensor), the routed expert ids (the integer tensor) and the routing
+    weights (the other floating tensors of the ids' shape)."""
+    slots = [(args, i) for i in range(len(args))] + [(kwargs, k) for k in kwargs]
+    tensors = [(box, key) for box, key in slots if torch.is_tensor(box[key])]
+    hidden = next(((box, key) for box, key in tensors if box[key].is_floating_point()), None)
+    index = next(((box, key) for box, key in tensors if not box[key].is_floating_point()), None)
+    weights = [] if index is None else [
+        (box, key) for box, key in tensors if box[key].is_floating_point() and box[key].shape == index[0][index[1]].shape
+        and not (box is hidden[0] and key == hidden[1])]
+    return hidden, index, weights
+
+
 class _ShareOfInput(nn.Module):
     """An identity expert under TP: its input / p, so the partial sums over the ranks add it once."""
 
@@ -290,29 +307,23 @@ class ParallelExperts(TensorParallelModule):
     def _forward_all_to_all(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> torch.Tensor:
         """Whole experts per rank, tokens sent to them (:func:`~tplayers.layers.token_dispatch.dispatch_to_experts`):
         the family's own forward runs on the rows this rank received, one local expert each."""
-        slots = [(0, i) for i in range(len(args))] + [(1, k) for k in kwargs]
-        read = lambda slot: (args[slot[1]] if slot[0] == 0 else kwargs[slot[1]])  # noqa: E731
-        tensors = [s for s in slots if torch.is_tensor(read(s))]
-        hidden = next((s for s in tensors if read(s).is_floating_point()), None)
-        index = next((s for s in tensors if not read(s).is_floating_point()), None)
-        weights = next((s for s in tensors if s != hidden and read(s).is_floating_point()
-                        and index is not None and read(s).shape == read(index).shape), None)
-        if hidden is None or index is None or weights is None or len(tensors) != 3:
+        args = list(args)
+        hidden, index, weights = _routing_slots(args, kwargs)
+        tensors = sum(torch.is_tensor(v) for v in (*args, *kwargs.values()))
+        if hidden is None or index is None or len(weights) != 1 or tensors != 3:
             raise TypeError(f"ParallelExperts({self._dense_class.__name__}): the all-to-all dispatch needs a forward "
                             "of (hidden_states, top_k_index, top_k_weights) tensors; this call got "
-                            f"{[type(read(s)).__name__ for s in slots]}")
+                            f"{[type(v).__name__ for v in (*args, *kwargs.values())]}")
+        slots = (hidden, index, weights[0])
 
         def run_experts(rows: torch.Tensor, ids: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
             call_args, call_kwargs = list(args), dict(kwargs)
-            for slot, value in ((hidden, rows), (index, ids), (weights, ones)):
-                if slot[0] == 0:
-                    call_args[slot[1]] = value
-                else:
-                    call_kwargs[slot[1]] = value
+            for (box, key), value in zip(slots, (rows, ids, ones)):
+                (call_args if box is args else call_kwargs)[key] = value
             return super(ParallelExperts, self).forward(*call_args, **call_kwargs)
 
-        x = read(hidden)
-        return dispatch_to_experts(run_experts, x, read(index), read(weights), group=self.group,
+        (x, ids, w) = (box[key] for box, key in slots)
+        return dispatch_to_experts(run_experts, x, ids, w, group=self.group,
                                    num_experts=self._dense_attrs["num_experts"],
                                    sequence_parallel=self.sequence_parallel,
                                    experts_need_grad=any(p.requires_grad for p in self.parameters()))
@@ -322,18 +333,16 @@ class ParallelExperts(TensorParallelModule):
         become this rank's local ids, and another rank's expert the sentinel ``num_experts`` (which
         transformers' experts skip); the routing weights (the float tensor of the same shape) are zeroed
         there, so this rank's output and gradients hold its own experts' share only."""
-        slots = [(args, i) for i in range(1, len(args))] + [(kwargs, k) for k in kwargs]
-        index = next(((c, k) for c, k in slots if torch.is_tensor(c[k]) and not c[k].is_floating_point()), None)
+        _, index, weights = _routing_slots(args, kwargs)
         if index is None:
             raise TypeError(f"ParallelExperts({self._dense_class.__name__}): whole experts per rank need the routed "
                             "expert ids as an integer tensor argument (top_k_index); this forward got none")
-        ids = index[0][index[1]]
-        local = ids - self._first_expert
+        box, key = index
+        local = box[key] - self._first_expert
         mine = (local >= 0) & (local < self.num_experts)
-        index[0][index[1]] = torch.where(mine, local, torch.full_like(local, self.num_experts))
-        for c, k in slots:
-            if torch.is_tensor(c[k]) and c[k].is_floating_point() and c[k].shape == ids.shape:
-                c[k] = c[k] * mine.to(c[k].dtype)  # the routing weights
+        box[key] = torch.where(mine, local, torch.full_like(local, self.num_experts))
+        for box, key in weights:
+            box[key] = box[key] * mine.to(box[key].dtype)
 
     def to_dense(self) -> nn.Module:
         """The dense experts module (collective: every rank gathers every shard)."""
