@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 import tplayers  # noqa: E402
 from tplayers import testing  # noqa: E402
 from tplayers.layers.experts import ParallelExperts  # noqa: E402
+from tplayers.layers.mamba import ParallelMamba2  # noqa: E402
 from tplayers.testing import dense_parameters, get_world  # noqa: E402
 
 VOCAB = 96
@@ -90,7 +91,7 @@ HYBRID = {
                    {"layers_block_type": ["mamba", "moe", "attention", "mlp"], "num_hidden_layers": None, "head_dim": 8,
                     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                     "moe_shared_expert_intermediate_size": 32, "mamba_num_heads": 4, "mamba_head_dim": 16,
-                    "ssm_state_size": 8, "n_groups": 1, "chunk_size": 8, "eos_token_id": None, **MOE}),
+                    "ssm_state_size": 8, "n_groups": 2, "chunk_size": 8, "eos_token_id": None, **MOE}),
 }
 # Heads, KV heads and ffn that do not divide the TP degree (issue 28): whole heads as evenly as possible, KV
 # groups kept whole, every rank padded to the largest piece. family -> (config class, model class, overrides)
@@ -150,7 +151,8 @@ OWN_CONFIG = {
 FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "apertus": 1e-5, "exaone4": 1e-4,
                          "mixtral": 1e-6, "mixtral_uneven": 1e-6, "qwen2_moe": 1e-6, "llama4": 1e-5, "deepseek_v2": 1e-5, "deepseek_v3": 1e-5,
                          "longcat_flash": 1e-5, "mimo_v2_flash": 1e-6,
-                         "nemotron_h": 1e-5}  # (float32 router, Mamba and logits: measured 8e-8 relative, TP 2)
+                         "nemotron_h": 1e-5,  # (float32 router, Mamba and logits: measured 8e-8 relative, TP 2)
+                         "granitemoehybrid": 1e-5}  # (Mamba's scan and gated norm in float32, summed over ranks)
 
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon",
                                                                                   "stablelm", "bloom", "gpt_bigcode",
@@ -371,7 +373,7 @@ def test_moe_on_sequence_chunks_sends_two_all_to_alls_each_way():
 def _check_hybrid(group, family: str):
     dense = _build(family)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the plan covers part of the model (the Mamba mixers): warned
+        warnings.simplefilter("ignore")  # Jamba: the plan covers part of the model (its Mamba-1 mixers): warned
         model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group)
     ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
     _one_step_matches(model, dense, ids, FLOAT32_NORM_FAMILIES.get(family, 1e-9))
@@ -380,19 +382,26 @@ def _check_hybrid(group, family: str):
         assert torch.equal(model.generate(ids[:, :4], **kw), dense.generate(ids[:, :4], **kw))
     report = tplayers.coverage(model)
     assert report.audit.passed, str(report.audit)
-    return sorted(report.dense_layers), sorted(n for n, v in report.layers.items() if "Parallel" in v)
+    mixers = sorted(n for n, m in model.named_modules() if isinstance(m, ParallelMamba2))
+    return sorted(report.dense_layers), sorted(n for n, v in report.layers.items() if "Parallel" in v), mixers
 
 
-@pytest.mark.parametrize("family", sorted(HYBRID))
-def test_hybrid_moe_families_split_all_but_their_mamba_mixers(family):
+@pytest.mark.parametrize("family, tp", [("jamba", 2), ("granitemoehybrid", 2), ("granitemoehybrid", 4),
+                                        ("nemotron_h", 2), ("nemotron_h", 4)])
+def test_hybrid_moe_families_match_dense_with_their_mamba2_mixers_split(family, tp):
     """Jamba, Granite-MoE-Hybrid, Nemotron-H: their plans split the routed experts only (0.55-0.60 of the dense
     model per rank at TP 2, benchmarks/RESULTS.md); with tplayers' additions every attention, dense MLP and
-    shared expert is split too, equal to dense (logits, loss, every gradient, audit, generate), and what stays
-    whole is the Mamba mixers' projections."""
+    shared expert is split too, and the Mamba-2 mixers by heads (Granite's one group of B and C held whole by
+    every rank; Nemotron-H's two groups split at TP 2, each held by two ranks at TP 4): equal to dense (logits,
+    loss, every gradient, audit, generate). What stays whole is Jamba's Mamba-1 mixers."""
     _build(family)
-    for dense, split in get_world(2).run(_check_hybrid, family):
-        assert dense and all(".mamba." in n or ".mixer." in n for n in dense), dense
+    for dense, split, mixers in get_world(tp).run(_check_hybrid, family):
         assert any("proj" in n or "linear" in n for n in split), split
+        if family == "jamba":
+            assert dense and all(".mamba." in n for n in dense) and not mixers, dense
+        else:
+            assert not dense and mixers == [f"model.layers.0.{'mamba' if family == 'granitemoehybrid' else 'mixer'}"], \
+                (dense, mixers)
 
 
 def _auto_sequence_parallel_refusal(group):

@@ -25,10 +25,12 @@ from tplayers.testing import assert_matches_dense, dense_parameters, get_world  
 from conftest import ROOT, examples  # noqa: E402
 
 # the families' default configs are the published models' sizes (Mixtral 8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B,
-# Phi-3.5-MoE, Granite-3.0-MoE, gpt-oss-20b, DeepSeek-V2 with its expert ffn 1407 split unevenly, Jamba,
-# Nemotron-H), every layer, on the meta device; the hybrids' Mamba mixers stay whole
-FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "phimoe", "granitemoe", "gpt_oss", "deepseek_v2"]
-HYBRIDS = ["jamba", "nemotron_h"]
+# Phi-3.5-MoE, Granite-3.0-MoE, gpt-oss-20b, DeepSeek-V2 with its expert ffn 1407 split unevenly, and the
+# hybrids Granite-4.0-H-style Granite-MoE-Hybrid and Nemotron-H, their Mamba-2 mixers split by heads), every
+# layer, on the meta device; Jamba's Mamba-1 mixers stay whole
+FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "phimoe", "granitemoe", "gpt_oss", "deepseek_v2", "granitemoehybrid",
+            "nemotron_h"]
+HYBRIDS = ["jamba"]
 # imported once by the forkserver the ranks fork from, not by every rank (seconds each)
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in FAMILIES + HYBRIDS)
 _spec = importlib.util.spec_from_file_location("moe_families", ROOT / "benchmarks" / "moe_families.py")
@@ -54,7 +56,7 @@ def test_each_rank_holds_its_share_of_the_experts_as_the_docs_say():
         assert documented.get(family) == row, (f"docs/models.md's row of {family} is not what the code gives now:\n"
                                                f"  docs: {documented.get(family)}\n  now:  {row}\nregenerate it with "
                                                "PYTHONPATH=. python benchmarks/moe_families.py --write")
-        # nothing left dense or skipped (Phi-3.5-MoE, Granite-MoE: attention added), but the hybrids' mixers
+        # nothing left dense or skipped (Phi-3.5-MoE, Granite-MoE: attention added), but Jamba's Mamba-1 mixers
         assert results[2][family].complete or family in HYBRIDS, family
 
 

@@ -45,7 +45,7 @@ from ..layers.vocab import embedding_scale
 from .plan import Plan, local_attention_attrs, resolve_style, sequence_parallel_variant
 from .plans import MODEL_TYPES, PLANS
 from .sequence import PerHeadParams, ReplicateReduceGrad
-from .styles import (Column, Experts, KVColumn, LatentKV, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding,
+from .styles import (Column, Experts, KVColumn, LatentKV, MambaHeads, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding,
                      VocabHead, attention_heads)
 
 __all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "sequence_parallel_auto",
@@ -119,17 +119,21 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
     "phimoe": {**_LLAMA_ATTENTION, "layers.*.mlp.router": "replicate"},
     "granitemoe": _LLAMA_ATTENTION,
     # (and Granite's shared expert: one packed [gate; up] projection, then the down projection)
-    **{granite: {**_LLAMA_ATTENTION, "layers.*.shared_mlp.input_linear": "packed_colwise",
-                 "layers.*.shared_mlp.output_linear": "rowwise"} for granite in ("granitemoeshared", "granitemoehybrid")},
+    "granitemoeshared": {**_LLAMA_ATTENTION, "layers.*.shared_mlp.input_linear": "packed_colwise",
+                         "layers.*.shared_mlp.output_linear": "rowwise"},
     # hybrid (Mamba / linear-attention) MoE families whose own plans name their routed experts only: their
-    # attention layers, dense MLPs and shared experts are Llama's (their Mamba mixers stay whole)
+    # attention layers, dense MLPs and shared experts are Llama's; Mamba-2 mixers split by heads (Jamba's
+    # Mamba-1 mixers stay whole)
+    "granitemoehybrid": {**_LLAMA_ATTENTION, "layers.*.shared_mlp.input_linear": "packed_colwise",
+                         "layers.*.shared_mlp.output_linear": "rowwise", "layers.*.mamba": MambaHeads()},
     "jamba": {**_LLAMA_ATTENTION, "layers.*.feed_forward.gate_proj": "colwise", "layers.*.feed_forward.up_proj": "colwise",
               "layers.*.feed_forward.down_proj": "rowwise"},
     "nemotron_h": {"layers.*.mixer.q_proj": "colwise", "layers.*.mixer.k_proj": "colwise",
                    "layers.*.mixer.v_proj": "colwise", "layers.*.mixer.o_proj": "rowwise",
                    "layers.*.mixer.up_proj": "colwise", "layers.*.mixer.down_proj": "rowwise",
                    "layers.*.mixer.shared_experts.up_proj": "colwise",
-                   "layers.*.mixer.shared_experts.down_proj": "rowwise"},
+                   "layers.*.mixer.shared_experts.down_proj": "rowwise",
+                   "layers.*.mixer": MambaHeads(mixers_only=True)},  # (every layer's mixer is named 'mixer')
     # LongCat-Flash's router is an nn.Linear classifier: replicated on purpose
     "longcat_flash": {"layers.*.mlp.router.classifier": "replicate"},
     # Llama 4's router is an nn.Linear(h, experts): replicated on purpose (every rank routes identically)

@@ -23,11 +23,12 @@ from ..layers.experts import ExpertSplit, ParallelExperts
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.mamba import ParallelMamba2, is_mamba2_mixer
 from ..layers.from_dense import computes_linear, own_forward
 from ..layers.lora import is_peft_lora, prepare_lora
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding, embedding_scale
 
-__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "Experts", "FusedQKV", "LatentKV", "KVColumn", "Row", "VocabEmbedding",
+__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "Experts", "FusedQKV", "LatentKV", "KVColumn", "MambaHeads", "Row", "VocabEmbedding",
            "VocabHead", "Replicate", "attention_heads", "getattr_path"]
 
 
@@ -535,6 +536,26 @@ class LatentKV:
             return torch.cat([latent, copy_to_tp(rotary, group=tp)], dim=-1)
         return Built(module, finish=lambda: module.register_forward_hook(rotary_key_grad_summed),
                      label="replicated; the rotary key's gradient summed over the group")
+
+
+@dataclass(frozen=True)
+class MambaHeads:
+    """A Mamba-2 mixer of Hugging Face's layout split by heads (:class:`~tplayers.layers.mamba.ParallelMamba2`):
+    ``in_proj`` column-parallel part by part (gate, x, B, C, dt), its conv channels, per-head ``A_log`` / ``D`` /
+    ``dt_bias`` and gated-norm channels cut with the heads, ``out_proj`` row-parallel (one all-reduce forward).
+    ``mixers_only``: a module at the pattern that is not such a mixer stays as it is, its children styled by
+    their own entries (Nemotron-H names every layer's mixer ``mixer``: attention, MLP, MoE or Mamba)."""
+
+    mixers_only: bool = False
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if self.mixers_only and not is_mamba2_mixer(module):
+            return Built(module)
+        try:
+            layer = ParallelMamba2.from_dense(module, group=ctx.group)
+        except ValueError as e:
+            raise ValueError(f"parallelize: module '{ctx.name}' (style MambaHeads): {e}") from None
+        return Built(layer)
 
 
 @dataclass(frozen=True)

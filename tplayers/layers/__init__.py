@@ -1,4 +1,5 @@
-"""Floor 2, layers: nn.Modules over the core ops (linear, fused, vocabulary, norm, MoE experts, GPT-2 Conv1D)."""
+"""Floor 2, layers: nn.Modules over the core ops (linear, fused, vocabulary, norm, MoE experts, Mamba-2 mixers,
+GPT-2 Conv1D)."""
 from ..core.placement import require_divisible
 from .base import TensorParallelModule, model_placements
 from .switches import backward_dw, main_grads_to_grads, pending_wgrad, set_overlap, use_main_grad, zero_main_grads
@@ -10,7 +11,8 @@ from .gradients import check_replicas, clip_grad_norm_
 from .same_inputs import check_same_inputs, check_same_output_grads
 from .lora import DoRAMagnitude, LoRAPiece
 from .experts import ParallelExperts
+from .mamba import ParallelMamba2
 
 __all__ = ["LoRAPiece", "DoRAMagnitude", "TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",
-           "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "ParallelExperts", "model_placements", "set_overlap", "backward_dw", "pending_wgrad", "use_main_grad", "main_grads_to_grads", "zero_main_grads", "require_divisible",
+           "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "ParallelExperts", "ParallelMamba2", "model_placements", "set_overlap", "backward_dw", "pending_wgrad", "use_main_grad", "main_grads_to_grads", "zero_main_grads", "require_divisible",
            "clip_grad_norm_", "check_replicas", "check_same_inputs", "check_same_output_grads"]

@@ -7,7 +7,9 @@ weights between dense and sharded form reads that map.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
+
+import sys
 
 import torch
 import torch.nn as nn
@@ -16,7 +18,8 @@ from ..core.collectives import gather_placed
 from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 
-__all__ = ["TensorParallelModule", "model_placements", "placements_of", "PLACEMENTS_ATTR", "SHARD_OWNER_KEY"]
+__all__ = ["TensorParallelModule", "model_placements", "placements_of", "PLACEMENTS_ATTR", "SHARD_OWNER_KEY",
+           "mixed_class", "module_copy"]
 
 # A module that is not a TensorParallelModule (a Hugging Face norm under sequence parallelism) carries
 # its parameters' placements in this attribute, set by the parallelize style that changed how it runs.
@@ -106,3 +109,29 @@ def model_placements(model: nn.Module) -> Dict[str, Placement]:
         for pname, placement in placements_of(mod).items():
             out[prefix + pname] = placement
     return out
+
+
+_MIXED: Dict[Tuple[type, type], type] = {}
+
+
+def mixed_class(tp_cls: type, dense_cls: type) -> type:
+    """``tp_cls`` mixed into a family's own module class (``ParallelExperts[MixtralExperts]``): its
+    forward and attributes are the family's, ``tp_cls`` adds the TP behaviour. One per pair, registered in
+    ``tp_cls``'s module under its name (pickle looks classes up by name)."""
+    if (tp_cls, dense_cls) not in _MIXED:
+        home = sys.modules[tp_cls.__module__]
+        name = f"{tp_cls.__name__}[{dense_cls.__qualname__}]"
+        if hasattr(home, name):  # two families' classes of one name
+            name = f"{tp_cls.__name__}[{dense_cls.__module__}.{dense_cls.__qualname__}]"
+        cls = type(name, (tp_cls, dense_cls), {"__module__": tp_cls.__module__, "__qualname__": name})
+        setattr(home, name, cls)
+        _MIXED[(tp_cls, dense_cls)] = cls
+    return _MIXED[(tp_cls, dense_cls)]
+
+
+def module_copy(module: nn.Module, cls: type) -> nn.Module:
+    """A new ``cls`` object with ``module``'s attributes; nn.Module's own dicts (parameters, buffers,
+    submodules, hooks) copied, so changing the copy's parameters leaves ``module`` as it is."""
+    new = object.__new__(cls)
+    new.__dict__.update({k: (v.copy() if isinstance(v, dict) else v) for k, v in module.__dict__.items()})
+    return new

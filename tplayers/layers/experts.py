@@ -40,7 +40,6 @@ the one layout for ranks holding different tokens (``sequence_parallel=True``).
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -49,35 +48,12 @@ import torch.nn as nn
 from ..core.comm import copy_many_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Replicated, Sharded
-from .base import TensorParallelModule
+from .base import TensorParallelModule, mixed_class, module_copy
 from .token_dispatch import dispatch_to_experts, tied_to
 
 __all__ = ["ParallelExperts", "ExpertSplit"]
 
 ExpertSplit = Tuple[str, int, int]  # (parameter name, dim, parts): parts=2 for a packed [gate; up]
-
-_CLASSES: Dict[type, type] = {}
-
-
-def _parallel_class(dense_cls: type) -> type:
-    """``ParallelExperts`` mixed into the family's experts class (one per class; picklable by name)."""
-    if dense_cls not in _CLASSES:
-        name = f"ParallelExperts[{dense_cls.__qualname__}]"  # (pickle looks classes up by this name)
-        if hasattr(sys.modules[__name__], name):  # two families' classes of one name
-            name = f"ParallelExperts[{dense_cls.__module__}.{dense_cls.__qualname__}]"
-        cls = type(name, (ParallelExperts, dense_cls), {"__module__": __name__, "__qualname__": name})
-        setattr(sys.modules[__name__], name, cls)
-        _CLASSES[dense_cls] = cls
-    return _CLASSES[dense_cls]
-
-
-def _module_copy(module: nn.Module, cls: type) -> nn.Module:
-    """A new ``cls`` object with ``module``'s attributes; nn.Module's own dicts (parameters, buffers,
-    submodules, hooks) copied, so changing the copy's parameters leaves ``module`` as it is."""
-    new = object.__new__(cls)
-    new.__dict__.update({k: (v.copy() if isinstance(v, dict) else v) for k, v in module.__dict__.items()})
-    return new
-
 
 def _forward_inputs(cls: type) -> List[str]:
     """The names of the positional inputs of ``cls.forward`` (after self); a ``*args`` counts as three."""
@@ -233,7 +209,7 @@ class ParallelExperts(TensorParallelModule):
         if identity_experts and whole:
             raise ValueError(f"{what}: identity experts with whole experts per rank are not supported (split each "
                              "expert's ffn instead)")
-        new = _module_copy(dense, _parallel_class(type(dense)))
+        new = module_copy(dense, mixed_class(ParallelExperts, type(dense)))
         new.group, new._dense_class, new._splits, new._dense_attrs = g, type(dense), placements, {}
         new._added_once = added_once
         new._dense_children = {name: dense._modules[name] for name in identity_experts}
@@ -346,7 +322,7 @@ class ParallelExperts(TensorParallelModule):
 
     def to_dense(self) -> nn.Module:
         """The dense experts module (collective: every rank gathers every shard)."""
-        dense = _module_copy(self, self._dense_class)
+        dense = module_copy(self, self._dense_class)
         for attr in ("group", "_dense_class", "_splits", "_dense_attrs", "_first_expert", "_dense_children",
                      "_added_once", "_padding", "_dispatch", "sequence_parallel"):
             dense.__dict__.pop(attr, None)

@@ -1,0 +1,122 @@
+"""Mamba-2 mixers split by heads (tplayers.layers.mamba): one mixer against its dense self at TP 1, 2 and 4 for
+random head, group and state sizes (groups split over the ranks, or one group held whole by several ranks), the
+collectives of a step counted, the fused training kernel never reached, and what cannot split refused. The
+hybrid families that use it (Granite-MoE-Hybrid, Nemotron-H) are tested end to end in test_hf_families.py."""
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import tplayers  # noqa: E402
+from tplayers import testing  # noqa: E402
+from tplayers.layers.mamba import ParallelMamba2  # noqa: E402
+from tplayers.testing import assert_matches_dense, get_world  # noqa: E402
+
+from conftest import examples  # noqa: E402
+
+testing.FORKSERVER_PRELOAD.append("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
+
+
+def _mixer(heads, head_dim, groups, state, bias, seed):
+    """Granite-MoE-Hybrid's Mamba-2 mixer, float64, every parameter drawn at random (the per-head A_log, D,
+    dt_bias and the norm's weight start equal across heads: a head read from the wrong rank would not show)."""
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
+
+    hidden = heads * head_dim
+    config = transformers.GraniteMoeHybridConfig(
+        hidden_size=hidden, mamba_n_heads=heads, mamba_d_head=head_dim, mamba_expand=1, mamba_n_groups=groups,
+        mamba_d_state=state, mamba_d_conv=3, mamba_chunk_size=4, mamba_conv_bias=bias, mamba_proj_bias=bias,
+        num_hidden_layers=1, layer_types=["mamba"])
+    torch.manual_seed(seed)
+    mixer = GraniteMoeHybridMambaLayer(config, 0).double()
+    with torch.no_grad():
+        for name, p in mixer.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if name in ("A_log", "dt_bias") else 0.5) + (1.0 if "norm" in name else 0))
+    return mixer
+
+
+def _check_mixer(group, heads, head_dim, groups, state, bias, tokens, seed):
+    """Output, input gradient and every parameter's gradient equal the dense mixer's (its scan and norm compute in
+    float32: 1e-5, an element near zero beside O(1) ones off by up to 1e-6); the weights come back whole; the collectives
+    of one step."""
+    dense = _mixer(heads, head_dim, groups, state, bias, seed)
+    tp = ParallelMamba2.from_dense(dense, group=group)
+    x = torch.randn(2, tokens, heads * head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    assert_matches_dense(tp, dense, x, group=group, rtol=1e-5, atol=1e-5)
+    back = tp.to_dense()
+    for (name, a), (_, b) in zip(back.named_parameters(), dense.named_parameters()):
+        assert torch.equal(a, b), name
+    with tplayers.comm_accounting(tp) as acc:
+        tp(x.clone().requires_grad_()).sum().backward()
+    return sorted((r.op, r.phase) for r in acc.records), tp.num_heads, tp.n_groups
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@settings(max_examples=examples(3))
+@given(heads_per_unit=st.integers(1, 2), head_dim=st.integers(1, 3), groups=st.sampled_from([1, 2, 4, 8]),
+       state=st.integers(1, 4), bias=st.booleans(), tokens=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_mamba2_mixer_split_by_heads_matches_dense(tp, heads_per_unit, head_dim, groups, state, bias, tokens, seed):
+    """Heads split over the ranks; B and C's groups split too when they divide the TP degree, else each group held
+    whole by the ranks whose heads read it (their gradients summed, the gated norm's sum of squares all-reduced).
+    Sequences shorter than, equal to and longer than the scan's chunk (4)."""
+    heads = math.lcm(groups, tp) * heads_per_unit
+    for counts, local_heads, local_groups in get_world(tp).run(_check_mixer, heads, head_dim, groups, state, bias,
+                                                               tokens, seed):
+        assert local_heads == heads // tp and local_groups == max(groups // tp, 1)
+        if tp == 1:
+            assert counts == [], counts
+        elif groups % tp == 0:  # Megatron's layout: out_proj's all-reduce forward, in_proj's input gradient backward
+            assert counts == [("all_reduce", "backward"), ("all_reduce", "forward")], counts
+        else:  # and the norm's sum of squares each way; B's and C's rows of in_proj and conv1d (weight, bias)
+            sums = 2 * (2 if bias else 1)
+            assert counts == sorted([("all_reduce", "forward")] * 2 + [("all_reduce", "backward")] * (2 + sums)), \
+                counts
+
+
+def _fused_kernel_not_reached(group):
+    """transformers' fused training kernel takes out_proj's weight itself (no all-reduce): a sharded mixer in
+    training mode never calls it (the dense one does), and its output is right."""
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as family
+
+    calls = []
+    real = family.mamba2_split_conv1d_scan_combined
+    family.mamba2_split_conv1d_scan_combined = lambda *a, **k: calls.append(1)  # (None: the unfused path follows)
+    try:
+        dense = _mixer(4, 2, 1, 2, True, 0).train()
+        tp = ParallelMamba2.from_dense(dense, group=group).train()
+        x = torch.randn(1, 5, 8, dtype=torch.float64)
+        dense(x)
+        dense_calls = len(calls)
+        out = tp(x)
+        assert tp.training  # (restored after the forward)
+    finally:
+        family.mamba2_split_conv1d_scan_combined = real
+    torch.testing.assert_close(out, dense(x), rtol=1e-5, atol=1e-7)
+    return dense_calls, len(calls) - dense_calls
+
+
+def test_sharded_mixer_never_takes_the_fused_kernel():
+    for dense_calls, tp_calls in get_world(2).run(_fused_kernel_not_reached):
+        assert (dense_calls, tp_calls) == (1, 0)
+
+
+def _refusals(group):
+    with pytest.raises(ValueError, match=r"3 heads do not divide the TP degree 2"):
+        ParallelMamba2.from_dense(_mixer(3, 2, 1, 2, False, 0), group=group)
+    with pytest.raises(ValueError, match=r"3 groups \(of B and C\) and the TP degree 2: one must divide the other"):
+        ParallelMamba2.from_dense(_mixer(6, 2, 3, 2, False, 0), group=group)
+    with pytest.raises(ValueError, match=r"module 'mamba' \(style MambaHeads\): .*3 heads do not divide"):
+        tplayers.parallelize(torch.nn.ModuleDict({"mamba": _mixer(3, 2, 1, 2, False, 0)}), {"mamba": "mamba_heads"},
+                             group=group, audit=False)
+    with pytest.raises(ValueError, match=r"not a Mamba-2 mixer of Hugging Face's layout \(no in_proj"):
+        ParallelMamba2.from_dense(torch.nn.Linear(2, 2), group=group)
+    return True
+
+
+def test_mixers_that_cannot_split_by_heads_are_refused_naming_why():
+    assert all(get_world(2).run(_refusals))

@@ -1,0 +1,240 @@
+"""Tensor-parallel Mamba-2 mixers: every rank holds 1/p of the heads.
+
+A Mamba-2 mixer (Hugging Face's Granite-MoE-Hybrid, Nemotron-H, Bamba ...) is, per token::
+
+    in_proj (h -> [gate (d), x (d), B (G n), C (G n), dt (H)])       d = H heads x P head_dim, G groups
+    causal depthwise conv1d over the channels [x, B, C], then SiLU
+    SSM scan: head i reads x_i, dt_i, A_i, D_i and its group's B, C (heads H/G per group)
+    gated RMSNorm of the scan output by silu(gate), over each group's d/G channels
+    out_proj (d -> h)
+
+Megatron's layout splits it by heads like an attention: rank r holds heads ``[rH/p, (r+1)H/p)`` and
+everything that belongs to them (their rows of gate, x and dt in ``in_proj``, their conv channels,
+``A_log`` / ``D`` / ``dt_bias``, their norm channels, their columns of ``out_proj``), so the scan runs
+with no communication::
+
+    x (b, s, h) whole          f: in_proj column-parallel (backward: the input's gradient all-reduced)
+    rank r: its heads' gate, x, dt; B and C of its heads' groups    -> conv, scan, norm on its channels
+    out_proj row-parallel      g: the partial outputs all-reduced (one per mixer forward)
+
+B and C belong to groups, not heads. When G divides by p each rank holds its own groups. When p
+divides by G (Granite's G = 1: one group for every head) a group's B and C are held whole by the
+``p / G`` ranks whose heads read it, and each of them computes only its heads' share of their
+gradient: their rows of ``in_proj`` and ``conv1d`` have their gradients summed over those ranks
+(``with_replica_grads``). The gated norm of such a group spans ranks too: its sum of squares is
+all-reduced (one ``(b, s, G)`` float32 tensor each way per mixer).
+
+:class:`ParallelMamba2` is the model's own mixer class with this rank's parameters and local counts
+(``num_heads``, ``intermediate_size``, ``n_groups``, ``conv_dim``), so the family's forward, its cache
+handling and its kernels for the scan and the conv run unchanged on local tensors. Its fused
+training kernel (``mamba_split_conv1d_scan_combined``) applies ``out_proj``'s weight itself, which
+would skip the row layer's all-reduce: a sharded mixer always takes the unfused path.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..core.comm import copy_to_tp, reduce_from_tp
+from ..core.groups import GroupLike, resolve_group
+from ..core.placement import Placement, Sharded
+from .base import TensorParallelModule, mixed_class, module_copy
+from .fused import FusedColumnParallelLinear, ReplicaRun, with_replica_grads
+from .linear import RowParallelLinear
+
+__all__ = ["ParallelMamba2", "ParallelGatedRMSNorm", "ChannelParallelConv1d", "is_mamba2_mixer"]
+
+# what a Mamba-2 mixer of Hugging Face's layout has (Granite-MoE-Hybrid, Nemotron-H, Bamba, Mamba2 ...)
+_MIXER_ATTRS = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias", "num_heads", "head_dim",
+                "intermediate_size", "n_groups", "ssm_state_size", "conv_dim")
+_PER_HEAD = ("A_log", "D", "dt_bias")  # (H,) parameters
+_LOCAL_COUNTS = ("num_heads", "intermediate_size", "n_groups", "conv_dim")
+def is_mamba2_mixer(module: nn.Module) -> bool:
+    """``module`` has the parts and counts of Hugging Face's Mamba-2 mixers (:data:`_MIXER_ATTRS`)."""
+    return all(hasattr(module, a) for a in _MIXER_ATTRS) and isinstance(getattr(module, "conv1d"), nn.Conv1d)
+
+
+def _group_sum(local: torch.Tensor, slot: int, groups: int, group: Any) -> torch.Tensor:
+    """``local`` (..., 1) summed over the ranks whose slot is ``slot`` of ``groups``: all-reduce forward
+    (the sum) and backward (each holder's output depends on every holder's channels)."""
+    slots = F.pad(local, (slot, groups - slot - 1))  # (..., G): this rank's sum in its group's slot
+    return reduce_from_tp(copy_to_tp(slots, group=group), group=group)[..., slot:slot + 1]
+
+
+class ChannelParallelConv1d(nn.Conv1d, TensorParallelModule):
+    """A depthwise ``nn.Conv1d`` (one filter per channel) holding this rank's channels of ``placement``
+    (weight ``(channels, 1, k)`` and bias cut along dim 0 alike); still an ``nn.Conv1d`` for the family's code."""
+
+    def __init__(self, dense: nn.Conv1d, placement: Sharded, *, group: GroupLike) -> None:
+        g = resolve_group(group)
+        channels = placement.local_size
+        super().__init__(channels, channels, dense.kernel_size, stride=dense.stride, padding=dense.padding,
+                         dilation=dense.dilation, groups=channels, bias=dense.bias is not None,
+                         padding_mode=dense.padding_mode, device="meta")
+        self.group, self.placement = g, placement
+        for name in ("weight", "bias"):
+            full = getattr(dense, name)
+            if full is not None:
+                local = placement.shard(full.detach(), g.rank, g.size).clone(memory_format=torch.contiguous_format)
+                self._parameters[name] = nn.Parameter(local, requires_grad=full.requires_grad)
+
+    def param_placements(self) -> Dict[str, Placement]:
+        return {name: self.placement for name, _ in self.named_parameters(recurse=False)}
+
+    def to_dense(self) -> nn.Conv1d:
+        channels = self.placement.full_size
+        dense = nn.Conv1d(channels, channels, self.kernel_size, stride=self.stride, padding=self.padding,
+                          dilation=self.dilation, groups=channels, bias=self.bias is not None,
+                          padding_mode=self.padding_mode, device="meta")
+        for name, local in self.named_parameters(recurse=False):
+            dense._parameters[name] = nn.Parameter(self.gather_param(name), requires_grad=local.requires_grad)
+        return dense
+
+
+class ParallelGatedRMSNorm(TensorParallelModule):
+    """A Mamba-2 mixer's gated RMSNorm (``norm(y, gate)``: ``y * silu(gate)`` normalized over each group of
+    ``group_size`` channels, times ``weight``) on this rank's channels. ``spans_ranks``: a group's
+    channels lie on ``p / G`` ranks (G < p), so its sum of squares is all-reduced; otherwise each rank
+    normalizes its own whole groups with no communication."""
+
+    def __init__(self, dense: nn.Module, *, group: GroupLike, groups: int) -> None:
+        super().__init__()
+        self.group = g = resolve_group(group)
+        self.groups, self.group_size, self.eps = groups, int(dense.group_size), float(dense.variance_epsilon)
+        channels = dense.weight.shape[0]
+        self.placement = Sharded.split(0, channels, g.size)
+        self.spans_ranks = groups < g.size
+        self.weight = nn.Parameter(self.placement.shard(dense.weight.detach(), g.rank, g.size).clone(),
+                                   requires_grad=dense.weight.requires_grad)
+        self.__dict__["_dense"] = module_copy(dense, type(dense))  # (to_dense fills its weight in; not a child)
+
+    def forward(self, hidden_states: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        y = hidden_states.to(torch.float32)  # (b, s, d/p)
+        if gate is not None:
+            y = y * F.silu(gate.to(torch.float32))
+        if self.spans_ranks:  # (b, s, d/p): part of one group
+            slot = self.group.rank * self.groups // self.group.size
+            variance = _group_sum(y.pow(2).sum(-1, keepdim=True), slot, self.groups, self.group) / self.group_size
+            y = y * torch.rsqrt(variance + self.eps)
+        else:  # (b, s, G/p, d/G): whole groups
+            grouped = y.view(*y.shape[:-1], -1, self.group_size)
+            grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+            y = grouped.view(y.shape)
+        return self.weight * y.to(dtype)
+
+    def param_placements(self) -> Dict[str, Placement]:
+        return {"weight": self.placement}
+
+    def to_dense(self) -> nn.Module:
+        dense = module_copy(self._dense, type(self._dense))
+        dense._parameters["weight"] = nn.Parameter(self.gather_param("weight"),
+                                                   requires_grad=self.weight.requires_grad)
+        return dense
+
+    def extra_repr(self) -> str:
+        return (f"channels={self.weight.shape[0]} of {self.placement.full_size}, groups={self.groups}, "
+                f"spans_ranks={self.spans_ranks}, tp_size={self.group.size}")
+
+
+class ParallelMamba2(TensorParallelModule):
+    """A Hugging Face Mamba-2 mixer split by heads (see the module docstring). ``from_dense(mixer,
+    group=g)``; the result is an instance of the mixer's own class as well."""
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelMamba2":
+        if options:
+            raise TypeError(f"ParallelMamba2.from_dense: unexpected options {sorted(options)}")
+        g = resolve_group(group)
+        p, what = g.size, f"ParallelMamba2({type(dense).__name__})"
+        missing = [a for a in _MIXER_ATTRS if not hasattr(dense, a)]
+        if missing:
+            raise ValueError(f"{what}: not a Mamba-2 mixer of Hugging Face's layout (no {', '.join(missing)})")
+        heads, head_dim, d = int(dense.num_heads), int(dense.head_dim), int(dense.intermediate_size)
+        groups, state = int(dense.n_groups), int(dense.ssm_state_size)
+        bc = groups * state
+        layout = [d, d, bc, bc, heads]  # in_proj's output: [gate, x, B, C, dt]
+        conv = dense.conv1d
+        if (heads * head_dim != d or dense.in_proj.out_features != sum(layout) or conv.in_channels != d + 2 * bc
+                or conv.groups != conv.in_channels or dense.conv_dim != conv.in_channels):
+            raise ValueError(f"{what}: in_proj {dense.in_proj.out_features}, conv1d {conv.in_channels} channels are not "
+                             f"the layout [gate {d}, x {d}, B {bc}, C {bc}, dt {heads}] of {heads} heads x {head_dim}, "
+                             f"{groups} groups x state {state}")
+        if not (isinstance(dense.in_proj, nn.Linear) and isinstance(dense.out_proj, nn.Linear)):
+            raise ValueError(f"{what}: in_proj and out_proj must be nn.Linear, got {type(dense.in_proj).__name__}, "
+                             f"{type(dense.out_proj).__name__}")
+        if heads % p:
+            raise ValueError(f"{what}: {heads} heads do not divide the TP degree {p}")
+        if groups % p and p % groups:
+            raise ValueError(f"{what}: {groups} groups (of B and C) and the TP degree {p}: one must divide the other "
+                             "(each rank's heads read whole groups)")
+        if int(getattr(dense.norm, "group_size", -1)) != d // groups or not hasattr(dense.norm, "variance_epsilon"):
+            raise ValueError(f"{what}: its norm {type(dense.norm).__name__} is not a gated RMSNorm over the "
+                             f"{groups} groups of {d // groups} channels (group_size, variance_epsilon)")
+        shards = min(groups, p)  # B's and C's pieces: every rank its own groups, or a group whole on p / G ranks
+        names = ["gate", "x", "B", "C", "dt"]
+        new = module_copy(dense, mixed_class(ParallelMamba2, type(dense)))
+        new.group, new._dense_class = g, type(dense)
+        new._dense_counts = {a: getattr(dense, a) for a in _LOCAL_COUNTS}
+        new._modules["in_proj"] = FusedColumnParallelLinear.from_dense(
+            dense.in_proj, group=g, parts=layout, part_shards=[p, p, shards, shards, p], part_names=names,
+            layer=f"{what}.in_proj")
+        new._modules["out_proj"] = RowParallelLinear.from_dense(dense.out_proj, group=g)
+        new._modules["norm"] = ParallelGatedRMSNorm(dense.norm, group=g, groups=groups)
+        conv_placement = Sharded.fused(0, [d, bc, bc], p, [p, shards, shards], layer=f"{what}.conv1d",
+                                       names=names[1:4])
+        new._modules["conv1d"] = local_conv = ChannelParallelConv1d(conv, conv_placement, group=g)
+        local_channels = local_conv.in_channels
+        # B's and C's rows of conv1d, held whole by p / G ranks when groups are fewer than ranks
+        new._conv_runs: Tuple[ReplicaRun, ...] = () if shards == p else (
+            (d // p, local_channels, (p // shards,) * shards),)
+        new._head_placement = Sharded.split(0, heads, p)
+        for name in _PER_HEAD:
+            full = dense._parameters[name]
+            local = new._head_placement.shard(full.detach(), g.rank, p).clone()
+            new._parameters[name] = nn.Parameter(local, requires_grad=full.requires_grad)
+        new.num_heads, new.intermediate_size = heads // p, d // p
+        new.n_groups = groups // shards  # (G / p groups per rank, or the one group its heads read)
+        new.conv_dim = local_channels
+        return new
+
+    def param_placements(self) -> Dict[str, Placement]:
+        return {name: self._head_placement for name in _PER_HEAD if self._parameters.get(name) is not None}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        conv = self.conv1d
+        # transformers' fused training kernel multiplies by out_proj's weight itself (no all-reduce): the
+        # family's forward takes it only when self.training, which nothing else in it reads
+        training, self.training = self.training, False
+        for name in ("weight", "bias"):  # read through the replicas' gradient sum (conv1d's forward is not called)
+            param = conv._parameters.get(name)
+            if param is not None and self._conv_runs:
+                conv.__dict__[name] = with_replica_grads(param, self._conv_runs, self.group)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.training = training
+            conv.__dict__.pop("weight", None)
+            conv.__dict__.pop("bias", None)
+
+    def to_dense(self) -> nn.Module:
+        """The dense mixer (collective: every rank gathers every shard)."""
+        dense = module_copy(self, self._dense_class)
+        for attr in ("group", "_dense_class", "_dense_counts", "_conv_runs", "_head_placement"):
+            dense.__dict__.pop(attr, None)
+        dense.__dict__.update(self._dense_counts)
+        for name in ("in_proj", "out_proj", "norm", "conv1d"):
+            dense._modules[name] = self._modules[name].to_dense()
+        for name in _PER_HEAD:
+            dense._parameters[name] = nn.Parameter(self.gather_param(name),
+                                                   requires_grad=self._parameters[name].requires_grad)
+        return dense
+
+    def extra_repr(self) -> str:
+        d = self._dense_counts
+        shared = f", each held by {self._conv_runs[0][2][0]} ranks" if self._conv_runs else ""
+        return (f"heads {self.num_heads} of {d['num_heads']}, groups {self.n_groups} of {d['n_groups']}{shared}, "
+                f"tp_size={self.group.size}")
