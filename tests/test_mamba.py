@@ -100,9 +100,27 @@ def _fused_kernel_not_reached(group):
     return dense_calls, len(calls) - dense_calls
 
 
-def test_sharded_mixer_never_takes_the_fused_kernel():
+def _bfloat16(group):
+    """The mixer in bfloat16 (one group held by both ranks): output and input gradient near the float64 mixer's."""
+    exact = _mixer(4, 4, 1, 4, True, 1)
+    tp = ParallelMamba2.from_dense(exact, group=group).to(torch.bfloat16)
+    x = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    xb = x.to(torch.bfloat16).requires_grad_()
+    out = tp(xb)
+    out.float().sum().backward()
+    xd = x.clone().requires_grad_()
+    ref = exact(xd)
+    ref.sum().backward()
+    scale = float(ref.abs().max())
+    return float((out.double() - ref).abs().max()) / scale, float((xb.grad.double() - xd.grad).abs().max()) / float(
+        xd.grad.abs().max()), out.dtype
+
+
+def test_sharded_mixer_never_takes_the_fused_kernel_and_runs_in_bfloat16():
     for dense_calls, tp_calls in get_world(2).run(_fused_kernel_not_reached):
         assert (dense_calls, tp_calls) == (1, 0)
+    for out_err, grad_err, dtype in get_world(2).run(_bfloat16):
+        assert dtype == torch.bfloat16 and out_err < 0.05 and grad_err < 0.05, (out_err, grad_err)
 
 
 def _refusals(group):
