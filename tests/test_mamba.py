@@ -133,6 +133,13 @@ def _refusals(group):
                              group=group, audit=False)
     with pytest.raises(ValueError, match=r"not a Mamba-2 mixer of Hugging Face's layout \(no in_proj"):
         ParallelMamba2.from_dense(torch.nn.Linear(2, 2), group=group)
+    for part in ("A_log", "conv1d.weight", "norm.weight"):  # each cut from a copy that differs on one rank
+        mixer = _mixer(4, 2, 1, 2, False, 0)
+        if group.rank() == 1:
+            with torch.no_grad():
+                mixer.get_parameter(part).add_(1)
+        with pytest.raises(ValueError, match=rf"the dense {part.split('.')[-1]} differs between rank 0 and rank 1"):
+            ParallelMamba2.from_dense(mixer, group=group)
     return True
 
 

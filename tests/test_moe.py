@@ -294,6 +294,29 @@ def test_all_to_all_experts_match_dense(tp, sequence_parallel, hidden, ffn, expe
                                     + [("all_to_all", "backward")] * 2 + [("all_gather", "backward")] * 2), counts
 
 
+def _idle_experts(group, layout, tokens_grad):
+    """Every token routed to experts 0 and 1 (rank 0's): rank 1's experts get none, yet their parameters get a
+    gradient of zeros, as the dense experts' slices do (None before: DDP refused it, AdamW skipped it)."""
+    torch.manual_seed(0)
+    dense = DenseMoE(6, 4, 2 * group.size(), 2, dtype=torch.float64)
+    with torch.no_grad():
+        dense.router.weight.zero_()  # equal logits: the first two experts
+    tp = tplayers.ParallelMoE.from_dense(dense, group=group, experts=layout)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=tokens_grad)
+    tp(x).square().sum().backward()
+    dense(x.detach().clone().requires_grad_(tokens_grad)).square().sum().backward()
+    grads = dense_parameters(tp, grads=True)
+    missing = [n for n, p in tp.named_parameters() if p.grad is None]
+    err = max(float((grads[n] - p.grad).abs().max()) for n, p in dense.named_parameters())
+    return missing, err
+
+
+@pytest.mark.parametrize("layout, tokens_grad", [("whole", True), ("all_to_all", True), ("all_to_all", False)])
+def test_experts_that_get_no_token_get_zero_gradients(layout, tokens_grad):
+    for missing, err in get_world(2).run(_idle_experts, layout, tokens_grad):
+        assert not missing and err < 1e-12, (missing, err)
+
+
 def _uneven_own_tokens(group):
     """Each rank's own batch, of a different size on every rank (rank r: r + 1 tokens; TP 4: one rank's experts get
     few or none): the dense twin runs their concatenation, its loss their sum."""

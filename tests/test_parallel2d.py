@@ -40,6 +40,19 @@ class AttnNet(nn.Module):
         return self.head(x + self.attn(x))
 
 
+class MoENet(nn.Module):
+    """tplayers' own MoE block (4 experts, top 2) in a residual: whole experts per TP rank, tokens sent to them by
+    all-to-all (expert parallelism over the TP group), the experts replicated over dp like every TP shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = tplayers.models.moe.DenseMoE(HIDDEN, 2 * HIDDEN, 4, 2, dtype=torch.float64)
+        self.head = nn.Linear(HIDDEN, 5)
+
+    def forward(self, x):  # (b, s, h)
+        return self.head(x + self.moe(x))
+
+
 def _train(model, batches, clip=None, lr=1e-2):
     """Train; ``clip(model) -> norm`` runs between backward and step. Returns the norms."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -60,7 +73,7 @@ def _data(seed):
              torch.randint(0, 5, (GLOBAL_BATCH, SEQ), generator=g)) for _ in range(STEPS)]
 
 
-def _check_2d(group, wrap: str, seed: int, norm_type=None, net="mlp"):
+def _check_2d(group, wrap: str, seed: int, norm_type=None, net="mlp", idle_rank=False):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -69,6 +82,13 @@ def _check_2d(group, wrap: str, seed: int, norm_type=None, net="mlp"):
     if net == "mlp":
         dense = MLPNet().double()
         model = tplayers.parallelize(copy.deepcopy(dense), PLAN, group=mesh.mesh)  # the mesh's "tp" dim
+    elif net == "moe":
+        dense = MoENet().double()
+        if idle_rank:  # every token routed to experts 0 and 1 in the first step: TP rank 1's experts get none
+            with torch.no_grad():
+                dense.moe.router.weight.zero_()
+        model = copy.deepcopy(dense)
+        model.moe = tplayers.ParallelMoE.from_dense(dense.moe, group=mesh.mesh, experts="all_to_all")
     else:
         dense = AttnNet().double()
         model = copy.deepcopy(dense)
@@ -79,8 +99,8 @@ def _check_2d(group, wrap: str, seed: int, norm_type=None, net="mlp"):
     if wrap == "ddp":
         trained = DDP(model, process_group=mesh.dp_group)
     else:
-        for m in ((model.fc1, model.fc2) if net == "mlp" else (model.attn,)):
-            fully_shard(m, mesh=mesh.dp_mesh)
+        for m in {"mlp": ("fc1", "fc2"), "gqa": ("attn",), "moe": ("moe",)}[net]:
+            fully_shard(getattr(model, m), mesh=mesh.dp_mesh)
         trained = fully_shard(model, mesh=mesh.dp_mesh)
         if net == "mlp":
             local_rows = model.fc1.weight.to_local().shape[0]  # FSDP2 shards the TP shard again, over dp
@@ -107,6 +127,17 @@ def _check_2d(group, wrap: str, seed: int, norm_type=None, net="mlp"):
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
 def test_tp_with_data_parallel_matches_dense_training(wrap):
     errs = get_world(4).run(_check_2d, wrap, seed=0)
+    assert max(errs) < 1e-9
+
+
+@pytest.mark.parametrize("wrap, idle_rank", [("ddp", False), ("ddp", True), ("fsdp2", True)])
+def test_expert_parallel_moe_on_a_tp_x_dp_mesh_trains_like_dense(wrap, idle_rank):
+    """EP x TP on one (dp, tp) mesh: whole experts per TP rank with tokens sent by all-to-all, every dp replica
+    holding the same experts (DDP averages their gradients, FSDP2 shards them over dp), gradients clipped by the
+    dense norm, AdamW (weight decay): the weights follow dense training on the global batch. Also when a TP
+    rank's experts get no token in a step: their gradients are zeros, as the dense experts' (DDP raised 'did not
+    receive grad' on the next step before, and AdamW would have skipped them)."""
+    errs = get_world(4).run(_check_2d, wrap, seed=2, norm_type=2.0, net="moe", idle_rank=idle_rank)
     assert max(errs) < 1e-9
 
 

@@ -274,6 +274,7 @@ class ParallelExperts(TensorParallelModule):
         if not torch.is_tensor(out):
             raise TypeError(f"ParallelExperts({self._dense_class.__name__}): the experts returned "
                             f"{type(out).__name__}; a tensor (the weighted sum of the experts' outputs) was expected")
+        out = self._idle_experts_tied(out)
         if entered and torch.is_grad_enabled():
             # a rank none of whose experts got a token returns zeros that autograd cannot trace back to f:
             # its backward would skip f's all-reduce while the other ranks wait in theirs
@@ -296,13 +297,24 @@ class ParallelExperts(TensorParallelModule):
             call_args, call_kwargs = list(args), dict(kwargs)
             for (box, key), value in zip(slots, (rows, ids, ones)):
                 (call_args if box is args else call_kwargs)[key] = value
-            return super(ParallelExperts, self).forward(*call_args, **call_kwargs)
+            return self._idle_experts_tied(super(ParallelExperts, self).forward(*call_args, **call_kwargs))
 
         (x, ids, w) = (box[key] for box, key in slots)
         return dispatch_to_experts(run_experts, x, ids, w, group=self.group,
                                    num_experts=self._dense_attrs["num_experts"],
-                                   sequence_parallel=self.sequence_parallel,
-                                   experts_need_grad=any(p.requires_grad for p in self.parameters()))
+                                   sequence_parallel=self.sequence_parallel)
+
+    def _idle_experts_tied(self, out: torch.Tensor) -> torch.Tensor:
+        """Whole experts: ``out`` of a rank none of whose experts got a token comes from no parameter of theirs.
+        Tied to the trained ones with a zero gradient, they get zeros, as the dense model's 3-D parameters do
+        (their slices of experts nobody used): not None, which DDP refuses (a parameter without a gradient)
+        and optimizers with momentum or weight decay skip (a step the dense model takes). It also takes this
+        rank's backward through the exchange the other ranks wait in."""
+        if torch.is_grad_enabled() and not out.requires_grad:
+            trained = [p for p in self.parameters() if p.requires_grad]
+            if trained:
+                return tied_to(out, *trained)
+        return out
 
     def _route_to_local_experts(self, args: List[Any], kwargs: Dict[str, Any]) -> None:
         """Whole experts per rank: the routed expert ids (the integer tensor argument, ``top_k_index``)

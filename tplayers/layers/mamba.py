@@ -42,6 +42,7 @@ from ..core.comm import copy_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Sharded
 from .base import TensorParallelModule, mixed_class, module_copy
+from .from_dense import load_full_params
 from .fused import FusedColumnParallelLinear, ReplicaRun, with_replica_grads
 from .linear import RowParallelLinear
 
@@ -75,11 +76,7 @@ class ChannelParallelConv1d(nn.Conv1d, TensorParallelModule):
                          dilation=dense.dilation, groups=channels, bias=dense.bias is not None,
                          padding_mode=dense.padding_mode, device="meta")
         self.group, self.placement = g, placement
-        for name in ("weight", "bias"):
-            full = getattr(dense, name)
-            if full is not None:
-                local = placement.shard(full.detach(), g.rank, g.size).clone(memory_format=torch.contiguous_format)
-                self._parameters[name] = nn.Parameter(local, requires_grad=full.requires_grad)
+        load_full_params(self, {"weight": dense.weight, "bias": dense.bias}, like=dense)  # (refuses copies that differ)
 
     def param_placements(self) -> Dict[str, Placement]:
         return {name: self.placement for name, _ in self.named_parameters(recurse=False)}
@@ -107,9 +104,11 @@ class ParallelGatedRMSNorm(TensorParallelModule):
         channels = dense.weight.shape[0]
         self.placement = Sharded.split(0, channels, g.size)
         self.spans_ranks = groups < g.size
-        self.weight = nn.Parameter(self.placement.shard(dense.weight.detach(), g.rank, g.size).clone(),
-                                   requires_grad=dense.weight.requires_grad)
-        self.__dict__["_dense"] = module_copy(dense, type(dense))  # (to_dense fills its weight in; not a child)
+        self.weight = nn.Parameter(torch.empty(self.placement.local_size, device="meta"))
+        load_full_params(self, {"weight": dense.weight}, like=dense)
+        empty = module_copy(dense, type(dense))  # the dense norm without its weight: to_dense fills it in
+        empty._parameters = {}
+        self.__dict__["_dense"] = empty  # (not a child module)
 
     def forward(self, hidden_states: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         dtype = hidden_states.dtype
@@ -192,10 +191,7 @@ class ParallelMamba2(TensorParallelModule):
         new._conv_runs: Tuple[ReplicaRun, ...] = () if shards == p else (
             (d // p, local_channels, (p // shards,) * shards),)
         new._head_placement = Sharded.split(0, heads, p)
-        for name in _PER_HEAD:
-            full = dense._parameters[name]
-            local = new._head_placement.shard(full.detach(), g.rank, p).clone()
-            new._parameters[name] = nn.Parameter(local, requires_grad=full.requires_grad)
+        load_full_params(new, {name: dense._parameters[name] for name in _PER_HEAD}, like=dense)
         new.num_heads, new.intermediate_size = heads // p, d // p
         new.n_groups = groups // shards  # (G / p groups per rank, or the one group its heads read)
         new.conv_dim = local_channels

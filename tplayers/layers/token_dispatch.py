@@ -65,13 +65,13 @@ def tied_to(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
 
 def dispatch_to_experts(run_experts: ExpertsForward, x: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor, *, group: TPGroup, num_experts: int,
-                        sequence_parallel: bool, experts_need_grad: bool = False) -> torch.Tensor:
+                        sequence_parallel: bool) -> torch.Tensor:
     """``sum_k top_k_weights[t, k] * expert[top_k_index[t, k]](x[t])`` for every token ``t`` of ``x``
     ``(t, h)``, the experts spread whole over ``group`` (``num_experts / p`` per rank, in rank order) and
     run by ``run_experts(rows (n, h), local_ids (n, 1), weights (n, 1))`` on this rank's; see the module
-    docstring. ``top_k_index`` holds global expert ids in ``[0, num_experts)``; ``experts_need_grad``: the
-    experts' parameters take gradients (the exchange back then runs backward on every rank, also where the
-    tokens take none)."""
+    docstring. ``top_k_index`` holds global expert ids in ``[0, num_experts)``. ``run_experts`` returns an
+    output recorded as depending on the experts' trained parameters also when it got no row (ParallelExperts
+    ties it to them), so the exchange back runs backward on every rank, also where the tokens take no gradient."""
     g = group
     if num_experts % g.size:
         raise ValueError(f"all-to-all dispatch: {num_experts} experts do not divide over {g.size} ranks")
@@ -97,10 +97,6 @@ def dispatch_to_experts(run_experts: ExpertsForward, x: torch.Tensor, top_k_inde
     out = run_experts(rows, expert.view(-1, 1), rows.new_ones((rows.shape[0], 1)))  # (n_r, h)
     if torch.is_grad_enabled() and rows.requires_grad:
         out = tied_to(out, rows)  # an expert that got no row still takes part in backward's exchange
-    elif torch.is_grad_enabled() and experts_need_grad and not out.requires_grad:
-        # (tokens without a gradient, trained experts: a rank whose experts got no row has zeros autograd cannot
-        # trace; the others' outputs depend on their weights, so their backward sends through the exchange back)
-        out = out.detach().requires_grad_()
     back = all_to_all_rows(out, recv_rows, send_rows, group=g)  # (t_r * k, h), in `order`
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.numel(), device=order.device)
