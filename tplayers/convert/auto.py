@@ -134,6 +134,10 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
                    "layers.*.mixer.shared_experts.up_proj": "colwise",
                    "layers.*.mixer.shared_experts.down_proj": "rowwise",
                    "layers.*.mixer": MambaHeads(mixers_only=True)},  # (every layer's mixer is named 'mixer')
+    # Bamba's own plan names only the embedding: its attention and MLPs are Llama's, its Mamba-2 mixers Granite's
+    "bamba": {**_LLAMA_ATTENTION, "layers.*.feed_forward.gate_proj": "colwise",
+              "layers.*.feed_forward.up_proj": "colwise", "layers.*.feed_forward.down_proj": "rowwise",
+              "layers.*.mamba": MambaHeads()},
     # LongCat-Flash's router is an nn.Linear classifier: replicated on purpose
     "longcat_flash": {"layers.*.mlp.router.classifier": "replicate"},
     # Llama 4's router is an nn.Linear(h, experts): replicated on purpose (every rank routes identically)
