@@ -641,12 +641,17 @@ def test_experts_that_see_every_token_are_not_split_whole():
         assert "Llama4TextExperts.forward takes ['hidden_states'] (every expert sees every token" in message, message
 
 
-def test_gpt_oss_whole_experts_are_refused_naming_why():
-    """transformers' gpt-oss experts one-hot the routed ids over num_experts classes: another rank's expert
-    (the sentinel) would fail deep inside torch; refused when the plan is made, naming why."""
+def test_whole_experts_are_refused_naming_why_where_the_family_cannot_skip_another_ranks():
+    """transformers' gpt-oss experts one-hot the routed ids over num_experts classes, Nemotron-H's run the extra
+    class as an expert: another rank's expert (the sentinel) would fail deep inside torch; refused when the plan
+    is made, naming why (experts="all_to_all" runs both)."""
     model = _build("gpt_oss")
     with pytest.raises(ValueError, match=r"experts='whole'\): transformers' gpt-oss experts one-hot the routed"):
         tplayers.convert.auto_plan(model, experts="whole")
     layers = tplayers.convert.auto_plan(model).plan.layers  # the default: each expert's ffn split, the bias once
     assert layers["model.layers.0.mlp.experts"].added_once == ("down_proj_bias",), layers
     assert layers["model.layers.0.self_attn"] == tplayers.convert.PerHeadParams(("sinks",)), layers
+    # Nemotron-H's eager experts make room for the sentinel in their one-hot but then run it as an expert
+    # (an IndexError the audit reported from inside the family's code before)
+    with pytest.raises(ValueError, match=r"experts='whole'\): transformers' Nemotron-H experts .* then run that id as one of"):
+        tplayers.convert.auto_plan(_build("nemotron_h"), experts="whole")

@@ -159,6 +159,8 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
 NO_WHOLE_EXPERTS: Dict[str, str] = {
     "gpt_oss": "transformers' gpt-oss experts one-hot the routed expert ids over num_experts classes, so another "
                "rank's expert (the id num_experts, which other families' experts skip) cannot be routed past",
+    "nemotron_h": "transformers' Nemotron-H experts one-hot the routed expert ids with room for another rank's "
+                  "expert (the id num_experts), then run that id as one of their own experts (there is none)",
 }
 
 
