@@ -1,5 +1,5 @@
 """A Granite-4.0-H-like model's training step at TP 2 with its Mamba-2 mixers split by heads (`ParallelMamba2`,
-style `MambaHeads`) against the same model with the mixers whole on every rank (what "auto" did before): step
+style `MambaMixer`) against the same model with the mixers whole on every rank (what "auto" did before): step
 time, parameter bytes per rank, and the collectives the split mixers add per rank and step (`comm_accounting`:
 this arm's step minus the whole mixers' step; on the wire a ring all-reduce sends 2(p-1)/p of its buffer;
 counted once outside the timed steps). Two layouts
@@ -23,7 +23,7 @@ import torch
 import tplayers
 from tplayers.bench.budget import wire_bytes
 from tplayers.bench.report import quartiles
-from tplayers.convert import MambaHeads, auto_plan
+from tplayers.convert import MambaMixer, auto_plan
 from tplayers.core.collectives import all_reduce_tensor
 from tplayers.testing import World
 
@@ -43,7 +43,7 @@ def _model(layers: int, groups: int):
 def _rank(group, layers: int, repeats: int):
     dense = {g: _model(layers, g) for g in (1, 2)}
     whole_plan = auto_plan(dense[1]).plan
-    whole_plan.layers = {k: ("replicate" if isinstance(v, MambaHeads) else v) for k, v in whole_plan.layers.items()}
+    whole_plan.layers = {k: ("replicate" if isinstance(v, MambaMixer) else v) for k, v in whole_plan.layers.items()}
     kw = dict(group=group, audit=False, check_inputs=0)
     models = {"heads, one group": tplayers.parallelize(copy.deepcopy(dense[1]), "auto", **kw),
               "heads, groups split": tplayers.parallelize(copy.deepcopy(dense[2]), "auto", **kw),

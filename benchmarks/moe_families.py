@@ -156,29 +156,48 @@ def docs_table(results: Dict[int, Dict[str, Union[Split, str]]]) -> str:
     return "\n".join([head, rule, *table_rows(results).values()])
 
 
-def readme_summary(results: Dict[int, Dict[str, Union[Split, str]]]) -> str:
-    """The families grouped by their per-rank figures, one line per figure pair."""
-    tps = sorted(results)
+def readme_summary(figures: Dict[str, Optional[str]], tps: Sequence[int] = (2, 4)) -> str:
+    """The families grouped by their per-rank figures (``family -> "0.500 / 0.250"``, None: refused or not built),
+    one line per figure pair."""
     groups: Dict[str, List[str]] = defaultdict(list)
-    refused = []
-    for family in results[tps[0]]:
-        cells = [results[tp][family] for tp in tps]
-        if all(isinstance(c, Split) for c in cells):
-            groups[" / ".join(f"{c.fraction:.3f}" for c in cells)].append(family)
-        else:
-            refused.append(family)
+    for family, figure in figures.items():
+        groups[figure].append(family)
+    refused = groups.pop(None, [])
     lines = [f"| per rank at {' / '.join(f'TP {tp}' for tp in tps)} | families |", "| --- | --- |"]
     lines += [f"| {figure} | {', '.join(fams)} |" for figure, fams in sorted(groups.items())]
     lines.append(f"| refused or not built | {', '.join(refused)} |")
     return "\n".join(lines)
 
 
+def figures_of(results: Dict[int, Dict[str, Union[Split, str]]]) -> Dict[str, Optional[str]]:
+    """family -> its per-rank figures at each TP degree, ``"0.500 / 0.250"``, or None where there are none."""
+    out: Dict[str, Optional[str]] = {}
+    for family in results[min(results)]:
+        cells = [results[tp][family] for tp in sorted(results)]
+        out[family] = (" / ".join(f"{c.fraction:.3f}" for c in cells)  # type: ignore[union-attr]
+                       if all(isinstance(c, Split) for c in cells) else None)
+    return out
+
+
+def generated_block(path: Path) -> str:
+    """The text between the ``moe-families`` markers of ``path``."""
+    text = path.read_text()
+    return text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip()
+
+
 def docs_rows(path: Path) -> Dict[str, str]:
     """family -> its row in the generated table of ``path``."""
-    text = path.read_text()
-    block = text[text.index(BEGIN) + len(BEGIN):text.index(END)]
-    return {line.split("|")[1].strip(): line for line in block.strip().splitlines()
-            if line.startswith("| ") and not line.startswith(("| family", "| per rank"))}
+    return {line.split("|")[1].strip(): line for line in generated_block(path).splitlines()
+            if line.startswith("| ") and not line.startswith(("| family", "| per rank", "| ---"))}
+
+
+def docs_figures(path: Path) -> Dict[str, Optional[str]]:
+    """family -> its figures as the generated table of ``path`` gives them (the README's summary is made of these)."""
+    out: Dict[str, Optional[str]] = {}
+    for family, row in docs_rows(path).items():
+        cells = [c.strip().strip("*") for c in row.split("|")[2:4]]
+        out[family] = None if "-" in cells else " / ".join(cells)
+    return out
 
 
 def _replace_block(path: Path, body: str) -> None:
@@ -208,7 +227,7 @@ def main() -> None:
         if args.layers or args.experts != "ffn" or args.families or args.tp != [2, 4]:
             raise SystemExit("--write regenerates the docs' table: every family, every layer, TP 2 and 4, ffn experts")
         _replace_block(ROOT / "docs" / "models.md", docs_table(results))
-        _replace_block(ROOT / "README.md", readme_summary(results))
+        _replace_block(ROOT / "README.md", readme_summary(figures_of(results)))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ random head, group and state sizes (groups split over the ranks, or one group he
 collectives of a step counted, the fused training kernel never reached, and what cannot split refused. The
 hybrid families that use it (Granite-MoE-Hybrid, Nemotron-H) are tested end to end in test_hf_families.py."""
 import math
+import types
 
 import pytest
 import torch
@@ -14,12 +15,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 import tplayers  # noqa: E402
 from tplayers import testing  # noqa: E402
-from tplayers.layers.mamba import ParallelMamba2  # noqa: E402
-from tplayers.testing import assert_matches_dense, get_world  # noqa: E402
+from tplayers.layers.mamba import ParallelMamba1, ParallelMamba2  # noqa: E402
+from tplayers.testing import assert_matches_dense, dense_parameters, get_world  # noqa: E402
 
 from conftest import examples  # noqa: E402
 
-testing.FORKSERVER_PRELOAD.append("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
+testing.FORKSERVER_PRELOAD.extend(["transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+                                   "transformers.models.jamba.modeling_jamba"])
 
 
 def _mixer(heads, head_dim, groups, state, bias, seed):
@@ -78,6 +80,79 @@ def test_mamba2_mixer_split_by_heads_matches_dense(tp, heads_per_unit, head_dim,
                 counts
 
 
+def _rms_norm_float64(norm, hidden_states):
+    """JambaRMSNorm's math without its cast to float32."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return norm.weight * (hidden_states * torch.rsqrt(variance + norm.variance_epsilon))
+
+
+def _float64_norms(mixer):
+    """Jamba's RMSNorm computes in float32: in float64 here (on this object's own norms), so what is left of float32
+    is the scan's."""
+    for name in ("dt_layernorm", "b_layernorm", "c_layernorm"):
+        norm = getattr(mixer, name)
+        norm.forward = types.MethodType(_rms_norm_float64, norm)
+    return mixer
+
+
+def _jamba_mixer(hidden, expand, state, dt_rank, bias, seed):
+    """Jamba's Mamba-1 mixer, float64, every parameter drawn at random (A_log, D, dt_proj's bias and the dt / B / C
+    norms' weights start equal across channels)."""
+    from transformers.models.jamba.modeling_jamba import JambaMambaMixer
+
+    config = transformers.JambaConfig(hidden_size=hidden, mamba_expand=expand, mamba_d_state=state, mamba_dt_rank=dt_rank,
+                                      mamba_d_conv=3, mamba_conv_bias=bias, mamba_proj_bias=bias, num_hidden_layers=1,
+                                      attn_layer_period=2, attn_layer_offset=1, num_attention_heads=1,
+                                      num_key_value_heads=1)
+    torch.manual_seed(seed)
+    mixer = JambaMambaMixer(config, 0).double()
+    with torch.no_grad():
+        for name, p in mixer.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if name in ("A_log", "dt_proj.bias") else 0.5)
+                    + (1.0 if "norm" in name else 0))
+    return mixer
+
+
+def _check_jamba_mixer(group, hidden, expand, state, dt_rank, bias, tokens, seed):
+    dense = _jamba_mixer(hidden, expand, state, dt_rank, bias, seed)
+    tp = _float64_norms(ParallelMamba1.from_dense(dense, group=group))
+    _float64_norms(dense)
+    x = torch.randn(2, tokens, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    # the scan computes A, D and dt's bias in float32: each tensor to 1e-6 of its largest element (a missing sum is O(1))
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [dense(xs[0]), tp(xs[1])]
+    grad = torch.randn(outs[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for out in outs:
+        out.backward(grad)
+    grads = dense_parameters(tp, grads=True)
+    pairs = [("output", outs[1], outs[0]), ("input gradient", xs[1].grad, xs[0].grad)] + [
+        (name, grads[name], p.grad) for name, p in dense.named_parameters()]
+    for name, got, want in pairs:
+        err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-12)
+        assert err < 1e-6, f"rank {group.rank()}: {name} off by {err:.2e} of its largest element"
+    back = tp.to_dense()
+    for (name, a), (_, b) in zip(back.named_parameters(), dense.named_parameters()):
+        assert torch.equal(a, b), name
+    with tplayers.comm_accounting(tp) as acc:
+        tp(x.clone().requires_grad_()).sum().backward()
+    return sorted((r.op, r.phase) for r in acc.records), tp.intermediate_size
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@settings(max_examples=examples(2))
+@given(hidden_per_rank=st.integers(1, 3), expand=st.integers(1, 2), state=st.integers(1, 4), dt_rank=st.integers(1, 3),
+       bias=st.booleans(), tokens=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_mamba1_mixer_split_by_channels_matches_dense(tp, hidden_per_rank, expand, state, dt_rank, bias, tokens, seed):
+    """Jamba's Mamba-1 mixer, each inner channel its own recurrence: channels split over the ranks, x_proj's dt, B and
+    C summed forward and their gradient backward, the dt / B / C norms' gradients summed. Forward 2 all-reduces,
+    backward 3."""
+    hidden = hidden_per_rank * tp
+    for counts, local in get_world(tp).run(_check_jamba_mixer, hidden, expand, state, dt_rank, bias, tokens, seed):
+        assert local == hidden * expand // tp
+        if tp > 1:
+            assert counts == sorted([("all_reduce", "forward")] * 2 + [("all_reduce", "backward")] * 3), counts
+
+
 def _fused_kernel_not_reached(group):
     """transformers' fused training kernel takes out_proj's weight itself (no all-reduce): a sharded mixer in
     training mode never calls it (the dense one does), and its output is right."""
@@ -128,8 +203,8 @@ def _refusals(group):
         ParallelMamba2.from_dense(_mixer(3, 2, 1, 2, False, 0), group=group)
     with pytest.raises(ValueError, match=r"3 groups \(of B and C\) and the TP degree 2: one must divide the other"):
         ParallelMamba2.from_dense(_mixer(6, 2, 3, 2, False, 0), group=group)
-    with pytest.raises(ValueError, match=r"module 'mamba' \(style MambaHeads\): .*3 heads do not divide"):
-        tplayers.parallelize(torch.nn.ModuleDict({"mamba": _mixer(3, 2, 1, 2, False, 0)}), {"mamba": "mamba_heads"},
+    with pytest.raises(ValueError, match=r"module 'mamba' \(style MambaMixer\): .*3 heads do not divide"):
+        tplayers.parallelize(torch.nn.ModuleDict({"mamba": _mixer(3, 2, 1, 2, False, 0)}), {"mamba": "mamba_mixer"},
                              group=group, audit=False)
     with pytest.raises(ValueError, match=r"not a Mamba-2 mixer of Hugging Face's layout \(no in_proj"):
         ParallelMamba2.from_dense(torch.nn.Linear(2, 2), group=group)

@@ -26,13 +26,12 @@ from conftest import ROOT, examples  # noqa: E402
 
 # the families' default configs are the published models' sizes (Mixtral 8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B,
 # Phi-3.5-MoE, Granite-3.0-MoE, gpt-oss-20b, DeepSeek-V2 with its expert ffn 1407 split unevenly, and the
-# hybrids Granite-4.0-H-style Granite-MoE-Hybrid and Nemotron-H, their Mamba-2 mixers split by heads), every
-# layer, on the meta device; Jamba's Mamba-1 mixers stay whole
+# hybrids Granite-4.0-H-style Granite-MoE-Hybrid, Nemotron-H and Jamba, their Mamba mixers split), every layer,
+# on the meta device
 FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "phimoe", "granitemoe", "gpt_oss", "deepseek_v2", "granitemoehybrid",
-            "nemotron_h"]
-HYBRIDS = ["jamba"]
+            "nemotron_h", "jamba"]
 # imported once by the forkserver the ranks fork from, not by every rank (seconds each)
-testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in FAMILIES + HYBRIDS)
+testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in FAMILIES)
 _spec = importlib.util.spec_from_file_location("moe_families", ROOT / "benchmarks" / "moe_families.py")
 moe_families = sys.modules["moe_families"] = importlib.util.module_from_spec(_spec)  # (dataclasses look it up)
 _spec.loader.exec_module(moe_families)
@@ -47,7 +46,7 @@ def test_each_rank_holds_its_share_of_the_experts_as_the_docs_say():
     model at TP 2. Each family's per-rank fraction is within issue 27's target (0.55 at TP 2, 0.30 at TP 4),
     and its row in docs/models.md's generated table (figures, what is sharded, what stays replicated) is
     this test's (regenerate: ``PYTHONPATH=. python benchmarks/moe_families.py --write``)."""
-    results = {tp: get_world(tp).run(_measure, FAMILIES + HYBRIDS)[0] for tp in (2, 4)}
+    results = {tp: get_world(tp).run(_measure, FAMILIES)[0] for tp in (2, 4)}
     documented = moe_families.docs_rows(ROOT / "docs" / "models.md")
     for family, row in moe_families.table_rows(results).items():
         for tp in (2, 4):
@@ -56,8 +55,12 @@ def test_each_rank_holds_its_share_of_the_experts_as_the_docs_say():
         assert documented.get(family) == row, (f"docs/models.md's row of {family} is not what the code gives now:\n"
                                                f"  docs: {documented.get(family)}\n  now:  {row}\nregenerate it with "
                                                "PYTHONPATH=. python benchmarks/moe_families.py --write")
-        # nothing left dense or skipped (Phi-3.5-MoE, Granite-MoE: attention added), but Jamba's Mamba-1 mixers
-        assert results[2][family].complete or family in HYBRIDS, family
+        # nothing left dense or skipped (Phi-3.5-MoE, Granite-MoE: attention added)
+        assert results[2][family].complete, family
+    # README's summary is the table's: every family's figures, grouped
+    docs = ROOT / "docs" / "models.md"
+    assert moe_families.generated_block(ROOT / "README.md") == moe_families.readme_summary(
+        moe_families.docs_figures(docs)), "README's MoE summary is not docs/models.md's table: regenerate it"
 
 
 def _mixtral(seed: int = 0):
@@ -295,12 +298,13 @@ def test_all_to_all_experts_match_dense(tp, sequence_parallel, hidden, ffn, expe
 
 
 def _idle_experts(group, layout, tokens_grad):
-    """Every token routed to experts 0 and 1 (rank 0's): rank 1's experts get none, yet their parameters get a
-    gradient of zeros, as the dense experts' slices do (None before: DDP refused it, AdamW skipped it)."""
+    """Every token routed to the same two experts (the router zeroed: equal logits), so one rank's experts get none,
+    yet their parameters get a gradient of zeros, as the dense experts' slices do (None before: DDP refused it,
+    AdamW skipped it)."""
     torch.manual_seed(0)
     dense = DenseMoE(6, 4, 2 * group.size(), 2, dtype=torch.float64)
     with torch.no_grad():
-        dense.router.weight.zero_()  # equal logits: the first two experts
+        dense.router.weight.zero_()  # equal logits: the same two experts for every token
     tp = tplayers.ParallelMoE.from_dense(dense, group=group, experts=layout)
     x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=tokens_grad)
     tp(x).square().sum().backward()

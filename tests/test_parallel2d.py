@@ -84,7 +84,7 @@ def _check_2d(group, wrap: str, seed: int, norm_type=None, net="mlp", idle_rank=
         model = tplayers.parallelize(copy.deepcopy(dense), PLAN, group=mesh.mesh)  # the mesh's "tp" dim
     elif net == "moe":
         dense = MoENet().double()
-        if idle_rank:  # every token routed to experts 0 and 1 in the first step: TP rank 1's experts get none
+        if idle_rank:  # every token routed to the same two experts in the first step: one TP rank's experts get none
             with torch.no_grad():
                 dense.moe.router.weight.zero_()
         model = copy.deepcopy(dense)

@@ -22,11 +22,11 @@ from .parallelize import parallelize
 from .plan import STYLE_NAMES, Plan, sequence_parallel_variant
 from .plans import PLANS, SP_PLANS, get_plan
 from .sequence import GatherSequence, PerHeadParams, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
-from .styles import BuildContext, Built, Column, Experts, FusedQKV, LatentKV, KVColumn, MambaHeads, Replicate, Row, Style, VocabEmbedding, VocabHead
+from .styles import BuildContext, Built, Column, Experts, FusedQKV, LatentKV, KVColumn, MambaMixer, Replicate, Row, Style, VocabEmbedding, VocabHead
 
 __all__ = [
     "parallelize", "audit", "AuditError", "AuditReport", "Plan", "Style", "BuildContext", "Built", "STYLE_NAMES", "sequence_parallel_variant",
-    "Column", "Experts", "FusedQKV", "KVColumn", "LatentKV", "MambaHeads", "Row", "VocabEmbedding", "VocabHead", "Replicate",
+    "Column", "Experts", "FusedQKV", "KVColumn", "LatentKV", "MambaMixer", "Row", "VocabEmbedding", "VocabHead", "Replicate",
     "SequenceParallelNorm", "ScatterSequence", "GatherSequence", "ReplicateReduceGrad", "PerHeadParams",
     "auto_plan", "HF_STYLES", "SKIPPED_STYLES", "CoverageReport", "coverage",
     "SP_PLANS", "PLANS", "get_plan",

@@ -45,7 +45,7 @@ from ..layers.vocab import embedding_scale
 from .plan import Plan, local_attention_attrs, resolve_style, sequence_parallel_variant
 from .plans import MODEL_TYPES, PLANS
 from .sequence import PerHeadParams, ReplicateReduceGrad
-from .styles import (Column, Experts, KVColumn, LatentKV, MambaHeads, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding,
+from .styles import (Column, Experts, KVColumn, LatentKV, MambaMixer, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding,
                      VocabHead, attention_heads)
 
 __all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "sequence_parallel_auto",
@@ -122,22 +122,22 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
     "granitemoeshared": {**_LLAMA_ATTENTION, "layers.*.shared_mlp.input_linear": "packed_colwise",
                          "layers.*.shared_mlp.output_linear": "rowwise"},
     # hybrid (Mamba / linear-attention) MoE families whose own plans name their routed experts only: their
-    # attention layers, dense MLPs and shared experts are Llama's; Mamba-2 mixers split by heads (Jamba's
-    # Mamba-1 mixers stay whole)
+    # attention layers, dense MLPs and shared experts are Llama's; Mamba-2 mixers split by heads, Jamba's Mamba-1
+    # mixers by channels
     "granitemoehybrid": {**_LLAMA_ATTENTION, "layers.*.shared_mlp.input_linear": "packed_colwise",
-                         "layers.*.shared_mlp.output_linear": "rowwise", "layers.*.mamba": MambaHeads()},
+                         "layers.*.shared_mlp.output_linear": "rowwise", "layers.*.mamba": MambaMixer()},
     "jamba": {**_LLAMA_ATTENTION, "layers.*.feed_forward.gate_proj": "colwise", "layers.*.feed_forward.up_proj": "colwise",
-              "layers.*.feed_forward.down_proj": "rowwise"},
+              "layers.*.feed_forward.down_proj": "rowwise", "layers.*.mamba": MambaMixer()},
     "nemotron_h": {"layers.*.mixer.q_proj": "colwise", "layers.*.mixer.k_proj": "colwise",
                    "layers.*.mixer.v_proj": "colwise", "layers.*.mixer.o_proj": "rowwise",
                    "layers.*.mixer.up_proj": "colwise", "layers.*.mixer.down_proj": "rowwise",
                    "layers.*.mixer.shared_experts.up_proj": "colwise",
                    "layers.*.mixer.shared_experts.down_proj": "rowwise",
-                   "layers.*.mixer": MambaHeads(mixers_only=True)},  # (every layer's mixer is named 'mixer')
+                   "layers.*.mixer": MambaMixer(mixers_only=True)},  # (every layer's mixer is named 'mixer')
     # Bamba's own plan names only the embedding: its attention and MLPs are Llama's, its Mamba-2 mixers Granite's
     "bamba": {**_LLAMA_ATTENTION, "layers.*.feed_forward.gate_proj": "colwise",
               "layers.*.feed_forward.up_proj": "colwise", "layers.*.feed_forward.down_proj": "rowwise",
-              "layers.*.mamba": MambaHeads()},
+              "layers.*.mamba": MambaMixer()},
     # LongCat-Flash's router is an nn.Linear classifier: replicated on purpose
     "longcat_flash": {"layers.*.mlp.router.classifier": "replicate"},
     # Llama 4's router is an nn.Linear(h, experts): replicated on purpose (every rank routes identically)

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..core.placement import head_parts
 from .sequence import GatherSequence, PerHeadParams, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
-from .styles import Column, KVColumn, MambaHeads, Replicate, Row, Style, VocabEmbedding, VocabHead, attention_heads
+from .styles import Column, KVColumn, MambaMixer, Replicate, Row, Style, VocabEmbedding, VocabHead, attention_heads
 
 __all__ = ["Plan", "STYLE_NAMES", "local_attention_attrs", "local_head_attrs", "resolve_style", "sequence_parallel_variant"]
 
@@ -26,7 +26,7 @@ STYLE_NAMES: Dict[str, Style] = {
     "fused_qkv": Column(parts=3),
     "row": Row(),
     "kv_column": KVColumn(),
-    "mamba_heads": MambaHeads(),
+    "mamba_mixer": MambaMixer(),
     "vocab_embedding": VocabEmbedding(),
     "vocab_head": VocabHead(),
     "replicate": Replicate(),

@@ -23,12 +23,12 @@ from ..layers.experts import ExpertSplit, ParallelExperts
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
-from ..layers.mamba import ParallelMamba2, is_mamba2_mixer
+from ..layers.mamba import ParallelMamba1, ParallelMamba2, is_mamba1_mixer, is_mamba2_mixer
 from ..layers.from_dense import computes_linear, own_forward
 from ..layers.lora import is_peft_lora, prepare_lora
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding, embedding_scale
 
-__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "Experts", "FusedQKV", "LatentKV", "KVColumn", "MambaHeads", "Row", "VocabEmbedding",
+__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "Experts", "FusedQKV", "LatentKV", "KVColumn", "MambaMixer", "Row", "VocabEmbedding",
            "VocabHead", "Replicate", "attention_heads", "getattr_path"]
 
 
@@ -539,22 +539,25 @@ class LatentKV:
 
 
 @dataclass(frozen=True)
-class MambaHeads:
-    """A Mamba-2 mixer of Hugging Face's layout split by heads (:class:`~tplayers.layers.mamba.ParallelMamba2`):
-    ``in_proj`` column-parallel part by part (gate, x, B, C, dt), its conv channels, per-head ``A_log`` / ``D`` /
-    ``dt_bias`` and gated-norm channels cut with the heads, ``out_proj`` row-parallel (one all-reduce forward).
-    ``mixers_only``: a module at the pattern that is not such a mixer stays as it is, its children styled by
-    their own entries (Nemotron-H names every layer's mixer ``mixer``: attention, MLP, MoE or Mamba)."""
+class MambaMixer:
+    """A Mamba mixer of Hugging Face's layout split across ranks (:mod:`tplayers.layers.mamba`): a Mamba-2 mixer by
+    heads (``ParallelMamba2``: ``in_proj`` column-parallel part by part, gate, x, B, C, dt; its conv channels,
+    per-head ``A_log`` / ``D`` / ``dt_bias`` and gated-norm channels cut with the heads, ``out_proj`` row-parallel),
+    a Mamba-1 mixer (Jamba's) by channels (``ParallelMamba1``). ``mixers_only``: a module at the pattern that is
+    neither stays as it is, its children styled by their own entries (Nemotron-H names every layer's mixer
+    ``mixer``: attention, MLP, MoE or Mamba)."""
 
     mixers_only: bool = False
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
-        if self.mixers_only and not is_mamba2_mixer(module):
+        layer_cls = (ParallelMamba2 if is_mamba2_mixer(module) else ParallelMamba1 if is_mamba1_mixer(module)
+                     else None)
+        if layer_cls is None and self.mixers_only:
             return Built(module)
         try:
-            layer = ParallelMamba2.from_dense(module, group=ctx.group)
+            layer = (layer_cls or ParallelMamba2).from_dense(module, group=ctx.group)  # (None: names what is missing)
         except ValueError as e:
-            raise ValueError(f"parallelize: module '{ctx.name}' (style MambaHeads): {e}") from None
+            raise ValueError(f"parallelize: module '{ctx.name}' (style MambaMixer): {e}") from None
         return Built(layer)
 
 

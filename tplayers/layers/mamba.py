@@ -38,21 +38,33 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.comm import copy_to_tp, reduce_from_tp
+from ..core.comm import copy_many_to_tp, copy_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
-from ..core.placement import Placement, Sharded
-from .base import TensorParallelModule, mixed_class, module_copy
-from .from_dense import load_full_params
+from ..core.placement import Placement, Replicated, Sharded
+from .base import PLACEMENTS_ATTR, TensorParallelModule, mixed_class, module_copy
+from .from_dense import load_full_params, new_param
 from .fused import FusedColumnParallelLinear, ReplicaRun, with_replica_grads
-from .linear import RowParallelLinear
+from .linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["ParallelMamba2", "ParallelGatedRMSNorm", "ChannelParallelConv1d", "is_mamba2_mixer"]
+__all__ = ["ParallelMamba2", "ParallelMamba1", "ParallelGatedRMSNorm", "ChannelParallelConv1d", "is_mamba2_mixer",
+           "is_mamba1_mixer"]
 
 # what a Mamba-2 mixer of Hugging Face's layout has (Granite-MoE-Hybrid, Nemotron-H, Bamba, Mamba2 ...)
 _MIXER_ATTRS = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias", "num_heads", "head_dim",
                 "intermediate_size", "n_groups", "ssm_state_size", "conv_dim")
 _PER_HEAD = ("A_log", "D", "dt_bias")  # (H,) parameters
 _LOCAL_COUNTS = ("num_heads", "intermediate_size", "n_groups", "conv_dim")
+# what a Mamba-1 mixer of Hugging Face's layout has (Jamba's: x_proj -> dt, B, C with their norms)
+_MAMBA1_ATTRS = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "A_log", "D", "dt_layernorm", "b_layernorm",
+                 "c_layernorm", "intermediate_size", "time_step_rank", "ssm_state_size")
+_MAMBA1_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
+
+
+def is_mamba1_mixer(module: nn.Module) -> bool:
+    """``module`` has the parts and counts of Hugging Face's Jamba Mamba-1 mixer (:data:`_MAMBA1_ATTRS`)."""
+    return all(hasattr(module, a) for a in _MAMBA1_ATTRS) and isinstance(getattr(module, "conv1d"), nn.Conv1d)
+
+
 def is_mamba2_mixer(module: nn.Module) -> bool:
     """``module`` has the parts and counts of Hugging Face's Mamba-2 mixers (:data:`_MIXER_ATTRS`)."""
     return all(hasattr(module, a) for a in _MIXER_ATTRS) and isinstance(getattr(module, "conv1d"), nn.Conv1d)
@@ -234,3 +246,103 @@ class ParallelMamba2(TensorParallelModule):
         shared = f", each held by {self._conv_runs[0][2][0]} ranks" if self._conv_runs else ""
         return (f"heads {self.num_heads} of {d['num_heads']}, groups {self.n_groups} of {d['n_groups']}{shared}, "
                 f"tp_size={self.group.size}")
+
+
+class ParallelMamba1(TensorParallelModule):
+    """A Hugging Face Mamba-1 mixer (Jamba's) split by channels: each of the ``d`` inner channels is its own
+    state-space recurrence, so rank r holds channels ``[rd/p, (r+1)d/p)``: its rows of ``in_proj`` ([x; gate]),
+    its conv channels, rows of ``dt_proj``, ``A_log`` and ``D``, and its columns of ``x_proj`` and
+    ``out_proj``::
+
+        x (b, s, h) whole      f: in_proj column-parallel (backward: the input's gradient all-reduced)
+        rank r: x_r, gate_r (b, s, d/p) -> conv -> x_proj row-parallel: dt, B, C partial sums
+                               all-reduced forward; backward all-reduced too (every rank's channels read them)
+        dt, B, C normed (replicated norms: each rank's gradient covers its channels, summed: one all-reduce)
+        rank r: dt_proj rows, scan over its channels, gate      out_proj row-parallel: g
+
+    Forward two all-reduces per mixer (``x_proj``'s ``(b, s, R + 2N)``, ``out_proj``'s), backward three
+    (``x_proj``'s output gradient, the three norms' weight gradients, ``in_proj``'s input gradient). The
+    family's forward runs unchanged on local tensors; its quantized path (``dt_proj`` called as a module) is
+    refused."""
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelMamba1":
+        if options:
+            raise TypeError(f"ParallelMamba1.from_dense: unexpected options {sorted(options)}")
+        g = resolve_group(group)
+        p, what = g.size, f"ParallelMamba1({type(dense).__name__})"
+        missing = [a for a in _MAMBA1_ATTRS if not hasattr(dense, a)]
+        if missing:
+            raise ValueError(f"{what}: not a Mamba-1 mixer of Hugging Face's layout (no {', '.join(missing)})")
+        d, rank, state = int(dense.intermediate_size), int(dense.time_step_rank), int(dense.ssm_state_size)
+        linears = {n: getattr(dense, n) for n in ("in_proj", "x_proj", "dt_proj", "out_proj")}
+        if not all(type(m) is nn.Linear for m in linears.values()):
+            raise ValueError(f"{what}: in_proj, x_proj, dt_proj and out_proj must be nn.Linear, got "
+                             f"{ {n: type(m).__name__ for n, m in linears.items()} }")
+        conv = dense.conv1d
+        if (linears["in_proj"].out_features != 2 * d or linears["x_proj"].in_features != d
+                or linears["x_proj"].out_features != rank + 2 * state or linears["dt_proj"].out_features != d
+                or conv.in_channels != d or conv.groups != d or tuple(dense.A_log.shape) != (d, state)):
+            raise ValueError(f"{what}: its parts are not the layout of {d} channels, time-step rank {rank}, state "
+                             f"{state} (in_proj [x; gate], depthwise conv1d, x_proj -> [dt, B, C], dt_proj, A_log)")
+        if d % p:
+            raise ValueError(f"{what}: {d} channels do not divide the TP degree {p}")
+        if hasattr(getattr(dense, "config", None), "_is_quantized"):
+            raise ValueError(f"{what}: a quantized model calls dt_proj as a module, whose input gradient would be "
+                             "summed twice; quantize after parallelize, or keep the mixers whole")
+        new = module_copy(dense, mixed_class(ParallelMamba1, type(dense)))
+        new.group, new._dense_class, new._dense_d = g, type(dense), d
+        new._modules["in_proj"] = FusedColumnParallelLinear.from_dense(
+            dense.in_proj, group=g, parts=[d, d], part_names=["x", "gate"], layer=f"{what}.in_proj")
+        new._modules["conv1d"] = ChannelParallelConv1d(conv, Sharded.split(0, d, p), group=g)
+        new._modules["x_proj"] = x_proj = RowParallelLinear.from_dense(dense.x_proj, group=g)
+        # dt, B and C feed every rank's channels: their gradient (each rank's share) summed over the ranks
+        x_proj.register_forward_hook(lambda m, a, out: copy_to_tp(out, group=g))
+        new._modules["dt_proj"] = ColumnParallelLinear.from_dense(dense.dt_proj, group=g)
+        new._modules["out_proj"] = RowParallelLinear.from_dense(dense.out_proj, group=g)
+        new._channels = Sharded.split(0, d, p)
+        load_full_params(new, {"A_log": dense.A_log, "D": dense.D}, like=dense)
+        for name in _MAMBA1_NORMS:  # replicated, acting on replicated dt / B / C whose downstream is split
+            norm = module_copy(getattr(dense, name), type(getattr(dense, name)))
+            norm._parameters = {pn: new_param(pv, pv) for pn, pv in norm._parameters.items()}
+            setattr(norm, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n, _ in norm.named_parameters()})
+            new._modules[name] = norm
+        new.intermediate_size = d // p
+        return new
+
+    def param_placements(self) -> Dict[str, Placement]:
+        return {"A_log": self._channels, "D": self._channels}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        g = self.group
+        norms = [(getattr(self, n), pn, pv) for n in _MAMBA1_NORMS
+                 for pn, pv in getattr(self, n).named_parameters(recurse=False) if pv.requires_grad]
+        summed = copy_many_to_tp([pv for _, _, pv in norms], group=g) if torch.is_grad_enabled() else ()
+        for (module, pn, _), value in zip(norms, summed):  # each rank's gradient covers its channels: summed
+            module.__dict__[pn] = value
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            for module, pn, _ in norms:
+                module.__dict__.pop(pn, None)
+
+    def to_dense(self) -> nn.Module:
+        """The dense mixer (collective: every rank gathers every shard)."""
+        dense = module_copy(self, self._dense_class)
+        for attr in ("group", "_dense_class", "_dense_d", "_channels"):
+            dense.__dict__.pop(attr, None)
+        dense.intermediate_size = self._dense_d
+        for name in ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj"):
+            dense._modules[name] = self._modules[name].to_dense()
+        for name in _MAMBA1_NORMS:
+            norm = module_copy(getattr(self, name), type(getattr(self, name)))
+            norm.__dict__.pop(PLACEMENTS_ATTR, None)
+            norm._parameters = {pn: new_param(pv, pv) for pn, pv in norm._parameters.items()}
+            dense._modules[name] = norm
+        for name in ("A_log", "D"):
+            dense._parameters[name] = nn.Parameter(self.gather_param(name),
+                                                   requires_grad=self._parameters[name].requires_grad)
+        return dense
+
+    def extra_repr(self) -> str:
+        return f"channels {self.intermediate_size} of {self._dense_d}, tp_size={self.group.size}"
