@@ -7,7 +7,8 @@ of B and C: one group held whole by both ranks (Granite 4.0's), and groups split
 Megatron's layout).
 
 Real gloo on this machine's cores. The models are built from the same dense weights and run in one process,
-alternating step by step; the paired median ratio (and quartiles) of each arm / whole mixers, slower rank.
+alternating step by step (`tplayers.bench.timing.time_steps`); the paired median ratio (and quartiles) of each
+arm / whole mixers, slower rank.
 
     PYTHONPATH=. python benchmarks/mamba_step.py [--layers 2] [--tp 2] [--repeats 10]
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 
@@ -24,7 +24,7 @@ import tplayers
 from tplayers.bench.budget import wire_bytes
 from tplayers.bench.report import quartiles
 from tplayers.convert import MambaMixer, auto_plan
-from tplayers.core.collectives import all_reduce_tensor
+from tplayers.bench.timing import time_steps
 from tplayers.testing import World
 
 
@@ -56,18 +56,14 @@ def _rank(group, layers: int, repeats: int):
         model.zero_grad(set_to_none=True)
         step_bytes[name] = sum(wire_bytes(r.op, r.nbytes, r.group_size) for r in acc.records)
         step_counts[name] = len(acc.records)
-    names = list(models)
-    times = {k: [] for k in models}
-    for i in range(len(names) * (repeats + 2)):
-        name = names[i % len(names)]
-        t0 = time.perf_counter()
-        models[name](input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        elapsed = time.perf_counter() - t0
-        models[name].zero_grad(set_to_none=True)
-        if i >= 2 * len(names):
-            times[name].append(1e3 * elapsed)
-    slowest = lambda v: all_reduce_tensor(torch.tensor(v), group=group, op="max")  # noqa: E731
-    step = {k: slowest(v) for k, v in times.items()}
+    def step(model):
+        def run():
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            model.zero_grad(set_to_none=True)
+        return run
+
+    timings = time_steps({k: step(m) for k, m in models.items()}, group=group, iters=repeats, warmup=2)
+    step = {k: 1e3 * torch.tensor(t.times) for k, t in timings.items()}  # ms per round, the slower rank
     dense_bytes = sum(p.numel() * p.element_size() for p in dense[1].parameters())
     out = {}
     for k, m in models.items():

@@ -151,19 +151,27 @@ class ParallelGatedRMSNorm(TensorParallelModule):
                 f"spans_ranks={self.spans_ranks}, tp_size={self.group.size}")
 
 
+def _mixer_group(cls: type, dense: nn.Module, group: GroupLike, options: Dict[str, Any], attrs: Tuple[str, ...],
+                 kind: str) -> Tuple[Any, str]:
+    """``from_dense``'s common checks: (the TP group, ``"Cls(Family)"`` for messages), or an error naming the parts
+    of a ``kind`` mixer that ``dense`` lacks."""
+    if options:
+        raise TypeError(f"{cls.__name__}.from_dense: unexpected options {sorted(options)}")
+    what = f"{cls.__name__}({type(dense).__name__})"
+    missing = [a for a in attrs if not hasattr(dense, a)]
+    if missing:
+        raise ValueError(f"{what}: not a {kind} mixer of Hugging Face's layout (no {', '.join(missing)})")
+    return resolve_group(group), what
+
+
 class ParallelMamba2(TensorParallelModule):
     """A Hugging Face Mamba-2 mixer split by heads (see the module docstring). ``from_dense(mixer,
     group=g)``; the result is an instance of the mixer's own class as well."""
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelMamba2":
-        if options:
-            raise TypeError(f"ParallelMamba2.from_dense: unexpected options {sorted(options)}")
-        g = resolve_group(group)
-        p, what = g.size, f"ParallelMamba2({type(dense).__name__})"
-        missing = [a for a in _MIXER_ATTRS if not hasattr(dense, a)]
-        if missing:
-            raise ValueError(f"{what}: not a Mamba-2 mixer of Hugging Face's layout (no {', '.join(missing)})")
+        g, what = _mixer_group(cls, dense, group, options, _MIXER_ATTRS, "Mamba-2")
+        p = g.size
         heads, head_dim, d = int(dense.num_heads), int(dense.head_dim), int(dense.intermediate_size)
         groups, state = int(dense.n_groups), int(dense.ssm_state_size)
         bc = groups * state
@@ -267,13 +275,8 @@ class ParallelMamba1(TensorParallelModule):
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelMamba1":
-        if options:
-            raise TypeError(f"ParallelMamba1.from_dense: unexpected options {sorted(options)}")
-        g = resolve_group(group)
-        p, what = g.size, f"ParallelMamba1({type(dense).__name__})"
-        missing = [a for a in _MAMBA1_ATTRS if not hasattr(dense, a)]
-        if missing:
-            raise ValueError(f"{what}: not a Mamba-1 mixer of Hugging Face's layout (no {', '.join(missing)})")
+        g, what = _mixer_group(cls, dense, group, options, _MAMBA1_ATTRS, "Mamba-1")
+        p = g.size
         d, rank, state = int(dense.intermediate_size), int(dense.time_step_rank), int(dense.ssm_state_size)
         linears = {n: getattr(dense, n) for n in ("in_proj", "x_proj", "dt_proj", "out_proj")}
         if not all(type(m) is nn.Linear for m in linears.values()):
