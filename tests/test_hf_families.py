@@ -90,6 +90,13 @@ HYBRID = {
     # a dense hybrid (no MoE): attention and Mamba-2 layers, Granite's mixer; one group of B and C
     "bamba": ("BambaConfig", "BambaForCausalLM", {"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 16,
                                                  "mamba_d_state": 8, "mamba_chunk_size": 8, "eos_token_id": None}),
+    # a dense hybrid with attention and a Mamba-2 mixer side by side in each layer, muP multipliers (its mixer's
+    # mup_vector over in_proj's output), no norm in the mixer (the gate enters the scan)
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_ssm": 64,
+                                                           "mamba_d_state": 8, "mamba_chunk_size": 8, "head_dim": 8,
+                                                           "ssm_multipliers": [0.5, 1.5, 0.7, 1.3, 0.9],
+                                                           "key_multiplier": 0.8, "mlp_multipliers": [1.2, 0.6],
+                                                           "eos_token_id": None}),
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
                    {"layers_block_type": ["mamba", "moe", "attention", "mlp"], "num_hidden_layers": None, "head_dim": 8,
                     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -155,7 +162,7 @@ FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "aper
                          "mixtral": 1e-6, "mixtral_uneven": 1e-6, "qwen2_moe": 1e-6, "llama4": 1e-5, "deepseek_v2": 1e-5, "deepseek_v3": 1e-5,
                          "longcat_flash": 1e-5, "mimo_v2_flash": 1e-6,
                          "nemotron_h": 1e-5,  # (float32 router, Mamba and logits: measured 8e-8 relative, TP 2)
-                         "granitemoehybrid": 1e-5, "bamba": 1e-5, "jamba": 1e-6}  # (Mamba's scan and gated norm in float32, summed over ranks)
+                         "granitemoehybrid": 1e-5, "bamba": 1e-5, "jamba": 1e-6, "falcon_h1": 1e-5}  # (Mamba's scan and gated norm in float32, summed over ranks)
 
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in [*FAMILIES, "gpt2", "opt", "falcon",
                                                                                   "stablelm", "bloom", "gpt_bigcode",
@@ -390,10 +397,12 @@ def _check_hybrid(group, family: str):
 
 
 @pytest.mark.parametrize("family, tp", [("jamba", 2), ("jamba", 4), ("granitemoehybrid", 2), ("granitemoehybrid", 4),
-                                        ("nemotron_h", 2), ("nemotron_h", 4), ("bamba", 2), ("bamba", 4)])
+                                        ("nemotron_h", 2), ("nemotron_h", 4), ("bamba", 2), ("bamba", 4),
+                                        ("falcon_h1", 2), ("falcon_h1", 4)])
 def test_hybrid_families_match_dense_with_their_mamba2_mixers_split(family, tp):
     """Jamba, Granite-MoE-Hybrid, Nemotron-H: their plans split the routed experts only (0.55-0.60 of the dense
-    model per rank at TP 2, benchmarks/RESULTS.md); Bamba's only the embedding. With tplayers' additions every
+    model per rank at TP 2, benchmarks/RESULTS.md); Bamba's and Falcon-H1's only the embedding (Falcon-H1: attention
+    and mixer side by side in every layer, muP multipliers over in_proj's parts). With tplayers' additions every
     attention, dense MLP and shared expert is split too, the Mamba-2 mixers by heads (Granite's and Bamba's one
     group of B and C held whole by every rank; Nemotron-H's two groups split at TP 2, each held by two ranks at
     TP 4), Jamba's Mamba-1 mixers by channels: equal to dense (logits, loss, every gradient, audit, generate),
@@ -401,8 +410,9 @@ def test_hybrid_families_match_dense_with_their_mamba2_mixers_split(family, tp):
     _build(family)
     for dense, split, mixers in get_world(tp).run(_check_hybrid, family):
         assert any("proj" in n or "linear" in n for n in split), split
-        want = ["model.layers.0.mamba", "model.layers.2.mamba"] if family == "jamba" else [
-            f"model.layers.0.{'mixer' if family == 'nemotron_h' else 'mamba'}"]
+        want = {"jamba": ["model.layers.0.mamba", "model.layers.2.mamba"],
+                "falcon_h1": ["model.layers.0.mamba", "model.layers.1.mamba"]}.get(family, [
+            f"model.layers.0.{'mixer' if family == 'nemotron_h' else 'mamba'}"])
         assert not dense and mixers == want, (dense, mixers)
 
 

@@ -208,6 +208,11 @@ def _refusals(group):
                              group=group, audit=False)
     with pytest.raises(ValueError, match=r"not a Mamba-2 mixer of Hugging Face's layout \(no in_proj"):
         ParallelMamba2.from_dense(torch.nn.Linear(2, 2), group=group)
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer  # its norm: the gate after the norm
+    config = transformers.FalconH1Config(hidden_size=8, mamba_n_heads=4, mamba_d_head=2, mamba_d_ssm=8, mamba_d_state=2,
+                                         mamba_rms_norm=True, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"its norm FalconH1RMSNormGated is not a gated RMSNorm over the 1 groups"):
+        ParallelMamba2.from_dense(FalconH1Mixer(config, 0), group=group)
     for part in ("A_log", "conv1d.weight", "norm.weight"):  # each cut from a copy that differs on one rank
         mixer = _mixer(4, 2, 1, 2, False, 0)
         if group.rank() == 1:

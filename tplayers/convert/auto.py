@@ -138,6 +138,11 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
     "bamba": {**_LLAMA_ATTENTION, "layers.*.feed_forward.gate_proj": "colwise",
               "layers.*.feed_forward.up_proj": "colwise", "layers.*.feed_forward.down_proj": "rowwise",
               "layers.*.mamba": MambaMixer()},
+    # Falcon-H1's own plan names only the embedding: attention and Mamba-2 mixer side by side in every layer,
+    # Llama's attention and MLP names (its muP multipliers are scalars, its mixer's mup_vector cut with in_proj)
+    "falcon_h1": {**_LLAMA_ATTENTION, "layers.*.feed_forward.gate_proj": "colwise",
+                  "layers.*.feed_forward.up_proj": "colwise", "layers.*.feed_forward.down_proj": "rowwise",
+                  "layers.*.mamba": MambaMixer()},
     # LongCat-Flash's router is an nn.Linear classifier: replicated on purpose
     "longcat_flash": {"layers.*.mlp.router.classifier": "replicate"},
     # Llama 4's router is an nn.Linear(h, experts): replicated on purpose (every rank routes identically)

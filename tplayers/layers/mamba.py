@@ -1,6 +1,6 @@
 """Tensor-parallel Mamba-2 mixers: every rank holds 1/p of the heads.
 
-A Mamba-2 mixer (Hugging Face's Granite-MoE-Hybrid, Nemotron-H, Bamba ...) is, per token::
+A Mamba-2 mixer (Hugging Face's Granite-MoE-Hybrid, Nemotron-H, Bamba, Falcon-H1 ...) is, per token::
 
     in_proj (h -> [gate (d), x (d), B (G n), C (G n), dt (H)])       d = H heads x P head_dim, G groups
     causal depthwise conv1d over the channels [x, B, C], then SiLU
@@ -53,7 +53,7 @@ __all__ = ["ParallelMamba2", "ParallelMamba1", "ParallelGatedRMSNorm", "ChannelP
 _MIXER_ATTRS = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias", "num_heads", "head_dim",
                 "intermediate_size", "n_groups", "ssm_state_size", "conv_dim")
 _PER_HEAD = ("A_log", "D", "dt_bias")  # (H,) parameters
-_LOCAL_COUNTS = ("num_heads", "intermediate_size", "n_groups", "conv_dim")
+_LOCAL_COUNTS = ("num_heads", "intermediate_size", "n_groups", "conv_dim", "groups_time_state_size")
 # what a Mamba-1 mixer of Hugging Face's layout has (Jamba's: x_proj -> dt, B, C with their norms)
 _MAMBA1_ATTRS = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "A_log", "D", "dt_layernorm", "b_layernorm",
                  "c_layernorm", "intermediate_size", "time_step_rank", "ssm_state_size")
@@ -190,19 +190,22 @@ class ParallelMamba2(TensorParallelModule):
         if groups % p and p % groups:
             raise ValueError(f"{what}: {groups} groups (of B and C) and the TP degree {p}: one must divide the other "
                              "(each rank's heads read whole groups)")
-        if int(getattr(dense.norm, "group_size", -1)) != d // groups or not hasattr(dense.norm, "variance_epsilon"):
+        gated_norm = not isinstance(dense.norm, nn.Identity)  # (Falcon-H1 without mamba_rms_norm: the gate enters the scan)
+        if gated_norm and (int(getattr(dense.norm, "group_size", -1)) != d // groups
+                           or not hasattr(dense.norm, "variance_epsilon")):
             raise ValueError(f"{what}: its norm {type(dense.norm).__name__} is not a gated RMSNorm over the "
                              f"{groups} groups of {d // groups} channels (group_size, variance_epsilon)")
         shards = min(groups, p)  # B's and C's pieces: every rank its own groups, or a group whole on p / G ranks
         names = ["gate", "x", "B", "C", "dt"]
         new = module_copy(dense, mixed_class(ParallelMamba2, type(dense)))
         new.group, new._dense_class = g, type(dense)
-        new._dense_counts = {a: getattr(dense, a) for a in _LOCAL_COUNTS}
+        new._dense_counts = {a: getattr(dense, a) for a in _LOCAL_COUNTS if hasattr(dense, a)}
         new._modules["in_proj"] = FusedColumnParallelLinear.from_dense(
             dense.in_proj, group=g, parts=layout, part_shards=[p, p, shards, shards, p], part_names=names,
             layer=f"{what}.in_proj")
         new._modules["out_proj"] = RowParallelLinear.from_dense(dense.out_proj, group=g)
-        new._modules["norm"] = ParallelGatedRMSNorm(dense.norm, group=g, groups=groups)
+        if gated_norm:
+            new._modules["norm"] = ParallelGatedRMSNorm(dense.norm, group=g, groups=groups)
         conv_placement = Sharded.fused(0, [d, bc, bc], p, [p, shards, shards], layer=f"{what}.conv1d",
                                        names=names[1:4])
         new._modules["conv1d"] = local_conv = ChannelParallelConv1d(conv, conv_placement, group=g)
@@ -212,9 +215,18 @@ class ParallelMamba2(TensorParallelModule):
             (d // p, local_channels, (p // shards,) * shards),)
         new._head_placement = Sharded.split(0, heads, p)
         load_full_params(new, {name: dense._parameters[name] for name in _PER_HEAD}, like=dense)
+        # buffers laid out like in_proj's output (Falcon-H1's mup_vector, (1, 1, projection)): this rank's parts of them
+        in_parts = new._modules["in_proj"].placement.parts
+        new._dense_buffers = {}
+        for name, buf in dense._buffers.items():
+            if buf is not None and buf.dim() >= 1 and buf.shape[-1] == sum(layout):
+                new._dense_buffers[name] = buf
+                new._buffers[name] = Sharded(buf.dim() - 1, in_parts).shard(buf, g.rank, p).clone()
         new.num_heads, new.intermediate_size = heads // p, d // p
         new.n_groups = groups // shards  # (G / p groups per rank, or the one group its heads read)
         new.conv_dim = local_channels
+        if "groups_time_state_size" in new._dense_counts:  # (Falcon-H1's name for n_groups * state)
+            new.groups_time_state_size = new.n_groups * state
         return new
 
     def param_placements(self) -> Dict[str, Placement]:
@@ -239,11 +251,13 @@ class ParallelMamba2(TensorParallelModule):
     def to_dense(self) -> nn.Module:
         """The dense mixer (collective: every rank gathers every shard)."""
         dense = module_copy(self, self._dense_class)
-        for attr in ("group", "_dense_class", "_dense_counts", "_conv_runs", "_head_placement"):
+        for attr in ("group", "_dense_class", "_dense_counts", "_conv_runs", "_head_placement", "_dense_buffers"):
             dense.__dict__.pop(attr, None)
         dense.__dict__.update(self._dense_counts)
+        dense._buffers.update(self._dense_buffers)
         for name in ("in_proj", "out_proj", "norm", "conv1d"):
-            dense._modules[name] = self._modules[name].to_dense()
+            if isinstance(self._modules[name], TensorParallelModule):
+                dense._modules[name] = self._modules[name].to_dense()
         for name in _PER_HEAD:
             dense._parameters[name] = nn.Parameter(self.gather_param(name),
                                                    requires_grad=self._parameters[name].requires_grad)
