@@ -7,9 +7,9 @@ weights between dense and sharded form reads that map.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
-
 import sys
+from contextlib import contextmanager
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -19,7 +19,7 @@ from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 
 __all__ = ["TensorParallelModule", "model_placements", "placements_of", "PLACEMENTS_ATTR", "SHARD_OWNER_KEY",
-           "mixed_class", "module_copy"]
+           "mixed_class", "module_copy", "params_read_as"]
 
 # A module that is not a TensorParallelModule (a Hugging Face norm under sequence parallelism) carries
 # its parameters' placements in this attribute, set by the parallelize style that changed how it runs.
@@ -135,3 +135,20 @@ def module_copy(module: nn.Module, cls: type) -> nn.Module:
     new = object.__new__(cls)
     new.__dict__.update({k: (v.copy() if isinstance(v, dict) else v) for k, v in module.__dict__.items()})
     return new
+
+
+@contextmanager
+def params_read_as(reads: Iterable[Tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
+    """While the body runs, ``module.<name>`` reads as the tensor given for each ``(module, name, tensor)``: it
+    is put in the instance ``__dict__``, which attribute lookup finds before ``nn.Module.__getattr__`` reads
+    ``_parameters``, and removed afterwards, also when the body raises. For code that reads a parameter
+    directly (a family's forward reading ``self.conv1d.weight``) where TP needs a function of it (its
+    replicas' gradients summed, padding rows masked); state-dict names and the parameters are unchanged."""
+    reads = list(reads)
+    for module, name, value in reads:
+        module.__dict__[name] = value
+    try:
+        yield
+    finally:
+        for module, name, _ in reads:
+            module.__dict__.pop(name, None)

@@ -48,7 +48,7 @@ import torch.nn as nn
 from ..core.comm import copy_many_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Replicated, Sharded
-from .base import TensorParallelModule, mixed_class, module_copy
+from .base import TensorParallelModule, mixed_class, module_copy, params_read_as
 from .token_dispatch import dispatch_to_experts, tied_to
 
 __all__ = ["ParallelExperts", "ExpertSplit"]
@@ -262,15 +262,13 @@ class ParallelExperts(TensorParallelModule):
                 kwargs[i] = t
         if self._first_expert is not None:
             self._route_to_local_experts(args, kwargs)
-        for name, t in zip(self._added_once, once):  # rank 0 adds it; the partial sums then hold it once
-            self.__dict__[name] = t if self.group.rank == 0 else t * 0
-        for name, (dim, real) in self._padding.items():  # padding rows: zero, and no gradient (act(0) may not be 0)
-            self.__dict__[name] = _ZeroPaddingGrad.apply(self._parameters[name], dim, real)
-        try:
+        # rank 0 adds the added-once parameters (the partial sums then hold them once); padding rows: zero, and no
+        # gradient (act(0) may not be 0)
+        reads = [(self, name, t if self.group.rank == 0 else t * 0) for name, t in zip(self._added_once, once)]
+        reads += [(self, name, _ZeroPaddingGrad.apply(self._parameters[name], dim, real))
+                  for name, (dim, real) in self._padding.items()]
+        with params_read_as(reads):
             out = super().forward(*args, **kwargs)  # (tokens, h): this rank's partial sum
-        finally:
-            for name in (*self._added_once, *self._padding):
-                self.__dict__.pop(name, None)
         if not torch.is_tensor(out):
             raise TypeError(f"ParallelExperts({self._dense_class.__name__}): the experts returned "
                             f"{type(out).__name__}; a tensor (the weighted sum of the experts' outputs) was expected")

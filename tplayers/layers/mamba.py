@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ..core.comm import copy_many_to_tp, copy_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Replicated, Sharded
-from .base import PLACEMENTS_ATTR, TensorParallelModule, mixed_class, module_copy
+from .base import PLACEMENTS_ATTR, TensorParallelModule, mixed_class, module_copy, params_read_as
 from .from_dense import load_full_params, new_param
 from .fused import FusedColumnParallelLinear, ReplicaRun, with_replica_grads
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -233,20 +233,17 @@ class ParallelMamba2(TensorParallelModule):
         return {name: self._head_placement for name in _PER_HEAD if self._parameters.get(name) is not None}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        conv = self.conv1d
+        conv = self.conv1d  # read through its replicas' gradient sum (the family reads its weight, not its forward)
+        reads = [(conv, name, with_replica_grads(param, self._conv_runs, self.group))
+                 for name, param in conv.named_parameters(recurse=False) if self._conv_runs]
         # transformers' fused training kernel multiplies by out_proj's weight itself (no all-reduce): the
         # family's forward takes it only when self.training, which nothing else in it reads
         training, self.training = self.training, False
-        for name in ("weight", "bias"):  # read through the replicas' gradient sum (conv1d's forward is not called)
-            param = conv._parameters.get(name)
-            if param is not None and self._conv_runs:
-                conv.__dict__[name] = with_replica_grads(param, self._conv_runs, self.group)
         try:
-            return super().forward(*args, **kwargs)
+            with params_read_as(reads):
+                return super().forward(*args, **kwargs)
         finally:
             self.training = training
-            conv.__dict__.pop("weight", None)
-            conv.__dict__.pop("bias", None)
 
     def to_dense(self) -> nn.Module:
         """The dense mixer (collective: every rank gathers every shard)."""
@@ -335,13 +332,9 @@ class ParallelMamba1(TensorParallelModule):
         norms = [(getattr(self, n), pn, pv) for n in _MAMBA1_NORMS
                  for pn, pv in getattr(self, n).named_parameters(recurse=False) if pv.requires_grad]
         summed = copy_many_to_tp([pv for _, _, pv in norms], group=g) if torch.is_grad_enabled() else ()
-        for (module, pn, _), value in zip(norms, summed):  # each rank's gradient covers its channels: summed
-            module.__dict__[pn] = value
-        try:
+        # each rank's gradient covers its channels: summed
+        with params_read_as((module, pn, value) for (module, pn, _), value in zip(norms, summed)):
             return super().forward(*args, **kwargs)
-        finally:
-            for module, pn, _ in norms:
-                module.__dict__.pop(pn, None)
 
     def to_dense(self) -> nn.Module:
         """The dense mixer (collective: every rank gathers every shard)."""
