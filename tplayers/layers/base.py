@@ -15,8 +15,10 @@ import torch
 import torch.nn as nn
 
 from ..core.collectives import gather_placed
+from ..core.dtensors import UnlabelledShard, as_dtensor, is_dtensor, local_rows, unlabelled_reason
 from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
+from .optimizer_state import track_tp_module
 
 __all__ = ["TensorParallelModule", "model_placements", "placements_of", "PLACEMENTS_ATTR", "SHARD_OWNER_KEY",
            "mixed_class", "module_copy", "params_read_as"]
@@ -35,6 +37,11 @@ class TensorParallelModule(nn.Module):
     """
 
     group: TPGroup
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "TensorParallelModule":
+        module = super().__new__(cls)
+        track_tp_module(module)  # its shards' optimizer state is labelled as shards (layers/optimizer_state.py)
+        return module
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "TensorParallelModule":
@@ -57,9 +64,12 @@ class TensorParallelModule(nn.Module):
         """The dense tensor of direct parameter ``name``, on every rank (collective; no autograd)."""
         return gather_placed(getattr(self, name), self.param_placements()[name], group=self.group)
 
-    # A state_dict holds this rank's shards: it records whose they are (in the state_dict's metadata,
-    # which torch.save keeps and load_state_dict's strictness ignores), and a load refuses another
-    # rank's or another TP size's, which would otherwise compute wrong numbers with no error.
+    # state_dict(): every sharded parameter is a DTensor over the TP group (its dense shape, Shard(dim)), so
+    # torch.save, DCP (get_model_state_dict / dcp.save) and any other reader see a shard labelled as one;
+    # a layout no DTensor describes is refused, naming the tplayers route. The state_dict's metadata also
+    # records whose shards it holds (torch.save keeps it, load_state_dict's strictness ignores it): a load
+    # refuses another rank's or another TP size's (a DTensor's local tensor, or a plain shard of an older
+    # state_dict, would otherwise be taken as this rank's, computing wrong numbers with no error).
     def _shard_owner(self) -> Optional[Dict[str, Any]]:
         placements = {n: repr(pl) for n, pl in self.param_placements().items() if pl.is_sharded}
         if not placements:
@@ -68,10 +78,31 @@ class TensorParallelModule(nn.Module):
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.group.size > 1:
+            for name, placement in self.param_placements().items():
+                key = prefix + name
+                if placement.is_sharded and destination.get(key) is not None:
+                    destination[key] = self._labelled(key, destination[key], placement)
         owner = self._shard_owner()
         metadata = getattr(destination, "_metadata", None)
         if owner is not None and metadata is not None and prefix[:-1] in metadata:
             metadata[prefix[:-1]][SHARD_OWNER_KEY] = owner
+
+    def _labelled(self, key: str, value: torch.Tensor, placement: Placement) -> Any:
+        what = f"'{key}' ({type(self).__name__}, TP rank {self.group.rank} of {self.group.size})"
+        if is_dtensor(value):
+            raise UnlabelledShard(
+                f"{what}: the TP shard is itself sharded by a DTensor wrapper ({value.placements} over "
+                f"{value.device_mesh}; FSDP2 over a TP model), whose state_dict would present this TP shard as "
+                "the whole tensor. Save TP x FSDP2 models with tplayers.save_checkpoint(model, path, optimizer=...)")
+        reason = unlabelled_reason(placement, self.group.size)
+        if reason is not None:
+            raise UnlabelledShard(
+                f"{what}: this rank holds a shard that {reason}; state_dict() refuses to hand it out as the whole "
+                "tensor. Checkpoints that reshard, optimizer state included: tplayers.save_checkpoint(model, path, "
+                "optimizer=...) / tplayers.load_checkpoint; the dense tensors: tplayers.io.dense_state_dict(model) "
+                "or tplayers.save_dense")
+        return as_dtensor(value.detach(), placement, self.group)
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
                               strict: bool, missing_keys: List[str], unexpected_keys: List[str],
@@ -89,6 +120,14 @@ class TensorParallelModule(nn.Module):
             error_msgs.append(f"{what}: this state_dict's shards are placed {saved.get('placements')}, this module's "
                               f"{mine['placements']}: a different layout of the same parameters")
             return
+        for name, placement in self.param_placements().items():
+            key, local = prefix + name, self._parameters.get(name)
+            if placement.is_sharded and key in state_dict and local is not None:
+                try:  # a DTensor (DCP, a state_dict() of this layout) or the dense tensor -> this rank's rows
+                    state_dict[key] = local_rows(state_dict[key], placement, self.group, local.detach(), f"'{key}'")
+                except ValueError as e:
+                    error_msgs.append(str(e))
+                    return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -133,6 +172,8 @@ def module_copy(module: nn.Module, cls: type) -> nn.Module:
     """A new ``cls`` object with ``module``'s attributes; nn.Module's own dicts (parameters, buffers,
     submodules, hooks) copied, so changing the copy's parameters leaves ``module`` as it is."""
     new = object.__new__(cls)
+    if issubclass(cls, TensorParallelModule):
+        track_tp_module(new)
     new.__dict__.update({k: (v.copy() if isinstance(v, dict) else v) for k, v in module.__dict__.items()})
     return new
 

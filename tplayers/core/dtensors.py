@@ -1,0 +1,132 @@
+"""A shard labelled as one: a placement's local tensor as a ``DTensor`` over the TP group, and back.
+
+PyTorch's own representation of a shard is a ``DTensor``: its global shape is the dense tensor's and
+its placement says which rows this rank holds, so ``torch.distributed.checkpoint`` (DCP) writes each
+shard once and reshards it on load, and nothing outside tplayers can take it for the whole tensor.
+Every state view a TP model hands out (``state_dict()``, its optimizer's ``state_dict()``, DCP's
+``get_model_state_dict`` / ``get_optimizer_state_dict``) labels its shards here.
+
+A DTensor ``Shard(dim)`` over ``p`` ranks holds ``torch.chunk`` pieces: rank ``r`` rows
+``[r * c, min((r + 1) * c, n))`` with ``c = ceil(n / p)``. A :class:`~tplayers.core.placement.Sharded`
+placement says that exactly when it has one part, cut into ``p`` pieces (no replicas) of torch.chunk's
+sizes (a padded vocabulary is: its padding rows are simply left out of the DTensor). What it cannot say
+(fused q/k/v parts, pieces held by several ranks, uneven head counts) :func:`unlabelled_reason`
+explains, and the callers refuse rather than hand the shard out as the whole tensor.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .groups import TPGroup
+from .placement import Placement
+
+__all__ = ["UnlabelledShard", "is_dtensor", "unlabelled_reason", "as_dtensor", "local_rows", "dtensor_mesh", "contiguous_stride"]
+
+class UnlabelledShard(ValueError):
+    """A shard that no DTensor over the TP group describes was asked for as a state view (the message names
+    the parameter, why, and the tplayers route that handles it)."""
+
+
+_MESHES: Dict[Tuple[int, str], Tuple[Any, Any]] = {}  # (id(process group), device type) -> (group, its 1-D mesh)
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it eagerly)."""
+    return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
+
+
+def contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def dtensor_mesh(group: TPGroup, device: torch.device) -> Any:
+    """The 1-D ``DeviceMesh`` over ``group``'s ranks (made once per process group and device type;
+    ``DeviceMesh.from_group`` runs no collective)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pg = group.process_group
+    key = (id(pg), device.type)
+    cached = _MESHES.get(key)
+    if cached is None or cached[0] is not pg:  # a destroyed group's id may be reused
+        cached = (pg, DeviceMesh.from_group(pg, device_type=device.type))
+        _MESHES[key] = cached
+    return cached[1]
+
+
+def _chunk_lengths(size: int, p: int) -> List[int]:
+    c = -(-size // p)
+    return [max(0, min(c, size - r * c)) for r in range(p)]
+
+
+def unlabelled_reason(placement: Placement, size: int) -> Optional[str]:
+    """None when a DTensor ``Shard(dim)`` over ``size`` ranks describes ``placement``'s local tensors;
+    else why not, in words (for an error naming the parameter)."""
+    if not placement.is_sharded or size == 1:
+        return None
+    parts = placement.parts  # type: ignore[attr-defined]
+    if len(parts) > 1:
+        return (f"its dim {placement.dim} fuses {len(parts)} components (q/k/v or gate/up), each split on "
+                "its own, which no DTensor placement over the TP group describes")
+    part = parts[0]
+    if part.shards != size or part.holders is not None:
+        return (f"its {part.shards} pieces are held by several ranks each (KV heads fewer than the TP degree "
+                f"{size}), which no DTensor placement over the TP group describes")
+    lengths = [part.piece(j)[1] for j in range(size)]
+    if lengths != _chunk_lengths(part.size, size):
+        return (f"its pieces have {lengths} rows (heads or ffn that do not divide the TP degree), where a DTensor "
+                f"over {size} ranks holds torch.chunk's {_chunk_lengths(part.size, size)}")
+    return None
+
+
+def as_dtensor(local: torch.Tensor, placement: Placement, group: TPGroup) -> Any:
+    """``local`` (this rank's local tensor of ``placement``, padding rows included) as a DTensor of the
+    dense tensor's shape, ``Shard(dim)`` over ``group``: a view, no copy and no collective. The caller
+    checked :func:`unlabelled_reason`."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    d = placement.dim
+    assert d is not None
+    piece = placement.pieces(group.rank, group.size)[0]
+    rows = local.narrow(d, piece.local_start, piece.length)
+    shape = placement.full_shape(local.shape)
+    return DTensor.from_local(rows, dtensor_mesh(group, local.device), [Shard(d)], run_check=False,
+                              shape=torch.Size(shape), stride=contiguous_stride(shape))
+
+
+def local_rows(value: Any, placement: Placement, group: TPGroup, local: torch.Tensor, what: str) -> torch.Tensor:
+    """This rank's local tensor of ``placement`` (``local``'s shape, padding rows zero) from ``value``:
+    a DTensor labelled as :func:`as_dtensor` labels it, the dense tensor (cut here), or ``local``'s own
+    shape (this rank's shard, as plain state dicts of older tplayers held it: returned as it is).
+    Anything else raises a ValueError naming ``what``."""
+    full = tuple(placement.full_shape(local.shape))
+    if is_dtensor(value):
+        from torch.distributed.tensor import Shard
+
+        mesh = value.device_mesh
+        ranks = mesh.mesh.flatten().tolist()
+        mine = list(range(group.size)) if group.process_group is None else \
+            dist.get_process_group_ranks(group.process_group)
+        if tuple(value.shape) != full or mesh.ndim != 1 or ranks != mine or \
+                tuple(value.placements) != (Shard(placement.dim),):
+            raise ValueError(f"{what}: a DTensor of shape {tuple(value.shape)} placed {tuple(value.placements)} over "
+                             f"ranks {ranks}; this rank's TP shard is of the dense shape {full}, Shard({placement.dim}) "
+                             f"over the TP group's ranks {mine}. Load it through torch.distributed.checkpoint (which "
+                             "reshards) or tplayers.load_checkpoint")
+        value = value.to_local()
+        piece = placement.pieces(group.rank, group.size)[0]
+        out = local.new_zeros(local.shape)
+        out.narrow(placement.dim, piece.local_start, piece.length).copy_(value)
+        return out
+    if not isinstance(value, torch.Tensor):
+        return value
+    if tuple(value.shape) == full and full != tuple(local.shape):
+        return placement.shard(value.to(local.device), group.rank, group.size)
+    return value

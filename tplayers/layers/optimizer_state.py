@@ -1,0 +1,131 @@
+"""An optimizer's state of TP shards, labelled as shards: AdamW's moments of a sharded parameter as
+DTensors over the TP group in ``optimizer.state_dict()``, and back to local tensors on load.
+
+Why: the moments of a shard have the shard's shape. Handed out as plain tensors under the dense
+parameter's name (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``), DCP takes
+the TP ranks' different moments for replicas of one tensor, writes one and gives it to every rank:
+a resumed run trains on another rank's moments with no error. Labelled as DTensors, DCP writes each
+shard once and reshards the moments at any TP size, as it does the parameters (``state_dict()`` of
+a :class:`~tplayers.layers.base.TensorParallelModule`).
+
+How: an optimizer cannot be found from the model, so the first ``step()`` of every optimizer in a
+process that built a TP module attaches two hooks to it (``torch.optim``'s global step pre-hook;
+DCP's ``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` step a fresh optimizer once,
+with zero learning rate, before they read its state, so they always see the hooks):
+
+- ``state_dict`` post-hook: each state tensor of a TP shard's shape becomes a DTensor (a view, no
+  copy); a layout no DTensor describes (fused parts, KV-head replicas, uneven heads) raises
+  :class:`~tplayers.core.dtensors.UnlabelledShard` naming ``tplayers.save_checkpoint(..., optimizer=)``;
+- ``load_state_dict`` pre-hook: DTensors (and dense-shaped tensors) back to this rank's rows.
+
+Which parameter is a shard is read from the TP modules alive in the process when the state is
+read (``param_placements()``), so parameters replaced after the optimizer was built (``to_empty``,
+``load_state_dict(assign=True)``) are still found.
+"""
+from __future__ import annotations
+
+import weakref
+from itertools import chain
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..core.dtensors import UnlabelledShard, as_dtensor, is_dtensor, local_rows, unlabelled_reason
+from ..core.groups import TPGroup
+from ..core.placement import Placement
+
+__all__ = ["track_tp_module", "shard_of"]
+
+_MODULES: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every TensorParallelModule alive in this process
+_OPTIMIZERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers given the hooks
+_STEP_HOOK: List[Any] = []  # the global step pre-hook's handle, once installed
+
+
+def track_tp_module(module: Any) -> None:
+    """Record a TP module (so its parameters' optimizer state is labelled); installs, once, the global
+    optimizer step pre-hook that gives every optimizer the state hooks."""
+    _MODULES.add(module)
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_attach))
+
+
+def _attach(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer in _OPTIMIZERS:
+        return
+    _OPTIMIZERS.add(optimizer)
+    optimizer.register_state_dict_post_hook(_label_state)
+    optimizer.register_load_state_dict_pre_hook(_unlabel_state)
+
+
+def shard_of(params: List[torch.Tensor]) -> Dict[int, Tuple[str, Placement, TPGroup]]:
+    """``{id(param): (name, placement, group)}`` for the parameters among ``params`` that are TP shards
+    (sharded placement, TP degree > 1) of a live TP module."""
+    wanted = {id(p) for p in params}
+    out: Dict[int, Tuple[str, Placement, TPGroup]] = {}
+    for module in list(_MODULES):
+        if module.group.size == 1:
+            continue
+        for name, placement in module.param_placements().items():
+            p = module._parameters.get(name)
+            if p is not None and id(p) in wanted and placement.is_sharded:
+                out[id(p)] = (f"{type(module).__name__}.{name}", placement, module.group)
+    return out
+
+
+def _params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The optimizer's parameters in ``state_dict()``'s index order (first appearance)."""
+    seen: Dict[int, torch.Tensor] = {}
+    for p in chain.from_iterable(g["params"] for g in optimizer.param_groups):
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _label_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    params = _params(optimizer)
+    shards = shard_of(params)
+    if not shards:
+        return None
+    state = dict(state_dict["state"])
+    for index, entry in state_dict["state"].items():
+        p = params[index] if isinstance(index, int) and index < len(params) else None
+        if p is None or id(p) not in shards:
+            continue
+        name, placement, group = shards[id(p)]
+        reason = unlabelled_reason(placement, group.size)
+        what = (f"optimizer state of '{name}' (shape {tuple(p.shape)}, TP rank {group.rank} of {group.size})")
+        if reason is not None:
+            raise UnlabelledShard(
+                f"{what}: this rank holds a shard that {reason}; the optimizer's state_dict() refuses to hand its "
+                "moments out as the whole tensor's. Checkpoints that reshard, optimizer state included: "
+                "tplayers.save_checkpoint(model, path, optimizer=...) / tplayers.load_checkpoint(..., optimizer=...)")
+        labelled = {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and not is_dtensor(value) and value.dim() > 0:
+                if tuple(value.shape) != tuple(p.shape):
+                    raise UnlabelledShard(f"{what}: state '{key}' has shape {tuple(value.shape)}, not the shard's: "
+                                          "tplayers cannot say which rows of the dense tensor's state it holds")
+                value = as_dtensor(value.detach(), placement, group)
+            labelled[key] = value
+        state[index] = labelled
+    return {**state_dict, "state": state}
+
+
+def _unlabel_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    saved = list(chain.from_iterable(g["params"] for g in state_dict.get("param_groups", [])))
+    current = list(chain.from_iterable(g["params"] for g in optimizer.param_groups))
+    if len(saved) != len(current):
+        return None  # torch's own check names the mismatch
+    by_index = dict(zip(saved, current))
+    shards = shard_of(current)
+    state = dict(state_dict["state"])
+    for index, entry in state_dict["state"].items():
+        p = by_index.get(index)
+        if p is None or id(p) not in shards or not isinstance(entry, dict):
+            continue
+        name, placement, group = shards[id(p)]
+        state[index] = {key: local_rows(value, placement, group, p.detach(), f"optimizer state '{key}' of '{name}'")
+                        if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                        for key, value in entry.items()}
+    return {**state_dict, "state": state}
