@@ -30,16 +30,18 @@ import json
 import os
 import pickle
 import shutil
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ..core.collectives import all_gather_tensor, gather_placed
+from ..core.dtensors import contiguous_stride, dtensor_mesh
 from ..core.groups import TPGroup, collective_device
 from ..core.placement import Sharded
 from .publish import agree_token, coord_group, dcp_errors, fsync_dir, on_rank0, quiet, require_same_path, write_json
+from .optim_state import optimizer_entries, optimizer_record, optimizer_targets
 from .unpickle import safe_reader
 from .walk import CheckpointError, Entry, entries, parts_of, refuse_meta
 
@@ -57,25 +59,10 @@ def _layout_record(e: Entry) -> Optional[Dict[str, Any]]:
     return {"dim": e.layout.dim, "parts": [part.size for part in e.layout.parts]}
 
 
-def _mesh(tp: TPGroup, device: torch.device, cache: Dict[int, Any]) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    key = id(tp.process_group)
-    if key not in cache:
-        cache[key] = DeviceMesh.from_group(tp.process_group, device_type=device.type)
-    return cache[key]
-
-
-def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
-
-
-def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], List[Tuple[torch.Tensor, torch.Tensor]]]:
-    """The DCP state dict of ``model`` and, for loading, (buffer, destination) copies to do after.
+def _dcp_state(model: nn.Module, *, for_save: bool, extra: Sequence[Entry] = ()
+               ) -> Tuple[Dict[str, Any], List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """The DCP state dict of ``model`` (and of ``extra`` entries: optimizer state) and, for loading,
+    (buffer, destination) copies to do after.
 
     Each part of a sharded parameter is a DTensor ``Shard(dim)`` over the TP group whose local
     tensor is this rank's piece (views of the parameters when loading, so DCP writes straight into
@@ -86,8 +73,7 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
     """
     state: Dict[str, Any] = {}
     post: List[Tuple[torch.Tensor, torch.Tensor]] = []
-    meshes: Dict[int, Any] = {}
-    for e in entries(model):
+    for e in [*entries(model), *extra]:
         t = e.tensor.detach()
         if e.layout is None:
             state[e.name] = t.clone() if for_save else t
@@ -106,10 +92,10 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
                 state[key] = local.clone() if for_save else local
             elif part.shards == p and part.counts is None:
                 chunk = local.contiguous().clone() if for_save else local
-                state[key] = _dtensor(chunk, e.group, d, shape_t, meshes)
+                state[key] = _dtensor(chunk, e.group, d, shape_t)
             elif for_save and part.size % p == 0 and part.counts is None and part.holders is None:
                 sub = local.chunk(p // part.shards, dim=d)[r % (p // part.shards)].contiguous().clone()
-                state[key] = _dtensor(sub, e.group, d, shape_t, meshes)
+                state[key] = _dtensor(sub, e.group, d, shape_t)
             elif for_save:  # uneven pieces or replicas: the whole part, gathered (its padded local rows)
                 padded = t.narrow(d, piece.local_start, part.local_size)
                 state[key] = gather_placed(padded, Sharded(d, (part,)), group=e.group)
@@ -120,12 +106,12 @@ def _dcp_state(model: nn.Module, *, for_save: bool) -> Tuple[Dict[str, Any], Lis
     return state, post
 
 
-def _dtensor(local: torch.Tensor, tp: TPGroup, dim: int, shape: Tuple[int, ...], meshes: Dict[int, Any]) -> Any:
+def _dtensor(local: torch.Tensor, tp: TPGroup, dim: int, shape: Tuple[int, ...]) -> Any:
     """``local`` as this rank's ``Shard(dim)`` chunk of a DTensor of ``shape`` over the TP group."""
     from torch.distributed.tensor import DTensor, Shard
 
-    return DTensor.from_local(local, _mesh(tp, local.device, meshes), [Shard(dim)], run_check=False,
-                              shape=shape, stride=_contiguous_stride(shape))
+    return DTensor.from_local(local, dtensor_mesh(tp, local.device), [Shard(dim)], run_check=False,
+                              shape=shape, stride=contiguous_stride(shape))
 
 
 def _manifest(model: nn.Module) -> Dict[str, Any]:
@@ -140,8 +126,11 @@ def _manifest(model: nn.Module) -> Dict[str, Any]:
     }
 
 
-def save_checkpoint(model: nn.Module, path: str, *, group: Any = None, timeout: float = 300.0) -> None:
-    """Save ``model`` (TP or not, any TP size) as a DCP checkpoint directory at ``path``.
+def save_checkpoint(model: nn.Module, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None,
+                    group: Any = None, timeout: float = 300.0) -> None:
+    """Save ``model`` (TP or not, any TP size) as a DCP checkpoint directory at ``path``; with
+    ``optimizer``, its state too (each moment split like its parameter, so it reshards with it; the
+    groups' hyperparameters in the manifest).
 
     Collective: every rank of ``group`` calls it: the ranks that write this checkpoint together
     (default: the whole world, e.g. every TP and data-parallel rank), not the TP group; a rank that
@@ -157,10 +146,13 @@ def save_checkpoint(model: nn.Module, path: str, *, group: Any = None, timeout: 
     require_same_path(pg, path, "save_checkpoint")
     save_id = agree_token(pg, rank)  # one per save, the same on every rank
     tmp = f"{path}.tmp-{save_id}"
-    state, _ = _dcp_state(model, for_save=True)
+    extra = [] if optimizer is None else optimizer_entries(entries(model), optimizer)
+    state, _ = _dcp_state(model, for_save=True, extra=extra)
     state[f"{SAVE_ID}rank{rank}"] = _id_tensor(save_id, rank)  # only this rank holds the key: it lands in its file
     manifest = _manifest(model)
     manifest["save_id"] = save_id
+    if optimizer is not None:
+        manifest["optimizer"] = optimizer_record(entries(model), optimizer)
     with quiet(), dcp_errors("save_checkpoint", tmp):
         dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=pg, no_dist=pg is None)
 
@@ -312,8 +304,11 @@ def _check_against(manifest: Dict[str, Any], model: nn.Module, path: str) -> Non
                                   f"the model's layer has {lw}")
 
 
-def load_checkpoint(model: nn.Module, path: str, *, group: Any = None, timeout: float = 300.0) -> None:
-    """Load a :func:`save_checkpoint` directory into ``model`` at any TP size (bit-exact).
+def load_checkpoint(model: nn.Module, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None,
+                    group: Any = None, timeout: float = 300.0) -> None:
+    """Load a :func:`save_checkpoint` directory into ``model`` at any TP size (bit-exact); with
+    ``optimizer`` (built over ``model``'s parameters, in the saved groups' order), the saved optimizer
+    state and hyperparameters too, resharded like the parameters.
 
     Collective over ``group`` (as in :func:`save_checkpoint`; default: the whole world). Raises :class:`CheckpointError`
     naming the tensor when names, full shapes or fused layouts differ, and naming the file when one is
@@ -329,15 +324,20 @@ def load_checkpoint(model: nn.Module, path: str, *, group: Any = None, timeout: 
     manifest = _read_manifest(path, raw)
     _check_against(manifest, model, path)
     refuse_meta(entries(model), path)
+    extra, hand_over = [], None
+    if optimizer is not None:
+        extra, hand_over = optimizer_targets(manifest.get("optimizer"), entries(model), optimizer, path)
     reader = safe_reader(path)
     try:
         metadata = reader.read_metadata()  # refuse a tampered .metadata here, with a clear error, before DCP does
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path}: refusing to load .metadata: {e}") from None
     _verify_files(manifest, path, pg, rank, metadata)  # after the metadata check: a forged manifest must not skip it
-    state, post = _dcp_state(model, for_save=False)
+    state, post = _dcp_state(model, for_save=False, extra=extra)
     with torch.no_grad():
         with quiet(), dcp_errors("load_checkpoint", path):
             dcp.load(state, storage_reader=reader, process_group=pg, no_dist=pg is None)
         for src, dst in post:
             dst.copy_(src)
+    if hand_over is not None:
+        hand_over()
