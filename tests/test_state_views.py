@@ -239,3 +239,24 @@ def test_load_checkpoint_refuses_another_optimizers_state(tmp_path):
     with pytest.raises(tplayers.io.CheckpointError, match="holds no optimizer state"):
         tplayers.save_checkpoint(model, str(tmp_path / "bare"))
         tplayers.load_checkpoint(model, str(tmp_path / "bare"), optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def _ddp_over_tp_peers(group):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_build(group, seed=1))  # the default group: the world, i.e. both TP ranks
+    ids, _ = _batch(0)
+    try:
+        model(ids)
+    except RuntimeError as e:
+        return str(e), model.module.up.weight.grad
+    return "", None
+
+
+def test_ddp_over_tp_peers_is_refused_before_a_step():
+    """DDP over the TP ranks broadcasts rank 0's shards to rank 1 (before: the model trained on with them,
+    no error). Refused on every rank at the first forward, naming the fix, before any gradient exists."""
+    for error, grad in get_world(2).run(_ddp_over_tp_peers):
+        assert "inside DistributedDataParallel over ranks [0, 1], which include TP peers [0, 1]" in error, error
+        assert "process_group=mesh.dp_group" in error and "transformers.Trainer" in error
+        assert grad is None

@@ -5,15 +5,18 @@ ids, are checked in :mod:`.validate`.)"""
 from __future__ import annotations
 
 import os
+import sys
 import warnings
-from typing import Optional, Tuple
+import weakref
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .collectives import SEQ_DIM
 from .groups import TPGroup
 
-__all__ = ["check_linear_inputs", "autocast_inputs", "autocast_enabled", "warn_cuda_connections_once", "require_chunks"]
+__all__ = ["refuse_replicating_wrapper", "check_linear_inputs", "autocast_inputs", "autocast_enabled", "warn_cuda_connections_once", "require_chunks"]
 
 
 def check_linear_inputs(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -21,6 +24,7 @@ def check_linear_inputs(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Op
                         seq_divisible: bool = False) -> None:
     """A ValueError / TypeError naming ``op`` unless ``x (..., expected_in)`` fits ``weight`` and ``bias``
     (``seq_divisible``: the sequence dim must split over the group, as a reduce-scatter needs)."""
+    refuse_replicating_wrapper(op, g)
     if x.dim() < 1:
         raise ValueError(f"{op}: input is a 0-dim tensor, expected (..., {expected_in})")
     if x.shape[-1] != expected_in:
@@ -42,6 +46,38 @@ def check_linear_inputs(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Op
     if seq_divisible and sequence_parallel and g.size > 1 and x.shape[SEQ_DIM] % g.size != 0:
         raise ValueError(f"{op}: sequence length {x.shape[SEQ_DIM]} is not divisible by the TP degree {g.size} "
                          "(sequence parallelism splits it across ranks)")
+
+
+_WRAPPERS_SEEN: Dict[Tuple[int, int], Tuple[Any, Any]] = {}  # (DDP, TP process group) pairs found fine
+
+
+def refuse_replicating_wrapper(op: str, g: TPGroup) -> None:
+    """A RuntimeError naming the fix when this forward runs inside a ``DistributedDataParallel`` whose process
+    group holds two or more ranks of ``g``: DDP's constructor broadcast one rank's parameters to the others,
+    so TP peers now hold another rank's shards, and its gradient all-reduce would average different shards.
+    Raised on every rank (each runs the same forward), before any backward or step. Local: no collective."""
+    ddp_module = sys.modules.get("torch.nn.parallel.distributed")
+    active = None if ddp_module is None or g.size == 1 else ddp_module.DistributedDataParallel._active_ddp_module
+    if active is None:
+        return
+    key = (id(active), id(g.process_group))
+    seen = _WRAPPERS_SEEN.get(key)
+    if seen is not None and seen[0]() is active and seen[1] is g.process_group:
+        return
+    wrapper = dist.get_process_group_ranks(active.process_group)
+    tp = dist.get_process_group_ranks(g.process_group)
+    shared = sorted(set(wrapper) & set(tp))
+    if len(shared) < 2:
+        _WRAPPERS_SEEN[key] = (weakref.ref(active), g.process_group)
+        return
+    raise RuntimeError(
+        f"{op}: the model runs inside DistributedDataParallel over ranks {sorted(wrapper)}, which include TP peers "
+        f"{shared} (this layer's TP group: ranks {tp}). DDP's constructor copied rank {min(wrapper)}'s parameters to "
+        "every rank of its group, so these TP ranks now hold another rank's shards, and its gradient all-reduce would "
+        "average different shards. Wrap DDP over the data-parallel ranks only: mesh = tplayers.make_2d_mesh(dp=..., "
+        "tp=...); parallelize(model, plan, group=mesh.mesh); DDP(model, process_group=mesh.dp_group) (docs/models.md, "
+        "'2-D parallelism'). transformers.Trainer and accelerate wrap DDP over the whole world: they cannot train a "
+        "tplayers model (docs/models.md, 'Checkpoints and resuming at scale')")
 
 
 def require_chunks(chunks: int, where: str) -> int:
