@@ -2,6 +2,8 @@
 over the TP group, so PyTorch's own checkpoint route (get_state_dict + torch.distributed.checkpoint)
 writes each shard once and reshards model and AdamW moments at any TP size; layouts no DTensor
 describes are refused naming the route; tplayers.save_checkpoint(optimizer=) handles every layout."""
+import importlib.util
+
 import pytest
 import torch
 import torch.nn as nn
@@ -14,6 +16,7 @@ from tplayers.core.dtensors import UnlabelledShard
 from tplayers.core.groups import resolve_group
 from tplayers.layers import model_placements
 from tplayers.testing import get_world
+from torch.distributed.tensor import DTensor
 
 VOCAB, HIDDEN = 31, 8  # 31 divides no TP size > 1: the vocabulary is padded
 
@@ -52,15 +55,17 @@ def _build(group, seed: int, fused: bool = False) -> nn.Module:
     return model
 
 
-def _batch(step: int):
+def _batch(step: int, dp: int = 1, dp_rank: int = 0):
+    """Batch ``step`` of 4 sequences; under data parallelism, this replica's part of it."""
     g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, VOCAB, (2, 5), generator=g)
-    return ids, torch.randint(0, VOCAB, (2, 5), generator=g)
+    ids = torch.randint(0, VOCAB, (4, 5), generator=g)
+    targets = torch.randint(0, VOCAB, (4, 5), generator=g)
+    return ids.chunk(dp)[dp_rank], targets.chunk(dp)[dp_rank]
 
 
-def _train(model, optimizer, steps, first: int = 0) -> None:
+def _train(model, optimizer, steps, first: int = 0, dp: int = 1, dp_rank: int = 0) -> None:
     for step in range(first, first + steps):
-        ids, targets = _batch(step)
+        ids, targets = _batch(step, dp, dp_rank)
         F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -74,6 +79,7 @@ def _dense_state(model, optimizer) -> dict:
         placement = placements.get(name)
 
         def whole(t):
+            t = t.full_tensor() if isinstance(t, DTensor) else t  # FSDP2's DTensor over dp: the TP shard
             if placement is None or not placement.is_sharded:
                 return t.detach().clone()
             return gather_placed(t.detach(), placement, group=_group_of(model, name)).clone()  # TP 1: a view
@@ -260,3 +266,83 @@ def test_ddp_over_tp_peers_is_refused_before_a_step():
         assert "inside DistributedDataParallel over ranks [0, 1], which include TP peers [0, 1]" in error, error
         assert "process_group=mesh.dp_group" in error and "transformers.Trainer" in error
         assert grad is None
+
+
+def _fsdp(group, seed: int, dp: int, tp: int):
+    """Net (fused gate/up, padded vocabulary) on a (dp, tp) mesh: TP over "tp", FSDP2 over "dp" (dp > 1)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = tplayers.make_2d_mesh(dp=dp, tp=tp)
+    torch.manual_seed(seed)
+    model = tplayers.parallelize(Net(True).double(), _plan(True), group=mesh.mesh, audit=False)
+    if dp > 1:
+        for layer in (model.emb, model.up, model.down):
+            fully_shard(layer, mesh=mesh.dp_mesh)  # each TP shard sharded again over dp
+        fully_shard(model, mesh=mesh.dp_mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), dict(dp=dp, dp_rank=mesh.dp_rank)
+
+
+def _fsdp_save(group, path: str, dense_path: str):
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    model, optimizer, split = _fsdp(group, 1, dp=2, tp=2)
+    _train(model, optimizer, 2, **split)
+    tplayers.save_checkpoint(model, path, optimizer=optimizer)
+    has_safetensors = importlib.util.find_spec("safetensors") is not None
+    if has_safetensors:
+        tplayers.save_dense(model, dense_path)
+    at_save = _dense_state(model, optimizer)
+    _train(model, optimizer, 2, first=2, **split)
+    return at_save, _dense_state(model, optimizer), has_safetensors
+
+
+def _fsdp_resume(group, path: str, dp: int, tp: int, dense_path: str = ""):
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    from_dense = None
+    if dense_path:  # the dense export loads back into a TP x FSDP2 model, slice by slice
+        model, optimizer, split = _fsdp(group, 3, dp=dp, tp=tp)
+        tplayers.load_dense(model, dense_path)
+        from_dense = _dense_state(model, optimizer)
+    model, optimizer, split = _fsdp(group, 2, dp=dp, tp=tp)
+    tplayers.load_checkpoint(model, path, optimizer=optimizer)
+    loaded = _dense_state(model, optimizer)
+    _train(model, optimizer, 2, first=2, **split)
+    refused = ""
+    try:
+        model.state_dict()  # FSDP2 over TP: no 1-D DTensor says what a rank holds; refused, naming the route
+    except UnlabelledShard as e:
+        refused = str(e)
+    return loaded, _dense_state(model, optimizer), refused, from_dense
+
+
+def test_tp_x_fsdp2_checkpoint_resumes_across_dp_and_tp_sizes(tmp_path):
+    """save_checkpoint(optimizer=) of a dp 2 x tp 2 FSDP2 model (before: refused, and the DCP route it
+    pointed to gave TP ranks each other's shards): model and AdamW moments load bit-exactly at dp 2 x tp 2,
+    dp 1 x tp 4 and dp 4 x tp 1; resumed at dp 2 x tp 2, the run is the uninterrupted one bit for bit;
+    save_dense writes the dense model."""
+    path, dense_path = str(tmp_path / "ckpt"), str(tmp_path / "dense" / "model.safetensors")
+    at_save, uninterrupted, has_safetensors = get_world(4).run(_fsdp_save, path, dense_path)[0]
+    for dp, tp in ((2, 2), (1, 4), (4, 1)):
+        dense = dense_path if has_safetensors and (dp, tp) == (2, 2) else ""
+        for rank, (loaded, final, refused, from_dense) in enumerate(get_world(4).run(_fsdp_resume, path, dp, tp,
+                                                                                      dense)):
+            if dense:
+                assert all(torch.equal(from_dense[k], at_save[k]) for k in from_dense if ":" not in k)
+            for name, t in at_save.items():
+                assert torch.equal(loaded[name], t), f"dp 2 x tp 2 -> dp {dp} x tp {tp}, rank {rank}: {name} differs"
+            for name, t in uninterrupted.items():
+                if (dp, tp) == (2, 2):
+                    assert torch.equal(final[name], t), f"resumed at dp 2 x tp 2, rank {rank}: {name} differs"
+                else:
+                    torch.testing.assert_close(final[name], t, rtol=1e-10, atol=1e-12, msg=name)
+            if dp > 1 and tp > 1:
+                assert "sharded by a DTensor wrapper" in refused and "tplayers.save_checkpoint" in refused, refused
+    if has_safetensors:
+        from safetensors.torch import load_file
+
+        on_disk = load_file(dense_path)
+        assert set(on_disk) == {k for k in at_save if ":" not in k}
+        assert all(torch.equal(on_disk[k], at_save[k]) for k in on_disk)

@@ -43,7 +43,7 @@ from ..core.placement import Sharded
 from .publish import agree_token, coord_group, dcp_errors, fsync_dir, on_rank0, quiet, require_same_path, write_json
 from .optim_state import optimizer_entries, optimizer_record, optimizer_targets
 from .unpickle import safe_reader
-from .walk import CheckpointError, Entry, entries, parts_of, refuse_meta
+from .walk import CheckpointError, Entry, entries, parts_of, refuse_meta, tp_local, writable
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -60,9 +60,9 @@ def _layout_record(e: Entry) -> Optional[Dict[str, Any]]:
 
 
 def _dcp_state(model: nn.Module, *, for_save: bool, extra: Sequence[Entry] = ()
-               ) -> Tuple[Dict[str, Any], List[Tuple[torch.Tensor, torch.Tensor]]]:
+               ) -> Tuple[Dict[str, Any], List[Any]]:
     """The DCP state dict of ``model`` (and of ``extra`` entries: optimizer state) and, for loading,
-    (buffer, destination) copies to do after.
+    what to do after: (buffer, destination) copies, then functions to call (a wrapper's local pieces).
 
     Each part of a sharded parameter is a DTensor ``Shard(dim)`` over the TP group whose local
     tensor is this rank's piece (views of the parameters when loading, so DCP writes straight into
@@ -73,8 +73,14 @@ def _dcp_state(model: nn.Module, *, for_save: bool, extra: Sequence[Entry] = ()
     """
     state: Dict[str, Any] = {}
     post: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    finishers: List[Any] = []
     for e in [*entries(model), *extra]:
-        t = e.tensor.detach()
+        if for_save:
+            t = tp_local(e)
+        else:
+            t, finish = writable(e)
+            if finish is not None:
+                finishers.append(finish)
         if e.layout is None:
             state[e.name] = t.clone() if for_save else t
             continue
@@ -103,7 +109,7 @@ def _dcp_state(model: nn.Module, *, for_save: bool, extra: Sequence[Entry] = ()
                 full = torch.empty(shape_t, dtype=t.dtype, device=t.device)
                 state[key] = full
                 post.append((full.narrow(d, piece.start - full_off, piece.length), local))
-    return state, post
+    return state, [*post, *finishers]
 
 
 def _dtensor(local: torch.Tensor, tp: TPGroup, dim: int, shape: Tuple[int, ...]) -> Any:
@@ -337,7 +343,7 @@ def load_checkpoint(model: nn.Module, path: str, *, optimizer: Optional[torch.op
     with torch.no_grad():
         with quiet(), dcp_errors("load_checkpoint", path):
             dcp.load(state, storage_reader=reader, process_group=pg, no_dist=pg is None)
-        for src, dst in post:
-            dst.copy_(src)
+        for then in post:
+            then() if callable(then) else then[1].copy_(then[0])
     if hand_over is not None:
         hand_over()

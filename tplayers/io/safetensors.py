@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .publish import coord_group, fsync_dir, on_rank0, require_same_path
-from .walk import CheckpointError, Entry, dense_state_dict, entries, parts_of, refuse_meta
+from .walk import CheckpointError, Entry, dense_state_dict, entries, parts_of, refuse_meta, writable
 
 __all__ = ["save_dense", "load_dense"]
 
@@ -194,7 +194,10 @@ def load_dense(model: nn.Module, path: str, *, strict: bool = True,
                 if local.shape != e.tensor.shape:
                     raise CheckpointError(f"'{e.name}': local shard has shape {tuple(local.shape)}, "
                                           f"the model's is {tuple(e.tensor.shape)}")
-                e.tensor.copy_(local)
+                target, finish = writable(e)  # (under FSDP2: a buffer, then this rank's piece of it)
+                target.copy_(local)
+                if finish is not None:
+                    finish()
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)

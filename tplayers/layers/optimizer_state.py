@@ -95,6 +95,9 @@ def _label_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -
         name, placement, group = shards[id(p)]
         reason = unlabelled_reason(placement, group.size)
         what = (f"optimizer state of '{name}' (shape {tuple(p.shape)}, TP rank {group.rank} of {group.size})")
+        if is_dtensor(p):
+            reason = (f"is itself sharded by a DTensor wrapper ({p.placements} over {p.device_mesh}; FSDP2 over a TP "
+                      "model), whose state would present this TP shard's moments as the whole tensor's")
         if reason is not None:
             raise UnlabelledShard(
                 f"{what}: this rank holds a shard that {reason}; the optimizer's state_dict() refuses to hand its "
@@ -122,8 +125,8 @@ def _unlabel_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any])
     state = dict(state_dict["state"])
     for index, entry in state_dict["state"].items():
         p = by_index.get(index)
-        if p is None or id(p) not in shards or not isinstance(entry, dict):
-            continue
+        if p is None or id(p) not in shards or not isinstance(entry, dict) or is_dtensor(p):
+            continue  # (a wrapper's DTensor parameter: its state is the wrapper's DTensors, as tplayers loads it)
         name, placement, group = shards[id(p)]
         state[index] = {key: local_rows(value, placement, group, p.detach(), f"optimizer state '{key}' of '{name}'")
                         if isinstance(value, torch.Tensor) and value.dim() > 0 else value
