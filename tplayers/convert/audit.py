@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from ..core.groups import TPGroup
 from ..layers.base import model_placements
+from ..layers.same_inputs import in_pipeline_shape_inference
 from .audit_region import AuditError, Region, RegionAudit, check_region
 from .twin import within
 
@@ -181,8 +182,10 @@ class Auditor:
             result = self.results[region.signature]
             if result.status == "failed" and not self.active:  # a model known to be wrong stays stopped
                 raise AuditError(result.message)
-            if result.status != "pending" or self.active or not torch.is_grad_enabled():
-                return  # a forward under no_grad (generate, evaluation) waits for the first training step
+            if result.status != "pending" or self.active or not torch.is_grad_enabled() or \
+                    in_pipeline_shape_inference():
+                return  # a forward under no_grad (generate, evaluation), or a PipelineStage's shape inference on
+                # uninitialized activations, waits for the first training step
             if torch.compiler.is_compiling():
                 raise AuditError(f"tplayers audit: region '{region.name}' is reached first inside torch.compile: run "
                                  "one eager forward first, or tplayers.audit(model, *example_inputs) before compiling, "

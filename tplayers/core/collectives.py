@@ -144,7 +144,21 @@ def _functional_pg(g: TPGroup) -> Any:
     return g.process_group if g.process_group is not None else dist.group.WORLD
 
 
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
 def _compiling() -> bool:
+    """Whether torch.compile is tracing; refuses torch.export (``torch.export.export``, and
+    ``torch.distributed.pipelining.pipeline()``, which traces with it): an exported program keeps a
+    collective of the forward but not the backward tplayers' autograd Functions give it (the input
+    gradient's all-reduce), so its gradients would be silently wrong."""
+    if _is_exporting():
+        raise RuntimeError(
+            "tplayers: a tensor-parallel collective is being traced by torch.export (torch.export.export, or "
+            "torch.distributed.pipelining.pipeline()): the exported program would keep the forward collectives "
+            "but lose the backward ones tplayers' autograd Functions issue, so its gradients would be wrong. "
+            "For pipeline parallelism build each stage by hand with torch.distributed.pipelining.PipelineStage "
+            "(docs/models.md, 'Pipeline parallelism'); export the dense model, or the TP model at TP 1 (group=None)")
     return torch.compiler.is_compiling()
 
 

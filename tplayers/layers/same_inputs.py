@@ -9,6 +9,7 @@ that hashes every tensor argument and compares the hashes across the TP group.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
@@ -18,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from ..core.collectives import bit_hash, bytes_hash, ranks_that_differ
 from ..core.groups import GroupLike, resolve_group
 
-__all__ = ["check_same_inputs", "check_same_output_grads", "check_same_rng_once", "has_dropout"]
+__all__ = ["in_pipeline_shape_inference", "check_same_inputs", "check_same_output_grads", "check_same_rng_once", "has_dropout"]
 
 
 def _tensors(value: Any, path: str, out: List[Tuple[str, torch.Tensor]]) -> None:
@@ -31,6 +32,24 @@ def _tensors(value: Any, path: str, out: List[Tuple[str, torch.Tensor]]) -> None
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _tensors(v, f"{path}[{i}]", out)
+
+
+_PIPELINE_INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
+
+
+def in_pipeline_shape_inference() -> bool:
+    """Whether this forward (or backward) is ``torch.distributed.pipelining.PipelineStage``'s shape inference:
+    it runs a stage once on uninitialized activations (``torch.empty``, different on every rank) to learn the
+    shapes it sends, and throws the results away. The first-forward checks (same inputs, same output
+    gradients, the audit) wait for the next call instead of judging garbage. Read off the call stack (a few
+    dozen frames, only on calls a check would otherwise judge)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in _PIPELINE_INFERENCE and \
+                str(frame.f_globals.get("__name__", "")).startswith("torch.distributed.pipelining"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) -> RemovableHandle:
@@ -49,7 +68,7 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) ->
     calls = [0]
 
     def hook(_: nn.Module, args: Tuple[Any, ...], kwargs: dict) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (tp.size > 1 and (calls[0] % every) == 0 and in_pipeline_shape_inference()):
             return
         calls[0] += 1
         if tp.size == 1 or (calls[0] - 1) % every:
@@ -156,12 +175,16 @@ def check_same_output_grads(module: nn.Module, *, group: GroupLike, every: int =
                              "with the inputs; a distributed sampler over the TP ranks splits them)")
 
     def count(*_: Any) -> None:
+        if tp.size > 1 and calls[0] % every == 0 and in_pipeline_shape_inference():
+            return  # the next forward is the one checked
         calls[0] += 1
 
     def hook(_: nn.Module, args: Tuple[Any, ...], out: Any) -> None:
         if counting is None:
             count()
         if torch.compiler.is_compiling() or tp.size == 1 or (calls[0] - 1) % every:
+            return
+        if in_pipeline_shape_inference():
             return
         if getattr(module, "gather_output", True) is False:  # this call keeps its output split (loss_parallel)
             return
