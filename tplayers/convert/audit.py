@@ -182,14 +182,14 @@ class Auditor:
             result = self.results[region.signature]
             if result.status == "failed" and not self.active:  # a model known to be wrong stays stopped
                 raise AuditError(result.message)
-            if result.status != "pending" or self.active or not torch.is_grad_enabled() or \
-                    in_pipeline_shape_inference():
-                return  # a forward under no_grad (generate, evaluation), or a PipelineStage's shape inference on
-                # uninitialized activations, waits for the first training step
+            if result.status != "pending" or self.active or not torch.is_grad_enabled():
+                return  # a forward under no_grad (generate, evaluation) waits for the first training step
             if torch.compiler.is_compiling():
                 raise AuditError(f"tplayers audit: region '{region.name}' is reached first inside torch.compile: run "
                                  "one eager forward first, or tplayers.audit(model, *example_inputs) before compiling, "
                                  "or parallelize(..., audit=False)")
+            if in_pipeline_shape_inference():
+                return  # PipelineStage's shape inference, on uninitialized activations: the next call is judged
             self.active = True
             try:  # the instance called (a deep copy of the model calls its own modules)
                 check_region(replace(region, module=module), result, self.group, args, kwargs, self.plan_name)

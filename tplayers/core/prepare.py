@@ -56,8 +56,10 @@ def refuse_replicating_wrapper(op: str, g: TPGroup) -> None:
     group holds two or more ranks of ``g``: DDP's constructor broadcast one rank's parameters to the others,
     so TP peers now hold another rank's shards, and its gradient all-reduce would average different shards.
     Raised on every rank (each runs the same forward), before any backward or step. Local: no collective."""
+    if g.size == 1 or torch.compiler.is_compiling():  # (DDP's forward, which sets it, runs outside the graph)
+        return
     ddp_module = sys.modules.get("torch.nn.parallel.distributed")
-    active = None if ddp_module is None or g.size == 1 else ddp_module.DistributedDataParallel._active_ddp_module
+    active = None if ddp_module is None else ddp_module.DistributedDataParallel._active_ddp_module
     if active is None:
         return
     key = (id(active), id(g.process_group))
