@@ -205,9 +205,9 @@ def _tplayers_resume(group, path: str, steps: int, resumed: int):
 
 def test_save_checkpoint_with_optimizer_resumes_at_any_tp_size(tmp_path):
     """save_checkpoint(optimizer=) at TP 2 on fused gate/up and a padded vocabulary (layouts no DTensor
-    describes): every moment loads bit-exactly at TP 1, 2 and 4; resumed at TP 2 the run is the
+    describes): every moment loads bit-exactly at TP 1, 2 and 4; resumed for 50 steps at TP 2 the run is the
     uninterrupted one bit for bit, at TP 1 and 4 it is within float64 rounding."""
-    path, steps, resumed = str(tmp_path / "ckpt"), 3, 20
+    path, steps, resumed = str(tmp_path / "ckpt"), 3, 50
     at_save, uninterrupted = get_world(2).run(_tplayers_save, path, steps, resumed)[0]
     assert sum(":exp_avg" in k for k in at_save) == 2 * sum(":" not in k for k in at_save)
     for tp in (1, 2, 4):
@@ -427,3 +427,48 @@ def test_torch_export_and_pipeline_refuse_tp_collectives():
         for e in errors:
             assert "a tensor-parallel collective is being traced by torch.export" in e, e
             assert "PipelineStage" in e
+
+
+def _trainer_over_tp_ranks(group, out_dir: str):
+    """transformers.Trainer as users run it on the TP ranks (its own DDP over the world)."""
+    import os
+
+    import torch.distributed as dist
+
+    launcher = dict(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # what torchrun sets; the group already exists
+    saved = {k: os.environ.get(k) for k in launcher}
+    os.environ.update(launcher)
+    try:
+        return _trainer_step(group, out_dir)
+    finally:  # this rank process serves other tests: torchrun's variables would change what they do
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _trainer_step(group, out_dir: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2)
+    model = tplayers.parallelize(LlamaForCausalLM(config), "auto", group=group)
+    data = [{"input_ids": torch.arange(8) + i, "labels": torch.arange(8) + i} for i in range(4)]
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_strategy="no", ddp_backend="gloo", disable_tqdm=True)
+    try:
+        Trainer(model=model, args=args, train_dataset=data).train()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_transformers_trainer_on_tp_ranks_is_refused_naming_ddp():
+    """Before: Trainer's DDP over the world copied rank 0's shards to rank 1; the first forward then stopped on
+    the inputs check with a hint that named only Lightning."""
+    pytest.importorskip("transformers")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        for error in get_world(2).run(_trainer_over_tp_ranks, out_dir):
+            assert "inside DistributedDataParallel over ranks [0, 1]" in error and "transformers.Trainer" in error, error

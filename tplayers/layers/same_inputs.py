@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..core.collectives import bit_hash, bytes_hash, ranks_that_differ
 from ..core.groups import GroupLike, resolve_group
+from ..core.prepare import refuse_replicating_wrapper
 
 __all__ = ["in_pipeline_shape_inference", "check_same_inputs", "check_same_output_grads", "check_same_rng_once", "has_dropout"]
 
@@ -73,6 +74,7 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) ->
         calls[0] += 1
         if tp.size == 1 or (calls[0] - 1) % every:
             return
+        refuse_replicating_wrapper(f"{type(module).__name__} forward", tp)  # a DDP over TP peers: the cause, named
         named: List[Tuple[str, torch.Tensor]] = []
         for i, a in enumerate(args):
             _tensors(a, f"argument {i}", named)
