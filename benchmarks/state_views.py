@@ -107,7 +107,46 @@ def _steps(group, repeats: int) -> Dict[str, object]:
     views = {"model.state_dict()": _median_s(model.state_dict, repeats, group),
              "get_state_dict(model, optimizer)": _median_s(lambda: get_state_dict(model, optimizer), repeats, group)}
     return {"step_ms": {k: statistics.median(v.tolist()) for k, v in ms.items()}, "ratio": ratio, "views": views,
-            "checks": (calls[0], per_call_us)}
+            "checks": (calls[0], per_call_us), "optimizer": _optimizer_steps(model, repeats)}
+
+
+def _optimizer_steps(model, repeats: int) -> Dict[str, float]:
+    """The design not taken, its clearest cost: AdamW's step (foreach, the default) over the model's parameters
+    as plain tensors (this design) and with every sharded one a DTensor over the TP group (parameters as
+    DTensors, torchtitan's way: the optimizer then runs through DTensor's dispatch). Local, no collective."""
+    from torch.distributed.tensor import DTensor
+
+    from tplayers.core.dtensors import as_dtensor
+    from tplayers.layers import model_placements
+
+    placements = model_placements(model)
+    plain, labelled = [], []
+    for name, p in model.named_parameters():
+        local = torch.nn.Parameter(p.detach().clone())
+        local.grad = torch.randn_like(local)
+        plain.append(local)
+        pl = placements.get(name)
+        group = model.get_submodule(name.rpartition(".")[0]).group if pl is not None and pl.is_sharded else None
+        if group is None or group.size == 1:
+            labelled.append(local)
+            continue
+        dt = torch.nn.Parameter(as_dtensor(p.detach().clone(), pl, group))
+        dt.grad = DTensor.from_local(local.grad.narrow(pl.dim, 0, dt.to_local().shape[pl.dim]).clone(),
+                                     dt.device_mesh, dt.placements, run_check=False, shape=dt.shape,
+                                     stride=dt.stride())
+        labelled.append(dt)
+    out = {}
+    for name, params in (("plain parameters", plain), ("DTensor parameters", labelled)):
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        for _ in range(3):
+            opt.step()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times)
+    return out
 
 
 def _save(group, root: str, repeats: int) -> Dict[str, float]:
@@ -160,6 +199,8 @@ def main() -> None:
     count, per_call = steps["checks"]
     print(f"  added work: {count} DDP look-ups per step x {per_call:.3f} us = {count * per_call:.1f} us per step "
           f"({100 * count * per_call * 1e-3 / steps['step_ms']['before']:.4f}% of the step)")
+    for k, v in steps["optimizer"].items():
+        print(f"  AdamW.step() alone, {k:22s} {1e3 * v:8.2f} ms (median, rank 0)")
     for k, v in steps["views"].items():
         print(f"  {k:34s} {1e3 * v:8.2f} ms (median, rank 0)")
     for k, v in {**saves, **loads}.items():
