@@ -16,8 +16,8 @@ FSDP2 shards' parts over dp: it equals ``torch.nn.utils.clip_grad_norm_`` on the
 The dense reference (the same model, the whole batch, torch's clip) runs on every rank; float64 so that
 the comparison can be tight. On GPUs: the changes in docs/gpu.md (``torch.cuda.set_device``, NCCL, the
 model on the GPU); ``make_2d_mesh`` then builds a CUDA mesh. Checkpoints:
-``tplayers.save_checkpoint(model, path, optimizer=optimizer)`` / ``load_checkpoint`` (any dp and TP size;
-DCP's ``get_model_state_dict`` refuses a TP x FSDP2 model: FSDP2's DTensors would present TP shards as whole).
+``tplayers.save_checkpoint(model, path, optimizer=optimizer)`` / ``load_checkpoint`` (any dp and TP size, every
+layout), or DCP's ``get_state_dict`` / ``set_state_dict``, which see each TP shard as a DTensor over the (dp, tp) mesh.
 """
 from __future__ import annotations
 

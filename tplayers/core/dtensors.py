@@ -6,6 +6,11 @@ shard once and reshards it on load, and nothing outside tplayers can take it for
 Every state view a TP model hands out (``state_dict()``, its optimizer's ``state_dict()``, DCP's
 ``get_model_state_dict`` / ``get_optimizer_state_dict``) labels its shards here.
 
+Under FSDP2 (TP x FSDP2 on a ``(dp, tp)`` mesh) a TP shard is itself a DTensor over the dp ranks, its
+global tensor this rank's TP shard; :func:`as_dtensor_over_dp_tp` labels it over the 2-D mesh instead (the
+dense shape, placements ``(dp: _StridedShard(0, tp) or Shard(0), tp: Shard(dim))``, as torch's own TP x
+FSDP2 does), and :func:`from_dtensor_over_dp_tp` reads it back.
+
 A DTensor ``Shard(dim)`` over ``p`` ranks holds ``torch.chunk`` pieces: rank ``r`` rows
 ``[r * c, min((r + 1) * c, n))`` with ``c = ceil(n / p)``. A :class:`~tplayers.core.placement.Sharded`
 placement says that exactly when it has one part, cut into ``p`` pieces (no replicas) of torch.chunk's
@@ -23,7 +28,8 @@ import torch.distributed as dist
 from .groups import TPGroup
 from .placement import Placement
 
-__all__ = ["UnlabelledShard", "is_dtensor", "unlabelled_reason", "as_dtensor", "local_rows", "dtensor_mesh", "contiguous_stride"]
+__all__ = ["UnlabelledShard", "is_dtensor", "unlabelled_reason", "as_dtensor", "local_rows", "dtensor_mesh",
+           "contiguous_stride", "as_dtensor_over_dp_tp", "from_dtensor_over_dp_tp"]
 
 class UnlabelledShard(ValueError):
     """A shard that no DTensor over the TP group describes was asked for as a state view (the message names
@@ -130,3 +136,65 @@ def local_rows(value: Any, placement: Placement, group: TPGroup, local: torch.Te
     if tuple(value.shape) == full and full != tuple(local.shape):
         return placement.shard(value.to(local.device), group.rank, group.size)
     return value
+
+
+def _dp_tp_spec(value: Any, placement: Placement, group: TPGroup) -> Tuple[Optional[Tuple[Any, tuple]], str]:
+    """((the (dp, tp) root mesh, the placements on it), "") for ``value``, FSDP2's DTensor over dp of a TP shard of
+    ``placement``; or (None, why not)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    reason = unlabelled_reason(placement, group.size)
+    if reason is not None:
+        return None, reason
+    mesh, p, d = value.device_mesh, group.size, placement.dim
+    if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
+        return None, f"FSDP2 placed it {tuple(value.placements)} over a {mesh.ndim}-D mesh (tplayers labels Shard(0) on 1)"
+    root = mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    dp_name = (mesh.mesh_dim_names or (None,))[0]
+    if root.ndim != 2 or dp_name is None or list(names[:1]) != [dp_name]:
+        return None, "its data-parallel mesh is not the outer dim of a 2-D (dp, tp) mesh (tplayers.make_2d_mesh)"
+    tp_mesh = root[names[1]]
+    if tp_mesh.mesh.flatten().tolist() != dist.get_process_group_ranks(group.process_group):
+        return None, "the inner dim of its 2-D mesh is not this layer's TP group"
+    part = placement.parts[0]  # type: ignore[attr-defined]
+    if part.size % p or value.shape[0] % mesh.size():
+        return None, (f"its TP shard has padding rows or {value.shape[0]} rows that the {mesh.size()} dp ranks do not "
+                      "divide, which no DTensor over the (dp, tp) mesh describes")
+    dp_placement = _StridedShard(0, split_factor=p) if d == 0 else Shard(0)
+    return (root, (dp_placement, Shard(d))), ""
+
+
+def as_dtensor_over_dp_tp(value: Any, placement: Placement, group: TPGroup, what: str) -> Any:
+    """FSDP2's DTensor over dp of a TP shard (of ``placement``) as a DTensor of the dense shape over the (dp, tp)
+    mesh: its local tensor as it is (a view; no collective). Raises :class:`UnlabelledShard` naming ``what``."""
+    from torch.distributed.tensor import DTensor
+
+    spec, reason = _dp_tp_spec(value, placement, group)
+    if spec is None:
+        raise UnlabelledShard(f"{what}: this TP shard is sharded again by FSDP2 and {reason}; state views refuse to hand "
+                              "it out as the whole tensor. Save TP x FSDP2 models with tplayers.save_checkpoint(model, "
+                              "path, optimizer=...) (any dp and TP size)")
+    root, placements = spec
+    shape = tuple(placement.full_shape(value.shape))
+    return DTensor.from_local(value.to_local(), root, placements, run_check=False, shape=torch.Size(shape),
+                              stride=contiguous_stride(shape))
+
+
+def from_dtensor_over_dp_tp(value: Any, like: Any, placement: Placement, group: TPGroup, what: str) -> Any:
+    """``value``, a DTensor :func:`as_dtensor_over_dp_tp` would make for ``like`` (FSDP2's DTensor of this rank's TP
+    shard), as a DTensor of ``like``'s spec (its local tensor as it is); a ValueError naming ``what`` otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    spec, reason = _dp_tp_spec(like, placement, group)
+    want = tuple(placement.full_shape(like.shape))
+    if spec is None or not is_dtensor(value) or value.device_mesh != spec[0] or \
+            tuple(value.placements) != spec[1] or tuple(value.shape) != want:
+        got = (f"a DTensor of shape {tuple(value.shape)} placed {tuple(value.placements)} over {value.device_mesh}"
+               if is_dtensor(value) else f"a {type(value).__name__}")
+        raise ValueError(f"{what}: got {got}; this TP x FSDP2 shard takes the DTensor its state_dict() gives (the "
+                         f"dense shape {want} over the (dp, tp) mesh{'' if spec is None else f', {spec[1]}'}). Load it "
+                         "through torch.distributed.checkpoint (which reshards) or tplayers.load_checkpoint")
+    return DTensor.from_local(value.to_local(), like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())

@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 from ..core.collectives import gather_placed
-from ..core.dtensors import UnlabelledShard, as_dtensor, is_dtensor, local_rows, unlabelled_reason
+from ..core.dtensors import (UnlabelledShard, as_dtensor, as_dtensor_over_dp_tp, from_dtensor_over_dp_tp, is_dtensor,
+                             local_rows, unlabelled_reason)
 from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 from .optimizer_state import track_tp_module
@@ -90,11 +91,8 @@ class TensorParallelModule(nn.Module):
 
     def _labelled(self, key: str, value: torch.Tensor, placement: Placement) -> Any:
         what = f"'{key}' ({type(self).__name__}, TP rank {self.group.rank} of {self.group.size})"
-        if is_dtensor(value):
-            raise UnlabelledShard(
-                f"{what}: the TP shard is itself sharded by a DTensor wrapper ({value.placements} over "
-                f"{value.device_mesh}; FSDP2 over a TP model), whose state_dict would present this TP shard as "
-                "the whole tensor. Save TP x FSDP2 models with tplayers.save_checkpoint(model, path, optimizer=...)")
+        if is_dtensor(value):  # FSDP2 over the TP model: labelled over the (dp, tp) mesh
+            return as_dtensor_over_dp_tp(value.detach(), placement, self.group, what)
         reason = unlabelled_reason(placement, self.group.size)
         if reason is not None:
             raise UnlabelledShard(
@@ -122,12 +120,17 @@ class TensorParallelModule(nn.Module):
             return
         for name, placement in self.param_placements().items():
             key, local = prefix + name, self._parameters.get(name)
-            if placement.is_sharded and key in state_dict and local is not None:
-                try:  # a DTensor (DCP, a state_dict() of this layout) or the dense tensor -> this rank's rows
-                    state_dict[key] = local_rows(state_dict[key], placement, self.group, local.detach(), f"'{key}'")
-                except ValueError as e:
-                    error_msgs.append(str(e))
-                    return
+            if not placement.is_sharded or key not in state_dict or local is None:
+                continue
+            if is_dtensor(local) and self.group.size == 1:
+                continue  # FSDP2 over a TP-1 layer: its DTensor's global tensor is the dense one, as saved
+            try:  # a DTensor (DCP, a state_dict() of this layout) or the dense tensor -> this rank's rows
+                state_dict[key] = (from_dtensor_over_dp_tp(state_dict[key], local.detach(), placement, self.group,
+                                                           f"'{key}'") if is_dtensor(local) else
+                                   local_rows(state_dict[key], placement, self.group, local.detach(), f"'{key}'"))
+            except ValueError as e:
+                error_msgs.append(str(e))
+                return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

@@ -30,7 +30,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..core.dtensors import UnlabelledShard, as_dtensor, is_dtensor, local_rows, unlabelled_reason
+from ..core.dtensors import (UnlabelledShard, as_dtensor, as_dtensor_over_dp_tp, from_dtensor_over_dp_tp, is_dtensor,
+                             local_rows, unlabelled_reason)
 from ..core.groups import TPGroup
 from ..core.placement import Placement
 
@@ -95,9 +96,10 @@ def _label_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -
         name, placement, group = shards[id(p)]
         reason = unlabelled_reason(placement, group.size)
         what = (f"optimizer state of '{name}' (shape {tuple(p.shape)}, TP rank {group.rank} of {group.size})")
-        if is_dtensor(p):
-            reason = (f"is itself sharded by a DTensor wrapper ({p.placements} over {p.device_mesh}; FSDP2 over a TP "
-                      "model), whose state would present this TP shard's moments as the whole tensor's")
+        if is_dtensor(p):  # FSDP2 over the TP model: its moments are DTensors over dp, labelled over (dp, tp)
+            state[index] = {key: as_dtensor_over_dp_tp(value.detach(), placement, group, f"{what}, '{key}'")
+                            if is_dtensor(value) and value.dim() > 0 else value for key, value in entry.items()}
+            continue
         if reason is not None:
             raise UnlabelledShard(
                 f"{what}: this rank holds a shard that {reason}; the optimizer's state_dict() refuses to hand its "
@@ -115,6 +117,14 @@ def _label_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -
     return {**state_dict, "state": state}
 
 
+def _from_dp_tp(value: Any, placement: Placement, group: TPGroup, like: Any, what: str) -> Any:
+    """A moment labelled over (dp, tp) back to FSDP2's DTensor over dp; FSDP2's own DTensor (tplayers.load_checkpoint
+    hands those over) as it is."""
+    if is_dtensor(value) and value.device_mesh == like.device_mesh:
+        return value
+    return from_dtensor_over_dp_tp(value, like, placement, group, what)
+
+
 def _unlabel_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     saved = list(chain.from_iterable(g["params"] for g in state_dict.get("param_groups", [])))
     current = list(chain.from_iterable(g["params"] for g in optimizer.param_groups))
@@ -125,10 +135,11 @@ def _unlabel_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any])
     state = dict(state_dict["state"])
     for index, entry in state_dict["state"].items():
         p = by_index.get(index)
-        if p is None or id(p) not in shards or not isinstance(entry, dict) or is_dtensor(p):
-            continue  # (a wrapper's DTensor parameter: its state is the wrapper's DTensors, as tplayers loads it)
+        if p is None or id(p) not in shards or not isinstance(entry, dict):
+            continue
         name, placement, group = shards[id(p)]
-        state[index] = {key: local_rows(value, placement, group, p.detach(), f"optimizer state '{key}' of '{name}'")
+        convert = _from_dp_tp if is_dtensor(p) else local_rows
+        state[index] = {key: convert(value, placement, group, p.detach(), f"optimizer state '{key}' of '{name}'")
                         if isinstance(value, torch.Tensor) and value.dim() > 0 else value
                         for key, value in entry.items()}
     return {**state_dict, "state": state}
