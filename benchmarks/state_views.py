@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import tplayers
 import tplayers.core.prepare as prepare
-import tplayers.layers.optimizer_state as optimizer_state
+import tplayers.layers.optimizers as optimizers
 from tplayers.bench.report import quartiles
 from tplayers.bench.timing import time_steps
 from tplayers.testing import World
@@ -47,15 +47,15 @@ def _model(group):
 @contextlib.contextmanager
 def _without_new_checks() -> Iterator[None]:
     """The step as it was: no DDP look-up in the linears, no global optimizer step pre-hook."""
-    check, handle = prepare.refuse_replicating_wrapper, optimizer_state._STEP_HOOK.pop()
+    check, handle = prepare.refuse_replicating_wrapper, optimizers._STEP_HOOK.pop()
     prepare.refuse_replicating_wrapper = lambda op, g: None
     handle.remove()
     try:
         yield
     finally:
         prepare.refuse_replicating_wrapper = check
-        optimizer_state._STEP_HOOK.append(
-            register_optimizer_step_pre_hook(optimizer_state._attach))
+        optimizers._STEP_HOOK.append(
+            register_optimizer_step_pre_hook(optimizers._attach))
 
 
 def _median_s(fn: Callable[[], object], repeats: int, group) -> float:

@@ -4,6 +4,7 @@ KV heads, chunked regions, collective matmul, autocast, gradient accumulation). 
 ``F.linear`` (autograd's own linear backward), the delayed one tplayers' Function: equal to rounding."""
 import pytest
 import torch
+import torch.nn as nn
 
 import tplayers
 from tplayers import (ColumnParallelLinear, FusedColumnParallelLinear, GPTConfig, ParallelAttention, ParallelGPT,
@@ -251,3 +252,42 @@ def test_cuda_bfloat16_gemm_accumulates_in_float32_without_upcasting():
     assert wgrad._OUT_DTYPE_GEMM[0], "torch.mm(out_dtype=float32) was refused: fell back to upcasting"
     err = (layer.weight.main_grad.double() - reference).abs().max().item()
     assert err < 1e-3 * reference.abs().max().item(), err
+
+
+def _hand_offs_forgotten(group):
+    """Gradients that are not in ``.grad`` yet (delayed weight gradients, main_grad buffers) are never
+    clipped, checked or stepped as if they were none: each call refuses, naming the hand-off."""
+    errors = {}
+    for mode in ("delay_wgrad", "main_grad"):
+        torch.manual_seed(0)
+        model = nn.Sequential(ColumnParallelLinear(8, 16, group=group), nn.GELU(), RowParallelLinear(16, 8, group=group))
+        if mode == "delay_wgrad":
+            tplayers.set_overlap(model, delay_wgrad=True)
+        else:
+            tplayers.use_main_grad(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(4, 8)).square().sum().backward()
+        for name, call in (("clip", lambda: tplayers.clip_grad_norm_(model, 1.0)),
+                           ("replicas", lambda: tplayers.check_replicas(model)),
+                           ("step", optimizer.step)):
+            try:
+                call()
+                errors[mode, name] = ""
+            except RuntimeError as e:
+                errors[mode, name] = str(e)
+        if mode == "delay_wgrad":
+            tplayers.backward_dw(model)
+        else:
+            tplayers.main_grads_to_grads(model)
+        tplayers.clip_grad_norm_(model, 1.0)  # handed off: everything runs
+        optimizer.step()
+    return errors
+
+
+def test_clip_check_and_step_refuse_gradients_not_handed_off():
+    """Before: clip_grad_norm_ with delayed weight gradients pending returned a norm without them (0.0 against
+    a dense 12.4), the same with gradients still in main_grad; an optimizer step trained on without them."""
+    for errors in get_world(2).run(_hand_offs_forgotten):
+        for (mode, call), error in errors.items():
+            fix = "tplayers.backward_dw(model)" if mode == "delay_wgrad" else "tplayers.main_grads_to_grads(model)"
+            assert fix in error, (mode, call, error)

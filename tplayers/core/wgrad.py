@@ -96,7 +96,11 @@ def check_main_grads(main: MainGrads, weight: torch.Tensor, bias: Optional[torch
 
 
 class WeightGradStore:
-    """A FIFO of recorded weight-gradient work: ``put`` during backward, ``flush`` later."""
+    """A FIFO of recorded weight-gradient work: ``put`` during backward, ``flush`` later.
+    ``WeightGradStore.pending_total``: the work recorded in every store of the process and not yet run
+    (one integer read tells an optimizer step whether any is waiting)."""
+
+    pending_total = 0
 
     def __init__(self) -> None:
         self._work: Deque[Tuple[Tuple[Optional[torch.Tensor], ...], Compute]] = deque()
@@ -105,6 +109,7 @@ class WeightGradStore:
         """Record ``compute`` (returns one gradient per target, or None) for the tensors ``targets``:
         the weight and bias exactly as the layer's autograd Function received them."""
         self._work.append((tuple(targets), compute))
+        WeightGradStore.pending_total += 1
 
     def __len__(self) -> int:
         return len(self._work)
@@ -115,6 +120,7 @@ class WeightGradStore:
         count = 0
         while self._work:
             targets, compute = self._work.popleft()
+            WeightGradStore.pending_total -= 1
             with torch.no_grad():
                 grads = compute()
             pairs = [(t, g.to(t.dtype)) for t, g in zip(targets, grads)
@@ -126,6 +132,7 @@ class WeightGradStore:
 
     def clear(self) -> None:
         """Drop the recorded work without running it (e.g. after a skipped step)."""
+        WeightGradStore.pending_total -= len(self._work)
         self._work.clear()
 
 

@@ -19,7 +19,7 @@ from ..core.dtensors import (UnlabelledShard, as_dtensor, as_dtensor_over_dp_tp,
                              local_rows, unlabelled_reason)
 from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
-from .optimizer_state import track_tp_module
+from .optimizers import track_tp_module
 
 __all__ = ["TensorParallelModule", "model_placements", "placements_of", "PLACEMENTS_ATTR", "SHARD_OWNER_KEY",
            "mixed_class", "module_copy", "params_read_as"]
@@ -41,7 +41,7 @@ class TensorParallelModule(nn.Module):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "TensorParallelModule":
         module = super().__new__(cls)
-        track_tp_module(module)  # its shards' optimizer state is labelled as shards (layers/optimizer_state.py)
+        track_tp_module(module)  # its shards' optimizer state is labelled as shards (layers/optimizers.py)
         return module
 
     @classmethod

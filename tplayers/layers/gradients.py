@@ -18,6 +18,8 @@ from ..core.collectives import all_gather_tensor, all_reduce_tensor, bit_hash, r
 from ..core.groups import GroupLike, TPGroup, collective_device, resolve_group
 from ..core.placement import Placement, Sharded
 from .base import TensorParallelModule, model_placements
+from .optimizers import require_handed_off
+from .switches import pending_wgrad
 
 __all__ = ["clip_grad_norm_", "check_replicas"]
 
@@ -92,6 +94,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     dp mesh (one more all-reduce of one number per dp mesh). Equal to the dense clip in both cases
     (tests/test_parallel2d.py)."""
     model = _require_module(model, "clip_grad_norm_")
+    require_handed_off(model.parameters(), "clip_grad_norm_", pending_wgrad(model))
     tp = _model_group(model, group, "clip_grad_norm_")
     placements = model_placements(model)
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
@@ -230,6 +233,8 @@ def check_replicas(model: nn.Module, *, group: GroupLike = None, grads: bool = T
     when ranks start from different weights or seeds, see different batches, or a parameter applied to
     sharded activations (a norm under sequence parallelism) misses its gradient all-reduce."""
     model = _require_module(model, "check_replicas")
+    if grads:
+        require_handed_off(model.parameters(), "check_replicas", pending_wgrad(model))
     tp = _model_group(model, group, "check_replicas")
     items = _replica_items(model, tp, grads)
     if tp.size == 1:

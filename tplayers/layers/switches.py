@@ -11,8 +11,10 @@ import torch.nn as nn
 from ..core.prepare import require_chunks
 from ..core.wgrad import ReplicatedRows, WeightGradStore
 from .base import TensorParallelModule
+from .optimizers import MAIN_GRAD_IN_USE, require_handed_off
 
 __all__ = ["set_overlap", "grad_sinks", "use_main_grad", "main_grads_to_grads", "zero_main_grads", "pending_wgrad",
+           "require_handed_off",
            "backward_dw"]
 
 
@@ -73,6 +75,7 @@ def use_main_grad(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
     all-reduce per run of such rows for the weight and one for the bias). Hand-off: :func:`main_grads_to_grads` before the optimizer step,
     :func:`zero_main_grads` after it. Returns how many layers it set."""
     count = 0
+    MAIN_GRAD_IN_USE[0] = True
     for module in model.modules():
         if not hasattr(module, "accumulate_main_grad"):
             continue

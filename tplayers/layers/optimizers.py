@@ -1,5 +1,7 @@
-"""An optimizer's state of TP shards, labelled as shards: AdamW's moments of a sharded parameter as
-DTensors over the TP group in ``optimizer.state_dict()``, and back to local tensors on load.
+"""What tplayers does around the optimizers of a TP model: their state of TP shards labelled as shards
+(AdamW's moments of a sharded parameter as DTensors over the TP group in ``optimizer.state_dict()``, and
+back to local tensors on load), and a step refused while gradients wait to be handed off (``delay_wgrad``'s
+recorded work, ``main_grad`` buffers: :func:`require_handed_off`).
 
 Why: the moments of a shard have the shard's shape. Handed out as plain tensors under the dense
 parameter's name (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``), DCP takes
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import weakref
 from itertools import chain
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -34,12 +36,34 @@ from ..core.dtensors import (UnlabelledShard, as_dtensor, as_dtensor_over_dp_tp,
                              local_rows, unlabelled_reason)
 from ..core.groups import TPGroup
 from ..core.placement import Placement
+from ..core.wgrad import WeightGradStore
 
-__all__ = ["track_tp_module", "shard_of"]
+__all__ = ["track_tp_module", "shard_of", "require_handed_off", "MAIN_GRAD_IN_USE"]
 
 _MODULES: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every TensorParallelModule alive in this process
 _OPTIMIZERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers given the hooks
 _STEP_HOOK: List[Any] = []  # the global step pre-hook's handle, once installed
+
+
+MAIN_GRAD_IN_USE = [False]  # use_main_grad was called in this process: optimizer steps check the hand-off
+
+
+def require_handed_off(params: Iterable[torch.Tensor], what: str, pending: int) -> None:
+    """A RuntimeError naming the hand-off when gradients of ``params`` are not in ``.grad`` yet: ``pending``
+    recorded weight-gradient computations (``delay_wgrad``; run by ``backward_dw``), or ``main_grad`` buffers
+    holding gradients whose ``.grad`` is None (``use_main_grad``; handed over by ``main_grads_to_grads``).
+    ``what`` (clipping, a replica check, an optimizer step) would otherwise run as if those were zero."""
+    if pending:
+        raise RuntimeError(f"{what}: {pending} weight-gradient computations recorded by delay_wgrad have not run, so "
+                           "those weights' .grad does not hold this backward's gradient yet; call "
+                           "tplayers.backward_dw(model) first (on every rank of the TP group)")
+    if MAIN_GRAD_IN_USE[0]:
+        unseen = sum(1 for p in params if getattr(p, "main_grad", None) is not None and p.grad is None
+                     and bool(p.main_grad.any()))
+        if unseen:
+            raise RuntimeError(f"{what}: {unseen} parameters hold their gradient in main_grad buffers (use_main_grad) "
+                               "and have no .grad; call tplayers.main_grads_to_grads(model) first (and "
+                               "tplayers.zero_main_grads(model) after the optimizer step)")
 
 
 def track_tp_module(module: Any) -> None:
@@ -53,11 +77,22 @@ def track_tp_module(module: Any) -> None:
 
 
 def _attach(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer in _OPTIMIZERS:
-        return
-    _OPTIMIZERS.add(optimizer)
-    optimizer.register_state_dict_post_hook(_label_state)
-    optimizer.register_load_state_dict_pre_hook(_unlabel_state)
+    if optimizer not in _OPTIMIZERS:
+        _OPTIMIZERS.add(optimizer)
+        optimizer.register_state_dict_post_hook(_label_state)
+        optimizer.register_load_state_dict_pre_hook(_unlabel_state)
+    if WeightGradStore.pending_total or MAIN_GRAD_IN_USE[0]:  # two reads per step when neither is in use
+        _require_gradients_handed_off(optimizer)
+
+
+def _require_gradients_handed_off(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a step whose parameters' gradients wait in delay_wgrad's stores or in main_grad buffers."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = {id(p) for p in params}
+    pending = sum(len(m.wgrad_store) for m in list(_MODULES)
+                  if isinstance(getattr(m, "wgrad_store", None), WeightGradStore) and len(m.wgrad_store)
+                  and any(id(p) in ids for p in m.parameters(recurse=False)))
+    require_handed_off(params, "optimizer.step()", pending)
 
 
 def shard_of(params: List[torch.Tensor]) -> Dict[int, Tuple[str, Placement, TPGroup]]:
