@@ -161,3 +161,32 @@ def _clip_with_a_foreign_group(group):
 def test_a_group_other_than_the_models_tp_group_is_refused():
     for refused in get_world(4).run(_clip_with_a_foreign_group):
         assert len(refused) == 2 and "clip_grad_norm_" in refused[0] and "check_replicas" in refused[1]
+
+
+def _overflow_on_one_rank(group, scaler_kind):
+    """float16-style loss scaling with an overflow in rank 1's shard only."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    tplayers.parallelize(model, {"0": "column", "2": "row"}, group=group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu") if scaler_kind == "torch" else ShardedGradScaler("cpu", process_group=group)
+    scaler.scale(model(torch.randn(4, 8)).square().sum()).backward()
+    if dist.get_rank() == 1:
+        model[0].weight.grad[0, 0] = float("inf")
+    scaler.step(optimizer)
+    scaler.update()
+    return model[2].bias.detach().clone(), scaler.get_scale()
+
+
+@pytest.mark.parametrize("scaler_kind", ["torch", "sharded"])
+def test_a_loss_scaler_that_combines_overflows_keeps_tp_ranks_together(scaler_kind):
+    """docs/gpu.md's route: torch's GradScaler decides per rank (one rank steps, the other skips: replicas
+    diverge, the hazard the docs describe); ShardedGradScaler over the TP group skips on every rank."""
+    (bias0, scale0), (bias1, scale1) = get_world(2).run(_overflow_on_one_rank, scaler_kind)
+    if scaler_kind == "torch":
+        assert scale0 != scale1 and not torch.equal(bias0, bias1)
+    else:
+        assert scale0 == scale1 and torch.equal(bias0, bias1)
