@@ -516,3 +516,44 @@ def test_torch_dcp_route_on_tp_x_fsdp2_labels_shards_over_the_2d_mesh(tmp_path):
             assert set(loaded) == set(saved)
             for name, t in saved.items():
                 assert torch.equal(loaded[name], t), f"dp 2 x tp 2 -> dp {dp} x tp {tp}, rank {rank}: {name} differs"
+
+
+def _save_pretrained(group, root: str):
+    """Hugging Face's and PEFT's save_pretrained on TP models: refused alone (before: this rank's shards written as
+    the whole tensors, no error); with the dense state dict gathered on every rank, the dense adapter / model."""
+    import copy
+    import os
+
+    import torch.distributed as dist
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=4)
+    base = LlamaForCausalLM(config)
+    dense = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=["q_proj", "o_proj"],
+                                                           init_lora_weights=False))
+    errors, same = [], []
+    for model, dense_model, load in ((copy.deepcopy(dense), dense, lambda d: PeftModel.from_pretrained(
+            copy.deepcopy(base), d)), (copy.deepcopy(base), base, LlamaForCausalLM.from_pretrained)):
+        tplayers.parallelize(model, "auto", group=group)
+        path = os.path.join(root, type(model).__name__)
+        try:
+            model.save_pretrained(path)
+            errors.append("")
+        except RuntimeError as e:
+            errors.append(str(e))
+        model.save_pretrained(path, state_dict=tplayers.io.dense_state_dict(model), is_main_process=dist.get_rank() == 0)
+        dist.barrier()
+        back, want = load(path).state_dict(), dense_model.state_dict()
+        same.append(set(back) == set(want) and all(torch.equal(back[k], want[k]) for k in want))
+    return errors, same
+
+
+def test_save_pretrained_of_a_tp_model_refuses_alone_and_saves_dense_with_the_route(tmp_path):
+    pytest.importorskip("peft")
+    for errors, same in get_world(2).run(_save_pretrained, str(tmp_path)):
+        assert same == [True, True]
+        for e in errors:
+            assert "save_pretrained on a tensor-parallel model" in e and "tplayers.io.dense_state_dict(model)" in e, e

@@ -36,6 +36,7 @@ reads the local head count get those attributes divided via the plan's ``divide_
 from __future__ import annotations
 
 import fnmatch
+import types
 import warnings
 from typing import Any, Dict, List, Mapping, Tuple, Union
 
@@ -431,6 +432,8 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict
     if loss_parallel and tp.size > 1:
         apply_loss_parallel(model, tp)
+    if tp.size > 1 and callable(getattr(type(model), "save_pretrained", None)):
+        object.__setattr__(model, "save_pretrained", types.MethodType(_save_pretrained_whole, model))
     _watch_ranks_in_step(model, tp, check_inputs, check_consistency)
     if chunked_experts:
         _refuse_router_logits_argument(model, chunked_experts)
@@ -439,6 +442,19 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     _report(model, p, plan, built, modules, styles, matched, used, unmatched_keys, skipped)
     getattr(model, REPORT_ATTR).audit = auditor.report
     return model
+
+
+def _save_pretrained_whole(model: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """A Hugging Face / PEFT model's ``save_pretrained`` after ``parallelize``: given the dense ``state_dict`` it is
+    the library's own; without it the library would read ``state_dict()``, whose TP shards are DTensors (no
+    safetensors file holds one), and fail deep inside safetensors: refused here, naming the route."""
+    if kwargs.get("state_dict") is None:
+        raise RuntimeError(
+            f"{type(model).__name__}.save_pretrained on a tensor-parallel model: its state_dict() holds TP shards (as "
+            "DTensors), which a Hugging Face / PEFT save cannot write. On every rank of the TP group: "
+            "model.save_pretrained(path, state_dict=tplayers.io.dense_state_dict(model), is_main_process=rank == 0) "
+            "(dense_state_dict gathers the shards: collective), or tplayers.save_dense(model, path)")
+    return type(model).save_pretrained(model, save_directory, *args, **kwargs)
 
 
 def _report(model: nn.Module, p: Plan, plan: object, built: Dict[str, Built], modules: Dict[str, nn.Module],
