@@ -256,13 +256,19 @@ def _loss_parallel(group, vocab):
     gathers = [r for r in acc.records if r.op == "all_gather" and r.phase == "forward"]
     full_logits = model(ids).logits  # no labels: the whole vocabulary, gathered
     torch.testing.assert_close(full_logits, dense(ids).logits, rtol=1e-9, atol=1e-9)
-    return tuple(out_t.logits.shape), len(gathers)
+    # with labels the logits stay this rank's shard, labelled as one (before: the plain shard, whose argmax
+    # picked from this rank's part of the vocabulary)
+    split = out_t.logits
+    torch.testing.assert_close(split.full_tensor(), logits_d, rtol=1e-9, atol=1e-9)
+    assert torch.equal(split.argmax(-1).full_tensor(), logits_d.argmax(-1))
+    return (type(split).__name__, tuple(split.shape), tuple(split.to_local().shape)), len(gathers)
 
 
 @pytest.mark.parametrize("tp,vocab", [(2, 96), (4, 98)])
 def test_loss_parallel_keeps_logits_split_through_the_loss(tp, vocab):
     for shape, gathers in get_world(tp).run(_loss_parallel, vocab):
-        assert shape == (2, 10, -(-vocab // tp)) and gathers == 0, (shape, gathers)
+        rank_rows = shape[2][2]
+        assert shape[:2] == ("DTensor", (2, 10, vocab)) and rank_rows <= -(-vocab // tp) and gathers == 0, shape
 
 
 def _backward_collectives(group):

@@ -7,6 +7,9 @@ loss can run: ``b * s * V`` numbers on the wire and in memory per rank (Llama 3'
 vocabulary shard ``(b, s, V'/p)`` and the model's loss is `vocab_parallel_cross_entropy` (two
 all-reduces: the row maxima, then 2 or 3 numbers per row), as Megatron and DTensor's ``loss_parallel`` do. Without labels
 (generation, evaluation) the head gathers as before: full logits whenever the caller asks for them.
+With labels, the output's ``logits`` are that shard labelled as one: a DTensor of the dense shape
+``(b, s, V)``, ``Shard(-1)`` over the TP group (a view, no collective), so ``argmax``, ``softmax`` or
+``full_tensor()`` give the dense model's answers and nothing takes the shard for the whole vocabulary.
 """
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..core.dtensors import as_dtensor, is_dtensor
 from ..core.groups import TPGroup
+from ..core.placement import Sharded
 from ..layers.vocab import ParallelLMHead
 from ..models.loss import vocab_parallel_cross_entropy
 
@@ -58,8 +63,16 @@ def apply_loss_parallel(model: nn.Module, tp: TPGroup) -> None:
     def split_when_labelled(_: nn.Module, args: tuple, kwargs: dict) -> None:
         head.gather_output = kwargs.get("labels") is None
 
-    def gather_again(*_: Any) -> None:  # after the model's forward, its loss included
-        head.gather_output = True
+    def gather_again(_: nn.Module, args: tuple, output: Any) -> Any:  # after the forward, its loss included
+        split, head.gather_output = not head.gather_output, True
+        logits = getattr(output, "logits", None)
+        if split and isinstance(logits, torch.Tensor) and not is_dtensor(logits) and tp.size > 1:
+            output.logits = as_dtensor(logits, vocab_placement(logits.dim()), tp)  # (b, s, V), Shard(-1)
+        return output
+
+    def vocab_placement(dims: int) -> Sharded:
+        weight = head.param_placements()["weight"]  # rows of the vocabulary (padded): the logits' last dim
+        return Sharded(dims - 1, weight.parts)  # type: ignore[attr-defined]
 
     model.loss_function = loss_function
     model.register_forward_pre_hook(split_when_labelled, with_kwargs=True)

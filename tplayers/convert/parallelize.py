@@ -391,8 +391,9 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     ``output_router_logits=True`` refused: the load-balancing loss would be each chunk's).
     ``loss_parallel`` (Hugging Face causal LMs): called with ``labels``, the LM head keeps its
     vocabulary shard and the model's loss runs on it (`vocab_parallel_cross_entropy`: no all-gather of
-    the logits, each rank holds 1/p of them); ``outputs.logits`` is then this rank's shard ``(b, s,
-    V'/p)`` (padded); without labels the logits are gathered whole (:mod:`tplayers.convert.loss_parallel`).
+    the logits, each rank holds 1/p of them); ``outputs.logits`` is then this rank's shard labelled as one, a
+    DTensor of shape ``(b, s, V)``, ``Shard(-1)`` over the TP group; without labels the logits are gathered
+    whole (:mod:`tplayers.convert.loss_parallel`).
     """
     tp = resolve_group(group)
     if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) or check_inputs < 0:
