@@ -139,10 +139,16 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     tplayers.load_checkpoint(model, path)
     want = dense_state_dict(_single(1))
     assert all(torch.equal(t, want[k]) for k, t in dense_state_dict(model).items())
-    # the torn temporary directory never loads: it has no manifest
-    (tmp,) = [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+    # a save that raised leaves no temporary directory (before: <path>.tmp-* stayed); one torn by a crash (its
+    # process killed before the manifest, written last) never loads
+    assert [p for p in os.listdir(tmp_path) if ".tmp-" in p] == []
+    import shutil
+
+    torn = str(tmp_path / "ckpt.tmp-torn")
+    shutil.copytree(path, torn)
+    os.remove(os.path.join(torn, "tplayers.json"))
     with pytest.raises(CheckpointError, match="not a complete"):
-        tplayers.load_checkpoint(_single(9), str(tmp_path / tmp))
+        tplayers.load_checkpoint(_single(9), torn)
 
 
 class _Evil:
@@ -669,3 +675,33 @@ def test_a_save_called_on_rank_0_only_names_the_missing_rank(tmp_path):
         message, seconds = world.run(_save_on_rank0_only, str(tmp_path / "ck"))[0]
     assert "save_checkpoint is collective: every rank of its group must call it" in message, message
     assert "Ranks 1 failed to pass monitoredBarrier" in message and seconds < 30, (message, seconds)
+
+
+def _one_rank_fails_to_write(group, path):
+    """A write error on rank 1 only (a full disk, a file-size limit on its node)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model = _build(group, seed=1)
+    original = FileSystemWriter.write_data
+
+    def fail(self, *args, **kwargs):
+        raise OSError(27, "File too large (simulated)")
+    if dist.get_rank() == 1:
+        FileSystemWriter.write_data = fail
+    try:
+        tplayers.save_checkpoint(model, path)
+        error = ""
+    except CheckpointError as e:
+        error = str(e)
+    finally:
+        FileSystemWriter.write_data = original
+    tplayers.core.collectives.barrier(group)
+    return error, sorted(os.listdir(os.path.dirname(path)))
+
+
+def test_a_write_failing_on_one_rank_raises_on_every_rank_and_leaves_nothing(tmp_path):
+    """Before: the <path>.tmp-* directory stayed behind."""
+    for error, left in get_world(2).run(_one_rank_fails_to_write, str(tmp_path / "ckpt")):
+        assert "save_checkpoint" in error and "File too large" in error, error
+        assert left == [], left

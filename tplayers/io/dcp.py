@@ -159,8 +159,13 @@ def save_checkpoint(model: nn.Module, path: str, *, optimizer: Optional[torch.op
     manifest["save_id"] = save_id
     if optimizer is not None:
         manifest["optimizer"] = optimizer_record(entries(model), optimizer)
-    with quiet(), dcp_errors("save_checkpoint", tmp):
-        dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=pg, no_dist=pg is None)
+    try:  # a save that raises (on any rank: DCP raises on every rank once all have written) leaves nothing behind
+        with quiet(), dcp_errors("save_checkpoint", tmp):
+            dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=pg, no_dist=pg is None)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     def publish() -> None:
         manifest["files"] = _file_digests(tmp)
@@ -173,7 +178,12 @@ def save_checkpoint(model: nn.Module, path: str, *, optimizer: Optional[torch.op
         fsync_dir(os.path.dirname(path))
         shutil.rmtree(old, ignore_errors=True)
 
-    on_rank0(pg, rank, publish)
+    try:
+        on_rank0(pg, rank, publish)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _sha256(fpath: str) -> str:

@@ -30,8 +30,10 @@ def dcp_errors(caller: str, path: str) -> Iterator[None]:
     except Exception:
         raise
     except BaseException as e:  # noqa: BLE001
+        hint = (" (torch.save reports a write that stopped short, such as a full disk or a file-size limit "
+                "(ulimit -f) on that rank, as 'unexpected pos')" if "unexpected pos" in str(e) else "")
         raise CheckpointError(f"{caller}: torch.distributed.checkpoint failed for {path}: "
-                              f"{type(e).__name__}: {e}") from e
+                              f"{type(e).__name__}: {e}{hint}") from e
 
 
 @contextlib.contextmanager
