@@ -347,3 +347,80 @@ def test_the_audit_sends_nothing_after_the_first_step():
     for first, second, plain_first, plain_second in get_world(2).run(_comm_per_step):
         assert second == plain_second  # (the inputs check also runs at the first step only, with or without audit)
         assert first[1] > plain_first[1]  # the audit's gathers and verdicts, once
+
+
+class _Hooked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):  # (b, h)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _steer(module, args, out):  # activation steering on the row layer's (whole) output
+    return out + 0.5
+
+
+def _scale_grad(module, args, out):  # a gradient-scaling hook on the column layer's (split) output
+    out.register_hook(lambda g: 2.0 * g)
+
+
+def _user_hooks(group, when):
+    """Hooks user code put on layers, before or after parallelize: kept on the TP layers, and run by the audit's
+    dense twin too. Before: hooks on the dense modules were dropped by the swap (the model silently computed
+    without them); hooks added after were missing from the twin, and the audit refused a correct model."""
+    import copy
+
+    from tplayers.core.groups import resolve_group
+
+    torch.manual_seed(0)
+    dense = _Hooked().double()
+    model = copy.deepcopy(dense)
+    if when == "before":
+        model.fc2.register_forward_hook(_steer)
+        model.fc1.register_forward_hook(_scale_grad)
+    tplayers.parallelize(model, {"fc1": "column", "fc2": "row"}, group=group)
+    if when == "after":
+        model.fc2.register_forward_hook(_steer)
+        model.fc1.register_forward_hook(_scale_grad)
+    dense.fc2.register_forward_hook(_steer)
+    dense.fc1.register_forward_hook(_scale_grad)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    y = model(x)  # the first forward: the audit
+    y.square().sum().backward()
+    dense(x).square().sum().backward()
+    g = resolve_group(group)
+    torch.testing.assert_close(y, dense(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.fc1.weight.grad, dense.fc1.weight.grad.chunk(g.size)[g.rank], rtol=1e-12,
+                               atol=1e-12)
+    return True
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_user_hooks_stay_on_tp_layers_and_run_in_the_audit_twin(when):
+    assert all(get_world(2).run(_user_hooks, when))
+
+
+def _hidden_states_at_the_first_step(group):
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=4, attn_implementation="eager")  # eager: attention weights recorded
+    dense = LlamaForCausalLM(config).double()
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    out = model(ids, labels=ids, output_hidden_states=True, output_attentions=True)  # the audit runs in this forward
+    want = dense(ids, labels=ids, output_hidden_states=True, output_attentions=True)
+    return len(out.hidden_states), len(want.hidden_states), len(out.attentions), len(want.attentions)
+
+
+def test_the_audit_adds_nothing_to_hugging_face_outputs():
+    """Before: the audit's runs of each region (and their twins) at the first forward appended to
+    output_hidden_states / output_attentions (3 extra entries for a 1-layer model)."""
+    pytest.importorskip("transformers")
+    for got_h, want_h, got_a, want_a in get_world(2).run(_hidden_states_at_the_first_step):
+        assert (got_h, got_a) == (want_h, want_a)

@@ -48,7 +48,7 @@ from ..core.fingerprint import name_modules
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.partial_grads import PartialGradSum
 from ..core.placement import require_divisible
-from ..layers.base import TensorParallelModule, placements_of
+from ..layers.base import TensorParallelModule, carry_hooks, placements_of
 from ..layers.experts import ParallelExperts
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.same_inputs import check_same_inputs, check_same_output_grads, check_same_rng_once, has_dropout
@@ -420,6 +420,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
         if b.module is not modules[name]:
             parent_name, _, child = name.rpartition(".")
             setattr(modules[parent_name] if parent_name else model, child, b.module)
+            carry_hooks(modules[name], b.module)  # hooks user code put on the dense module stay (the audit checks them)
     for module, attr, value in changes:
         setattr(module, attr, value)
     for dst, a, src, a0 in retie:

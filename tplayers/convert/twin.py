@@ -9,6 +9,7 @@ off), so the model, its buffers and the training's random stream stay as they we
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -17,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.collectives import all_gather_tensor
 from ..core.groups import TPGroup
-from ..layers.base import PLACEMENTS_ATTR, TensorParallelModule
+from ..layers.base import PLACEMENTS_ATTR, TensorParallelModule, carry_hooks
 
 __all__ = ["within", "float32_copy", "copy_inputs", "gather_first", "first_float", "Quiet", "run_region", "random_like",
            "dense_twin", "relative_error", "scale_of"]
@@ -127,9 +128,16 @@ class Quiet:
                          if d == "cpu" or torch.cuda.is_available()]
         for a in self.autocast:
             a.__enter__()
+        # Hugging Face collects output_hidden_states / output_attentions through forward hooks on its layers: the
+        # audit's runs of a region (and of its twin, which copies them) must not add entries to the user's outputs
+        capture = sys.modules.get("transformers.utils.output_capturing")
+        self.collector = getattr(capture, "_active_collector", None)
+        self.collector_token = self.collector.set(None) if self.collector is not None else None
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self.collector is not None:
+            self.collector.reset(self.collector_token)
         for a in reversed(self.autocast):
             a.__exit__(*exc)
         self.saved_hooks.__exit__(*exc)
@@ -168,6 +176,7 @@ def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_ho
         if isinstance(m, TensorParallelModule) and not any(within(rel, o) for o in outer):
             outer.append(rel)
             memo[id(m)] = m.to_dense()
+            carry_hooks(m, memo[id(m)], skip=added_hooks.get(rel, ()))  # the user's hooks run in the twin too
     if "" in outer:
         return memo[id(region)]
     twin = copy.deepcopy(region, memo)

@@ -22,7 +22,7 @@ from ..core.placement import Placement
 from .optimizers import track_tp_module
 
 __all__ = ["TensorParallelModule", "model_placements", "placements_of", "PLACEMENTS_ATTR", "SHARD_OWNER_KEY",
-           "mixed_class", "module_copy", "params_read_as"]
+           "mixed_class", "module_copy", "params_read_as", "carry_hooks"]
 
 # A module that is not a TensorParallelModule (a Hugging Face norm under sequence parallelism) carries
 # its parameters' placements in this attribute, set by the parallelize style that changed how it runs.
@@ -196,3 +196,28 @@ def params_read_as(reads: Iterable[Tuple[nn.Module, str, torch.Tensor]]) -> Iter
     finally:
         for module, name, _ in reads:
             module.__dict__.pop(name, None)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
+
+
+def carry_hooks(src: nn.Module, dst: nn.Module, skip: Iterable[int] = ()) -> int:
+    """Give ``dst`` the forward and backward hooks registered on ``src`` (same ids, same order; the hook
+    functions receive ``dst`` from now on), except the ids in ``skip``. A module swapped for its TP layer
+    keeps what user code hooked on it (activation steering, gradient scaling); a region's dense twin runs
+    the hooks its TP layers carry. Returns how many hooks it carried."""
+    skip = set(skip)
+    count = 0
+    for attr in _HOOK_DICTS:
+        hooks = getattr(src, attr, None)
+        if not hooks:
+            continue
+        for hook_id, value in hooks.items():
+            if hook_id in skip or hook_id in getattr(dst, attr):
+                continue
+            getattr(dst, attr)[hook_id] = value
+            count += attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
+    if src._backward_hooks and getattr(src, "_is_full_backward_hook", None) is not None:
+        dst._is_full_backward_hook = src._is_full_backward_hook
+    return count
