@@ -284,3 +284,34 @@ def test_float16_partial_sums_that_overflow_are_reported_on_every_rank(sequence_
         assert expected == 15000.0
         assert "float16 overflow in the row-parallel sum at RowParallelLinear" in message, message
         assert "rank(s) [0]" in message and "bfloat16" in message, message
+
+
+
+class _Work:
+    """A collective's work handle whose wait fails after ``delay`` seconds, as gloo's does."""
+
+    def __init__(self, delay: float, error: str) -> None:
+        self.delay, self.error = delay, error
+
+    def wait(self, timeout=None) -> None:
+        time.sleep(self.delay)
+        raise RuntimeError(self.error)
+
+
+def test_a_wait_cut_short_by_a_closed_connection_says_so():
+    """Before: 'waited 60 s for the other ranks' although the collective failed at once, a peer having gone (the
+    message printed the configured wait for any error)."""
+    from tplayers.core.fingerprint import CollectivesOutOfStep, bounded_wait
+
+    before = tplayers.set_collective_checks(True, timeout=60)
+    try:
+        with pytest.raises(CollectivesOutOfStep) as closed:
+            bounded_wait(_Work(0.0, "Connection closed by peer [127.0.0.1]:1234"), "all_reduce at 0.fc2", cpu=True)
+        tplayers.set_collective_checks(True, timeout=0.2)
+        with pytest.raises(CollectivesOutOfStep) as timed_out:
+            bounded_wait(_Work(0.2, "Timed out waiting 200ms"), "all_reduce at 0.fc2", cpu=True)
+    finally:
+        tplayers.set_collective_checks(before[0], timeout=before[1])
+    assert "failed after 0.0 s (of the 60 s allowed)" in str(closed.value), closed.value
+    assert "closed its connection" in str(closed.value) and "waited" not in str(closed.value)
+    assert "waited 0.2 s for the other ranks of the TP group at this collective" in str(timed_out.value)

@@ -38,6 +38,7 @@ import sys
 import weakref
 import zlib
 from dataclasses import dataclass
+import time
 from datetime import timedelta
 from typing import Any, List, Optional, Tuple
 
@@ -214,14 +215,21 @@ def bounded_wait(work: Any, text: str, cpu: bool) -> None:
     if not cpu:
         work.wait()
         return
+    started = time.monotonic()
     try:
         work.wait(timeout=timedelta(seconds=_SETTINGS.timeout))
     except RuntimeError as e:
+        waited, cause = time.monotonic() - started, str(e).splitlines()[0]
+        if waited < 0.5 * _SETTINGS.timeout:  # cut short: a peer's connection closed, nobody waited the timeout out
+            raise CollectivesOutOfStep(
+                f"tplayers: this collective ({text}) failed after {waited:.1f} s (of the {_SETTINGS.timeout:g} s "
+                "allowed): another rank of the TP group closed its connection (it exited, or stopped on an error of "
+                f"its own: look at that rank's output first). ({cause})") from None
         raise CollectivesOutOfStep(
             f"tplayers: waited {_SETTINGS.timeout:g} s for the other ranks of the TP group at this collective "
             f"({text}); not every rank issued it: a rank stopped issuing the model's collectives (it "
             "raised and went on, skipped a step, or is busy elsewhere). Set a longer wait with "
-            f"tplayers.set_collective_checks(timeout=...). ({str(e).splitlines()[0]})") from None
+            f"tplayers.set_collective_checks(timeout=...). ({cause})") from None
 
 
 def check_lagging(pg: Any) -> None:
