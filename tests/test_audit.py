@@ -458,3 +458,34 @@ def test_hidden_states_under_sequence_parallelism_are_labelled_chunks(seq):
         # the entries collected inside the split region are chunks, labelled; the last (after the final norm,
         # gathered for the head) is whole
         assert kinds == (["DTensor", "DTensor", "Tensor"] if seq % 2 == 0 else ["Tensor"] * 3), kinds
+
+
+def _attention_weights(group, heads):
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=heads * 8, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=heads, attn_implementation="eager")
+    dense = LlamaForCausalLM(config).double()
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).loss.backward()  # the first step (the audit)
+    with torch.no_grad():
+        want = dense(ids, output_attentions=True).attentions
+        try:
+            got = model(ids, output_attentions=True).attentions
+        except ValueError as e:
+            return str(e), None, None
+    return "", [tuple(t.shape) for t in got], max((t.full_tensor() - w).abs().max().item() for t, w in zip(got, want))
+
+
+def test_attention_weights_are_this_ranks_heads_labelled():
+    """Before: output_attentions returned this rank's heads (b, H/p, s, s) as if they were the layer's. Now a DTensor
+    (b, H, s, s), Shard(1), equal to the dense weights; heads split unevenly are refused naming why."""
+    pytest.importorskip("transformers")
+    for error, shapes, diff in get_world(2).run(_attention_weights, 4):
+        assert error == "" and shapes == [(2, 4, 5, 5)] and diff < 1e-12, (error, shapes, diff)
+    for error, _, _ in get_world(2).run(_attention_weights, 3):  # 3 heads at TP 2: 2 and 1 (padded)
+        assert "split unevenly" in error, error

@@ -55,10 +55,11 @@ from ..layers.same_inputs import check_same_inputs, check_same_output_grads, che
 from .audit import AUDIT_ATTR, Auditor, find_regions
 from .auto import auto_plan, sequence_parallel_auto
 from .loss_parallel import apply_loss_parallel
+from .outputs import label_split_outputs
 from .coverage import REPORT_ATTR, build_report
 from .plan import Plan, resolve_style
 from .plans import get_plan
-from .sequence import ReplicateReduceGrad, check_sequence_region, label_split_hidden_states
+from .sequence import ReplicateReduceGrad, check_sequence_region
 from .styles import (BuildContext, Built, Column, FusedQKV, KVColumn, Row, SequenceSwitch, Style, VocabEmbedding, VocabHead,
                      getattr_path)
 
@@ -434,8 +435,8 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict
     if loss_parallel and tp.size > 1:
         apply_loss_parallel(model, tp)
-    if tp.size > 1 and any(b.region for b in built.values()) and hasattr(model, "config"):
-        label_split_hidden_states(model, tp)  # a Hugging Face model's output_hidden_states under SP: chunks, labelled
+    if tp.size > 1 and hasattr(model, "config"):  # a Hugging Face model: split hidden states / attentions labelled
+        label_split_outputs(model, tp, sequence_parallel=any(b.region for b in built.values()))
     if tp.size > 1 and callable(getattr(type(model), "save_pretrained", None)):
         object.__setattr__(model, "save_pretrained", types.MethodType(_save_pretrained_whole, model))
     _watch_ranks_in_step(model, tp, check_inputs, check_consistency)

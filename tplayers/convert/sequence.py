@@ -16,8 +16,6 @@ import torch
 import torch.nn as nn
 
 from ..core.comm import gather_sequence_for_columns, scatter_to_sequence
-from ..core.dtensors import as_dtensor, is_dtensor
-from ..core.groups import TPGroup
 from ..core.partial_grads import PartialGradSum
 from ..core.partial_sum import PartialSum
 from ..core.placement import Replicated, Sharded, head_parts
@@ -25,7 +23,7 @@ from ..layers.base import PLACEMENTS_ATTR
 from .styles import BuildContext, Built, attention_heads
 
 __all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "ReplicateReduceGrad", "PerHeadParams",
-           "map_first_input", "route_params_through", "label_split_hidden_states",
+           "map_first_input", "route_params_through",
            "check_sequence_region"]
 
 _MARK = "_tplayers_styles"  # the sequence styles already applied to a module (refuse stacking a second set)
@@ -241,28 +239,3 @@ def check_sequence_region(plan_name: str, regions: Dict[str, Optional[str]]) -> 
     if bool(enters) != bool(leaves):
         raise ValueError(f"parallelize: plan '{plan_name}' enters sequence parallelism at {enters} but leaves it at "
                          f"{leaves}: it needs both a 'scatter_sequence' module and a gathering final norm")
-
-
-def label_split_hidden_states(model: nn.Module, tp: TPGroup) -> None:
-    """Under sequence parallelism a Hugging Face model's ``output_hidden_states`` (collected inside the split
-    region) are this rank's sequence chunks ``(b, s/p, h)``: label each as a DTensor of the dense shape
-    ``(b, s, h)``, ``Shard(1)`` over the TP group (a view, no collective; ``full_tensor()`` gathers it), so no
-    chunk passes for the whole sequence. A forward that ran unsplit (a length the TP degree does not divide)
-    returns whole hidden states and is left alone."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
-        states = getattr(output, "hidden_states", None)
-        source = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
-        source = kwargs.get("inputs_embeds") if source is None else source
-        if not isinstance(states, tuple) or not isinstance(source, torch.Tensor) or source.dim() < 2:
-            return output
-        seq = source.shape[1]
-        if seq % tp.size:
-            return output
-        output.hidden_states = tuple(  # type: ignore[attr-defined]
-            as_dtensor(t, Sharded.split(1, seq, tp.size), tp)
-            if isinstance(t, torch.Tensor) and not is_dtensor(t) and t.dim() >= 2 and t.shape[1] * tp.size == seq
-            else t for t in states)
-        return output
-
-    model.register_forward_hook(hook, with_kwargs=True)
