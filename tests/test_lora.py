@@ -167,3 +167,26 @@ def _refusals(group):
 
 def test_lora_that_cannot_be_split_is_refused_naming_the_module():
     assert all(get_world(4).run(_refusals))
+
+
+def _adapter_after_parallelize(group):
+    """load_adapter / add_adapter after parallelize: the audit's cause names it (before: it blamed head counts)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "o_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(LlamaForCausalLM(cfg).double(), config)
+    tplayers.parallelize(model, "auto", group=group)  # adapter "default": split with its base layers
+    model.add_adapter("late", config)  # after parallelize: a dense adapter on the shards
+    model.set_adapter("late")
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(tplayers.AuditError) as info:
+        model(input_ids=ids, labels=ids).loss.backward()
+    return str(info.value)
+
+
+def test_an_adapter_added_after_parallelize_is_named_as_the_cause():
+    for message in get_world(2).run(_adapter_after_parallelize):
+        assert "were added after parallelize" in message and "before parallelize" in message, message

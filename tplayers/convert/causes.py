@@ -14,8 +14,9 @@ from typing import Any, Dict, List
 import torch.nn as nn
 
 from ..core.placement import Sharded
-from ..layers.base import model_placements
+from ..layers.base import TensorParallelModule, model_placements
 from ..layers.linear import ColumnParallelLinear
+from ..layers.lora import LoRAPiece, is_peft_lora
 from .twin import within
 
 __all__ = ["likely_causes"]
@@ -49,6 +50,22 @@ def _partial_hints(name: str, p: int, partial: List[str], plan_name: str) -> Lis
     return causes
 
 
+def _adapters_added_after(name: str, module: nn.Module) -> List[str]:
+    """PEFT adapters put on TP layers after ``parallelize`` (``load_adapter``, ``add_adapter``): their ``lora_A`` /
+    ``lora_B`` are the dense adapter's, applied to a shard."""
+    causes = []
+    for rel, m in module.named_modules():
+        if not (is_peft_lora(m) and isinstance(getattr(m, "base_layer", None), TensorParallelModule)):
+            continue
+        late = sorted(a for a, piece in list(m.lora_A.items()) + list(m.lora_B.items())
+                      if not isinstance(piece, LoRAPiece))
+        if late:
+            causes.append(f"PEFT adapter(s) {sorted(set(late))} on '{_pattern(f'{name}.{rel}' if rel else name)}' were "
+                          "added after parallelize (load_adapter / add_adapter): their lora_A / lora_B are the dense "
+                          "adapter's, applied to this rank's shard. Add (or load) adapters before parallelize")
+    return causes
+
+
 def _config_head_counts(module: nn.Module) -> set:
     """Head counts a Hugging Face module reads from its ``config`` (not divided by ``parallelize``)."""
     out = set()
@@ -76,6 +93,7 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
         return _likely(causes or [
             "the forward matches but gradients do not, and no replicated parameter's gradient is a plain partial "
             "sum: a parameter or buffer the forward uses on this rank's shard only (check_replicas may tell)"])
+    causes += _adapters_added_after(name, module)
     heads: Dict[str, int] = {}
     for rel, attrs in originals.items():
         for attr, value in attrs.items():
