@@ -489,3 +489,42 @@ def test_attention_weights_are_this_ranks_heads_labelled():
         assert error == "" and shapes == [(2, 4, 5, 5)] and diff < 1e-12, (error, shapes, diff)
     for error, _, _ in get_world(2).run(_attention_weights, 3):  # 3 heads at TP 2: 2 and 1 (padded)
         assert "split unevenly" in error, error
+
+
+class _SharedSizes:
+    def __init__(self) -> None:
+        self.sizes = (16, 8, 8)  # q, k, v widths, read by the forward (an object the plan cannot restore)
+
+
+class _FusedByConfig(nn.Module):
+    def __init__(self, cfg: _SharedSizes) -> None:
+        super().__init__()
+        self.cfg, self.qkv, self.proj = cfg, nn.Linear(16, 32), nn.Linear(16, 16)
+
+    def forward(self, x):  # (b, s, 16)
+        q, k, v = self.qkv(x).split(list(self.cfg.sizes), dim=-1)
+        return self.proj(q * k.repeat(1, 1, 2) + v.repeat(1, 1, 2))
+
+
+def _twin_cannot_run(group):
+    """A fused q/k/v split as one block ("column", where Column(parts=3) was needed), its split sizes in a
+    shared config object set to the local widths: the sharded forward runs (wrong numbers), the dense twin
+    cannot (it reads the same object). Before: a warning, and the model trained on."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = _FusedByConfig(_SharedSizes()).double()
+    tplayers.parallelize(model, {"qkv": "column", "proj": "row"}, group=group)
+    model.cfg.sizes = (8, 4, 4)  # "the local sizes at TP 2"
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        try:
+            model(torch.randn(2, 3, 16, dtype=torch.float64))
+        except tplayers.AuditError as e:
+            return str(e)
+    return ""
+
+
+def test_a_region_whose_dense_twin_cannot_run_is_refused_not_trained():
+    for message in get_world(2).run(_twin_cannot_run):
+        assert "it cannot be checked: its dense twin" in message and "audit=False" in message, message

@@ -204,9 +204,12 @@ def _run_and_compare(region: Region, result: RegionAudit, group: TPGroup, args: 
             dense_out, dense_in_grads, dense_grads = run_region(twin, a2, k2, diff2, sides.dense_grad)
     except Exception as e:  # noqa: BLE001 - no dense twin to compare with: say so, never pass silently
         result.status, result.reason = "skipped", f"its dense twin could not run ({type(e).__name__}: {e})"
-        if failed_on is None:
-            warnings.warn(f"tplayers audit: region '{region.name}' not audited: {result.reason}", stacklevel=5)
-            return ""
+        if failed_on is None:  # fail closed: a region tplayers cannot compare with dense does not train
+            return (f"it cannot be checked: its dense twin (the region as it was before parallelize) raised "
+                    f"{type(e).__name__}: {e}. A plan that changed an attribute the twin also reads (a config object "
+                    "or a tuple of sizes shared with the TP layers) makes the twin fail; so can the model itself. "
+                    "tplayers refuses to train a region it cannot check; parallelize(..., audit=False) trains "
+                    "without the check")
         if tp_error is not None:  # dense and sharded both fail: the model's own error, as it is
             raise tp_error
         raise RuntimeError(f"tplayers audit: region '{region.name}' raised on rank {failed_on}: "
