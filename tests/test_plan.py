@@ -320,3 +320,30 @@ def _different_batches(group, what):
 def test_tp_ranks_fed_different_batches_are_refused_by_default(what, expected):
     for message in get_world(2).run(_different_batches, what):
         assert expected in message, message
+
+
+def _router_jitter_with_seeds(group):
+    """Mixtral's router_jitter_noise draws random numbers in training: seeded seed + rank, the TP ranks route
+    tokens differently (before: the audit blamed the plan, as the RNG check looked at dropout only)."""
+    import torch.distributed as dist
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
+                           router_jitter_noise=0.1)
+    model = tplayers.parallelize(MixtralForCausalLM(config), "auto", group=group)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(1 + dist.get_rank())
+    model.train()
+    try:
+        model(ids, labels=ids)
+    except (RuntimeError, tplayers.AuditError) as e:
+        return str(e)
+    return ""
+
+
+def test_per_rank_seeds_with_router_noise_are_refused_naming_the_seeds():
+    pytest.importorskip("transformers")
+    for message in get_world(2).run(_router_jitter_with_seeds):
+        assert "the TP ranks' random generators differ" in message and "router noise" in message, message

@@ -100,15 +100,19 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) ->
     return module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+_RANDOM_CONFIG = ("dropout", "pdrop", "jitter", "noise")  # config names of values that make a forward draw random numbers
+
+
 def has_dropout(model: nn.Module) -> bool:
-    """Whether ``model`` may draw dropout masks: a dropout module with p > 0, or a config value whose
-    name says dropout (Hugging Face's ``attention_dropout``, ``hidden_dropout``, GPT-2's ``attn_pdrop``)."""
+    """Whether ``model`` may draw random numbers in training: a dropout module with p > 0, or a config value
+    whose name says dropout or noise (Hugging Face's ``attention_dropout``, ``hidden_dropout``, GPT-2's
+    ``attn_pdrop``, Mixtral's ``router_jitter_noise``)."""
     for m in model.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             return True
         config = getattr(m, "config", None)
         for k, v in (vars(config).items() if hasattr(config, "__dict__") else ()):
-            if ("dropout" in k or "pdrop" in k) and type(v) in (int, float) and v > 0:
+            if any(word in k for word in _RANDOM_CONFIG) and type(v) in (int, float) and v > 0:
                 return True
     return False
 
@@ -133,9 +137,10 @@ def check_same_rng_once(module: nn.Module, *, group: GroupLike) -> RemovableHand
         if differ.any():
             ranks = differ.any(1).nonzero().flatten().tolist()
             raise RuntimeError(
-                f"tplayers: the TP ranks' random generators differ at the first training step of a model with dropout "
-                f"(rank(s) {ranks} vs rank 0): a replicated activation would get a different dropout mask on each "
-                "rank, and the model would train wrong with no error. Seed every rank of a TP group alike "
+                f"tplayers: the TP ranks' random generators differ at the first training step of a model that draws "
+                f"random numbers (dropout, router noise) (rank(s) {ranks} vs rank 0): a replicated activation would get "
+                "a different dropout mask, or a token a different route, on each rank, and the model would train wrong "
+                "with no error. Seed every rank of a TP group alike "
                 "(torch.manual_seed(seed), not seed + rank; with data parallelism, seed + dp_rank), and draw the "
                 "same random numbers on each; or parallelize(..., check_consistency=False) to skip this check")
 
