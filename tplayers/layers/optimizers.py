@@ -77,6 +77,7 @@ def track_tp_module(module: Any) -> None:
 
 
 def _attach(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch.optim's global step pre-hook: the state hooks, once per optimizer; the hand-off check, each step."""
     if optimizer not in _OPTIMIZERS:
         _OPTIMIZERS.add(optimizer)
         optimizer.register_state_dict_post_hook(_label_state)
@@ -88,10 +89,12 @@ def _attach(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 def _require_gradients_handed_off(optimizer: torch.optim.Optimizer) -> None:
     """Refuse a step whose parameters' gradients wait in delay_wgrad's stores or in main_grad buffers."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    ids = {id(p) for p in params}
-    pending = sum(len(m.wgrad_store) for m in list(_MODULES)
-                  if isinstance(getattr(m, "wgrad_store", None), WeightGradStore) and len(m.wgrad_store)
-                  and any(id(p) in ids for p in m.parameters(recurse=False)))
+    pending = 0
+    if WeightGradStore.pending_total:  # which of the waiting work is this optimizer's (another model's may wait)
+        ids = {id(p) for p in params}
+        pending = sum(len(m.wgrad_store) for m in list(_MODULES)
+                      if isinstance(getattr(m, "wgrad_store", None), WeightGradStore) and len(m.wgrad_store)
+                      and any(id(p) in ids for p in m.parameters(recurse=False)))
     require_handed_off(params, "optimizer.step()", pending)
 
 
