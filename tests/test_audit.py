@@ -528,3 +528,31 @@ def _twin_cannot_run(group):
 def test_a_region_whose_dense_twin_cannot_run_is_refused_not_trained():
     for message in get_world(2).run(_twin_cannot_run):
         assert "it cannot be checked: its dense twin" in message and "audit=False" in message, message
+
+
+def _non_finite_inputs(group):
+    """The same NaN in the batch on every rank: the data's, not the plan's (before: 'max relative error nan ...
+    Fix the plan'). A NaN on one side only stays an error (test_relative_error_compares_non_finite_values_as_such)."""
+    torch.manual_seed(0)
+    model = tplayers.parallelize(_Hooked().double(), {"fc1": "column", "fc2": "row"}, group=group)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    x[1, 2] = float("nan")
+    try:
+        model(x)
+    except tplayers.AuditError as e:
+        return str(e)
+    return ""
+
+
+def test_non_finite_inputs_on_every_rank_are_not_blamed_on_the_plan():
+    assert get_world(2).run(_non_finite_inputs) == ["", ""]
+
+
+def test_relative_error_compares_non_finite_values_as_such():
+    from tplayers.convert.twin import relative_error
+
+    nan, inf = float("nan"), float("inf")
+    assert relative_error(torch.tensor([1.0, nan, inf]), torch.tensor([1.0, nan, inf])) == 0.0
+    assert relative_error(torch.tensor([1.0, nan]), torch.tensor([1.0, 2.0])) == inf
+    assert relative_error(torch.tensor([inf]), torch.tensor([-inf])) == inf
+    assert relative_error(torch.tensor([2.0, nan]), torch.tensor([1.0, nan])) == 0.5

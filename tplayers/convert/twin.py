@@ -197,7 +197,9 @@ def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_ho
 
 def relative_error(actual: Optional[torch.Tensor], expected: Optional[torch.Tensor], floor: float = 0.0) -> float:
     """max|actual - expected| / max(max|actual|, max|expected|, floor). ``floor``: below it a tensor is
-    noise (the gradient of a key bias, zero in exact arithmetic, is ~1e-17 on both sides and differs)."""
+    noise (the gradient of a key bias, zero in exact arithmetic, is ~1e-17 on both sides and differs).
+    Non-finite values match only the same non-finite value at the same place (NaN with NaN, +inf with +inf:
+    inputs that carry them on every rank are the data's, not the plan's); anywhere else, ``inf``."""
     if actual is None and expected is None:
         return 0.0
     if actual is None or expected is None:
@@ -208,6 +210,12 @@ def relative_error(actual: Optional[torch.Tensor], expected: Optional[torch.Tens
         return float("inf")
     dtype = torch.promote_types(torch.promote_types(actual.dtype, expected.dtype), torch.float32)
     a, e = actual.detach().to(dtype), expected.detach().to(dtype)  # no copy for float32 / float64
+    finite = torch.isfinite(a)
+    if not bool(finite.all()) or not bool(torch.isfinite(e).all()):  # non-finite values compared as such
+        same = (finite == torch.isfinite(e)) & (finite | (a == e) | (a.isnan() & e.isnan()))
+        if not bool(same.all()):
+            return float("inf")  # a NaN or an infinity on one side only, or infinities of opposite signs
+        a, e = a[finite], e[finite]  # the rest compared as usual
     scale = max(float(torch.maximum(a.abs().max(), e.abs().max())) if a.numel() else 0.0, floor)
     if scale == 0.0:
         return 0.0
