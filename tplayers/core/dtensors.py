@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .groups import TPGroup
 from .placement import Placement
@@ -117,9 +116,7 @@ def local_rows(value: Any, placement: Placement, group: TPGroup, local: torch.Te
         from torch.distributed.tensor import Shard
 
         mesh = value.device_mesh
-        ranks = mesh.mesh.flatten().tolist()
-        mine = list(range(group.size)) if group.process_group is None else \
-            dist.get_process_group_ranks(group.process_group)
+        ranks, mine = mesh.mesh.flatten().tolist(), group.global_ranks()
         if tuple(value.shape) != full or mesh.ndim != 1 or ranks != mine or \
                 tuple(value.placements) != (Shard(placement.dim),):
             raise ValueError(f"{what}: a DTensor of shape {tuple(value.shape)} placed {tuple(value.placements)} over "
@@ -156,7 +153,7 @@ def _dp_tp_spec(value: Any, placement: Placement, group: TPGroup) -> Tuple[Optio
     if root.ndim != 2 or dp_name is None or list(names[:1]) != [dp_name]:
         return None, "its data-parallel mesh is not the outer dim of a 2-D (dp, tp) mesh (tplayers.make_2d_mesh)"
     tp_mesh = root[names[1]]
-    if tp_mesh.mesh.flatten().tolist() != dist.get_process_group_ranks(group.process_group):
+    if tp_mesh.mesh.flatten().tolist() != group.global_ranks():
         return None, "the inner dim of its 2-D mesh is not this layer's TP group"
     part = placement.parts[0]  # type: ignore[attr-defined]
     if part.size % p or value.shape[0] % mesh.size():

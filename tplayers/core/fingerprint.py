@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import weakref
 import zlib
 from dataclasses import dataclass
-import time
 from datetime import timedelta
 from typing import Any, List, Optional, Tuple
 

@@ -14,7 +14,7 @@ import gc
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,17 @@ class TPGroup:
 
     def __repr__(self) -> str:
         return f"TPGroup(rank={self.rank}, size={self.size})"
+
+    def global_ranks(self) -> List[int]:
+        """The global ranks of this group's members, in group order (a world of one: this process's rank)."""
+        if self.process_group is None:
+            return [dist.get_rank()] if dist.is_available() and dist.is_initialized() else [0]
+        return dist.get_process_group_ranks(self.process_group)
+
+    def peers_among(self, ranks: Iterable[int]) -> List[int]:
+        """The members of this group among the global ``ranks`` (two or more: a wrapper over those ranks, DDP or
+        FSDP2, treats TP peers' different shards as one tensor)."""
+        return sorted(set(ranks) & set(self.global_ranks()))
 
     def shard(self, full: torch.Tensor, dim: int, *, what: str = "tensor") -> torch.Tensor:
         """This rank's chunk of ``full`` along ``dim`` (``torch.chunk`` order; a view)."""

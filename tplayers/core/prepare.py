@@ -67,14 +67,13 @@ def refuse_replicating_wrapper(op: str, g: TPGroup) -> None:
     if seen is not None and seen[0]() is active and seen[1] is g.process_group:
         return
     wrapper = dist.get_process_group_ranks(active.process_group)
-    tp = dist.get_process_group_ranks(g.process_group)
-    shared = sorted(set(wrapper) & set(tp))
+    shared = g.peers_among(wrapper)
     if len(shared) < 2:
         _WRAPPERS_SEEN[key] = (weakref.ref(active), g.process_group)
         return
     raise RuntimeError(
         f"{op}: the model runs inside DistributedDataParallel over ranks {sorted(wrapper)}, which include TP peers "
-        f"{shared} (this layer's TP group: ranks {tp}). DDP's constructor copied rank {min(wrapper)}'s parameters to "
+        f"{shared} (this layer's TP group: ranks {g.global_ranks()}). DDP's constructor copied rank {min(wrapper)}'s parameters to "
         "every rank of its group, so these TP ranks now hold another rank's shards, and its gradient all-reduce would "
         "average different shards. Wrap DDP over the data-parallel ranks only: mesh = tplayers.make_2d_mesh(dp=..., "
         "tp=...); parallelize(model, plan, group=mesh.mesh); DDP(model, process_group=mesh.dp_group) (docs/models.md, "

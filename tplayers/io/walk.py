@@ -14,8 +14,6 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-import torch.distributed as dist
-
 from ..core.collectives import gather_placed
 from ..core.dtensors import is_dtensor
 from ..core.groups import TPGroup
@@ -76,8 +74,8 @@ def _refuse_wrapper_over_tp_peers(name: str, t: torch.Tensor, tp: Optional[TPGro
     """A DTensor wrapper (FSDP2) over ranks that include TP peers holds different shards as one tensor."""
     if tp is None or tp.size == 1:
         return
-    wrapper = set(t.device_mesh.mesh.flatten().tolist())
-    peers = sorted(wrapper & set(dist.get_process_group_ranks(tp.process_group)))
+    wrapper = t.device_mesh.mesh.flatten().tolist()
+    peers = tp.peers_among(wrapper)
     if len(peers) > 1:
         raise CheckpointError(f"'{name}' is a DTensor over ranks {sorted(wrapper)}, which include TP peers {peers} "
                               "holding different shards of it: shard a TP model over its data-parallel ranks only "

@@ -11,7 +11,6 @@ import math
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..core.collectives import all_gather_tensor, all_reduce_tensor, bit_hash, ranks_that_differ
@@ -26,13 +25,6 @@ __all__ = ["clip_grad_norm_", "check_replicas"]
 _CHUNK = 1 << 24  # elements per float64 chunk of a gradient norm (128 MiB)
 
 
-def _ranks(g: TPGroup) -> List[int]:
-    """The global ranks of ``g``'s members, in group order."""
-    if g.process_group is None:
-        return [dist.get_rank()] if dist.is_available() and dist.is_initialized() else [0]
-    return dist.get_process_group_ranks(g.process_group)
-
-
 def _model_group(model: nn.Module, group: GroupLike, fn: str) -> TPGroup:
     """The one TP group every TP module of ``model`` uses; ``group``, when given, must have its ranks
     (a wider group would count data-parallel replicas' norms too). Local: every rank raises alike."""
@@ -44,9 +36,9 @@ def _model_group(model: nn.Module, group: GroupLike, fn: str) -> TPGroup:
     given = resolve_group(group)
     if groups:
         own = next(iter(groups.values()))
-        if _ranks(given) != _ranks(own):
-            raise ValueError(f"{fn}: group= is not the TP group of the model's layers (ranks {_ranks(own)}): it has "
-                             f"ranks {_ranks(given)}. Pass the model's TP group (e.g. mesh.tp_group), or leave "
+        if given.global_ranks() != own.global_ranks():
+            raise ValueError(f"{fn}: group= is not the TP group of the model's layers (ranks {own.global_ranks()}): it "
+                             f"has ranks {given.global_ranks()}. Pass the model's TP group (e.g. mesh.tp_group), or leave "
                              "group=None to use it")
     return given
 
