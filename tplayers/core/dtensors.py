@@ -27,8 +27,8 @@ import torch
 from .groups import TPGroup
 from .placement import Placement
 
-__all__ = ["UnlabelledShard", "is_dtensor", "unlabelled_reason", "as_dtensor", "local_rows", "dtensor_mesh",
-           "contiguous_stride", "as_dtensor_over_dp_tp", "from_dtensor_over_dp_tp"]
+__all__ = ["UnlabelledShard", "is_dtensor", "unlabelled_reason", "shard_dtensor", "as_dtensor", "local_rows",
+           "as_dtensor_over_dp_tp", "from_dtensor_over_dp_tp"]
 
 class UnlabelledShard(ValueError):
     """A shard that no DTensor over the TP group describes was asked for as a state view (the message names
@@ -43,7 +43,7 @@ def is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
 
 
-def contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape``."""
     stride, acc = [], 1
     for s in reversed(shape):
@@ -52,7 +52,7 @@ def contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def dtensor_mesh(group: TPGroup, device: torch.device) -> Any:
+def _dtensor_mesh(group: TPGroup, device: torch.device) -> Any:
     """The 1-D ``DeviceMesh`` over ``group``'s ranks (made once per process group and device type;
     ``DeviceMesh.from_group`` runs no collective)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -91,19 +91,23 @@ def unlabelled_reason(placement: Placement, size: int) -> Optional[str]:
     return None
 
 
+def shard_dtensor(rows: torch.Tensor, group: TPGroup, dim: int, shape: Tuple[int, ...]) -> Any:
+    """``rows`` as this rank's ``Shard(dim)`` piece of a DTensor of ``shape`` over ``group`` (no copy, no collective)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = tuple(shape)
+    return DTensor.from_local(rows, _dtensor_mesh(group, rows.device), [Shard(dim)], run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
+
+
 def as_dtensor(local: torch.Tensor, placement: Placement, group: TPGroup) -> Any:
     """``local`` (this rank's local tensor of ``placement``, padding rows included) as a DTensor of the
     dense tensor's shape, ``Shard(dim)`` over ``group``: a view, no copy and no collective. The caller
     checked :func:`unlabelled_reason`."""
-    from torch.distributed.tensor import DTensor, Shard
-
     d = placement.dim
     assert d is not None
     piece = placement.pieces(group.rank, group.size)[0]
-    rows = local.narrow(d, piece.local_start, piece.length)
-    shape = placement.full_shape(local.shape)
-    return DTensor.from_local(rows, dtensor_mesh(group, local.device), [Shard(d)], run_check=False,
-                              shape=torch.Size(shape), stride=contiguous_stride(shape))
+    return shard_dtensor(local.narrow(d, piece.local_start, piece.length), group, d, placement.full_shape(local.shape))
 
 
 def local_rows(value: Any, placement: Placement, group: TPGroup, local: torch.Tensor, what: str) -> torch.Tensor:
@@ -176,7 +180,7 @@ def as_dtensor_over_dp_tp(value: Any, placement: Placement, group: TPGroup, what
     root, placements = spec
     shape = tuple(placement.full_shape(value.shape))
     return DTensor.from_local(value.to_local(), root, placements, run_check=False, shape=torch.Size(shape),
-                              stride=contiguous_stride(shape))
+                              stride=_contiguous_stride(shape))
 
 
 def from_dtensor_over_dp_tp(value: Any, like: Any, placement: Placement, group: TPGroup, what: str) -> Any:

@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..core.collectives import all_gather_tensor, gather_placed
-from ..core.dtensors import contiguous_stride, dtensor_mesh
-from ..core.groups import TPGroup, collective_device
+from ..core.dtensors import shard_dtensor
+from ..core.groups import collective_device
 from ..core.placement import Sharded
 from .publish import agree_token, coord_group, dcp_errors, fsync_dir, on_rank0, quiet, require_same_path, write_json
 from .optim_state import optimizer_entries, optimizer_record, optimizer_targets
@@ -98,10 +98,10 @@ def _dcp_state(model: nn.Module, *, for_save: bool, extra: Sequence[Entry] = ()
                 state[key] = local.clone() if for_save else local
             elif part.shards == p and part.counts is None:
                 chunk = local.contiguous().clone() if for_save else local
-                state[key] = _dtensor(chunk, e.group, d, shape_t)
+                state[key] = shard_dtensor(chunk, e.group, d, shape_t)
             elif for_save and part.size % p == 0 and part.counts is None and part.holders is None:
                 sub = local.chunk(p // part.shards, dim=d)[r % (p // part.shards)].contiguous().clone()
-                state[key] = _dtensor(sub, e.group, d, shape_t)
+                state[key] = shard_dtensor(sub, e.group, d, shape_t)
             elif for_save:  # uneven pieces or replicas: the whole part, gathered (its padded local rows)
                 padded = t.narrow(d, piece.local_start, part.local_size)
                 state[key] = gather_placed(padded, Sharded(d, (part,)), group=e.group)
@@ -110,14 +110,6 @@ def _dcp_state(model: nn.Module, *, for_save: bool, extra: Sequence[Entry] = ()
                 state[key] = full
                 post.append((full.narrow(d, piece.start - full_off, piece.length), local))
     return state, [*post, *finishers]
-
-
-def _dtensor(local: torch.Tensor, tp: TPGroup, dim: int, shape: Tuple[int, ...]) -> Any:
-    """``local`` as this rank's ``Shard(dim)`` chunk of a DTensor of ``shape`` over the TP group."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    return DTensor.from_local(local, dtensor_mesh(tp, local.device), [Shard(dim)], run_check=False,
-                              shape=shape, stride=contiguous_stride(shape))
 
 
 def _manifest(model: nn.Module) -> Dict[str, Any]:
@@ -159,13 +151,6 @@ def save_checkpoint(model: nn.Module, path: str, *, optimizer: Optional[torch.op
     manifest["save_id"] = save_id
     if optimizer is not None:
         manifest["optimizer"] = optimizer_record(entries(model), optimizer)
-    try:  # a save that raises (on any rank: DCP raises on every rank once all have written) leaves nothing behind
-        with quiet(), dcp_errors("save_checkpoint", tmp):
-            dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=pg, no_dist=pg is None)
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
     def publish() -> None:
         manifest["files"] = _file_digests(tmp)
@@ -178,7 +163,9 @@ def save_checkpoint(model: nn.Module, path: str, *, optimizer: Optional[torch.op
         fsync_dir(os.path.dirname(path))
         shutil.rmtree(old, ignore_errors=True)
 
-    try:
+    try:  # a save that raises (on any rank: DCP and on_rank0 raise on every rank) leaves no temporary behind
+        with quiet(), dcp_errors("save_checkpoint", tmp):
+            dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=pg, no_dist=pg is None)
         on_rank0(pg, rank, publish)
     except BaseException:
         if rank == 0:
