@@ -11,10 +11,9 @@ import torch.nn as nn
 from ..core.prepare import require_chunks
 from ..core.wgrad import ReplicatedRows, WeightGradStore
 from .base import TensorParallelModule
-from .optimizers import MAIN_GRAD_IN_USE, require_handed_off
+from .optimizers import MAIN_GRAD_IN_USE
 
 __all__ = ["set_overlap", "grad_sinks", "use_main_grad", "main_grads_to_grads", "zero_main_grads", "pending_wgrad",
-           "require_handed_off",
            "backward_dw"]
 
 
