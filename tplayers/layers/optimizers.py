@@ -132,12 +132,12 @@ def _label_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -
         if p is None or id(p) not in shards:
             continue
         name, placement, group = shards[id(p)]
-        reason = unlabelled_reason(placement, group.size)
         what = (f"optimizer state of '{name}' (shape {tuple(p.shape)}, TP rank {group.rank} of {group.size})")
         if is_dtensor(p):  # FSDP2 over the TP model: its moments are DTensors over dp, labelled over (dp, tp)
             state[index] = {key: as_dtensor_over_dp_tp(value.detach(), placement, group, f"{what}, '{key}'")
                             if is_dtensor(value) and value.dim() > 0 else value for key, value in entry.items()}
             continue
+        reason = unlabelled_reason(placement, group.size)
         if reason is not None:
             raise UnlabelledShard(
                 f"{what}: this rank holds a shard that {reason}; the optimizer's state_dict() refuses to hand its "
