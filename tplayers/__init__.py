@@ -13,7 +13,7 @@ The package reads bottom-up, one folder per floor; each floor imports only the f
     cli/      ``tplayers verify`` and ``tplayers bench``
 """
 from .core.functional import column_parallel_linear, row_parallel_linear
-from .core.fingerprint import CollectivesOutOfStep, set_collective_checks
+from .core.fingerprint import CollectivesOutOfStep, RanksDiverged, set_collective_checks
 from .core.dtensors import UnlabelledShard
 from .core.groups import TPGroup, resolve_group
 from .layers import (ColumnParallelLinear, FusedColumnParallelLinear, ParallelExperts, ParallelLMHead, ParallelNorm,
@@ -62,7 +62,7 @@ __all__ = [
     "GPTConfig",
     # drop-in, checkpoints, 2-D parallelism
     "parallelize", "coverage", "CoverageReport", "audit", "AuditError", "AuditReport", "auto_plan",
-    "set_collective_checks", "CollectivesOutOfStep", "UnlabelledShard",
+    "set_collective_checks", "CollectivesOutOfStep", "RanksDiverged", "UnlabelledShard",
     "set_overlap", "backward_dw", "pending_wgrad", "WeightGradStore",
     "use_main_grad", "main_grads_to_grads", "zero_main_grads",
     "clip_grad_norm_",

@@ -16,8 +16,9 @@ from ..core.placement import Sharded
 from ..layers.base import model_placements
 from ..layers.dense_view import dense_tensors
 from .causes import likely_causes
-from .twin import (Quiet, copy_inputs, dense_twin, float32_copy, gather_first, random_like, relative_error, run_region,
-                   scale_of)
+from ..core.digest import generator_states
+from .twin import (Quiet, copy_inputs, set_generator_states, dense_twin, float32_copy, gather_first, random_like,
+                   relative_error, run_region, scale_of)
 
 __all__ = ["AuditError", "RegionAudit", "Region", "check_region", "relative_tolerance"]
 
@@ -186,6 +187,7 @@ def _run_and_compare(region: Region, result: RegionAudit, group: TPGroup, args: 
     a1, k1, diff1 = copy_inputs(args, kwargs, cast)
     a2, k2, diff2 = copy_inputs(args, kwargs, cast)
     sides, tp_error = _Sides(region, group), None
+    drawn_from = generator_states()  # the twin draws the random numbers the sharded run draws (torch.rand* in forward)
     try:
         tp_out, tp_in_grads, tp_grads = run_region(region.module, a1, k1, diff1, sides.tp_grad)
     except Exception as e:  # noqa: BLE001 - re-raised below with the dense twin's verdict
@@ -201,6 +203,7 @@ def _run_and_compare(region: Region, result: RegionAudit, group: TPGroup, args: 
     try:
         twin = dense_twin(region.module, region.originals, region.added_hooks)
         with Quiet(twin):
+            set_generator_states(drawn_from)
             dense_out, dense_in_grads, dense_grads = run_region(twin, a2, k2, diff2, sides.dense_grad)
     except Exception as e:  # noqa: BLE001 - no dense twin to compare with: say so, never pass silently
         result.status, result.reason = "skipped", f"its dense twin could not run ({type(e).__name__}: {e})"

@@ -51,6 +51,7 @@ from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, carry_hooks, placements_of
 from ..layers.experts import ParallelExperts
 from ..layers.fused import FusedColumnParallelLinear
+from ..layers.shared_state import carry_shared_state
 from ..layers.same_inputs import check_same_inputs, check_same_output_grads, check_same_rng_once, has_dropout
 from .audit import AUDIT_ATTR, Auditor, find_regions
 from .auto import auto_plan, sequence_parallel_auto
@@ -341,7 +342,8 @@ def _resolve_plan(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[st
 def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check_consistency: bool) -> None:
     """The checks a converted model carries at run time: the same inputs on every TP rank (first
     forward, then every ``check_inputs``-th) and the same gradient of a gathered output (the same
-    loss), the same dropout generators (first training forward)."""
+    loss), the same dropout generators (first training forward); and at every forward, the digests of
+    its inputs, generators and replicated parameters carried by its collectives (drift from step 2 on)."""
     if tp.size == 1:
         return
     name_modules(model)  # errors name modules by their paths in the model
@@ -352,6 +354,9 @@ def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check
                 check_same_output_grads(module, group=tp, every=check_inputs, counting=model)
     if check_consistency and has_dropout(model):
         check_same_rng_once(model, group=tp)  # before the audit's hooks: the audit forks the RNG anyway
+    if check_inputs or check_consistency:  # after the first-forward checks, whose messages are the more precise
+        carry_shared_state(model, group=tp, inputs=bool(check_inputs), generators=check_consistency,
+                           replicas=check_consistency)
 
 
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
@@ -376,7 +381,11 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     and two small all-gathers per checked forward), and on the same schedule the gradient of every
     gathered output (the logits of an LM head: a loss on labels that differ across TP ranks, given
     outside the forward, is refused in that backward; :func:`~tplayers.layers.same_inputs.check_same_output_grads`);
-    0 turns both off. ``timeout``: a rank that does not
+    0 turns both off. Between those checks every forward carries the digests of its inputs and, unless
+    ``check_consistency=False``, of its random generators (a model that draws random numbers) and its
+    replicated parameters in the fingerprint slot of its collectives (no extra collective;
+    :func:`~tplayers.layers.shared_state.carry_shared_state`): a rank that drifts later raises
+    :class:`~tplayers.RanksDiverged` at that step. ``timeout``: a rank that does not
     call ``parallelize`` within that many seconds is named in an error on the others (gloo groups).
     ``audit`` (default on): the first forward checks one instance of each distinct converted region
     (an attention, an MLP, the embedding, the head) against its dense twin, output and every

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol  # the compiled paths
 
+from .digest import device_hash
 from .fingerprint import SLOT, Stamp, bounded_wait, check_lagging, checks_enabled, stamp
 from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
 from .placement import Placement, holder_slot
@@ -527,15 +528,7 @@ def bit_hash(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
     """Two int64 hashes of ``t``'s bits (a plain and a position-weighted wrapping sum), on the CPU:
     equal tensors hash equal; a difference in any bit changes them (but for astronomically rare
     collisions). Works through ``chunk`` elements at a time, so memory stays small for any tensor."""
-    flat = t.detach().reshape(-1)
-    if flat.is_floating_point():
-        flat = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()])
-    total = torch.zeros(2, dtype=torch.int64, device=flat.device)
-    for start in range(0, flat.numel(), chunk):
-        bits = flat[start:start + chunk].to(torch.int64)
-        weights = torch.arange(start + 1, start + 1 + bits.numel(), dtype=torch.int64, device=bits.device)
-        total += torch.stack([bits.sum(), (bits * weights).sum()])
-    return total.cpu()
+    return device_hash(t, chunk).cpu()
 
 
 def bytes_hash(data: bytes) -> torch.Tensor:

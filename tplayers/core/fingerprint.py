@@ -9,11 +9,16 @@ sums are wrong, nothing fails. So each collective carries a fingerprint of itsel
 
 (phase: forward or backward; issuing module: in forward the innermost module running, by its path in
 the model; in backward the autograd node, and the collective's position in this backward), hashed
-to 8 bytes and sent IN the collective's own buffer: ``SLOT`` = 9 extra elements per rank holding
+to 8 bytes and sent IN the collective's own buffer: ``SLOT`` = 13 extra elements per rank holding
 values 0..255 (exact in every floating and integer dtype; in an all-reduce each rank writes its own slot, the others' are zero, so the
 sum is every rank's fingerprint; a reduce-scatter carries the slots in every rank's chunk), plus one
 flag element: a float16 forward partial sum that is not finite (the split can overflow where the dense
-sum does not), raised as FloatingPointError on every rank naming the layer. When the
+sum does not), raised as FloatingPointError on every rank naming the layer; plus ``CARRIED`` = 4 bytes
+of the digest of the state the ranks must share while the collective runs (:func:`.carried.carry`: a TP model's
+inputs, random generators and replicated parameters during its forward, a vocabulary-parallel loss's
+targets), computed on the device, so a rank that drifted (a batch of its own from step 2, a per-rank
+reseed, a scaler that stepped on one rank only) raises :class:`RanksDiverged` on every rank, naming the
+argument, generator or parameter that differs (one more exchange, on the error path only). When the
 collective completes, every rank holds every rank's fingerprint; any difference raises
 `CollectivesOutOfStep` on every rank, naming each rank's side (one extra all-gather of the
 descriptions, on the error path only). The group stays usable. No extra round trip: the cost is a
@@ -45,10 +50,12 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectivesOutOfStep", "set_collective_checks", "Stamp", "stamp", "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "name_modules"]
+from .carried import CARRIED, Shared, carried, diverged_message, entries_text
+
+__all__ = ["CollectivesOutOfStep", "RanksDiverged", "set_collective_checks", "Stamp", "stamp", "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "name_modules"]
 
 DIGEST = 8  # 8 bytes of fingerprint, one byte per element
-SLOT = DIGEST + 1  # elements per rank: the digest, then 1 where this rank's float16 partial sum is not finite
+SLOT = DIGEST + 1 + CARRIED  # per rank: the digest, 1 where its float16 partial sum is not finite, the carried bytes
 _TEXT = 1024  # bytes per rank of the description exchanged after a mismatch
 _UNSTAMPED = {torch.bool, torch.complex64, torch.complex128} | {  # no 0..255 integers in these
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)}
@@ -56,6 +63,11 @@ _UNSTAMPED = {torch.bool, torch.complex64, torch.complex128} | {  # no 0..255 in
 
 class CollectivesOutOfStep(RuntimeError):
     """The ranks of a TP group issued different collectives (raised on every rank of the group)."""
+
+
+class RanksDiverged(RuntimeError):
+    """The ranks of a TP group issued the same collective, but what they must share differs: the model's
+    inputs, its random generators, its replicated parameters, a loss's targets (raised on every rank)."""
 
 
 @dataclass
@@ -135,14 +147,19 @@ class Stamp:
     """One collective's fingerprint on this rank: what it writes into the buffer, and the check of
     the table every rank's slots come back as."""
 
-    __slots__ = ("digest", "rank", "size", "pg", "text", "site", "cpu")
+    __slots__ = ("digest", "rank", "size", "pg", "text", "site", "cpu", "shared", "carried")
 
-    def __init__(self, digest: List[int], rank: int, size: int, pg: Any, text: str, site: str, cpu: bool) -> None:
+    def __init__(self, digest: List[int], rank: int, size: int, pg: Any, text: str, site: str, cpu: bool,
+                 shared: Tuple[Shared, ...] = (), carried: Optional[torch.Tensor] = None) -> None:
         self.digest, self.rank, self.size, self.pg, self.text, self.site, self.cpu = digest, rank, size, pg, text, site, cpu
+        self.shared, self.carried = shared, carried  # what this rank carries: its state, its CARRIED bytes
 
     def mine(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``SLOT`` elements (its flag 0)."""
-        return torch.tensor(self.digest + [0], dtype=dtype).to(device)
+        out = torch.tensor(self.digest + [0] * (1 + CARRIED), dtype=dtype).to(device)
+        if self.carried is not None:
+            out[DIGEST + 1:] = self.carried
+        return out
 
     def slots(self, dtype: torch.dtype, device: torch.device, overflow: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``size * SLOT`` elements: this rank's digest (and ``overflow``, a 0-d bool: its float16
@@ -152,6 +169,8 @@ class Stamp:
         out = out.to(device)
         if overflow is not None:  # stays on the device: no synchronization
             out[self.rank * SLOT + DIGEST] = overflow.to(dtype)
+        if self.carried is not None:  # (a device copy: no synchronization either)
+            out[self.rank * SLOT + DIGEST + 1:(self.rank + 1) * SLOT] = self.carried
         return out
 
     def wait(self, work: Any) -> None:
@@ -185,7 +204,7 @@ def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
     overflowed = rows[:, DIGEST].nonzero()[:, 0].tolist()
     rows = rows[:, :DIGEST]
     if bool((rows != torch.tensor(s.digest, dtype=torch.int64)).any()):
-        sides = _exchange_text(s.text, s.pg, s.size)
+        sides = exchange_text(s.text, s.pg, s.size, limit=_TEXT - 2)
         fate = ("It was checked when the group's next collective launched (a GPU's fingerprints reach the host "
                 "without a synchronization): its result may have been used." if late else
                 "The collective's result was discarded.")
@@ -194,6 +213,10 @@ def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
             "rank's data with another layer's or phase's and compute wrong numbers. Every rank must run the same "
             "forward and backward calls on the model (evaluation on every rank, not on rank 0 only; no rank skipping "
             "or retrying a step alone). " + fate + "\n  " + "\n  ".join(sides))
+    carried = table.reshape(s.size, SLOT)[:, DIGEST + 1:].to(torch.int64)
+    if bool((carried != carried[:1]).any()):
+        texts = exchange_text(entries_text(s.shared), s.pg, s.size, limit=None)
+        raise RanksDiverged(diverged_message(s.shared, texts, s.text, late))
     if overflowed:
         raise FloatingPointError(
             f"tplayers: float16 overflow in the row-parallel sum at {s.site}: the partial sum of rank(s) {overflowed} "
@@ -271,21 +294,33 @@ def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: in
     where = (f"in {site}, collective {state.position + 1} of this backward" if backward
              else f"at {site} ({'training' if training else 'eval'} mode, autograd {'on' if tracked else 'off'})")
     text = f"rank {dist.get_rank()}: {'backward' if backward else 'forward'} {op} #{state.seq} of {shape} {dtype} {where}"
-    return Stamp(digest, rank, size, pg, text, site, sent.device.type == "cpu")
+    shared, carried_bytes = carried(pg, sent.dtype, sent.device)
+    return Stamp(digest, rank, size, pg, text, site, sent.device.type == "cpu", shared, carried_bytes)
 
 
-def _exchange_text(text: str, pg: Any, size: int) -> List[str]:
-    """Every rank's description (the error path: all ranks found the same mismatch)."""
+def exchange_text(text: str, pg: Any, size: int, limit: Optional[int] = 1022) -> List[str]:
+    """Every rank's ``text``, cut to ``limit`` bytes (None: whole, after one more exchange of the lengths).
+    Raw ``torch.distributed`` calls, not checked: for error paths, where every rank found the same fault."""
     from .groups import collective_device
 
-    data = text.encode("utf-8")[:_TEXT - 2]
-    mine = torch.zeros(_TEXT, dtype=torch.uint8)
-    mine[:2] = torch.tensor([len(data) // 256, len(data) % 256], dtype=torch.uint8)
-    if data:
-        mine[2:2 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     device = collective_device(pg)
-    every = torch.empty(size * _TEXT, dtype=torch.uint8, device=device)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine.to(device), group=pg)
-    rows = every.cpu().view(size, _TEXT)
-    return [bytes(row[2:2 + int(row[0]) * 256 + int(row[1])].tolist()).decode("utf-8", errors="replace")
+    data = text.encode("utf-8")
+    if limit is None:
+        lengths = torch.empty(size, dtype=torch.int64, device=device)
+        _gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=device), pg)
+        limit = int(lengths.max())
+    data = data[:limit]
+    width = limit + 8
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if data:
+        mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    every = torch.empty(size * width, dtype=torch.uint8, device=device)
+    _gather(every, mine.to(device), pg)
+    rows = every.cpu().view(size, width)
+    return [bytes(row[8:8 + int(row[:8].clone().view(torch.int64))].tolist()).decode("utf-8", errors="replace")
             for row in rows]
+
+
+def _gather(out: torch.Tensor, mine: torch.Tensor, pg: Any) -> None:
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine, group=pg)

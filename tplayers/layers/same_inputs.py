@@ -17,10 +17,11 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ..core.collectives import bit_hash, bytes_hash, ranks_that_differ
+from ..core.digest import generator_states
 from ..core.groups import GroupLike, resolve_group
 from ..core.prepare import refuse_replicating_wrapper
 
-__all__ = ["in_pipeline_shape_inference", "check_same_inputs", "check_same_output_grads", "check_same_rng_once", "has_dropout"]
+__all__ = ["named_arguments", "in_pipeline_shape_inference", "check_same_inputs", "check_same_output_grads", "check_same_rng_once", "has_dropout"]
 
 
 def _tensors(value: Any, path: str, out: List[Tuple[str, torch.Tensor]]) -> None:
@@ -33,6 +34,16 @@ def _tensors(value: Any, path: str, out: List[Tuple[str, torch.Tensor]]) -> None
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _tensors(v, f"{path}[{i}]", out)
+
+
+def named_arguments(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> List[Tuple[str, torch.Tensor]]:
+    """Every tensor of a call's arguments with its path: ``argument 0['input_ids']``, ``argument 'labels'``."""
+    named: List[Tuple[str, torch.Tensor]] = []
+    for i, a in enumerate(args):
+        _tensors(a, f"argument {i}", named)
+    for k, v in sorted(kwargs.items()):
+        _tensors(v, f"argument '{k}'", named)
+    return named
 
 
 _PIPELINE_INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
@@ -75,11 +86,7 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) ->
         if tp.size == 1 or (calls[0] - 1) % every:
             return
         refuse_replicating_wrapper(f"{type(module).__name__} forward", tp)  # a DDP over TP peers: the cause, named
-        named: List[Tuple[str, torch.Tensor]] = []
-        for i, a in enumerate(args):
-            _tensors(a, f"argument {i}", named)
-        for k, v in sorted(kwargs.items()):
-            _tensors(v, f"argument '{k}'", named)
+        named = named_arguments(args, kwargs)
         # first the structure (how many tensors, their paths: a fixed-size exchange), then one hash row each
         layout = torch.cat([torch.tensor([len(named)]), bytes_hash("|".join(n for n, _ in named).encode())])[None]
         if ranks_that_differ(layout, group=tp).any():
@@ -130,10 +137,7 @@ def check_same_rng_once(module: nn.Module, *, group: GroupLike) -> RemovableHand
         if not module.training or not torch.is_grad_enabled():
             return  # evaluation draws no dropout: wait for the first training forward
         handle[0].remove()
-        states = [torch.get_rng_state()]
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            states.append(torch.cuda.get_rng_state())
-        differ = ranks_that_differ(torch.stack([bit_hash(s) for s in states]), group=tp)
+        differ = ranks_that_differ(torch.stack([bit_hash(s) for s in generator_states()]), group=tp)
         if differ.any():
             ranks = differ.any(1).nonzero().flatten().tolist()
             raise RuntimeError(

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import warnings
 
-from typing import Optional
+from contextlib import nullcontext
+from typing import ContextManager, Optional
 
 import torch
 from torch._C import _functions as _autograd_functions
 
 from ..core.collectives import all_reduce_tensor
+from ..core.digest import digests
+from ..core.carried import Shared, carrying
+from ..core.fingerprint import checks_enabled
 from ..core.placement import padded_size
 from ..core.validate import check_index_range
 from ..core.groups import GroupLike, TPGroup, resolve_group
@@ -31,6 +35,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, g: TPGroup, vocab_size: int, ignore_index: int, smoothing: float):
+        with _targets_carried(g, target):  # its collectives prove every rank sums over the same targets
+            return _VocabParallelCrossEntropy._forward(ctx, logits, target, g, vocab_size, ignore_index, smoothing)
+
+    @staticmethod
+    def _forward(ctx, logits, target, g: TPGroup, vocab_size: int, ignore_index: int, smoothing: float):
         n_local = logits.shape[-1]
         start = g.rank * n_local
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
@@ -83,6 +92,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 grad.masked_fill_(~real, 0.0)
         scale = grad_loss.to(grad.dtype).masked_fill(~valid, 0.0).unsqueeze(-1)  # ignored: no gradient (even 1/0)
         return (grad * scale).to(ctx.in_dtype)
+
+
+def _targets_carried(g: TPGroup, target: torch.Tensor) -> ContextManager[None]:
+    """The targets' digest carried by the loss's collectives: a rank given other targets (a sampler over the TP
+    ranks; labels read per rank) raises :class:`~tplayers.RanksDiverged` on every rank instead of mixing the
+    ranks' target logits into one wrong loss that every rank reports."""
+    if g.size == 1 or not checks_enabled() or torch.compiler.is_compiling():
+        return nullcontext()
+    return carrying(g.process_group, _TARGETS, Shared(
+        "the targets of vocab_parallel_cross_entropy", ["targets"], digests([target]),
+        advice="Every TP rank must compute the loss on the same targets (a distributed sampler over the TP ranks "
+               "splits them; give each TP rank of a replica the same batch)."))
+
+
+_TARGETS = "vocab_parallel_cross_entropy targets"
 
 
 def _refuse_second_backward(grad: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,78 @@
+"""What the always-on drift digest costs: a training step of a TP model whose forward carries the digests of
+its inputs and replicated parameters in every checked collective (``carry_shared_state``, which
+``parallelize`` registers), against the same step without them, and against collective checks off,
+interleaved step by step on TP 2 CPU gloo ranks (real gloo).
+
+Arms, in turn each step: ``digest`` (checks on, the model's forward carries its inputs' and replicated
+parameters' digests), ``checks`` (checks on, nothing carried), ``off`` (``set_collective_checks(False)``).
+Reported: the median over ``--repeats`` of each step's ratio to the step of the next arm (pairs cancel
+the machine's drift), with quartiles, on the slower rank's time per step.
+
+Modules: ``large`` = ``tplayers bench``'s transformer block at the ``large`` shape (batch 4, seq 256,
+hidden 512, ffn 2048; 8 heads); ``small`` = its MLP (Column -> GELU -> Row) at the ``small`` shape
+(batch 1, seq 16, hidden 64, ffn 256: latency-bound, decode-size all-reduces).
+
+    PYTHONPATH=. python benchmarks/drift_digest_cost.py [--module large|small] [--repeats 60]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn as nn
+
+import tplayers
+from tplayers.bench.overlap import SHAPES
+from tplayers.bench.report import quartiles
+from tplayers.core.collectives import all_reduce_tensor
+from tplayers.layers.shared_state import carry_shared_state
+from tplayers.testing import World
+
+ARMS = ("digest", "checks", "off")
+
+
+def _rank(group, module: str, repeats: int):
+    s = SHAPES["large" if module == "large" else "small"]
+    torch.manual_seed(0)
+    if module == "large":
+        inner = tplayers.ParallelTransformerBlock(tplayers.BlockConfig(hidden=s["hidden"], n_heads=8,
+                                                                       ffn_hidden=s["ffn"]), group=group)
+    else:
+        inner = tplayers.ParallelMLP(s["hidden"], s["ffn"], group=group)
+    carried = nn.Sequential(inner)  # the same layers, once with the digests' hooks, once without
+    carry_shared_state(carried, group=group)
+    plain = nn.Sequential(inner)
+    x = torch.randn(s["batch"], s["seq"], s["hidden"], generator=torch.Generator().manual_seed(1), requires_grad=True)
+    times = {arm: [] for arm in ARMS}
+    for i in range(len(ARMS) * (repeats + 2)):
+        arm = ARMS[i % len(ARMS)]
+        tplayers.set_collective_checks(arm != "off")
+        model = carried if arm == "digest" else plain
+        t0 = time.perf_counter()
+        model(x).sum().backward()
+        elapsed = time.perf_counter() - t0
+        if i >= 2 * len(ARMS):  # two steps of each arm warm up
+            times[arm].append(1e3 * elapsed)
+    tplayers.set_collective_checks(True)
+    slowest = {arm: all_reduce_tensor(torch.tensor(v), group=group, op="max") for arm, v in times.items()}
+    medians = {arm: quartiles(v.tolist())[0] for arm, v in slowest.items()}
+    return (medians, quartiles((slowest["digest"] / slowest["checks"]).tolist()),
+            quartiles((slowest["checks"] / slowest["off"]).tolist()),
+            quartiles((slowest["digest"] / slowest["off"]).tolist()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--module", default="large", choices=("large", "small"))
+    ap.add_argument("--repeats", type=int, default=60)
+    args = ap.parse_args()
+    with World(2) as world:
+        medians, digest, checks, total = world.run(_rank, args.module, args.repeats)[0]
+    print(f"TP 2, CPU gloo, {args.module}: step medians " + ", ".join(f"{a} {m:.3f} ms" for a, m in medians.items()))
+    for what, (median, low, high) in (("digest / checks", digest), ("checks / off", checks), ("digest / off", total)):
+        print(f"  {what}: paired median {median:.4f}x (quartiles {low:.4f}-{high:.4f}) over {args.repeats} steps")
+
+
+if __name__ == "__main__":
+    main()

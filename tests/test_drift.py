@@ -1,0 +1,152 @@
+"""Ranks that drift after the first step: every checked collective carries a digest of what the TP ranks
+must share (the model's inputs, the random generators a model with dropout draws from, its replicated
+parameters, the targets of a vocabulary-parallel loss), so a rank that falls out of step is caught at the
+step where it begins, on every rank, naming what differs. Before: the inputs check ran every 1000
+forwards, the RNG check once, replicated parameters never, targets never; each case below trained on (or
+reported one wrong loss on every rank) with no error."""
+import pytest
+import torch
+import torch.nn as nn
+
+import tplayers
+from tplayers.core import fingerprint
+from tplayers.testing import get_world
+
+
+def _llama(dropout=0.0, vocab=64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                      tie_word_embeddings=False, attention_dropout=dropout)
+    return LlamaForCausalLM(cfg).double()
+
+
+def _train(group, case, lag=False, **options):
+    """Three SGD steps of a TP 2 Llama; at step 1 one rank drifts as ``case`` says. Returns (the step that
+    raised or None, the message)."""
+    rank = torch.distributed.get_rank()
+    model = tplayers.parallelize(_llama(0.1 if case in ("reseed", "same") else 0.0), "auto", group=group,
+                                 **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fingerprint._LAG_ON_CPU[0] = lag
+    try:
+        for step in range(3):
+            seed = step + (100 * rank if case == "batch" and step >= 1 else 0)
+            ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
+            if case == "reseed" and step == 1:
+                torch.manual_seed(1000 + rank)  # a per-rank reseed (seed + rank) at step 2
+            if case == "seeds_without_dropout":
+                torch.manual_seed(1000 + rank)  # harmless: this model draws no random numbers
+            if case == "replica" and step == 1 and rank == 1:
+                with torch.no_grad():  # as a scaler that stepped on one rank only leaves it
+                    model.model.norm.weight.add_(1e-3)
+            try:
+                model(ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            except tplayers.RanksDiverged as e:
+                return step, str(e)
+        return None, "no error"
+    finally:
+        fingerprint._LAG_ON_CPU[0] = False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _transformers():
+    pytest.importorskip("transformers")
+
+
+def test_batches_that_diverge_at_step_two_are_caught_at_step_two():
+    for step, message in get_world(2).run(_train, "batch"):
+        assert step == 1, message
+        assert "inputs of LlamaForCausalLM forward" in message and "argument 0" in message, message
+        assert "rank(s) [1]" in message and "same batch" in message, message
+
+
+def test_a_per_rank_reseed_of_a_model_with_dropout_is_caught_where_it_begins():
+    for step, message in get_world(2).run(_train, "reseed"):
+        assert step == 1, message
+        assert "random generators" in message and "CPU generator" in message and "rank(s) [1]" in message, message
+        assert "torch.manual_seed(seed)" in message, message
+
+
+def test_a_replicated_parameter_that_drifts_on_one_rank_is_named():
+    for step, message in get_world(2).run(_train, "replica"):
+        assert step == 1, message
+        assert "'model.norm.weight'" in message and "rank(s) [1]" in message, message
+        assert "input_layernorm" not in message, message  # only what differs is named
+
+
+def test_on_a_gpu_the_drift_is_caught_one_collective_late():
+    for step, message in get_world(2).run(_train, "batch", True):
+        assert step == 1, message
+        assert "inputs of LlamaForCausalLM forward" in message, message
+        assert "checked when the group's next collective launched" in message, message
+
+
+def test_ranks_in_step_train_on():
+    assert get_world(2).run(_train, "same") == [(None, "no error")] * 2
+    assert get_world(2).run(_train, "seeds_without_dropout") == [(None, "no error")] * 2
+
+
+def test_the_inputs_digest_follows_check_inputs():
+    """check_inputs=0 turns the inputs check off, the carried digest included."""
+    assert get_world(2).run(_train, "batch", False, check_inputs=0) == [(None, "no error")] * 2
+
+
+def _gpt_loss(group, same):
+    torch.manual_seed(0)
+    config = tplayers.GPTConfig(hidden=16, n_heads=2, ffn_hidden=32, vocab_size=32, n_layers=1)
+    model = tplayers.ParallelGPT(config, group=group)
+    rank = torch.distributed.get_rank()
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1 if same else 1 + rank))
+    try:
+        return float(model.loss(ids, targets))
+    except tplayers.RanksDiverged as e:
+        return str(e)
+
+
+def test_targets_that_differ_across_ranks_are_refused_by_the_loss():
+    """Before: every rank reported the same wrong loss (the ranks' targets mixed in the sums)."""
+    for message in get_world(2).run(_gpt_loss, False):
+        assert isinstance(message, str), message
+        assert "targets of vocab_parallel_cross_entropy" in message and "rank(s) [1]" in message, message
+    losses = get_world(2).run(_gpt_loss, True)
+    assert isinstance(losses[0], float) and losses[0] == losses[1]
+
+
+class _Noisy(nn.Module):
+    """Draws random numbers in its forward with no dropout module or config to say so."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        x = x + 0.1 * torch.rand_like(x)  # (b, s, h): the same noise on every rank, if seeded alike
+        return self.down(torch.relu(self.up(x)))
+
+
+def _noisy(group):
+    torch.manual_seed(0)
+    model = tplayers.parallelize(_Noisy().double(), {"up": "column", "down": "row"}, group=group)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        if step == 1:
+            torch.manual_seed(1000 + torch.distributed.get_rank())
+        try:
+            model(x).sum().backward()
+        except tplayers.RanksDiverged as e:
+            return step, str(e)
+    return None, "no error"
+
+
+def test_a_forward_that_draws_with_torch_rand_is_watched_from_its_second_step():
+    """No dropout module or config: the first forward is seen moving the generators, so from the second on
+    they are carried (before: the per-rank reseed gave each rank its own noise, with no error)."""
+    for step, message in get_world(2).run(_noisy):
+        assert step == 1, message
+        assert "the random generators of _Noisy" in message and "torch.rand" in message, message
