@@ -32,6 +32,28 @@ from tplayers.testing import World
 ARMS = ("digest", "checks", "off")
 
 
+def _hook_time(model: nn.Module, x: torch.Tensor, calls: int = 1000) -> float:
+    """Microseconds per forward of the digests' work alone: the model's pre- and post-hook called directly
+    (inputs and replicated parameters digested, generators read, pieces registered and cleared), plus the
+    combination of the pieces into the carried bytes that the forward's first collective computes."""
+    from tplayers.core.carried import carried
+
+    pre, post = list(model._forward_pre_hooks.values())[-1], list(model._forward_hooks.values())[-1]
+    pg = next(m for m in model.modules() if hasattr(m, "group")).group.process_group
+
+    def one() -> None:
+        pre(model, (x,), {})
+        carried(pg, x.dtype, x.device)
+        post(model, (x,), {}, None)
+
+    for _ in range(20):
+        one()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        one()
+    return 1e6 * (time.perf_counter() - t0) / calls
+
+
 def _rank(group, module: str, repeats: int):
     s = SHAPES["large" if module == "large" else "small"]
     torch.manual_seed(0)
@@ -44,6 +66,7 @@ def _rank(group, module: str, repeats: int):
     carry_shared_state(carried, group=group)
     plain = nn.Sequential(inner)
     x = torch.randn(s["batch"], s["seq"], s["hidden"], generator=torch.Generator().manual_seed(1), requires_grad=True)
+    hooks = _hook_time(carried, x)
     times = {arm: [] for arm in ARMS}
     for i in range(len(ARMS) * (repeats + 2)):
         arm = ARMS[i % len(ARMS)]
@@ -57,7 +80,7 @@ def _rank(group, module: str, repeats: int):
     tplayers.set_collective_checks(True)
     slowest = {arm: all_reduce_tensor(torch.tensor(v), group=group, op="max") for arm, v in times.items()}
     medians = {arm: quartiles(v.tolist())[0] for arm, v in slowest.items()}
-    return (medians, quartiles((slowest["digest"] / slowest["checks"]).tolist()),
+    return (medians, float(all_reduce_tensor(torch.tensor(hooks), group=group, op="max")), quartiles((slowest["digest"] / slowest["checks"]).tolist()),
             quartiles((slowest["checks"] / slowest["off"]).tolist()),
             quartiles((slowest["digest"] / slowest["off"]).tolist()))
 
@@ -68,8 +91,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=60)
     args = ap.parse_args()
     with World(2) as world:
-        medians, digest, checks, total = world.run(_rank, args.module, args.repeats)[0]
+        medians, hooks, digest, checks, total = world.run(_rank, args.module, args.repeats)[0]
     print(f"TP 2, CPU gloo, {args.module}: step medians " + ", ".join(f"{a} {m:.3f} ms" for a, m in medians.items()))
+    print(f"  the digests' work alone: {hooks:.1f} us per forward (slower rank), "
+          f"{100 * hooks / 1e3 / medians['checks']:.2f}% of the checked step")
     for what, (median, low, high) in (("digest / checks", digest), ("checks / off", checks), ("digest / off", total)):
         print(f"  {what}: paired median {median:.4f}x (quartiles {low:.4f}-{high:.4f}) over {args.repeats} steps")
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tplayers import ColumnParallelLinear, RowParallelLinear, emulated_link, parse_link, resolve_group  # noqa: E402
-from tplayers.core.comm import all_reduce_tensor  # noqa: E402
+from tplayers.core.collectives import all_reduce_tensor  # noqa: E402
 from tplayers.bench.link import matmul_tflops  # noqa: E402
 from tplayers.bench import SHAPES, fwd_bwd_step, time_steps  # noqa: E402
 from tplayers.testing import World  # noqa: E402

@@ -178,15 +178,24 @@ def _overflow_on_one_rank(group, scaler_kind):
         model[0].weight.grad[0, 0] = float("inf")
     scaler.step(optimizer)
     scaler.update()
-    return model[2].bias.detach().clone(), scaler.get_scale()
+    bias = model[2].bias.detach().clone()
+    try:  # the next step
+        model(torch.randn(4, 8)).sum().backward()
+    except tplayers.RanksDiverged as e:
+        return bias, scaler.get_scale(), str(e)
+    return bias, scaler.get_scale(), "no error"
 
 
 @pytest.mark.parametrize("scaler_kind", ["torch", "sharded"])
 def test_a_loss_scaler_that_combines_overflows_keeps_tp_ranks_together(scaler_kind):
     """docs/gpu.md's route: torch's GradScaler decides per rank (one rank steps, the other skips: replicas
-    diverge, the hazard the docs describe); ShardedGradScaler over the TP group skips on every rank."""
-    (bias0, scale0), (bias1, scale1) = get_world(2).run(_overflow_on_one_rank, scaler_kind)
+    diverge, and the next forward raises on every rank naming the parameter and the route; before: it trained
+    on); ShardedGradScaler over the TP group skips on every rank."""
+    (bias0, scale0, next0), (bias1, scale1, next1) = get_world(2).run(_overflow_on_one_rank, scaler_kind)
     if scaler_kind == "torch":
         assert scale0 != scale1 and not torch.equal(bias0, bias1)
+        for message in (next0, next1):
+            assert "the replicated parameters of Sequential: '2.bias' differs" in message, message
+            assert "ShardedGradScaler" in message, message
     else:
-        assert scale0 == scale1 and torch.equal(bias0, bias1)
+        assert scale0 == scale1 and torch.equal(bias0, bias1) and next0 == next1 == "no error"

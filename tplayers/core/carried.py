@@ -46,6 +46,7 @@ class _State:
 
 _STATES: "weakref.WeakKeyDictionary[Any, _State]" = weakref.WeakKeyDictionary()
 _SHIFTS: Dict[torch.device, torch.Tensor] = {}
+_MASK = (1 << 64) - 1
 
 
 def _state(pg: Any) -> _State:
@@ -88,11 +89,17 @@ def carried(pg: Any, dtype: torch.dtype, device: torch.device) -> Tuple[Tuple[Sh
     out = state.bytes.get((dtype, device))
     if out is None:
         if state.combined is None:
-            total = torch.stack([part.digests.to(device).sum() for part in state.shared.values()]).sum()
-            shifts = _SHIFTS.get(device)
-            if shifts is None:
-                shifts = _SHIFTS[device] = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=device)
-            state.combined = ((total ^ (total >> 32)) >> shifts) & 255
+            parts = [part.digests for part in state.shared.values()]
+            if all(d.device.type == "cpu" for d in parts):  # read on the host: no device to wait for
+                total = sum(sum(d.tolist()) for d in parts) & _MASK
+                folded = total ^ (total >> 32)
+                state.combined = torch.tensor([(folded >> s) & 255 for s in (0, 8, 16, 24)], dtype=torch.int64)
+            else:  # on the device: no synchronization
+                total = torch.stack([d.to(device).sum() for d in parts]).sum()
+                shifts = _SHIFTS.get(device)
+                if shifts is None:
+                    shifts = _SHIFTS[device] = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=device)
+                state.combined = ((total ^ (total >> 32)) >> shifts) & 255
         out = state.bytes[(dtype, device)] = state.combined.to(device=device, dtype=dtype)
     return tuple(state.shared.values()), out
 

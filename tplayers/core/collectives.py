@@ -524,11 +524,11 @@ def gather_placed(local: torch.Tensor, placement: Placement, *, group: GroupLike
     return placement.unshard(gathered.chunk(g.size, dim=placement.dim))
 
 
-def bit_hash(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+def bit_hash(t: torch.Tensor) -> torch.Tensor:
     """Two int64 hashes of ``t``'s bits (a plain and a position-weighted wrapping sum), on the CPU:
     equal tensors hash equal; a difference in any bit changes them (but for astronomically rare
-    collisions). Works through ``chunk`` elements at a time, so memory stays small for any tensor."""
-    return device_hash(t, chunk).cpu()
+    collisions). Works through 1M elements at a time, so memory stays small for any tensor."""
+    return device_hash(t).cpu()
 
 
 def bytes_hash(data: bytes) -> torch.Tensor:
