@@ -1,6 +1,8 @@
 """PartialSum: a vocabulary-parallel embedding's lookup left unsummed until its values are read, so a
 sequence-parallel region's entry reduce-scatters it (Megatron's layout) while a Hugging Face model reads
 its shape first; any other read sums it once, so no reader ever sees a partial value."""
+import time
+
 import pytest
 import torch
 
@@ -82,3 +84,34 @@ def test_partial_lookup_is_reduce_scattered_or_summed_once_when_read(tp):
 def test_partial_output_and_sequence_parallel_are_one_or_the_other():
     with pytest.raises(ValueError, match="partial_output=True returns the unsummed"):
         tplayers.VocabParallelEmbedding(8, 4, group=None, partial_output=True, sequence_parallel=True)
+
+
+def _read_on_rank_zero_only(group):
+    """A user's forward hook logs the embedding's output on rank 0 only: only rank 0 sums it."""
+    before = tplayers.set_collective_checks(True, timeout=2.0)
+    try:
+        torch.manual_seed(0)
+        dense = torch.nn.Embedding(VOCAB, DIM).double()
+        emb = tplayers.VocabParallelEmbedding.from_dense(dense, group=group, partial_output=True)
+        tplayers.core.fingerprint.name_modules(torch.nn.ModuleDict({"embed_tokens": emb}))
+        ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(1))
+        out = emb(ids)
+        if torch.distributed.get_rank() != 0:  # (later it reads it too, so nothing stays in flight)
+            time.sleep(4.0)
+            out.abs()  # the same read as rank 0's
+            return "read late"
+        try:
+            float(out.abs().mean())
+        except tplayers.CollectivesOutOfStep as e:
+            return str(e)
+        return "no error"
+    finally:
+        tplayers.set_collective_checks(before[0], timeout=before[1])
+
+
+def test_an_embedding_output_read_on_one_rank_only_is_named():
+    """Before: 'waited 600 s ... all_reduce ... at (no module)': nothing said which tensor was being summed."""
+    message, late = get_world(2).run(_read_on_rank_zero_only)
+    assert late == "read late"
+    assert "the output of embed_tokens (a PartialSum" in message and "abs" in message, message
+    assert "every rank of the TP group must read it" in message, message

@@ -45,14 +45,15 @@ import weakref
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .carried import CARRIED, Shared, carried, diverged_message, entries_text
 
-__all__ = ["CollectivesOutOfStep", "RanksDiverged", "set_collective_checks", "Stamp", "stamp", "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "name_modules"]
+__all__ = ["CollectivesOutOfStep", "RanksDiverged", "set_collective_checks", "Stamp", "stamp", "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "name_modules", "reading"]
 
 DIGEST = 8  # 8 bytes of fingerprint, one byte per element
 SLOT = DIGEST + 1 + CARRIED  # per rank: the digest, 1 where its float16 partial sum is not finite, the carried bytes
@@ -114,6 +115,21 @@ def name_modules(root: torch.nn.Module) -> None:
     every rank of a SPMD program): what fingerprints and checks call it."""
     for name, module in root.named_modules():
         module.__dict__.setdefault("_tplayers_path", name or type(root).__name__)
+
+
+_READING: List[Optional[str]] = [None]  # what a collective issued outside any module's forward is for
+
+
+@contextmanager
+def reading(what: str) -> Iterator[None]:
+    """Name the collectives issued in the block by what they compute (``what``) rather than by the module
+    running: a read of a deferred value (a :class:`~.partial_sum.PartialSum`) happens wherever user code
+    reads it, often outside any forward ("(no module)" said nothing)."""
+    before, _READING[0] = _READING[0], what
+    try:
+        yield
+    finally:
+        _READING[0] = before
 
 
 def _forward_site(frame: Any) -> Tuple[str, bool, bool]:
@@ -287,6 +303,7 @@ def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: in
         site, training, tracked = (node.name() if node is not None else "(autograd)"), True, True
     else:
         site, training, tracked = _forward_site(sys._getframe(2))
+        site = _READING[0] or site
     state.seq += 1
     shape, dtype = tuple(sent.shape), str(sent.dtype).replace("torch.", "")
     what = f"{op}|{nbytes}|{dtype}|{shape}|{int(backward)}|{int(training)}{int(tracked)}|{state.position if backward else -1}"

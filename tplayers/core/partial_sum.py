@@ -27,6 +27,7 @@ import torch
 
 from .collectives import all_gather, reduce_scatter, split
 from .comm import reduce_from_tp, reduce_scatter_to_sequence, scatter_to_sequence
+from .fingerprint import reading
 from .groups import TPGroup
 
 __all__ = ["PartialSum", "partial_sum"]
@@ -52,12 +53,18 @@ class PartialSum(torch.Tensor):
     _addend: Optional[torch.Tensor]
     _group: TPGroup
     _summed: Optional[torch.Tensor]
+    _source: Any  # the module that made it (named in the description of the collective that sums it)
 
-    def summed(self) -> torch.Tensor:
+    def summed(self, why: str = "a read of its values") -> torch.Tensor:
         """The value: the partials summed over the group (an all-reduce the first time; the result is
-        kept), plus the addend."""
+        kept), plus the addend. ``why``: what reads it, for the collective's description."""
         if self._summed is None:
-            total = reduce_from_tp(self._partial, group=self._group)
+            source = ("an embedding" if self._source is None else
+                      self._source.__dict__.get("_tplayers_path") or type(self._source).__name__)
+            with reading(f"the output of {source} (a PartialSum: each rank holds a share of the sum), summed for "
+                         f"{why}; every rank of the TP group must read it (a read on one rank only, such as "
+                         "logging on rank 0, waits for the others)"):
+                total = reduce_from_tp(self._partial, group=self._group)
             self._summed = total if self._addend is None else total + self._addend
         return self._summed
 
@@ -84,7 +91,8 @@ class PartialSum(torch.Tensor):
                 return kept
         if func is torch.nn.functional.dropout and _drops_nothing(*args, **kwargs):
             return args[0] if args else kwargs["input"]
-        args, kwargs = torch.utils._pytree.tree_map(lambda a: a.summed() if isinstance(a, PartialSum) else a,
+        why = getattr(func, "__name__", str(func))
+        args, kwargs = torch.utils._pytree.tree_map(lambda a: a.summed(why) if isinstance(a, PartialSum) else a,
                                                     (args, kwargs))
         return func(*args, **kwargs)
 
@@ -98,7 +106,7 @@ def _plus(x: PartialSum, other: Any) -> Optional[PartialSum]:
         return None
     with torch._C.DisableTorchFunctionSubclass():
         addend = other if x._addend is None else x._addend + other
-    return _wrap(x._partial, addend, x._group)
+    return _wrap(x._partial, addend, x._group, x._source)
 
 
 def _drops_nothing(input: Any = None, p: float = 0.5, training: bool = True, inplace: bool = False) -> bool:
@@ -120,17 +128,18 @@ class _ReduceScatterAdd(torch.autograd.Function):
         return full, full.sum_to_size(ctx.addend_shape), None, None  # (a broadcast addend: summed over the batch)
 
 
-def _wrap(partial: torch.Tensor, addend: Optional[torch.Tensor], group: TPGroup) -> PartialSum:
+def _wrap(partial: torch.Tensor, addend: Optional[torch.Tensor], group: TPGroup, source: Any) -> PartialSum:
     out = partial.as_subclass(PartialSum)
-    out._partial, out._addend, out._group, out._summed = partial, addend, group, None
+    out._partial, out._addend, out._group, out._summed, out._source = partial, addend, group, None, source
     return out
 
 
-def partial_sum(partial: torch.Tensor, *, group: TPGroup) -> torch.Tensor:
+def partial_sum(partial: torch.Tensor, *, group: TPGroup, source: Any = None) -> torch.Tensor:
     """``partial`` (this rank's share of a sum over ``group``) as a :class:`PartialSum`; summed at once
-    where deferring is not possible (a world of one: ``partial`` itself; under torch.compile)."""
+    where deferring is not possible (a world of one: ``partial`` itself; under torch.compile). ``source``:
+    the module that made it, named if a read of it goes wrong."""
     if group.size == 1:
         return partial
     if torch.compiler.is_compiling():
         return reduce_from_tp(partial, group=group)
-    return _wrap(partial, None, group)
+    return _wrap(partial, None, group, source)

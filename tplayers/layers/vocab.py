@@ -210,7 +210,7 @@ class VocabParallelEmbedding(_VocabParallelBase):
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, group=self.group, seq_dim=SEQ_DIM)  # (..., seq/p, dim)
         if self.partial_output:  # summed when read; reduce-scattered by the sequence-parallel region's entry
-            return partial_sum(out, group=self.group)  # (..., dim)
+            return partial_sum(out, group=self.group, source=self)  # (..., dim)
         return reduce_from_tp(out, group=self.group)  # (..., dim)
 
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
