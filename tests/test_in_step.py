@@ -315,3 +315,25 @@ def test_a_wait_cut_short_by_a_closed_connection_says_so():
     assert "failed after 0.0 s (of the 60 s allowed)" in str(closed.value), closed.value
     assert "closed its connection" in str(closed.value) and "waited" not in str(closed.value)
     assert "waited 0.2 s for the other ranks of the TP group at this collective" in str(timed_out.value)
+
+
+def _checks_off_on_one_rank(group):
+    import torch.distributed as dist
+
+    fresh = dist.new_group(ranks=[0, 1])  # a group whose first collective is this test's
+    before = tplayers.set_collective_checks(dist.get_rank() == 0, timeout=5.0)
+    try:
+        tplayers.core.collectives.all_reduce_tensor(torch.ones(3), group=fresh)
+    except CollectivesOutOfStep as e:
+        return str(e)
+    finally:
+        tplayers.set_collective_checks(before[0], timeout=before[1])
+    return "no error"
+
+
+def test_collective_checks_off_on_one_rank_only_are_named():
+    """Before: gloo aborted one rank (a checked buffer is 13 elements per rank longer than an unchecked one) and the
+    other read 'waited 600 s'; the setting itself was never named."""
+    for message in get_world(2).run(_checks_off_on_one_rank):
+        assert "collective checks are on on rank(s) [0] and off on rank(s) [1]" in message, message
+        assert "TPLAYERS_COLLECTIVE_CHECKS" in message, message

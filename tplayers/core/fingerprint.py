@@ -100,6 +100,7 @@ class _Group:
         self.task = -1  # the backward (graph task) the last collective ran in
         self.position = 0
         self.lagging: Optional[Tuple[torch.Tensor, Any, "Stamp"]] = None
+        self.agreed = False  # the ranks compared their collective-check settings (at the group's first collective)
 
 
 _GROUPS: "weakref.WeakKeyDictionary[Any, _Group]" = weakref.WeakKeyDictionary()
@@ -208,6 +209,29 @@ class Stamp:
         _group(self.pg).lagging = (host, event, self)
 
 
+def _agree_on_checks(pg: Any, size: int, state: _Group) -> None:
+    """At a group's first collective, every rank's setting (one raw all-gather of one integer, once): a checked
+    collective's buffer is ``SLOT`` elements per rank longer than an unchecked one's, so ranks that disagree
+    would pair buffers of different sizes (gloo aborts a rank; NCCL may hang). Raised on every rank."""
+    state.agreed = True
+    if dist.get_backend(pg) == "fake":
+        return
+    from .groups import collective_device
+
+    device = collective_device(pg)
+    every = torch.empty(size, dtype=torch.int64, device=device)
+    _gather(every, torch.tensor([int(_SETTINGS.enabled)], dtype=torch.int64, device=device), pg)
+    on = every.cpu().tolist()
+    if len(set(on)) > 1:
+        state.agreed = False  # (still unsettled: the next collective asks again)
+        raise CollectivesOutOfStep(
+            f"tplayers: collective checks are on on rank(s) {[r for r, v in enumerate(on) if v]} and off on rank(s) "
+            f"{[r for r, v in enumerate(on) if not v]} of this TP group: a checked collective carries {SLOT} more "
+            "elements per rank than an unchecked one, so the ranks' buffers would not match (gloo aborts a rank, "
+            "NCCL may hang). Set TPLAYERS_COLLECTIVE_CHECKS, or call tplayers.set_collective_checks(...), alike on "
+            "every rank (compared once per group, at its first collective: change it later on every rank together)")
+
+
 def _group(pg: Any) -> _Group:
     state = _GROUPS.get(pg)
     if state is None:
@@ -288,10 +312,14 @@ def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: in
     """The fingerprint of a collective on ``pg`` about to be launched (``sent``: the tensor this rank
     contributes), or None when it is not checked. First checks the group's previous collective if its
     table is still pending (GPU)."""
-    if not _SETTINGS.enabled or size == 1 or sent.dtype in _UNSTAMPED or dist.get_backend(pg) == "fake":
+    if size == 1:
+        return None
+    state = _group(pg)
+    if not state.agreed:
+        _agree_on_checks(pg, size, state)
+    if not _SETTINGS.enabled or sent.dtype in _UNSTAMPED or dist.get_backend(pg) == "fake":
         return None
     check_lagging(pg)
-    state = _group(pg)
     task = torch._C._current_graph_task_id()
     backward = task != -1
     if backward:
