@@ -51,6 +51,7 @@ from ..core.placement import require_divisible
 from ..layers.base import TensorParallelModule, carry_hooks, placements_of
 from ..layers.experts import ParallelExperts
 from ..layers.fused import FusedColumnParallelLinear
+from ..layers.outside_reads import refuse_outside_reads
 from ..layers.shared_state import carry_shared_state
 from ..layers.same_inputs import check_same_inputs, check_same_output_grads, check_same_rng_once, has_dropout
 from .audit import AUDIT_ATTR, Auditor, find_regions
@@ -354,6 +355,8 @@ def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check
                 check_same_output_grads(module, group=tp, every=check_inputs, counting=model)
     if check_consistency and has_dropout(model):
         check_same_rng_once(model, group=tp)  # before the audit's hooks: the audit forks the RNG anyway
+    if check_consistency:
+        refuse_outside_reads(model)  # a shard read by the model's own code as if whole (a head tied by reading)
     if check_inputs or check_consistency:  # after the first-forward checks, whose messages are the more precise
         carry_shared_state(model, group=tp, inputs=bool(check_inputs), generators=check_consistency,
                            replicas=check_consistency)

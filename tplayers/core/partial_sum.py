@@ -30,9 +30,9 @@ from .comm import reduce_from_tp, reduce_scatter_to_sequence, scatter_to_sequenc
 from .fingerprint import reading
 from .groups import TPGroup
 
-__all__ = ["PartialSum", "partial_sum"]
+__all__ = ["METADATA", "PartialSum", "partial_sum"]
 
-_METADATA = frozenset({
+METADATA = frozenset({  # what reads a tensor's metadata, not its values
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
     torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__,
     torch.Tensor.is_leaf.__get__, torch.Tensor.grad_fn.__get__, torch.Tensor.is_cuda.__get__,
@@ -82,7 +82,7 @@ class PartialSum(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[Dict[str, Any]] = None):
         kwargs = kwargs or {}
-        if func in _METADATA:
+        if func in METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if func in _ADD and not kwargs and len(args) == 2:
