@@ -337,3 +337,33 @@ def test_collective_checks_off_on_one_rank_only_are_named():
     for message in get_world(2).run(_checks_off_on_one_rank):
         assert "collective checks are on on rank(s) [0] and off on rank(s) [1]" in message, message
         assert "TPLAYERS_COLLECTIVE_CHECKS" in message, message
+
+
+def _hf_eval_on_rank0_at_the_first_forward(group):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False)
+    model = tplayers.parallelize(LlamaForCausalLM(cfg).double(), "auto", group=group)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(1))
+    try:
+        if torch.distributed.get_rank() == 0:  # a sanity generation on rank 0 before training
+            with torch.no_grad():
+                model.eval()
+                model(prompt)
+        model.train()
+        model(ids, labels=ids).loss.backward()
+    except (ValueError, CollectivesOutOfStep) as e:
+        return str(e)
+    return "no error"
+
+
+def test_an_evaluation_on_rank_0_at_the_first_forward_is_named_as_such():
+    """Before: both ranks were told their batches differ (fix the data loader): the first-forward inputs check
+    paired rank 0's evaluation with rank 1's training forward."""
+    pytest.importorskip("transformers")
+    for message in get_world(2).run(_hf_eval_on_rank0_at_the_first_forward):
+        assert "rank 0: eval mode, autograd off" in message and "rank 1: training mode, autograd on" in message, message
+        assert "data loader" not in message and "sampler" not in message, message

@@ -117,10 +117,10 @@ def _divide_attrs(group):
         def __init__(self):
             super().__init__()
             self.num_heads, self.split_size = 4, 16
-            self.qkv = nn.Linear(16, 48)
+            self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
 
     model = nn.Sequential(Attn())
-    plan = Plan({"0.qkv": "fused_qkv"}, divide_attrs={"0": ("num_heads", "split_size", "head_dim?")})
+    plan = Plan({"0.qkv": "fused_qkv", "0.proj": "row"}, divide_attrs={"0": ("num_heads", "split_size", "head_dim?")})
     tplayers.parallelize(model, plan, group=group)
     return model[0].num_heads, model[0].split_size, tuple(model[0].qkv.weight.shape)
 
@@ -347,3 +347,34 @@ def test_per_rank_seeds_with_router_noise_are_refused_naming_the_seeds():
     pytest.importorskip("transformers")
     for message in get_world(2).run(_router_jitter_with_seeds):
         assert "the TP ranks' random generators differ" in message and "router noise" in message, message
+
+
+class _NoRowMLP(nn.Module):
+    """nanochat's MLP with its c_proj left out of the plan: c_fc's split output meets a whole nn.Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(8, 32), "c_proj": nn.Linear(32, 8)})
+
+    def forward(self, x):
+        return self.mlp["c_proj"](torch.relu(self.mlp["c_fc"](x)))
+
+
+def _column_without_row(group, gather):
+    torch.manual_seed(0)
+    style = tplayers.convert.Column(gather_output=True) if gather else "column"
+    try:
+        model = tplayers.parallelize(_NoRowMLP().double(), {"mlp.c_fc": style}, group=group)
+        return tuple(model(torch.randn(2, 3, 8, dtype=torch.float64)).shape)
+    except ValueError as e:
+        return str(e)
+    except RuntimeError as e:
+        return f"crashed: {e}"
+
+
+def test_a_column_layer_no_row_layer_follows_is_refused_at_parallelize():
+    """Before: no error at parallelize, then a raw 'mat1 and mat2 shapes cannot be multiplied' inside the model."""
+    for message in get_world(2).run(_column_without_row, False):
+        assert message.startswith("parallelize: plan 'custom': column-parallel ['mlp.c_fc']"), message
+        assert "gather_output=True" in message and "row" in message, message
+    assert get_world(2).run(_column_without_row, True) == [(2, 3, 8)] * 2  # its output gathered: whole, fine

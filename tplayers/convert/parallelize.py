@@ -272,6 +272,8 @@ def _auditor(model: nn.Module, built: Dict[str, Built], styles: Dict[str, Style]
             io[name] = kind
     regions = find_regions(io, reduce_grad)
     _refuse_lonely_rows(model, io, regions, plan_name, named, tp)
+    columns = {n for n in io if isinstance(styles[style_of[n]], (Column, KVColumn, FusedQKV))}
+    _refuse_lonely_columns([n for n in regions if n in columns and io[n] == (False, True)], plan_name, tp)
     marks = {n: b.region for n, b in built.items() if b.region is not None}  # where sequence parallelism starts, ends
     return Auditor(model, regions, tp, plan_name, io, marks)
 
@@ -293,6 +295,21 @@ def _refuse_lonely_rows(model: nn.Module, io: Dict[str, Tuple[bool, bool]], regi
                          "fused, or named differently?); give a plan of your own")
     if tp.size > 1:  # (a world of one splits nothing)
         warnings.warn(f"{msg}; make sure its input arrives split on the last dim", stacklevel=4)
+
+
+def _refuse_lonely_columns(lonely: List[str], plan_name: str, tp: TPGroup) -> None:
+    """A column layer whose split output no row layer takes (none in any enclosing module) hands this rank's
+    shard of its features to whatever comes next, which reads it as whole: a crash inside the model, or
+    worse (nanochat's MLP with ``c_proj`` left out of the plan). Refused at TP > 1, unless the plan gathers
+    its output (``Column(gather_output=True)``; an LM head whose shard the loss takes: ``'vocab_head'``)."""
+    if not lonely or tp.size == 1:
+        return
+    raise ValueError(
+        f"parallelize: plan '{plan_name}': column-parallel {lonely[:3]} {'have' if len(lonely) > 1 else 'has'} no "
+        "row-parallel layer after it in any enclosing module, so the next layer would take this rank's shard of its "
+        "output features as the whole. Add the layer that consumes it to the plan as 'row' (an MLP's down "
+        "projection, an attention's output projection), or gather its output (Column(gather_output=True)); an LM "
+        "head whose shard a vocabulary-parallel loss takes is 'vocab_head'")
 
 
 def _keep_parameter_objects(model: nn.Module, modules: Dict[str, nn.Module], built: Dict[str, Built]) -> None:

@@ -108,9 +108,9 @@ def refuse_outside_reads(model: nn.Module) -> None:
     handles: List[Any] = []
     active: List[_Watch] = []
 
-    def start(_: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling() or in_pipeline_shape_inference():
-            return
+    def start(module: nn.Module, args: Any) -> None:
+        if module is not model or torch.compiler.is_compiling() or in_pipeline_shape_inference():
+            return  # (a copy of the model made with its hooks, as the audit's float32 copy, is not watched)
         placements = model_placements(model)
         watched = {id(p): n for n, p in model.named_parameters() if n in placements and placements[n].is_sharded}
         for h in handles:
@@ -120,7 +120,9 @@ def refuse_outside_reads(model: nn.Module) -> None:
             active[0].__enter__()
             handles.append(model.register_forward_hook(stop, always_call=True))
 
-    def stop(*_: Any) -> None:
+    def stop(module: nn.Module, *_: Any) -> None:
+        if module is not model:
+            return
         handles[-1].remove()
         if active:
             active.pop().__exit__(None, None, None)

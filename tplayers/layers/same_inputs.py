@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ..core.collectives import bit_hash, bytes_hash, ranks_that_differ
+from ..core.collectives import all_gather_text, bit_hash, bytes_hash, ranks_that_differ
+from ..core.fingerprint import CollectivesOutOfStep
 from ..core.digest import generator_states
 from ..core.groups import GroupLike, resolve_group
 from ..core.prepare import refuse_replicating_wrapper
@@ -88,8 +89,15 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) ->
         refuse_replicating_wrapper(f"{type(module).__name__} forward", tp)  # a DDP over TP peers: the cause, named
         named = named_arguments(args, kwargs)
         # first the structure (how many tensors, their paths: a fixed-size exchange), then one hash row each
-        layout = torch.cat([torch.tensor([len(named)]), bytes_hash("|".join(n for n, _ in named).encode())])[None]
+        mode = f"{'training' if module.training else 'eval'} mode, autograd {'on' if torch.is_grad_enabled() else 'off'}"
+        layout = torch.cat([torch.tensor([len(named)]), bytes_hash(("|".join(n for n, _ in named) + mode).encode())])[None]
         if ranks_that_differ(layout, group=tp).any():
+            modes = all_gather_text(mode, group=tp)  # (the error path: every rank is here)
+            if len(set(modes)) > 1:  # not two batches: two different forwards (an evaluation on some ranks only)
+                raise CollectivesOutOfStep(
+                    f"tplayers: the TP ranks run different forwards of {type(module).__name__} (its forward #{calls[0]} "
+                    "on each): " + "; ".join(f"rank {r}: {m}" for r, m in enumerate(modes)) + ". Every rank must run "
+                    "the same forward and backward calls on the model (evaluation on every rank, not on rank 0 only)")
             raise ValueError(f"check_same_inputs: {type(module).__name__} forward #{calls[0]}: the TP ranks' arguments "
                              "differ in structure (number or names of tensors): every TP rank must see the same batch")
         if not named:

@@ -94,8 +94,8 @@ def carry_shared_state(model: nn.Module, *, group: GroupLike, inputs: bool = Tru
         return list(zip((f"'{n}'" for n, _ in params), digests([_local(t) for _, t in params]).tolist()))
 
     def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: dict) -> None:
-        if tp.size == 1 or not checks_enabled() or torch.compiler.is_compiling():
-            return
+        if module is not model or tp.size == 1 or not checks_enabled() or torch.compiler.is_compiling():
+            return  # (a copy of the model made with its hooks, as the audit's float32 copy, carries nothing)
         if "torch.distributed.pipelining" in sys.modules and in_pipeline_shape_inference():
             carry(pg, keys[0], None)  # a PipelineStage's shape inference runs on uninitialized inputs
             return
@@ -117,8 +117,8 @@ def carry_shared_state(model: nn.Module, *, group: GroupLike, inputs: bool = Tru
                 carry(pg, keys[2], Shared(f"the replicated parameters of {label}", ["replicated parameters"],
                                           joint_digest(params), REPLICAS_ADVICE, detail=detail))
 
-    def done(*_: Any) -> None:  # (also when the forward raised: nothing stale is left on the group)
-        if torch.compiler.is_compiling():
+    def done(module: nn.Module, *_: Any) -> None:  # (also when the forward raised: nothing stale is left on the group)
+        if module is not model or torch.compiler.is_compiling():
             return  # (nothing was carried)
         if not draws[0] and before[0] is not None and not torch.equal(generators_digest(), before[0]):
             draws[0] = True  # it drew random numbers (torch.rand* in its forward): carried from its next forward
