@@ -556,3 +556,55 @@ def test_relative_error_compares_non_finite_values_as_such():
     assert relative_error(torch.tensor([1.0, nan]), torch.tensor([1.0, 2.0])) == inf
     assert relative_error(torch.tensor([inf]), torch.tensor([-inf])) == inf
     assert relative_error(torch.tensor([2.0, nan]), torch.tensor([1.0, nan])) == 0.5
+
+
+class _SharedConfig:
+    """litgpt-style: head counts live in a config object every layer holds."""
+
+    def __init__(self, n_head=4, head_size=6):
+        self.n_head, self.head_size = n_head, head_size
+
+
+class _ConfigAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.qkv = nn.Linear(H, 3 * config.n_head * config.head_size)  # fused [q; k; v]
+        self.proj = nn.Linear(config.n_head * config.head_size, H)
+
+    def forward(self, x):  # (b, t, h)
+        b, t, _ = x.shape
+        c = self.config
+        q, k, v = self.qkv(x).split([c.n_head * c.head_size] * 3, dim=-1)
+        q, k, v = (z.view(b, t, c.n_head, c.head_size).transpose(1, 2) for z in (q, k, v))  # (b, heads, t, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c.n_head * c.head_size))
+
+
+def _local_config(module, p):  # a per-layer copy with this rank's heads (the plan's set_attrs)
+    return {"config": _SharedConfig(module.config.n_head // p, module.config.head_size)}
+
+
+def _config_model(group, fused_right):
+    torch.manual_seed(0)
+    config = _SharedConfig()
+    model = nn.Sequential(*[_ConfigAttention(config) for _ in range(2)]).double()
+    qkv = tplayers.convert.Column(parts=3) if fused_right else "column"
+    plan = Plan({"*.qkv": qkv, "*.proj": "row"}, set_attrs={"?": _local_config})
+    tplayers.parallelize(model, plan, group=group)
+    x = torch.randn(B, T, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    try:
+        model(x).sum().backward()
+    except tplayers.AuditError as e:
+        return str(e)
+    return "passed"
+
+
+def test_a_twin_reads_the_attributes_the_plan_replaced_as_they_were():
+    """The plan gives each attention a config copy with its local heads: the dense twin gets the original
+    back, so a right plan passes and a wrong one is diagnosed. Before: the twin split its dense output with
+    the TP head count, raised, and the audit refused both plans as 'cannot be checked'."""
+    assert get_world(2).run(_config_model, True) == ["passed"] * 2
+    for message in get_world(2).run(_config_model, False):
+        assert "does not compute what its dense twin computes" in message, message
+        assert "cannot be checked" not in message, message

@@ -375,6 +375,7 @@ def _column_without_row(group, gather):
 def test_a_column_layer_no_row_layer_follows_is_refused_at_parallelize():
     """Before: no error at parallelize, then a raw 'mat1 and mat2 shapes cannot be multiplied' inside the model."""
     for message in get_world(2).run(_column_without_row, False):
-        assert message.startswith("parallelize: plan 'custom': column-parallel ['mlp.c_fc']"), message
+        assert message.startswith("parallelize: plan 'custom': column-parallel 'mlp.c_fc'"), message
+        assert "['mlp.c_proj']" in message, message
         assert "gather_output=True" in message and "row" in message, message
     assert get_world(2).run(_column_without_row, True) == [(2, 3, 8)] * 2  # its output gathered: whole, fine

@@ -140,6 +140,16 @@ class Auditor:
         self.active = False
 
     # -- parallelize's steps ---------------------------------------------------------------------
+    def record_originals(self, changed: List[Tuple[nn.Module, str, Any]]) -> None:
+        """The value, of any type, of every attribute the plan is about to set (``set_attrs``, ``divide_attrs``:
+        a per-layer config copy, a tuple of widths), for the dense twin (before: only ints, floats and bools
+        were kept, and a twin reading a replaced config object split its dense output with the TP sizes)."""
+        for region in self.regions:
+            where = {id(m): rel for rel, m in region.module.named_modules()}
+            for module, attr, value in changed:
+                if id(module) in where:
+                    region.originals.setdefault(where[id(module)], {})[attr] = value
+
     def before_hooks(self, model: nn.Module) -> None:
         self._hooks_before = {id(m): _hook_ids(m) for m in model.modules()}
 

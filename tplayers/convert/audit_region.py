@@ -73,7 +73,7 @@ class Region:
 
     name: str
     module: nn.Module
-    originals: Dict[str, Dict[str, Any]]  # relative module path -> its simple attributes before parallelize
+    originals: Dict[str, Dict[str, Any]]  # relative path -> its simple attributes, and any the plan set, before
     added_hooks: Dict[str, Set[int]] = field(default_factory=dict)  # relative path -> hook ids parallelize added
     signature: Tuple = ()
     split: Tuple[bool, bool] = (False, False)  # a layer alone: its input / output split on the last dim

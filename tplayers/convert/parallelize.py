@@ -273,7 +273,7 @@ def _auditor(model: nn.Module, built: Dict[str, Built], styles: Dict[str, Style]
     regions = find_regions(io, reduce_grad)
     _refuse_lonely_rows(model, io, regions, plan_name, named, tp)
     columns = {n for n in io if isinstance(styles[style_of[n]], (Column, KVColumn, FusedQKV))}
-    _refuse_lonely_columns([n for n in regions if n in columns and io[n] == (False, True)], plan_name, tp)
+    _refuse_lonely_columns(model, [n for n in regions if n in columns and io[n] == (False, True)], built, plan_name, tp)
     marks = {n: b.region for n, b in built.items() if b.region is not None}  # where sequence parallelism starts, ends
     return Auditor(model, regions, tp, plan_name, io, marks)
 
@@ -297,19 +297,27 @@ def _refuse_lonely_rows(model: nn.Module, io: Dict[str, Tuple[bool, bool]], regi
         warnings.warn(f"{msg}; make sure its input arrives split on the last dim", stacklevel=4)
 
 
-def _refuse_lonely_columns(lonely: List[str], plan_name: str, tp: TPGroup) -> None:
-    """A column layer whose split output no row layer takes (none in any enclosing module) hands this rank's
-    shard of its features to whatever comes next, which reads it as whole: a crash inside the model, or
-    worse (nanochat's MLP with ``c_proj`` left out of the plan). Refused at TP > 1, unless the plan gathers
-    its output (``Column(gather_output=True)``; an LM head whose shard the loss takes: ``'vocab_head'``)."""
-    if not lonely or tp.size == 1:
+def _refuse_lonely_columns(model: nn.Module, lonely: List[str], built: Dict[str, Built], plan_name: str,
+                           tp: TPGroup) -> None:
+    """A column layer whose split output no row layer takes (none in any enclosing module), beside a linear
+    layer the plan left whole, hands that layer this rank's shard of its features as if it were the whole: a
+    crash inside the model, or worse (nanochat's MLP with ``c_proj`` left out of the plan). Refused at TP > 1.
+    A lone column with no such neighbour is a model's split output (its caller takes the shard: logits for a
+    vocabulary-parallel loss), as before."""
+    if tp.size == 1:
         return
-    raise ValueError(
-        f"parallelize: plan '{plan_name}': column-parallel {lonely[:3]} {'have' if len(lonely) > 1 else 'has'} no "
-        "row-parallel layer after it in any enclosing module, so the next layer would take this rank's shard of its "
-        "output features as the whole. Add the layer that consumes it to the plan as 'row' (an MLP's down "
-        "projection, an attention's output projection), or gather its output (Column(gather_output=True)); an LM "
-        "head whose shard a vocabulary-parallel loss takes is 'vocab_head'")
+    modules = dict(model.named_modules())
+    for name in lonely:
+        parent = name.rpartition(".")[0]
+        whole = [f"{parent}.{c}" if parent else c for c, m in modules[parent].named_children()
+                 if isinstance(m, nn.Linear) and (f"{parent}.{c}" if parent else c) not in built]
+        if whole:
+            raise ValueError(
+                f"parallelize: plan '{plan_name}': column-parallel '{name}' has no row-parallel layer after it in any "
+                f"enclosing module, and its neighbour {whole[:3]} (an nn.Linear the plan leaves whole) would take "
+                "this rank's shard of its output features as the whole. Add the layer that consumes it to the plan as "
+                "'row' (an MLP's down projection, an attention's output projection), or gather its output "
+                "(Column(gather_output=True))")
 
 
 def _keep_parameter_objects(model: nn.Module, modules: Dict[str, nn.Module], built: Dict[str, Built]) -> None:
@@ -451,6 +459,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
             parent_name, _, child = name.rpartition(".")
             setattr(modules[parent_name] if parent_name else model, child, b.module)
             carry_hooks(modules[name], b.module)  # hooks user code put on the dense module stay (the audit checks them)
+    auditor.record_originals([(m, attr, vars(m)[attr]) for m, attr, _ in changes if attr in vars(m)])
     for module, attr, value in changes:
         setattr(module, attr, value)
     for dst, a, src, a0 in retie:

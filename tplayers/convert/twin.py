@@ -186,6 +186,12 @@ def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_ho
             carry_hooks(m, memo[id(m)], skip=added_hooks.get(rel, ()))  # the user's hooks run in the twin too
     if "" in outer:
         return memo[id(region)]
+    for m in region.modules():  # tensors computed from others (a KV cache) have no deepcopy: cloned, as values
+        for value in vars(m).values():
+            for t in (value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple))
+                      else (value,)):
+                if isinstance(t, torch.Tensor) and not t.is_leaf and id(t) not in memo:
+                    memo[id(t)] = t.detach().clone()
     twin = copy.deepcopy(region, memo)
     for rel, m in twin.named_modules():
         for hook_id in added_hooks.get(rel, ()):
@@ -195,11 +201,23 @@ def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_ho
         if PLACEMENTS_ATTR in vars(m):
             delattr(m, PLACEMENTS_ATTR)
         for attr, value in originals.get(rel, {}).items():
-            if attr in vars(m) and vars(m)[attr] != value:
-                setattr(m, attr, value)
+            if attr in vars(m) and not _same(vars(m)[attr], value):
+                setattr(m, attr, value)  # (an object the plan replaced: the original itself, read only)
     for p in twin.parameters():
         p.grad = None
     return twin
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a`` is ``b``, or an equal value of the same type (tensors: identity only)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or isinstance(a, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an __eq__ that cannot answer: not the same
+        return False
 
 
 def relative_error(actual: Optional[torch.Tensor], expected: Optional[torch.Tensor], floor: float = 0.0) -> float:
