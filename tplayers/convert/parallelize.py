@@ -203,6 +203,17 @@ def _ties(model: nn.Module, modules: Dict[str, nn.Module],
     return retie
 
 
+def _refuse_unfitting_plan(model: nn.Module, plan_name: str, styles: Dict[str, Style], used: set) -> None:
+    """A shipped plan most of whose patterns match nothing was written for another family's module names (the
+    "llama" plan on Phi or OPT: q/k/v split, no row layer after them, a shape error inside the model)."""
+    missing = [pat for pat in styles if pat not in used]
+    if len(missing) * 2 > len(styles):
+        raise ValueError(f"parallelize: plan '{plan_name}' does not fit {type(model).__name__}: {len(missing)} of its "
+                         f"{len(styles)} patterns match no module ({missing[:4]}): it was written for the module names "
+                         f"of the '{plan_name}' family. Use 'auto' (the model's own tp_plan, for Hugging Face models) "
+                         "or a plan of your own (docs/models.md)")
+
+
 def _refuse_no_match(model: nn.Module, modules: Dict[str, nn.Module], built: Dict[str, Built],
                      styles: Dict[str, Style], plan: Plan) -> None:
     if not any(b.module is not modules[n] or b.finish is not None for n, b in built.items()):
@@ -444,6 +455,8 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     modules = dict(model.named_modules())
     # match -> check: nothing in the model changes until every check passed
     matched, used = _match(modules, styles)
+    if isinstance(plan, str):
+        _refuse_unfitting_plan(model, p.name, styles, used)
     built = _build(modules, matched, styles, tp)
     check_sequence_region(p.name, {n: b.region for n, b in built.items()})
     chunked_experts = [n for n, b in built.items() if isinstance(b.module, ParallelExperts) and b.module.sequence_parallel]
