@@ -209,7 +209,8 @@ def _refuse_unfitting_plan(model: nn.Module, plan_name: str, styles: Dict[str, S
     missing = [pat for pat in styles if pat not in used]
     if len(missing) * 2 > len(styles):
         raise ValueError(f"parallelize: plan '{plan_name}' does not fit {type(model).__name__}: {len(missing)} of its "
-                         f"{len(styles)} patterns match no module ({missing[:4]}): it was written for the module names "
+                         f"{len(styles)} patterns match no module ({missing[:4]}; only {sorted(used)[:4]} match): it "
+                         "was written for the module names "
                          f"of the '{plan_name}' family. Use 'auto' (the model's own tp_plan, for Hugging Face models) "
                          "or a plan of your own (docs/models.md)")
 
