@@ -585,14 +585,18 @@ def _local_config(module, p):  # a per-layer copy with this rank's heads (the pl
     return {"config": _SharedConfig(module.config.n_head // p, module.config.head_size)}
 
 
-def _config_model(group, fused_right):
+def _config_model(group, fused_right, dotted=False):
     torch.manual_seed(0)
     config = _SharedConfig()
     model = nn.Sequential(*[_ConfigAttention(config) for _ in range(2)]).double()
     qkv = tplayers.convert.Column(parts=3) if fused_right else "column"
-    plan = Plan({"*.qkv": qkv, "*.proj": "row"}, set_attrs={"?": _local_config})
+    heads = dict(divide_attrs={"?": ("config.n_head",)}) if dotted else dict(set_attrs={"?": _local_config})
+    plan = Plan({"*.qkv": qkv, "*.proj": "row"}, **heads)
     tplayers.parallelize(model, plan, group=group)
     x = torch.randn(B, T, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    if dotted:  # each layer its own copy, divided; the object they shared keeps the dense count
+        assert model[0].config is not model[1].config and model[0].config.n_head == 4 // group.size()
+        assert config.n_head == 4
     try:
         model(x).sum().backward()
     except tplayers.AuditError as e:
@@ -608,3 +612,11 @@ def test_a_twin_reads_the_attributes_the_plan_replaced_as_they_were():
     for message in get_world(2).run(_config_model, False):
         assert "does not compute what its dense twin computes" in message, message
         assert "cannot be checked" not in message, message
+
+
+def test_a_dotted_divide_attrs_path_divides_a_copy_of_a_shared_config():
+    """divide_attrs={"?": ("config.n_head",)}: a config object every layer shares gets a copy per layer, divided.
+    Before: AttributeError (no attribute 'config.n_head')."""
+    assert get_world(2).run(_config_model, True, True) == ["passed"] * 2
+    for message in get_world(2).run(_config_model, False, True):
+        assert "split as one block" in message, message

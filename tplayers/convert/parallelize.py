@@ -35,6 +35,8 @@ reads the local head count get those attributes divided via the plan's ``divide_
 """
 from __future__ import annotations
 
+import copy
+
 import fnmatch
 import types
 import warnings
@@ -160,18 +162,38 @@ def _attr_changes(modules: Dict[str, nn.Module], plan: Plan, tp: TPGroup) -> Lis
 
 
 def _divided(module: nn.Module, name: str, attrs: Tuple[str, ...], plan_name: str, tp_size: int) -> List[_Change]:
+    """The changes dividing ``attrs`` of ``module`` by the TP degree. A dotted path (``config.n_head``) divides
+    the attribute of a copy of each object on the way (a config object the layers share gets one copy per
+    module, so the others, and the dense twin, keep the dense count)."""
     changes: List[_Change] = []
+    copies: Dict[str, Any] = {}  # dotted prefix -> this module's copy of the object there
     for attr in attrs:
         optional, attr = attr.endswith("?"), attr.rstrip("?")
-        if not hasattr(module, attr):
+        try:
+            value = getattr_path(module, attr)
+        except AttributeError:
             if optional:
                 continue
             raise AttributeError(f"parallelize: module '{name}' ({type(module).__name__}) has no attribute "
-                                 f"'{attr}' that plan '{plan_name}' divides by the TP degree")
-        value = getattr(module, attr)
+                                 f"'{attr}' that plan '{plan_name}' divides by the TP degree") from None
         if not isinstance(value, int):
             raise ValueError(f"parallelize: module '{name}': {attr}={value} is not divisible by the TP degree {tp_size}")
-        changes.append((module, attr, require_divisible(value, tp_size, f"parallelize: module '{name}'", attr)))
+        divided = require_divisible(value, tp_size, f"parallelize: module '{name}'", attr)
+        *path, last = attr.split(".")
+        if not path:
+            changes.append((module, attr, divided))
+            continue
+        owner: Any = module
+        for i, part in enumerate(path):
+            prefix = ".".join(path[:i + 1])
+            if prefix not in copies:
+                copies[prefix] = copy.copy(getattr(owner, part))
+                if i == 0:
+                    changes.append((module, part, copies[prefix]))
+                else:
+                    setattr(owner, part, copies[prefix])  # (owner is this module's own copy)
+            owner = copies[prefix]
+        setattr(owner, last, divided)
     return changes
 
 
