@@ -122,13 +122,19 @@ def test_a_rank_that_skips_a_backward_fails_at_the_next_collective():
         assert "rank 1: forward all_reduce #" in message and "at 0.fc2" in message, message
 
 
-def _hf_eval_on_rank0_only(group):
+def _tiny_llama(group, layers):
+    """A float64 Hugging Face Llama of ``layers`` layers, parallelized with "auto"."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False)
-    model = tplayers.parallelize(LlamaForCausalLM(cfg).double(), "auto", group=group)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                      tie_word_embeddings=False)
+    return tplayers.parallelize(LlamaForCausalLM(cfg).double(), "auto", group=group)
+
+
+def _hf_eval_on_rank0_only(group):
+    model = _tiny_llama(group, 2)
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
     model(ids, labels=ids).loss.backward()  # a first step in step (the audit runs here)
 
@@ -237,12 +243,7 @@ def test_on_a_gpu_the_check_runs_when_the_next_collective_launches():
 
 
 def _labels_outside_forward(group, same):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False)
-    model = tplayers.parallelize(LlamaForCausalLM(cfg).double(), "auto", group=group)
+    model = _tiny_llama(group, 1)
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
     seed = 1 if same else 1 + torch.distributed.get_rank()  # a sampler over the TP ranks hands each its own labels
     labels = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
@@ -340,12 +341,7 @@ def test_collective_checks_off_on_one_rank_only_are_named():
 
 
 def _hf_eval_on_rank0_at_the_first_forward(group):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False)
-    model = tplayers.parallelize(LlamaForCausalLM(cfg).double(), "auto", group=group)
+    model = _tiny_llama(group, 1)
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
     prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(1))
     try:

@@ -16,8 +16,8 @@ from ..core.placement import Sharded
 from ..layers.base import model_placements
 from ..layers.dense_view import dense_tensors
 from .causes import likely_causes
-from ..core.digest import generator_states
-from .twin import (Quiet, copy_inputs, set_generator_states, dense_twin, float32_copy, gather_first, random_like,
+from ..core.digest import generator_states, set_generator_states
+from .twin import (Quiet, copy_inputs, dense_twin, float32_copy, gather_first, random_like,
                    relative_error, run_region, scale_of)
 
 __all__ = ["AuditError", "RegionAudit", "Region", "check_region", "relative_tolerance"]

@@ -20,7 +20,7 @@ from ..core.collectives import all_gather_tensor
 from ..core.groups import TPGroup
 from ..layers.base import PLACEMENTS_ATTR, TensorParallelModule, carry_hooks
 
-__all__ = ["set_generator_states", "within", "float32_copy", "copy_inputs", "gather_first", "first_float", "Quiet", "run_region", "random_like",
+__all__ = ["within", "float32_copy", "copy_inputs", "gather_first", "first_float", "Quiet", "run_region", "random_like",
            "dense_twin", "relative_error", "scale_of"]
 
 
@@ -145,13 +145,6 @@ class Quiet:
         self.rng.__exit__(*exc)
         for m, attr, value in self.saved:
             setattr(m, attr, value)
-
-
-def set_generator_states(states: List[torch.Tensor]) -> None:
-    """Put back what :func:`~tplayers.core.digest.generator_states` read."""
-    torch.set_rng_state(states[0])
-    if len(states) > 1:
-        torch.cuda.set_rng_state(states[1])
 
 
 def run_region(module: nn.Module, args: tuple, kwargs: dict, diff: List[torch.Tensor], grad_for: Any

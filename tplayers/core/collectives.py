@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol  # the compiled paths
 
 from .digest import device_hash
-from .fingerprint import SLOT, Stamp, bounded_wait, check_lagging, checks_enabled, stamp
+from .fingerprint import SLOT, Stamp, bounded_wait, check_lagging, checks_enabled, pack_text, stamp, unpack_texts
 from .groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
 from .placement import Placement, holder_slot
 
@@ -553,15 +553,7 @@ def all_gather_text(text: str, *, group: GroupLike, limit: int = 8192) -> "list[
     g = resolve_group(group)
     if g.size == 1 or is_fake(g.process_group):
         return [text]
-    data = text.encode("utf-8")[:limit]
-    buf = torch.zeros(limit + 8, dtype=torch.uint8)
-    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[8:8]
-    every = all_gather_tensor(buf[None].to(collective_device(g.process_group)), 0, group=g).cpu()  # (p, limit + 8)
-    out = []
-    for row in every:
-        n = int(row[:8].clone().view(torch.int64))
-        out.append(bytes(row[8:8 + n].tolist()).decode("utf-8", errors="replace"))
-    return out
+    buf = pack_text(text, limit)
+    return unpack_texts(all_gather_tensor(buf[None].to(collective_device(g.process_group)), 0, group=g).cpu())
 
 

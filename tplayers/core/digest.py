@@ -2,9 +2,10 @@
 collectives carry to prove they share their inputs, generators and replicated parameters
 (:func:`~.carried.carry`), and what the occasional checks gather (``bit_hash``).
 
-A digest is a wrapping int64 sum of the bits (floating values read as integers of their width), plain and
-weighted by position: equal tensors digest equal on every rank; any changed bit changes it (but for
-astronomically rare collisions); the shape is mixed in, so two batch sizes never collide.
+A digest reads floating values as integers of their width: a position-weighted wrapping sum of them (for a
+small CPU tensor, the CRC of its bytes), with the shape and dtype mixed in; ``device_hash`` adds the plain
+sum. Equal tensors digest equal on every rank; a changed element changes the digest (but for
+astronomically rare collisions of several changes); two batch sizes never collide.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
-__all__ = ["device_hash", "digests", "generator_states", "generators_digest", "joint_digest"]
+__all__ = ["device_hash", "digests", "generator_states", "generators_digest", "joint_digest",
+           "set_generator_states"]
 
 _INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 _CHUNK = 1 << 20
@@ -65,6 +67,14 @@ def _shape_code(t: torch.Tensor) -> int:
     return zlib.crc32(f"{tuple(t.shape)}|{t.dtype}".encode())
 
 
+_HOST = 1 << 14  # CPU tensors up to this many elements are digested on the host (a CRC: microseconds, no kernel)
+_MASK63 = (1 << 63) - 1
+
+
+def _small_on_host(t: torch.Tensor) -> int:
+    return zlib.crc32(_bits(t).contiguous().numpy())
+
+
 def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One int64 digest per tensor (its position-weighted sum, or for a small CPU tensor the CRC of its bytes;
     and its shape and dtype), ``(k,)`` on the first tensor's device (none: an empty CPU tensor). About one
@@ -78,14 +88,6 @@ def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if all(isinstance(v, int) for v in values):  # (ids, masks, norms on the CPU: no kernel at all)
         return torch.tensor([(v + c) & _MASK63 for v, c in zip(values, codes)], dtype=torch.int64, device=device)
     return torch.stack([torch.as_tensor(v, dtype=torch.int64, device=device) + c for v, c in zip(values, codes)])
-
-
-_HOST = 1 << 14  # CPU tensors up to this many elements are digested on the host (a CRC: microseconds, no kernel)
-_MASK63 = (1 << 63) - 1
-
-
-def _small_on_host(t: torch.Tensor) -> int:
-    return zlib.crc32(_bits(t).contiguous().numpy())
 
 
 def joint_digest(tensors: Iterable[torch.Tensor], small: int = 1 << 16) -> torch.Tensor:
@@ -118,3 +120,10 @@ def generator_states() -> List[torch.Tensor]:
 def generators_digest() -> torch.Tensor:
     """``(k,)`` int64: a CRC of each of :func:`generator_states` (read on the host)."""
     return torch.tensor([zlib.crc32(s.numpy().tobytes()) for s in generator_states()], dtype=torch.int64)
+
+
+def set_generator_states(states: List[torch.Tensor]) -> None:
+    """Put back what :func:`generator_states` read."""
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state(states[1])

@@ -53,7 +53,8 @@ import torch.distributed as dist
 
 from .carried import CARRIED, Shared, carried, diverged_message, entries_text
 
-__all__ = ["CollectivesOutOfStep", "RanksDiverged", "set_collective_checks", "Stamp", "stamp", "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "name_modules", "reading"]
+__all__ = ["CollectivesOutOfStep", "RanksDiverged", "set_collective_checks", "Stamp", "stamp", "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "name_modules", "reading",
+           "exchange_text", "pack_text", "unpack_texts"]
 
 DIGEST = 8  # 8 bytes of fingerprint, one byte per element
 SLOT = DIGEST + 1 + CARRIED  # per rank: the digest, 1 where its float16 partial sum is not finite, the carried bytes
@@ -244,7 +245,7 @@ def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
     overflowed = rows[:, DIGEST].nonzero()[:, 0].tolist()
     rows = rows[:, :DIGEST]
     if bool((rows != torch.tensor(s.digest, dtype=torch.int64)).any()):
-        sides = exchange_text(s.text, s.pg, s.size, limit=_TEXT - 2)
+        sides = exchange_text(s.text, s.pg, s.size)
         fate = ("It was checked when the group's next collective launched (a GPU's fingerprints reach the host "
                 "without a synchronization): its result may have been used." if late else
                 "The collective's result was discarded.")
@@ -343,26 +344,33 @@ def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: in
     return Stamp(digest, rank, size, pg, text, site, sent.device.type == "cpu", shared, carried_bytes)
 
 
-def exchange_text(text: str, pg: Any, size: int, limit: Optional[int] = 1022) -> List[str]:
+def exchange_text(text: str, pg: Any, size: int, limit: Optional[int] = _TEXT - 2) -> List[str]:
     """Every rank's ``text``, cut to ``limit`` bytes (None: whole, after one more exchange of the lengths).
     Raw ``torch.distributed`` calls, not checked: for error paths, where every rank found the same fault."""
     from .groups import collective_device
 
     device = collective_device(pg)
-    data = text.encode("utf-8")
     if limit is None:
         lengths = torch.empty(size, dtype=torch.int64, device=device)
-        _gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=device), pg)
+        _gather(lengths, torch.tensor([len(text.encode("utf-8"))], dtype=torch.int64, device=device), pg)
         limit = int(lengths.max())
-    data = data[:limit]
-    width = limit + 8
-    mine = torch.zeros(width, dtype=torch.uint8)
-    mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    every = torch.empty(size * (limit + 8), dtype=torch.uint8, device=device)
+    _gather(every, pack_text(text, limit).to(device), pg)
+    return unpack_texts(every.cpu().view(size, limit + 8))
+
+
+def pack_text(text: str, limit: int) -> torch.Tensor:
+    """``text`` as ``limit + 8`` bytes: its UTF-8 length (int64), then the bytes, cut to ``limit``."""
+    data = text.encode("utf-8")[:limit]
+    buf = torch.zeros(limit + 8, dtype=torch.uint8)
+    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
     if data:
-        mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    every = torch.empty(size * width, dtype=torch.uint8, device=device)
-    _gather(every, mine.to(device), pg)
-    rows = every.cpu().view(size, width)
+        buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf
+
+
+def unpack_texts(rows: torch.Tensor) -> List[str]:
+    """Every row of :func:`pack_text` bytes (``(p, limit + 8)``, on the CPU) back as text."""
     return [bytes(row[8:8 + int(row[:8].clone().view(torch.int64))].tolist()).decode("utf-8", errors="replace")
             for row in rows]
 

@@ -12,7 +12,6 @@ anyway carry the digests.
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import Any, List, Tuple
 
 import torch
@@ -86,11 +85,8 @@ def carry_shared_state(model: nn.Module, *, group: GroupLike, inputs: bool = Tru
             slots.extend(owners[id(p)] for _, p in replicated_params(model) if id(p) in owners)
         return [_local(m._parameters[a]) for m, a in slots if m._parameters.get(a) is not None]
 
-    model_ref = weakref.ref(model)  # (the error path's detail must not keep a model alive)
-
     def detail() -> List[Tuple[str, int]]:  # the error path: one digest per parameter, to name the one that differs
-        root = model_ref()
-        params = replicated_params(root) if root is not None else []
+        params = replicated_params(model)
         return list(zip((f"'{n}'" for n, _ in params), digests([_local(t) for _, t in params]).tolist()))
 
     def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: dict) -> None:
