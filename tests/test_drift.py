@@ -23,18 +23,18 @@ def _llama(dropout=0.0, vocab=64):
     return LlamaForCausalLM(cfg).double()
 
 
-def _train(group, case, lag=False, **options):
+def _train(group, case, lag=False, device="cpu", **options):
     """Three SGD steps of a TP 2 Llama; at step 1 one rank drifts as ``case`` says. Returns (the step that
     raised or None, the message)."""
     rank = torch.distributed.get_rank()
-    model = tplayers.parallelize(_llama(0.1 if case in ("reseed", "same") else 0.0), "auto", group=group,
-                                 **options)
+    model = tplayers.parallelize(_llama(0.1 if case in ("reseed", "same") else 0.0).to(device), "auto",
+                                 group=group, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     fingerprint._LAG_ON_CPU[0] = lag
     try:
         for step in range(3):
             seed = step + (100 * rank if case == "batch" and step >= 1 else 0)
-            ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
+            ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed)).to(device)
             if case == "reseed" and step == 1:
                 torch.manual_seed(1000 + rank)  # a per-rank reseed (seed + rank) at step 2
             if case == "seeds_without_dropout":
@@ -84,6 +84,29 @@ def test_on_a_gpu_the_drift_is_caught_one_collective_late():
         assert step == 1, message
         assert "inputs of LlamaForCausalLM forward" in message, message
         assert "checked when the group's next collective launched" in message, message
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _train_on_cuda(group, case):
+    torch.cuda.set_device(0)
+    return _train(group, case, device="cuda")
+
+
+@cuda
+@pytest.mark.parametrize("case,named", [("batch", "inputs of LlamaForCausalLM forward"),
+                                        ("reseed", "CUDA generator"), ("replica", "'model.norm.weight'")])
+def test_drift_of_cuda_tensors_is_caught(case, named):
+    """On the GPU (two gloo ranks sharing one device) the digests are taken on the device with no
+    synchronization and compared one collective late, in the step where the drift begins."""
+    for step, message in get_world(2).run(_train_on_cuda, case):
+        assert step == 1 and named in message and "rank(s) [1]" in message, message
+
+
+@cuda
+def test_cuda_ranks_in_step_train_on():
+    assert get_world(2).run(_train_on_cuda, "same") == [(None, "no error")] * 2
 
 
 def test_ranks_in_step_train_on():
