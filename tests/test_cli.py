@@ -60,6 +60,18 @@ def test_verify_subprocess_default_tp2():
     assert f"{len(V.CHECKS)}/{len(V.CHECKS)} checks passed" in proc.stdout
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_verify_on_gloo_ranks_sharing_one_gpu():
+    """docs/cli.md's route for several ranks on one GPU, every check. Before: the collective-matmul ring's
+    send / recv of CUDA tensors failed inside gloo ('writev ... Bad address'), which passes the device pointer
+    to its TCP transport, and the run stopped at the next collective."""
+    proc = subprocess.run([sys.executable, "-m", "tplayers", "verify", "--device", "cuda", "--backend", "gloo",
+                           "--tp", "2", "--dtype", "float32"], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{len(V.CHECKS)}/{len(V.CHECKS)} checks passed" in proc.stdout, proc.stdout
+
+
 def test_verify_under_torchrun_env():
     """The same code runs directly on ranks a launcher started (torchrun's env:// variables)."""
     port = _free_port()

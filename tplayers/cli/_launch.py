@@ -2,6 +2,7 @@
 else on ranks spawned here (`tplayers.testing.World`)."""
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -101,7 +102,15 @@ def run_on_ranks(
         )
     with World(size, backend=backend, threads=threads, timeout=timeout_s,
                collective_timeout=min(timeout_s, 120.0)) as world:
-        return world.run(fn, *args), True
+        return world.run(functools.partial(_on_device, fn, device), *args), True
+
+
+def _on_device(fn: Callable[..., Any], device: str, group: Any, *args: Any) -> Any:
+    """``fn(group, *args)`` on a spawned rank, placed on its GPU first when ``device`` is cuda: rank % GPUs, as
+    the NCCL ranks already are (gloo ranks otherwise all ran on the first GPU, whatever the machine had)."""
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    return fn(group, *args)
 
 
 def finish_torchrun() -> None:

@@ -421,7 +421,13 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, g: TPGroup) -> Pending
     nxt, prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
     if pg is not None:
         nxt, prv = dist.get_global_rank(pg, nxt), dist.get_global_rank(pg, prv)
-    ops = [dist.P2POp(dist.isend, send, nxt, group=pg), dist.P2POp(dist.irecv, recv, prv, group=pg)]
+    # gloo's send / recv hand the tensor's pointer to its TCP transport whatever the device (its collectives
+    # stage CUDA tensors through the host, its point-to-point does not): a CUDA tensor failed there with
+    # "writev ... Bad address". Such ranks (several sharing one GPU, as tests and `verify --backend gloo` run)
+    # exchange host copies.
+    staged = send.device.type != "cpu" and dist.get_backend(pg) == "gloo"
+    wire_send, wire_recv = (send.cpu(), torch.empty(recv.shape, dtype=recv.dtype)) if staged else (send, recv)
+    ops = [dist.P2POp(dist.isend, wire_send, nxt, group=pg), dist.P2POp(dist.irecv, wire_recv, prv, group=pg)]
     works, observed = _launch("send", send.numel() * send.element_size(), g, lambda: dist.batch_isend_irecv(ops),
                               send.device)
 
@@ -429,6 +435,8 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, g: TPGroup) -> Pending
         def wait(self) -> None:
             for work in works:
                 work.wait()
+            if staged:
+                recv.copy_(wire_recv)
 
     return Pending(_All(), lambda: recv, observed)
 
