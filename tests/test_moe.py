@@ -462,3 +462,38 @@ def test_parallel_moe_in_bfloat16(layout):
     """A bfloat16 smoke test: assert_matches_dense's bfloat16 tolerance, routing identical on every rank."""
     for output_error, grad_error in get_world(2).run(_bfloat16_moe, layout):
         assert output_error < 2e-2 and grad_error < 2e-2, (output_error, grad_error)
+
+
+def _narrow_experts(group):
+    """HF's own Qwen3-MoE tester widths: an expert ffn of 12 is 6 per rank at TP 2, too narrow for grouped_mm's
+    16-byte strides ("strides should be multiple of 16 bytes" in forward, backward and generate before)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=99, hidden_size=32, intermediate_size=37, moe_intermediate_size=12,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+                         num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+    dense = Qwen3MoeForCausalLM(cfg)
+    assert dense.config._experts_implementation == "grouped_mm"
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group)
+    ids = torch.randint(0, 99, (2, 7), generator=torch.Generator().manual_seed(1))
+    out_t, out_d = model(ids, labels=ids), dense(ids, labels=ids)
+    out_t.loss.backward()
+    out_d.loss.backward()
+    grads = dense_parameters(model, grads=True)
+    errors = [float((out_t.logits - out_d.logits).abs().max())] + [
+        float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30)) for n, p in dense.named_parameters()]
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        same_generate = torch.equal(model.generate(ids[:, :3], **kw), dense.generate(ids[:, :3], **kw))
+    experts = model.model.layers[0].mlp.experts
+    return (max(errors), same_generate, experts.config._experts_implementation, model.config._experts_implementation,
+            str(tplayers.coverage(model)))
+
+
+def test_experts_too_narrow_for_grouped_mm_take_the_eager_loop():
+    pytest.importorskip("transformers")
+    for error, same_generate, mine, models, report in get_world(2).run(_narrow_experts):
+        assert error < 1e-4 and same_generate, error  # float32
+        assert (mine, models) == ("eager", "grouped_mm")
+        assert "experts implementation 'eager' (this rank's ffn width 6" in report, report

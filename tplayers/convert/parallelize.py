@@ -251,7 +251,8 @@ def _describe(built: Dict[str, Built], modules: Dict[str, nn.Module], styles: Di
     out = {}
     for name, b in built.items():
         if b.module is not modules[name]:
-            out[name] = type(b.module).__name__
+            note = getattr(b.module, "_coverage_note", None)  # (e.g. a kernel it cannot take at its shard's shape)
+            out[name] = type(b.module).__name__ + (f" ({note})" if note else "")
         elif b.label is not None:
             out[name] = b.label
         elif b.finish is not None:

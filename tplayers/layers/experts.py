@@ -39,6 +39,7 @@ the one layout for ranks holding different tokens (``sequence_parallel=True``).
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -108,6 +109,27 @@ class _ZeroPaddingGrad(torch.autograd.Function):
         for start, length in ctx.real:
             mask.narrow(ctx.dim, start, length).fill_(1)
         return grad * mask, None, None
+
+
+GROUPED_MM_ALIGN = 16  # bytes: torch's grouped_mm (CPU and CUDA) needs every stride a multiple of this
+
+
+def _eager_where_grouped_mm_cannot(new: nn.Module, widths: set) -> None:
+    """A Hugging Face experts module that runs ``grouped_mm`` (``config._experts_implementation``) takes the
+    eager loop instead where this rank's ffn width is too narrow for its strides in 2-byte floats (bf16: a
+    multiple of 8): e.g. Qwen3-MoE's ffn of 12 at TP 2 gives 6 per rank, and ``grouped_mm`` raised "strides should
+    be multiple of 16 bytes" in forward, backward and generate. The module gets a copy of its config (the model's
+    is unchanged; the dense twin and ``to_dense`` get the original back); ``coverage`` names the switch."""
+    config = getattr(new, "config", None)
+    narrow = sorted(w for w in widths if (2 * w) % GROUPED_MM_ALIGN)
+    if not narrow or getattr(config, "_experts_implementation", None) != "grouped_mm":
+        return
+    own = copy.deepcopy(config)  # (a deep copy: the setter also sets every sub-config's)
+    own._experts_implementation = "eager"
+    new._dense_attrs["config"] = config
+    new.config = own
+    new._coverage_note = (f"experts implementation 'eager' (this rank's ffn width {narrow[0]} is too narrow for "
+                          f"grouped_mm's {GROUPED_MM_ALIGN}-byte strides in bf16)")
 
 
 class ParallelExperts(TensorParallelModule):
@@ -238,6 +260,8 @@ class ParallelExperts(TensorParallelModule):
             real = tuple((pc.local_start, pc.length) for pc in placement.pieces(g.rank, g.size))
             if uneven and sum(n for _, n in real) < local.shape[placement.dim]:  # (the rest: zero padding)
                 new._padding[name] = (placement.dim, real)
+        if not whole:
+            _eager_where_grouped_mm_cannot(new, {new._parameters[n].shape[d % params[n].dim()] // k for n, d, k in splits})
         return new
 
     def param_placements(self) -> Dict[str, Placement]:
@@ -334,7 +358,7 @@ class ParallelExperts(TensorParallelModule):
         """The dense experts module (collective: every rank gathers every shard)."""
         dense = module_copy(self, self._dense_class)
         for attr in ("group", "_dense_class", "_splits", "_dense_attrs", "_first_expert", "_dense_children",
-                     "_added_once", "_padding", "_dispatch", "sequence_parallel"):
+                     "_added_once", "_padding", "_dispatch", "sequence_parallel", "_coverage_note"):
             dense.__dict__.pop(attr, None)
         dense._modules.update(self._dense_children)
         for attr, value in self._dense_attrs.items():
