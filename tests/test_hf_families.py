@@ -45,6 +45,12 @@ FAMILIES = {
                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **MOE}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                   "moe_intermediate_size": 32, "head_dim": 8, **MOE}),
+    # its own plan names the experts only: "auto" adds its gated attention (q/k norms, a sigmoid output gate cut
+    # by heads), the dense first layer and the shared experts
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "head_dim": 8, "num_dense_layers": 1, **MOE}),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", {"num_experts": 4, "moe_topk": 2,
+                       "moe_intermediate_size": 32, "head_dim": 8, **MOE}),  # (its plan too: experts only)
     # Llama 4 text: its plan's keys sit under base_model_prefix "language_model" but the decoder is at .model;
     # experts laid out (experts, in, out) (packed_rowwise / colwise), every other layer MoE by default
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {"num_local_experts": 4, "head_dim": 8,
@@ -160,7 +166,8 @@ OWN_CONFIG = {
 # partial sum with experts split: float32 rounding, measured up to 1.2e-7 (a router gradient, Mixtral TP 2).
 FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "apertus": 1e-5, "exaone4": 1e-4,
                          "mixtral": 1e-6, "mixtral_uneven": 1e-6, "qwen2_moe": 1e-6, "llama4": 1e-5, "deepseek_v2": 1e-5, "deepseek_v3": 1e-5,
-                         "longcat_flash": 1e-5, "mimo_v2_flash": 1e-6,
+                         "longcat_flash": 1e-5, "mimo_v2_flash": 1e-6, "afmoe": 1e-5,  # (float32 router: 1.4e-6, TP 4)
+                         "hunyuan_v1_moe": 1e-6,  # (float32 routing weights: 4.4e-8, TP 4)
                          "nemotron_h": 1e-5,  # (float32 router, Mamba and logits: measured 8e-8 relative, TP 2)
                          "granitemoehybrid": 1e-5, "bamba": 1e-5, "jamba": 1e-6, "falcon_h1": 1e-5}  # (Mamba's scan and gated norm in float32, summed over ranks)
 
@@ -205,7 +212,8 @@ def _one_step_matches(model, dense, ids, tol: float) -> None:
     out_t.loss.backward()
     grads = dense_parameters(model, grads=True)
     for name, p in dense.named_parameters():
-        _close(grads[name], p.grad, tol, f"grad of {name}")
+        if p.requires_grad:  # (AFMoE's expert_bias is stepped outside autograd)
+            _close(grads[name], p.grad, tol, f"grad of {name}")
     tplayers.check_replicas(model)  # every replicated parameter and its gradient equal on every rank
 
 

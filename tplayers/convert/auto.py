@@ -134,6 +134,19 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
                    "layers.*.mixer.shared_experts.up_proj": "colwise",
                    "layers.*.mixer.shared_experts.down_proj": "rowwise",
                    "layers.*.mixer": MambaMixer(mixers_only=True)},  # (every layer's mixer is named 'mixer')
+    # AFMoE's own plan names its routed experts only: a Llama attention with q/k norms and a sigmoid output gate
+    # cut by heads like q_proj (below), dense first layers and shared experts Llama's MLP
+    "afmoe": {**_LLAMA_ATTENTION, "layers.*.self_attn.gate_proj": "colwise",
+              "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+              "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+              "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
+              "layers.*.mlp.shared_experts.gate_proj": "colwise", "layers.*.mlp.shared_experts.up_proj": "colwise",
+              "layers.*.mlp.shared_experts.down_proj": "rowwise", "layers.*.mlp.router.gate": "replicate"},
+    # Hunyuan-MoE's likewise: a Llama attention with per-head-dim q/k norms, Llama MLP shared experts
+    "hunyuan_v1_moe": {**_LLAMA_ATTENTION, "layers.*.self_attn.query_layernorm": "replicated_with_grad_allreduce",
+                       "layers.*.self_attn.key_layernorm": "replicated_with_grad_allreduce",
+                       "layers.*.mlp.shared_mlp.gate_proj": "colwise", "layers.*.mlp.shared_mlp.up_proj": "colwise",
+                       "layers.*.mlp.shared_mlp.down_proj": "rowwise", "layers.*.mlp.gate.wg": "replicate"},
     # Bamba's own plan names only the embedding: its attention and MLPs are Llama's, its Mamba-2 mixers Granite's
     "bamba": {**_LLAMA_ATTENTION, "layers.*.feed_forward.gate_proj": "colwise",
               "layers.*.feed_forward.up_proj": "colwise", "layers.*.feed_forward.down_proj": "rowwise",
@@ -349,6 +362,8 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
                 and layers.get(f"{attn}.o_proj") in (None, Row())]
     for attn in by_heads:  # q_proj and o_proj cut by whole heads (as evenly as possible when they do not divide)
         layers[f"{attn}.q_proj"] = Column(heads=True)
+        if layers.get(f"{attn}.gate_proj") == Column():  # an output gate per query feature (AFMoE): q_proj's cut
+            layers[f"{attn}.gate_proj"] = Column(heads=True)
         if f"{attn}.o_proj" in layers:
             layers[f"{attn}.o_proj"] = Row(heads=True)
         for kv in ("k_proj", "v_proj"):
