@@ -406,3 +406,43 @@ def test_a_shipped_plan_on_a_family_it_does_not_fit_names_the_family(family):
     for message in get_world(2).run(_llama_plan_on, family):
         assert "plan 'llama' does not fit" in message and "patterns match no module" in message, message
         assert "'auto'" in message, message
+
+
+class _Doubled(nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+def _sequence_shards_as_inputs(group, straight: bool):
+    """PyTorch's own TP example (input_layouts=Shard(...)): each rank feeds its own chunk of the sequence to a
+    sequence-parallel column layer. Before: refused by the inputs check ('every TP rank must see the same
+    batch'). The chunks are sequence shards by design: accepted, and the model equals dense, for two steps (the
+    second through the carried inputs digest). Chunks that reach the layer through other code (``2 * x``) cannot
+    be told from a data loader's per-rank batches: refused as before, with the way out named."""
+    from tplayers.convert import Row
+
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).double()
+    if not straight:
+        dense = nn.Sequential(_Doubled(), *dense)
+    first = "0" if straight else "1"
+    plan = {first: Column(sequence_parallel=True), str(int(first) + 2): Row(sequence_parallel=True)}
+    model = tplayers.parallelize(copy.deepcopy(dense), plan, group=group)
+    outcomes = []
+    for step in range(2):
+        x = torch.randn(2, 4 * group.size(), 16, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        try:
+            report = assert_matches_dense(model, dense, x, group=group, input_shard_dims=[1], output_shard_dim=1)
+            outcomes.append(max(report.output_error, report.grad_error))
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            outcomes.append(f"{type(e).__name__}: {e}")
+    return outcomes
+
+
+def test_sequence_shards_fed_by_design_are_accepted():
+    for outcomes in get_world(2).run(_sequence_shards_as_inputs, True):
+        assert all(isinstance(o, float) and o < 1e-12 for o in outcomes), outcomes
+    for outcomes in get_world(2).run(_sequence_shards_as_inputs, False):
+        assert outcomes[0].startswith("ValueError: check_same_inputs"), outcomes  # (not relabelled by the audit)
+        assert "every TP rank must see the same batch" in outcomes[0], outcomes
+        assert "straight to the sequence-parallel layer" in outcomes[0], outcomes

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ..core.collectives import all_gather_tensor, all_gather_text, all_reduce_tensor
 from ..core.groups import TPGroup
+from ..core.fingerprint import RanksDiverged
 from ..core.placement import Sharded
 from ..layers.base import model_placements
 from ..layers.dense_view import dense_tensors
@@ -90,17 +91,19 @@ class Region:
 # (A fused linear's input checks, in core/prepare.py, are not among them: a tplayers layer handed a
 # tensor of the wrong width is a plan fault the audit explains.)
 _INPUT_CHECKS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), *f)
-                      for f in (("core", "validate.py"), ("convert", "sequence.py")))
+                      for f in (("core", "validate.py"), ("convert", "sequence.py"), ("layers", "same_inputs.py")))
 
 
 def _refused_by_tplayers(e: BaseException) -> bool:
-    """An input refusal raised by tplayers itself (see ``_INPUT_CHECKS``); any other error of a sharded
-    run (a tplayers layer handed a tensor of the wrong width included) is the audit's to explain."""
+    """An input refusal raised by tplayers itself (see ``_INPUT_CHECKS``: inputs that differ across the ranks
+    included), or ranks whose shared state drifted (``RanksDiverged``: the data's fault, not the plan's); any
+    other error of a sharded run (a tplayers layer handed a tensor of the wrong width included) is the audit's
+    to explain."""
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     where = os.path.abspath(tb.tb_frame.f_code.co_filename) if tb is not None else ""
-    return isinstance(e, (ValueError, IndexError)) and where in _INPUT_CHECKS
+    return isinstance(e, RanksDiverged) or isinstance(e, (ValueError, IndexError)) and where in _INPUT_CHECKS
 
 
 def _skip_reason(region: Region) -> str:

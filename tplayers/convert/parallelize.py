@@ -55,7 +55,8 @@ from ..layers.experts import ParallelExperts
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.outside_reads import refuse_outside_reads
 from ..layers.shared_state import carry_shared_state
-from ..layers.same_inputs import check_same_inputs, check_same_output_grads, check_same_rng_once, has_dropout
+from ..layers.same_inputs import (SequenceShardInputs, check_same_inputs, check_same_output_grads, check_same_rng_once,
+                                  has_dropout)
 from .audit import AUDIT_ATTR, Auditor, find_regions
 from .auto import auto_plan, sequence_parallel_auto
 from .loss_parallel import apply_loss_parallel
@@ -63,7 +64,7 @@ from .outputs import label_split_outputs
 from .coverage import REPORT_ATTR, build_report
 from .plan import Plan, resolve_style
 from .plans import get_plan
-from .sequence import ReplicateReduceGrad, check_sequence_region
+from .sequence import ReplicateReduceGrad, check_sequence_region, takes_sequence_shards
 from .styles import (BuildContext, Built, Column, FusedQKV, KVColumn, Row, SequenceSwitch, Style, VocabEmbedding, VocabHead,
                      getattr_path)
 
@@ -408,8 +409,10 @@ def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check
     if tp.size == 1:
         return
     name_modules(model)  # errors name modules by their paths in the model
+    entries = [m for m in model.modules() if takes_sequence_shards(m)]
+    shards = SequenceShardInputs(model, entries) if entries and check_inputs else None
     if check_inputs:
-        check_same_inputs(model, group=tp, every=check_inputs)
+        check_same_inputs(model, group=tp, every=check_inputs, sequence_shards=shards)
         for module in model.modules():  # an output every rank holds whole: its gradient comes from the loss
             if isinstance(module, TensorParallelModule) and getattr(module, "gather_output", False):
                 check_same_output_grads(module, group=tp, every=check_inputs, counting=model)
@@ -419,7 +422,7 @@ def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check
         refuse_outside_reads(model)  # a shard read by the model's own code as if whole (a head tied by reading)
     if check_inputs or check_consistency:  # after the first-forward checks, whose messages are the more precise
         carry_shared_state(model, group=tp, inputs=bool(check_inputs), generators=check_consistency,
-                           replicas=check_consistency)
+                           replicas=check_consistency, sequence_shards=shards)
 
 
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,

@@ -24,7 +24,7 @@ from .styles import BuildContext, Built, attention_heads
 
 __all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "ReplicateReduceGrad", "PerHeadParams",
            "map_first_input", "route_params_through",
-           "check_sequence_region"]
+           "check_sequence_region", "takes_sequence_shards"]
 
 _MARK = "_tplayers_styles"  # the sequence styles already applied to a module (refuse stacking a second set)
 
@@ -62,6 +62,14 @@ def route_params_through(module: nn.Module, names: Tuple[str, ...], fn: Callable
 
     module.register_forward_pre_hook(pre_hook)
     module.register_forward_hook(post_hook, always_call=True)
+
+
+def takes_sequence_shards(module: nn.Module) -> bool:
+    """Whether ``module``'s input is this rank's chunk of the sequence: a sequence-parallel column layer or
+    experts (tokens sent by all-to-all), a sequence-parallel norm, a module whose input sequence is gathered."""
+    if getattr(module, "sequence_parallel", False) and not hasattr(module, "input_is_parallel"):  # (not a row layer)
+        return hasattr(module, "gather_output") or hasattr(module, "_dispatch")
+    return bool({"sequence_parallel_norm", "gather_sequence"} & set(getattr(module, _MARK, ())))
 
 
 @dataclass(frozen=True)

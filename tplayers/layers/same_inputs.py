@@ -22,7 +22,8 @@ from ..core.digest import generator_states
 from ..core.groups import GroupLike, resolve_group
 from ..core.prepare import refuse_replicating_wrapper
 
-__all__ = ["named_arguments", "in_pipeline_shape_inference", "check_same_inputs", "check_same_output_grads", "check_same_rng_once", "has_dropout"]
+__all__ = ["named_arguments", "in_pipeline_shape_inference", "check_same_inputs", "SequenceShardInputs",
+           "check_same_output_grads", "check_same_rng_once", "has_dropout"]
 
 
 def _tensors(value: Any, path: str, out: List[Tuple[str, torch.Tensor]]) -> None:
@@ -65,7 +66,49 @@ def in_pipeline_shape_inference() -> bool:
     return False
 
 
-def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) -> RemovableHandle:
+class SequenceShardInputs:
+    """The arguments of a model that are sequence shards by design: each rank feeds its own chunk of the
+    sequence straight to a layer that takes this rank's chunk (``entries``: a sequence-parallel column layer or
+    norm; PyTorch's own TP example does, ``input_layouts=Shard(1)``). They differ across the TP ranks, so
+    :func:`check_same_inputs` cannot ask them to be equal. An argument that differs at a checked forward is
+    held back (``pending``) until the forward ends: if that very tensor entered one of ``entries`` it is a shard
+    by design (``exempt`` from then on: left out of the inputs check and of the carried inputs digest, whose
+    layers' own collectives check its shape); else the inputs check's error is raised then, on every rank (each
+    rank's verdict is structural: the same on all)."""
+
+    def __init__(self, model: nn.Module, entries: List[nn.Module]) -> None:
+        self.exempt: set = set()  # argument paths (``argument 0``)
+        self.pending: dict = {}  # path -> the tensor, while a forward that found it differing runs
+        self._error = ""
+        self._consumed: set = set()  # ids of the tensors that entered an entry layer in that forward
+        for m in entries:
+            m.register_forward_pre_hook(self._entered, with_kwargs=True)
+        model.register_forward_hook(self._settle)
+
+    def skipped(self) -> set:
+        return self.exempt | set(self.pending)
+
+    def defer(self, named: List[Tuple[str, torch.Tensor]], differing: List[int], error: str) -> None:
+        self.pending = {named[i][0]: named[i][1] for i in differing}
+        self._error, self._consumed = error, set()
+
+    def _entered(self, _: nn.Module, args: Tuple[Any, ...], kwargs: dict) -> None:
+        if self.pending:
+            first = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
+            if isinstance(first, torch.Tensor):
+                self._consumed.add(id(first))
+
+    def _settle(self, *_: Any) -> None:
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, {}
+        if not all(id(t) in self._consumed for t in pending.values()):
+            raise ValueError(self._error)
+        self.exempt.update(pending)
+
+
+def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1,
+                      sequence_shards: Optional[SequenceShardInputs] = None) -> RemovableHandle:
     """Check, before the first and then every ``every``-th forward of ``module``, that each tensor in
     its arguments (nested dicts, lists and tuples included; keyword arguments such as ``labels`` too)
     is bitwise equal on every rank of the TP group; raise ValueError on every rank otherwise, naming
@@ -73,7 +116,8 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) ->
 
     Cost per checked forward: each input hashed (read once; on CUDA the hash is copied to the host,
     one sync) and one all-gather of four int64 per tensor. ``parallelize`` registers it with
-    ``every=1000`` (its ``check_inputs``); inside ``torch.compile`` it does not run.
+    ``every=1000`` (its ``check_inputs``); inside ``torch.compile`` it does not run. ``sequence_shards``: the
+    arguments fed as sequence shards by design are found and left out (:class:`SequenceShardInputs`).
     """
     tp = resolve_group(group)
     if every < 1:
@@ -100,6 +144,8 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) ->
                     "the same forward and backward calls on the model (evaluation on every rank, not on rank 0 only)")
             raise ValueError(f"check_same_inputs: {type(module).__name__} forward #{calls[0]}: the TP ranks' arguments "
                              "differ in structure (number or names of tensors): every TP rank must see the same batch")
+        if sequence_shards is not None:  # (sequence shards by design: their layers' collectives check their shapes)
+            named = [(n, t) for n, t in named if n not in sequence_shards.exempt]
         if not named:
             return
         # the shape goes into the hash too: two ranks with different batch sizes must not collide
@@ -107,10 +153,15 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1) ->
         differ = ranks_that_differ(hashes, group=tp)  # (p, n)
         if differ.any():
             ranks, index = differ.nonzero()[0].tolist()
-            raise ValueError(f"check_same_inputs: {type(module).__name__} forward #{calls[0]}: {named[index][0]} "
-                             f"differs between rank 0 and rank {ranks} of the TP group: every TP rank must see the "
-                             "same batch (a distributed sampler over the TP ranks splits it; in Lightning pass "
-                             "use_distributed_sampler=False when data_parallel_size=1)")
+            error = (f"check_same_inputs: {type(module).__name__} forward #{calls[0]}: {named[index][0]} "
+                     f"differs between rank 0 and rank {ranks} of the TP group: every TP rank must see the "
+                     "same batch (a distributed sampler over the TP ranks splits it; in Lightning pass "
+                     "use_distributed_sampler=False when data_parallel_size=1)")
+            if sequence_shards is None:
+                raise ValueError(error)
+            error += (". (A chunk of the sequence fed to each rank by design is accepted when the model hands that "
+                      "very tensor straight to the sequence-parallel layer; else parallelize(..., check_inputs=0).)")
+            sequence_shards.defer(named, sorted(set(differ.nonzero()[:, 1].tolist())), error)
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)
 

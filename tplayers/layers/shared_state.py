@@ -12,7 +12,7 @@ anyway carry the digests.
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,7 @@ from ..core.carried import Shared, carry
 from ..core.fingerprint import checks_enabled
 from ..core.groups import GroupLike, resolve_group
 from .base import model_placements
-from .same_inputs import has_dropout, in_pipeline_shape_inference, named_arguments
+from .same_inputs import SequenceShardInputs, has_dropout, in_pipeline_shape_inference, named_arguments
 
 __all__ = ["carry_shared_state"]
 
@@ -44,7 +44,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 def carry_shared_state(model: nn.Module, *, group: GroupLike, inputs: bool = True, generators: bool = True,
-                       replicas: bool = True) -> RemovableHandle:
+                       replicas: bool = True, sequence_shards: Optional[SequenceShardInputs] = None) -> RemovableHandle:
     """At every forward of ``model``, digest what its TP ranks must share and carry it in every checked
     collective of the group while the forward runs (the forward's own collectives, those of a loss computed
     inside it, and the first-step audit's):
@@ -61,7 +61,8 @@ def carry_shared_state(model: nn.Module, *, group: GroupLike, inputs: bool = Tru
 
     Cost per forward: the inputs and the replicated parameters read once on their device (a few kernels:
     small parameters are read in one concatenation), no synchronization, no collective;
-    ``CARRIED`` (4) more elements per rank in each checked collective. Off with
+    ``CARRIED`` (4) more elements per rank in each checked collective. ``sequence_shards``: the arguments
+    fed as sequence shards by design are left out of the inputs. Off with
     ``tplayers.set_collective_checks(False)`` (no slot, nothing computed). ``parallelize`` registers it
     (``check_inputs=0`` leaves the inputs out, ``check_consistency=False`` the generators and parameters).
     Returns the pre-hook's handle."""
@@ -98,6 +99,9 @@ def carry_shared_state(model: nn.Module, *, group: GroupLike, inputs: bool = Tru
         calls[0] += 1
         if inputs:
             named = named_arguments(args, kwargs)
+            if sequence_shards is not None:
+                skipped = sequence_shards.skipped()
+                named = [(n, t) for n, t in named if n not in skipped]
             carry(pg, keys[0], Shared(f"the inputs of {label} forward #{calls[0]}", [n for n, _ in named],
                                       digests([t for _, t in named]), INPUTS_ADVICE) if named else None)
         before[0] = generators_digest() if generators and module.training and torch.is_grad_enabled() else None
