@@ -202,3 +202,49 @@ def test_the_dense_gpt_through_parallelize_passes_the_audit(tp, swiglu, kv_heads
     plan: no false alarm from the audit, and the dense model's logits and gradients."""
     for out_err, grad_err, audited in get_world(tp).run(_dense_gpt_through_parallelize, swiglu, kv_heads):
         assert out_err < 1e-12 and grad_err < 1e-12 and audited
+
+
+def _sequence_parallel_own_plan(group, double_gather: bool):
+    """Sequence parallelism in a plan of your own (the Llama-like model above, whose layers are ModuleDicts it never
+    calls): the embedding reduce-scatters its lookup along the sequence, the norms run on each rank's chunk, the attention gathers its input once (its columns plain) and
+    its output projection reduce-scatters, the MLP's columns gather and its row reduce-scatters, the final norm
+    gathers. The same plan with the attention's columns sequence-parallel too gathers the gathered sequence
+    again: before, "shape '[2, 16, 2, 8]' is invalid" inside the attention's view."""
+    from tplayers.convert import Column, Row, SequenceParallelNorm
+
+    torch.manual_seed(0)
+    model = TinyLlama().double()
+    dense = copy.deepcopy(model)
+    column = Column(sequence_parallel=double_gather)
+    kv = KVColumn(kv_heads="n_kv_heads")
+    from tplayers.convert import VocabEmbedding
+
+    plan = {**LLAMA_PLAN, "tok_embeddings": VocabEmbedding(sequence_parallel=True),
+            "layers.*.attention_norm": "sequence_parallel_norm",
+            "layers.*.ffn_norm": "sequence_parallel_norm", "layers.*.attention": "gather_sequence",
+            "layers.*.attention.wq": column, "layers.*.attention.wk": kv, "layers.*.attention.wv": kv,
+            "layers.*.attention.wo": Row(sequence_parallel=True),
+            "layers.*.feed_forward.w1": Column(sequence_parallel=True),
+            "layers.*.feed_forward.w3": Column(sequence_parallel=True),
+            "layers.*.feed_forward.w2": Row(sequence_parallel=True),
+            "norm": SequenceParallelNorm(gather_output=True)}
+    try:
+        tplayers.parallelize(model, plan, group=group)
+    except ValueError as e:
+        return str(e)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    out = model(ids)
+    out.square().mean().backward()
+    expected = dense(ids)
+    expected.square().mean().backward()
+    grads = tplayers.testing.dense_parameters(model, grads=True)
+    return max([float((out - expected).detach().abs().max())] +
+               [float((grads[n] - p.grad).abs().max()) for n, p in dense.named_parameters()])
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallelism_in_a_plan_of_your_own(tp):
+    for error in get_world(tp).run(_sequence_parallel_own_plan, False):
+        assert isinstance(error, float) and error < 1e-12, error
+    for message in get_world(tp).run(_sequence_parallel_own_plan, True):
+        assert "gathers the sequence at its input" in str(message) and "layers.0.attention.wq" in str(message), message

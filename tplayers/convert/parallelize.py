@@ -64,7 +64,7 @@ from .outputs import label_split_outputs
 from .coverage import REPORT_ATTR, build_report
 from .plan import Plan, resolve_style
 from .plans import get_plan
-from .sequence import ReplicateReduceGrad, check_sequence_region, takes_sequence_shards
+from .sequence import ReplicateReduceGrad, check_sequence_region, refuse_double_gather, takes_sequence_shards
 from .styles import (BuildContext, Built, Column, FusedQKV, KVColumn, Row, SequenceSwitch, Style, VocabEmbedding, VocabHead,
                      getattr_path)
 
@@ -484,6 +484,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     matched, used = _match(modules, styles)
     if isinstance(plan, str):
         _refuse_unfitting_plan(model, p.name, styles, used)
+    refuse_double_gather(p.name, {name: styles[pat] for name, pat in matched})
     built = _build(modules, matched, styles, tp)
     check_sequence_region(p.name, {n: b.region for n, b in built.items()})
     chunked_experts = [n for n, b in built.items() if isinstance(b.module, ParallelExperts) and b.module.sequence_parallel]

@@ -20,11 +20,11 @@ from ..core.partial_grads import PartialGradSum
 from ..core.partial_sum import PartialSum
 from ..core.placement import Replicated, Sharded, head_parts
 from ..layers.base import PLACEMENTS_ATTR
-from .styles import BuildContext, Built, attention_heads
+from .styles import BuildContext, Built, Row, attention_heads
 
 __all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "ReplicateReduceGrad", "PerHeadParams",
            "map_first_input", "route_params_through",
-           "check_sequence_region", "takes_sequence_shards"]
+           "check_sequence_region", "refuse_double_gather", "takes_sequence_shards"]
 
 _MARK = "_tplayers_styles"  # the sequence styles already applied to a module (refuse stacking a second set)
 
@@ -240,10 +240,28 @@ class ScatterSequence(_SequenceStyle):
 
 
 def check_sequence_region(plan_name: str, regions: Dict[str, Optional[str]]) -> None:
-    """A plan that enters sequence parallelism (``scatter_sequence``) must leave it (a gathering final
-    norm) and the other way round; ``regions``: module name -> ``Built.region``."""
+    """A plan that enters sequence parallelism (``scatter_sequence``, or a ``VocabEmbedding(sequence_parallel=True)``)
+    must leave it (a gathering final norm) and the other way round; ``regions``: module name -> ``Built.region``."""
     enters = [n for n, r in regions.items() if r == "enter_sequence"]
     leaves = [n for n, r in regions.items() if r == "leave_sequence"]
     if bool(enters) != bool(leaves):
         raise ValueError(f"parallelize: plan '{plan_name}' enters sequence parallelism at {enters} but leaves it at "
-                         f"{leaves}: it needs both a 'scatter_sequence' module and a gathering final norm")
+                         f"{leaves}: it needs both an entry (a 'scatter_sequence' module or a "
+                         "VocabEmbedding(sequence_parallel=True)) and a gathering final norm")
+
+
+def refuse_double_gather(plan_name: str, style_of: Dict[str, object]) -> None:
+    """Inside a module whose input is gathered along the sequence (``gather_sequence``), every layer sees the whole
+    sequence: one that takes sequence shards there (a sequence-parallel column layer, a sequence style) would
+    gather the gathered sequence again (p times too long: the module's own reshapes failed far from the plan)."""
+    for outer, style in style_of.items():
+        if not isinstance(style, GatherSequence):
+            continue
+        again = [n for n, st in style_of.items() if n.startswith(outer + ".") and (
+            isinstance(st, _SequenceStyle) and not isinstance(st, ReplicateReduceGrad)
+            or getattr(st, "sequence_parallel", False) and not isinstance(st, Row))]
+        if again:
+            raise ValueError(f"parallelize: plan '{plan_name}': '{outer}' gathers the sequence at its input "
+                             f"('gather_sequence'), and {sorted(again)} inside it take sequence shards and would "
+                             "gather it again; inside a gathered module keep the column layers plain ('column', "
+                             "KVColumn) and make its output layer Row(sequence_parallel=True) (it reduce-scatters)")

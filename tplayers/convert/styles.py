@@ -453,7 +453,8 @@ class VocabEmbedding:
             raise TypeError(f"parallelize: module '{ctx.name}' (style 'vocab_embedding'): {e}. Leave it out of "
                             "the plan ('replicate') to keep it dense") from None
         return Built(VocabParallelEmbedding.from_dense(module, group=ctx.group, sequence_parallel=self.sequence_parallel,
-                                                       partial_output=self.partial_output))
+                                                       partial_output=self.partial_output),
+                     region="enter_sequence" if self.sequence_parallel else None)  # (its lookup reduce-scatters)
 
 
 @dataclass(frozen=True)
