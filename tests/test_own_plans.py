@@ -248,3 +248,81 @@ def test_sequence_parallelism_in_a_plan_of_your_own(tp):
         assert isinstance(error, float) and error < 1e-12, error
     for message in get_world(tp).run(_sequence_parallel_own_plan, True):
         assert "gathers the sequence at its input" in str(message) and "layers.0.attention.wq" in str(message), message
+
+
+class ReferenceAttention(nn.Module):
+    """Meta's Llama 3 reference attention (fairscale's layers as nn.Linear): local head counts kept as attributes
+    and KV caches shaped by them, filled at ``start_pos`` and read back for decoding."""
+
+    def __init__(self, dim=32, n_heads=4, n_kv_heads=2, max_batch=2, max_seq=16):
+        super().__init__()
+        self.n_local_heads, self.n_local_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.cache_k = torch.zeros(max_batch, max_seq, n_kv_heads, self.head_dim)
+        self.cache_v = torch.zeros(max_batch, max_seq, n_kv_heads, self.head_dim)
+
+    def forward(self, x, start_pos: int):  # (b, s, d)
+        bsz, seqlen, _ = x.shape
+        xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        self.cache_k = self.cache_k.to(xq)
+        self.cache_v = self.cache_v.to(xq)
+        self.cache_k[:bsz, start_pos:start_pos + seqlen] = xk
+        self.cache_v[:bsz, start_pos:start_pos + seqlen] = xv
+        keys = self.cache_k[:bsz, :start_pos + seqlen].repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)
+        values = self.cache_v[:bsz, :start_pos + seqlen].repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)
+        y = F.scaled_dot_product_attention(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                           is_causal=start_pos == 0)
+        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class ReferenceModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"attention": ReferenceAttention()}) for _ in range(2))
+
+    def forward(self, h, start_pos: int):
+        for layer in self.layers:
+            h = h + layer["attention"](h, start_pos)
+        return h
+
+
+def _reference_llama_with_caches(group, caches: bool = True):
+    """Prefill 5 positions, then decode 3 one at a time, against the dense model: the caches are cut to this
+    rank's KV heads with the head counts (divide_attrs 'cache_k:2': the tensor along dim 2). Before: the caches
+    kept every KV head and the forward failed assigning this rank's keys into them."""
+    torch.manual_seed(0)
+    model = ReferenceModel().double()
+    dense = copy.deepcopy(model)
+    plan = Plan(layers={"layers.*.attention.wq": "column", "layers.*.attention.wk": "column",
+                        "layers.*.attention.wv": "column", "layers.*.attention.wo": "row"},
+                divide_attrs={"layers.*.attention": ("n_local_heads", "n_local_kv_heads",
+                                                     *(("cache_k:2", "cache_v:2") if caches else ()))})
+    tplayers.parallelize(model, plan, group=group)
+    if not caches:  # the caches forgotten: the audit names them and the way to cut them
+        try:
+            model(torch.randn(2, 5, 32, dtype=torch.float64), 0)
+        except tplayers.AuditError as e:
+            return str(e)
+    g = torch.Generator().manual_seed(1)
+    errors = []
+    for start, length in ((0, 5), (5, 1), (6, 1), (7, 1)):  # (the prefill with autograd on: the audit runs there)
+        x = torch.randn(2, length, 32, dtype=torch.float64, generator=g)
+        with torch.set_grad_enabled(start == 0):
+            errors.append(float((model(x, start) - dense(x, start)).abs().max()))
+    shape = tuple(model.layers[0]["attention"].cache_k.shape)
+    return max(errors), shape, tplayers.coverage(model).audit.passed
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kv_caches_shaped_by_local_heads_are_cut_with_them(tp):
+    for error, shape, audited in get_world(tp).run(_reference_llama_with_caches):
+        assert error < 1e-12 and shape == (2, 16, 2 // tp, 8) and audited, (error, shape)
+    if tp > 1:
+        for message in get_world(tp).run(_reference_llama_with_caches, False):
+            assert "tensor 'cache_k' (2, 16, 2, 8) keeps the dense head count" in message, message
+            assert "'cache_k:2'" in message, message

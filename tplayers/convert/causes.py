@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List
 
+import torch
 import torch.nn as nn
 
 from ..core.placement import Sharded
@@ -123,6 +124,18 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
                               f"while rank r computes heads r*{dense_value // p or 1}..: a forward indexing them from 0 "
                               "pairs them with the wrong heads; per-head modules cannot be split by a plan yet, "
                               "leave this attention out of the plan ('replicate')")
+    divided = {v for path, v in heads.items()
+               if getattr(mods.get(path.rpartition(".")[0]), path.rpartition(".")[2], v) not in (v, None)}
+    for rel, m in mods.items():  # a tensor shaped by the heads (a KV cache) whole while its head count was divided
+        for attr, t in [*vars(m).items(), *m._buffers.items()]:
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.dim() > 1:
+                dims = [str(d) for d, n in enumerate(t.shape) if n in divided and n > 1]
+                if dims:
+                    where = f"{name}.{rel}" if rel else name
+                    causes.append(f"tensor '{(rel + '.') if rel else ''}{attr}' {tuple(t.shape)} keeps the dense head "
+                                  f"count in dim {' or '.join(dims)} while the heads were divided: if it holds per-head "
+                                  f"state (a KV cache), cut it with them (Plan(divide_attrs={{'{_pattern(where)}': "
+                                  f"(..., '{attr}:{dims[-1]}')}}))")
     placements = model_placements(module)
     counts = set(heads.values()) | _config_head_counts(module)
     for n, prm in module.named_parameters():

@@ -158,18 +158,21 @@ def _attr_changes(modules: Dict[str, nn.Module], plan: Plan, tp: TPGroup) -> Lis
                 changes.extend((module, attr, value) for attr, value in fn(module, tp.size).items())
         for pat, attrs in plan.divide_attrs.items():
             if fnmatch.fnmatchcase(name, pat):
-                changes.extend(_divided(module, name, attrs, plan.name, tp.size))
+                changes.extend(_divided(module, name, attrs, plan.name, tp))
     return changes
 
 
-def _divided(module: nn.Module, name: str, attrs: Tuple[str, ...], plan_name: str, tp_size: int) -> List[_Change]:
+def _divided(module: nn.Module, name: str, attrs: Tuple[str, ...], plan_name: str, tp: TPGroup) -> List[_Change]:
     """The changes dividing ``attrs`` of ``module`` by the TP degree. A dotted path (``config.n_head``) divides
     the attribute of a copy of each object on the way (a config object the layers share gets one copy per
-    module, so the others, and the dense twin, keep the dense count)."""
+    module, so the others, and the dense twin, keep the dense count). ``"cache_k:2"``: a tensor (a KV cache shaped
+    by the heads) cut along dim 2 into this rank's part, a copy (the dense twin keeps the whole one)."""
     changes: List[_Change] = []
     copies: Dict[str, Any] = {}  # dotted prefix -> this module's copy of the object there
+    tp_size = tp.size
     for attr in attrs:
         optional, attr = attr.endswith("?"), attr.rstrip("?")
+        attr, _, cut = attr.partition(":")
         try:
             value = getattr_path(module, attr)
         except AttributeError:
@@ -177,6 +180,9 @@ def _divided(module: nn.Module, name: str, attrs: Tuple[str, ...], plan_name: st
                 continue
             raise AttributeError(f"parallelize: module '{name}' ({type(module).__name__}) has no attribute "
                                  f"'{attr}' that plan '{plan_name}' divides by the TP degree") from None
+        if cut:
+            changes.append((module, attr, _cut_tensor(value, cut, f"parallelize: module '{name}'", attr, tp)))
+            continue
         if not isinstance(value, int):
             raise ValueError(f"parallelize: module '{name}': {attr}={value} is not divisible by the TP degree {tp_size}")
         divided = require_divisible(value, tp_size, f"parallelize: module '{name}'", attr)
@@ -196,6 +202,18 @@ def _divided(module: nn.Module, name: str, attrs: Tuple[str, ...], plan_name: st
             owner = copies[prefix]
         setattr(owner, last, divided)
     return changes
+
+
+def _cut_tensor(value: Any, cut: str, where: str, attr: str, tp: TPGroup) -> torch.Tensor:
+    """This rank's part of tensor ``value`` along dim ``cut`` (``divide_attrs`` ``"name:dim"``)."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter) or not cut.lstrip("-").isdigit():
+        raise ValueError(f"{where}: divide_attrs '{attr}:{cut}' cuts a tensor (not a parameter: the plan's layers "
+                         f"own those) along an integer dim; '{attr}' is a {type(value).__name__}")
+    dim = int(cut)
+    if not -value.dim() <= dim < value.dim():
+        raise ValueError(f"{where}: divide_attrs '{attr}:{cut}': {attr} has {value.dim()} dims")
+    require_divisible(value.shape[dim], tp.size, where, f"{attr}.shape[{dim}]")
+    return value.chunk(tp.size, dim)[tp.rank].clone()
 
 
 def _ties(model: nn.Module, modules: Dict[str, nn.Module],

@@ -57,7 +57,8 @@ class Plan:
     degree (``num_heads``, ``split_size``); a trailing ``?`` makes an attribute optional (absent
     in some library versions); a dotted path (``config.n_head``) divides it in a copy, per module,
     of each object on the way (a config object the layers share stays as it was, for the others and
-    for the audit's dense twin). ``require_divisible``: pattern -> dotted attribute paths (e.g.
+    for the audit's dense twin); ``"cache_k:2"`` cuts a tensor attribute or buffer (a KV cache shaped by the
+    heads) along dim 2 to this rank's part. ``require_divisible``: pattern -> dotted attribute paths (e.g.
     ``config.num_key_value_heads``) that must divide by the TP degree but are left unchanged.
     ``set_attrs``: pattern -> ``fn(module, tp_size) -> {attr: value}`` for what a division cannot express.
     """
