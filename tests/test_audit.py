@@ -506,7 +506,7 @@ class _FusedByConfig(nn.Module):
         return self.proj(q * k.repeat(1, 1, 2) + v.repeat(1, 1, 2))
 
 
-def _twin_cannot_run(group):
+def _twin_cannot_run(group, skip=()):
     """A fused q/k/v split as one block ("column", where Column(parts=3) was needed), its split sizes in a
     shared config object set to the local widths: the sharded forward runs (wrong numbers), the dense twin
     cannot (it reads the same object). Before: a warning, and the model trained on."""
@@ -514,7 +514,10 @@ def _twin_cannot_run(group):
 
     torch.manual_seed(0)
     model = _FusedByConfig(_SharedSizes()).double()
-    tplayers.parallelize(model, {"qkv": "column", "proj": "row"}, group=group)
+    try:
+        tplayers.parallelize(model, {"qkv": "column", "proj": "row"}, group=group, audit_skip=skip)
+    except ValueError as e:
+        return str(e)
     model.cfg.sizes = (8, 4, 4)  # "the local sizes at TP 2"
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
@@ -522,12 +525,22 @@ def _twin_cannot_run(group):
             model(torch.randn(2, 3, 16, dtype=torch.float64))
         except tplayers.AuditError as e:
             return str(e)
-    return ""
+    return str(tplayers.coverage(model).audit)
 
 
 def test_a_region_whose_dense_twin_cannot_run_is_refused_not_trained():
     for message in get_world(2).run(_twin_cannot_run):
         assert "it cannot be checked: its dense twin" in message and "audit=False" in message, message
+        assert "audit_skip=['']" in message, message  # (the region is the whole model here: its name is '')
+
+
+def test_audit_skip_leaves_out_the_regions_it_names_and_refuses_a_typo():
+    """The per-region opt-out the refusal above names: that region trains unchecked, reported as skipped by
+    choice; a pattern that matches no region is refused (a typo must not pass as an opt-out)."""
+    for report in get_world(2).run(_twin_cannot_run, [""]):
+        assert "skipped (audit_skip='': left out by your choice, it trains unchecked)" in report, report
+    for message in get_world(2).run(_twin_cannot_run, ["qkvv"]):
+        assert "audit_skip=['qkvv']" in message and "matches no audited region" in message, message
 
 
 def _non_finite_inputs(group):

@@ -35,6 +35,7 @@ the likely causes in :mod:`tplayers.convert.causes`.
 """
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -138,6 +139,7 @@ class Auditor:
         self.report: Optional[AuditReport] = None
         self.results: Dict[Tuple, RegionAudit] = {}
         self.active = False
+        self.skipped: Tuple[str, ...] = ()  # parallelize(..., audit_skip=...)
 
     # -- parallelize's steps ---------------------------------------------------------------------
     def record_originals(self, changed: List[Tuple[nn.Module, str, Any]]) -> None:
@@ -167,6 +169,23 @@ class Auditor:
         self.results = {sig: RegionAudit(rs[0].name, type(rs[0].module).__name__, len(rs)) for sig, rs in groups.items()}
         self.report = AuditReport(list(self.results.values()))
 
+    def skip(self, patterns: Sequence[str]) -> None:
+        """``parallelize(..., audit_skip=patterns)``: the regions whose names match, and every region like each,
+        left out of the audit by the user's choice. A pattern that matches no region is refused (a typo would
+        otherwise leave the region audited, or a refusal in place, without a word)."""
+        if isinstance(patterns, str):
+            patterns = (patterns,)
+        self.skipped = tuple(patterns)
+        for pat in patterns:
+            hit = [r for r in self.regions if fnmatch.fnmatchcase(r.name, pat)]
+            if not hit:
+                raise ValueError(f"parallelize(..., audit_skip={list(patterns)!r}): '{pat}' matches no audited region "
+                                 f"(regions: {sorted({r.name for r in self.regions})[:8]})")
+            for region in hit:
+                result = self.results[region.signature]
+                result.status = "skipped"
+                result.reason = f"audit_skip={pat!r}: left out by your choice, it trains unchecked"
+
     def arm(self) -> None:
         """Install the first-call hooks on every instance of each region not audited yet."""
         self.disarm()
@@ -185,6 +204,7 @@ class Auditor:
     def rearm(self) -> None:
         for result in self.results.values():
             result.status, result.errors, result.reason, result.note, result.message = "pending", {}, "", "", ""
+        self.skip(self.skipped)
         self.arm()
 
     def _hook(self, region: Region) -> Any:

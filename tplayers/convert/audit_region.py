@@ -16,7 +16,7 @@ from ..core.fingerprint import RanksDiverged
 from ..core.placement import Sharded
 from ..layers.base import model_placements
 from ..layers.dense_view import dense_tensors
-from .causes import likely_causes
+from .causes import likely_causes, name_pattern
 from ..core.digest import generator_states, set_generator_states
 from .twin import (Quiet, copy_inputs, dense_twin, float32_copy, gather_first, random_like,
                    relative_error, run_region, scale_of)
@@ -214,8 +214,9 @@ def _run_and_compare(region: Region, result: RegionAudit, group: TPGroup, args: 
             return (f"it cannot be checked: its dense twin (the region as it was before parallelize) raised "
                     f"{type(e).__name__}: {e}. A plan that changed an attribute the twin also reads (a config object "
                     "or a tuple of sizes shared with the TP layers) makes the twin fail; so can the model itself. "
-                    "tplayers refuses to train a region it cannot check; parallelize(..., audit=False) trains "
-                    "without the check")
+                    "tplayers refuses to train a region it cannot check; parallelize(..., audit_skip="
+                    f"['{name_pattern(region.name)}']) trains this region (and those like it) without the check, "
+                    "audit=False every region")
         if tp_error is not None:  # dense and sharded both fail: the model's own error, as it is
             raise tp_error
         raise RuntimeError(f"tplayers audit: region '{region.name}' raised on rank {failed_on}: "

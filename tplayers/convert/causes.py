@@ -30,7 +30,7 @@ _MLP_NAMES = re.compile(r"(fc|mlp|ffn|up|gate|w1|w3|dense_h_to_4h|intermediate)"
 _FUSED_NAMES = re.compile(r"(qkv|c_attn|query_key_value|wqkv|in_proj|gate_up|w13|w1_w3|fc_in_gate)", re.I)
 
 
-def _pattern(name: str) -> str:
+def name_pattern(name: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
@@ -43,7 +43,7 @@ def _partial_hints(name: str, p: int, partial: List[str], plan_name: str) -> Lis
            if plan_name == "auto" else "add it to your plan")
     causes = []
     for owner, names in owners.items():
-        qual = _pattern(f"{name}.{owner}" if owner else name)
+        qual = name_pattern(f"{name}.{owner}" if owner else name)
         causes.append(f"{', '.join(repr(n) for n in names)} {'is' if len(names) == 1 else 'are'} whole on every rank but "
                       f"{'acts' if len(names) == 1 else 'act'} on split activations: each rank's gradient is a partial "
                       f"sum, and its sum over the {p} ranks equals the dense gradient (checked). Fix: the plan line "
@@ -61,7 +61,7 @@ def _adapters_added_after(name: str, module: nn.Module) -> List[str]:
         late = sorted(a for a, piece in list(m.lora_A.items()) + list(m.lora_B.items())
                       if not isinstance(piece, LoRAPiece))
         if late:
-            causes.append(f"PEFT adapter(s) {sorted(set(late))} on '{_pattern(f'{name}.{rel}' if rel else name)}' were "
+            causes.append(f"PEFT adapter(s) {sorted(set(late))} on '{name_pattern(f'{name}.{rel}' if rel else name)}' were "
                           "added after parallelize (load_adapter / add_adapter): their lora_A / lora_B are the dense "
                           "adapter's, applied to this rank's shard. Add (or load) adapters before parallelize")
     return causes
@@ -105,7 +105,7 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
     for path, dense_value in sorted(heads.items(), key=lambda kv: kv[1] % p == 0):
         rel, _, attr = path.rpartition(".")
         now = getattr(mods.get(rel), attr, None)
-        where = _pattern(f"{name}.{rel}" if rel else name)
+        where = name_pattern(f"{name}.{rel}" if rel else name)
         if now == dense_value and dense_value % p:
             causes.append(f"head count '{path}' = {dense_value} does not divide by the TP degree {p}: if these are the "
                           f"K/V heads, split the K and V projections with KVColumn(kv_heads='{attr}') (each KV head "
@@ -134,7 +134,7 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
                     where = f"{name}.{rel}" if rel else name
                     causes.append(f"tensor '{(rel + '.') if rel else ''}{attr}' {tuple(t.shape)} keeps the dense head "
                                   f"count in dim {' or '.join(dims)} while the heads were divided: if it holds per-head "
-                                  f"state (a KV cache), cut it with them (Plan(divide_attrs={{'{_pattern(where)}': "
+                                  f"state (a KV cache), cut it with them (Plan(divide_attrs={{'{name_pattern(where)}': "
                                   f"(..., '{attr}:{dims[-1]}')}}))")
     placements = model_placements(module)
     counts = set(heads.values()) | _config_head_counts(module)

@@ -40,7 +40,7 @@ import copy
 import fnmatch
 import types
 import warnings
-from typing import Any, Dict, List, Mapping, Tuple, Union
+from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -445,7 +445,7 @@ def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check
 
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
                 group: GroupLike, sequence_parallel: bool = False, check_consistency: bool = True,
-                audit: bool = True, check_inputs: int = 1000, timeout: float = 300.0,
+                audit: bool = True, audit_skip: Sequence[str] = (), check_inputs: int = 1000, timeout: float = 300.0,
                 loss_parallel: bool = False, experts: str = "ffn") -> nn.Module:
     """Swap, in place, the modules ``plan`` names for TP layers holding this rank's shard.
 
@@ -475,6 +475,10 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     (an attention, an MLP, the embedding, the head) against its dense twin, output and every
     gradient, and raises :class:`~tplayers.convert.audit.AuditError` on every rank on a mismatch
     (see :mod:`tplayers.convert.audit`; its result is in ``tplayers.coverage(model).audit``).
+    ``audit_skip``: region-name patterns (``"model.layers.*.self_attn"``) the audit leaves out, each with
+    every region like it, reported as skipped by your choice: the way to train a region whose dense twin
+    cannot run (the audit refuses it, naming this) without turning the whole audit off; a pattern that
+    matches no region is refused.
     ``experts`` ("auto" plans of MoE models): ``"ffn"`` (default) splits every expert's ffn across the
     ranks; ``"whole"`` gives each rank whole experts (``num_experts / p`` of them: expert parallelism over
     the TP group, GEMMs kept whole, compute per rank as the router balances it); both sum the partial
@@ -529,6 +533,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
         if b.finish is not None:
             b.finish()
     auditor.after_swap(model)
+    auditor.skip(audit_skip)
     object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict
     if loss_parallel and tp.size > 1:
         apply_loss_parallel(model, tp)
