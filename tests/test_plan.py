@@ -68,7 +68,7 @@ def _expect_error(group, case):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     kinds = {
         "indivisible": ({"blocks.*.down": "row"}, ValueError, r"module 'blocks.0.down'.*in_features=6 is not divisible by the TP degree 4"),
-        "wrong_type": ({"blocks.0.norm": "column"}, TypeError, r"module 'blocks.0.norm' is a LayerNorm"),
+        "wrong_type": ({"blocks.0.norm": "column"}, TypeError, r"module 'blocks.0.norm' is a nn.LayerNorm"),
         "unknown_style": ({"out": "colwise"}, ValueError, r"unknown style 'colwise' for pattern 'out'"),
         "unknown_plan": ("bert", ValueError, r"unknown plan 'bert'"),
         "no_match": ({"decoder.*": "row"}, ValueError, r"matched no module of Net"),
@@ -446,3 +446,22 @@ def test_sequence_shards_fed_by_design_are_accepted():
         assert outcomes[0].startswith("ValueError: check_same_inputs"), outcomes  # (not relabelled by the audit)
         assert "every TP rank must see the same batch" in outcomes[0], outcomes
         assert "straight to the sequence-parallel layer" in outcomes[0], outcomes
+
+
+class Linear(nn.Module):
+    """gemma_pytorch's own Linear (not torch's): a weight and its own forward."""
+
+    def __init__(self, i, o):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(o, i))
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+def test_a_library_s_own_linear_is_named_with_its_module():
+    """Before: "module 'fc' is a Linear; style 'column' needs an nn.Linear", which reads as a contradiction."""
+    model = nn.Sequential()
+    model.add_module("fc", Linear(4, 8))
+    with pytest.raises(TypeError, match=r"module 'fc' is a test_plan\.Linear; style 'column' needs an nn\.Linear"):
+        tplayers.parallelize(model, {"fc": "column"}, group=None)

@@ -242,8 +242,8 @@ class _Net(nn.Module):
 @pytest.mark.parametrize("plan, message", [
     ({"emb": "vocab_embedding"}, "module 'emb' (style 'vocab_embedding'): _ScaledEmbedding is a subclass of "
                                  "nn.Embedding with its own forward and no 'embed_scale'"),
-    ({"up": "column"}, "module 'up' is a _LoRALinear, a subclass of nn.Linear whose forward"),
-    ({"up": "kv_column"}, "module 'up' is a _LoRALinear"),
+    ({"up": "column"}, "module 'up' is a test_safety._LoRALinear, a subclass of nn.Linear whose forward"),
+    ({"up": "kv_column"}, "module 'up' is a test_safety._LoRALinear"),
 ])
 def test_subclasses_with_their_own_forward_are_refused(plan, message):
     net = _Net()

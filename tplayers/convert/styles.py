@@ -19,6 +19,7 @@ from ..core.comm import copy_to_tp
 from ..core.groups import TPGroup
 from ..core.partial_grads import PartialGradSum
 from ..core.placement import Part, Sharded, head_parts, kv_part, kv_shards, qkv_placement, require_divisible
+from ..layers.base import class_name
 from ..layers.experts import ExpertSplit, ParallelExperts
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from ..layers.fused import FusedColumnParallelLinear
@@ -140,7 +141,7 @@ def _check_plain(module: nn.Module, base: type, ctx: BuildContext, style: str) -
     lose that behaviour when swapped for a plain TP layer: refuse it."""
     override = own_forward(module, base)
     if override is not None and not (base is nn.Linear and computes_linear(module)):
-        raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}, a subclass of "
+        raise TypeError(f"parallelize: module '{ctx.name}' is a {class_name(module)}, a subclass of "
                         f"nn.{base.__name__} "
                         f"whose forward ({override}.forward) differs from it; style '{style}' would swap it for a "
                         "plain TP layer and drop that behaviour. Give it a style that knows it, or leave it out of "
@@ -151,7 +152,7 @@ def _check_linear_like(module: nn.Module, ctx: BuildContext, style: str) -> None
     if is_conv1d(module):
         return
     if not isinstance(module, nn.Linear):
-        raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style '{style}' "
+        raise TypeError(f"parallelize: module '{ctx.name}' is a {class_name(module)}; style '{style}' "
                         "needs an nn.Linear or a GPT-2 Conv1D")
     _check_plain(module, nn.Linear, ctx, style)
 
@@ -375,7 +376,7 @@ class KVColumn:
         if is_peft_lora(module):
             return _with_lora(self, module, ctx, "column")
         if not isinstance(module, nn.Linear):
-            raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style 'kv_column' "
+            raise TypeError(f"parallelize: module '{ctx.name}' is a {class_name(module)}; style 'kv_column' "
                             "needs an nn.Linear")
         _check_plain(module, nn.Linear, ctx, "kv_column")
         if self.kv_heads is None:
@@ -445,7 +446,7 @@ class VocabEmbedding:
         if is_peft_saved_copies(module):
             return _with_saved_copies(self, module, ctx)
         if not isinstance(module, nn.Embedding):
-            raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style "
+            raise TypeError(f"parallelize: module '{ctx.name}' is a {class_name(module)}; style "
                             "'vocab_embedding' needs an nn.Embedding")
         try:  # a scaled embedding (Gemma's) keeps its scale; any other own forward is refused
             embedding_scale(module)
@@ -472,7 +473,7 @@ class VocabHead:
         if is_peft_saved_copies(module):
             return _with_saved_copies(self, module, ctx)
         if not isinstance(module, nn.Linear):
-            raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style "
+            raise TypeError(f"parallelize: module '{ctx.name}' is a {class_name(module)}; style "
                             "'vocab_head' needs an nn.Linear")
         _check_plain(module, nn.Linear, ctx, "vocab_head")
         return Built(ParallelLMHead.from_dense(module, group=ctx.group, gather_output=self.gather_output))
@@ -523,7 +524,7 @@ class LatentKV:
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         if not isinstance(module, nn.Linear):
-            raise TypeError(f"parallelize: module '{ctx.name}' is a {type(module).__name__}; style LatentKV needs an "
+            raise TypeError(f"parallelize: module '{ctx.name}' is a {class_name(module)}; style LatentKV needs an "
                             "nn.Linear")
         _check_plain(module, nn.Linear, ctx, "LatentKV")
         rope = _count(self.rope_dim, ctx, "LatentKV", "rope_dim")

@@ -21,7 +21,7 @@ from ..core.groups import GroupLike, TPGroup
 from ..core.placement import Placement
 from .optimizers import track_tp_module
 
-__all__ = ["TensorParallelModule", "model_placements", "placements_of", "PLACEMENTS_ATTR", "SHARD_OWNER_KEY",
+__all__ = ["class_name", "TensorParallelModule", "model_placements", "placements_of", "PLACEMENTS_ATTR", "SHARD_OWNER_KEY",
            "mixed_class", "module_copy", "params_read_as", "carry_hooks"]
 
 # A module that is not a TensorParallelModule (a Hugging Face norm under sequence parallelism) carries
@@ -133,6 +133,16 @@ class TensorParallelModule(nn.Module):
                 return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+
+def class_name(obj: object) -> str:
+    """The class of ``obj`` as errors name it: ``nn.Linear`` for torch's, else with its module
+    (``gemma.model.Linear``): a library's own ``Linear`` must not read as torch's in "is a Linear; needs an
+    nn.Linear"."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    if cls.__module__.startswith("torch.nn"):
+        return f"nn.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def placements_of(module: nn.Module) -> Dict[str, Placement]:

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..core.collectives import bit_hash, ranks_that_differ
-from .base import TensorParallelModule
+from .base import TensorParallelModule, class_name
 
 __all__ = ["dense_linear_init", "new_param", "load_full_params", "reset_linear_params", "linear_to_dense",
            "own_forward", "computes_linear", "check_dense_linear"]
@@ -119,7 +119,7 @@ def computes_linear(linear: nn.Linear) -> bool:
 def check_dense_linear(linear: nn.Module, cls: type) -> None:
     """Refuse anything but an ``nn.Linear`` (or a subclass computing the same) in ``cls.from_dense``."""
     if not isinstance(linear, nn.Linear):
-        raise TypeError(f"{cls.__name__}.from_dense expects an nn.Linear, got {type(linear).__name__}")
+        raise TypeError(f"{cls.__name__}.from_dense expects an nn.Linear, got {class_name(linear)}")
     override = own_forward(linear, nn.Linear)
     if override is not None and not computes_linear(linear):
         raise TypeError(f"{cls.__name__}.from_dense: {type(linear).__name__} has its own forward "

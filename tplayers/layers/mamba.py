@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ..core.comm import copy_many_to_tp, copy_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Replicated, Sharded
-from .base import PLACEMENTS_ATTR, TensorParallelModule, mixed_class, module_copy, params_read_as
+from .base import PLACEMENTS_ATTR, TensorParallelModule, class_name, mixed_class, module_copy, params_read_as
 from .from_dense import load_full_params, new_param
 from .fused import FusedColumnParallelLinear, ReplicaRun, with_replica_grads
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -183,8 +183,8 @@ class ParallelMamba2(TensorParallelModule):
                              f"the layout [gate {d}, x {d}, B {bc}, C {bc}, dt {heads}] of {heads} heads x {head_dim}, "
                              f"{groups} groups x state {state}")
         if not (isinstance(dense.in_proj, nn.Linear) and isinstance(dense.out_proj, nn.Linear)):
-            raise ValueError(f"{what}: in_proj and out_proj must be nn.Linear, got {type(dense.in_proj).__name__}, "
-                             f"{type(dense.out_proj).__name__}")
+            raise ValueError(f"{what}: in_proj and out_proj must be nn.Linear, got {class_name(dense.in_proj)}, "
+                             f"{class_name(dense.out_proj)}")
         if heads % p:
             raise ValueError(f"{what}: {heads} heads do not divide the TP degree {p}")
         if groups % p and p % groups:

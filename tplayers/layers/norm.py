@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..core.comm import copy_to_tp
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Replicated, require_positive
-from .base import TensorParallelModule
+from .base import TensorParallelModule, class_name
 
 __all__ = ["ParallelNorm", "make_norm", "NORMS"]
 
@@ -89,7 +89,7 @@ class ParallelNorm(TensorParallelModule):
         elif isinstance(dense, nn.RMSNorm):
             kind, bias = "rmsnorm", False
         else:
-            raise TypeError(f"ParallelNorm.from_dense expects nn.LayerNorm or nn.RMSNorm, got {type(dense).__name__}")
+            raise TypeError(f"ParallelNorm.from_dense expects nn.LayerNorm or nn.RMSNorm, got {class_name(dense)}")
         shape = tuple(dense.normalized_shape)
         if len(shape) != 1 or dense.weight is None:
             raise ValueError(f"ParallelNorm.from_dense: only an affine norm over the last dim is supported, "

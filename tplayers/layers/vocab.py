@@ -31,7 +31,7 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.partial_sum import partial_sum
 from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range
-from .base import TensorParallelModule
+from .base import TensorParallelModule, class_name
 from .from_dense import dense_linear_init, linear_to_dense, load_full_params, new_param, own_forward
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead", "ScaledEmbedding", "embedding_scale"]
@@ -222,7 +222,7 @@ class VocabParallelEmbedding(_VocabParallelBase):
         A scaled embedding (see `embedding_scale`) keeps its scale; other subclasses with their own
         forward are refused."""
         if not isinstance(dense, nn.Embedding):
-            raise TypeError(f"VocabParallelEmbedding.from_dense expects an nn.Embedding, got {type(dense).__name__}")
+            raise TypeError(f"VocabParallelEmbedding.from_dense expects an nn.Embedding, got {class_name(dense)}")
         scale = embedding_scale(dense)
         if scale is not None:
             if options.get("scale") is not None:
@@ -332,7 +332,7 @@ class ParallelLMHead(_VocabParallelBase):
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, **options: Any) -> "ParallelLMHead":
         """This rank's rows (weight and bias, if any) of an existing ``nn.Linear(dim, vocab)``."""
         if not isinstance(dense, nn.Linear):
-            raise TypeError(f"ParallelLMHead.from_dense expects an nn.Linear, got {type(dense).__name__}")
+            raise TypeError(f"ParallelLMHead.from_dense expects an nn.Linear, got {class_name(dense)}")
         if "bias" in options:
             raise ValueError("ParallelLMHead.from_dense: the bias comes from the dense nn.Linear; do not pass bias=")
         layer = cls(dense.in_features, dense.out_features, bias=dense.bias is not None, group=group, device="meta",
