@@ -497,3 +497,17 @@ def test_experts_too_narrow_for_grouped_mm_take_the_eager_loop():
         assert error < 1e-4 and same_generate, error  # float32
         assert (mine, models) == ("eager", "grouped_mm")
         assert "experts implementation 'eager' (this rank's ffn width 6" in report, report
+
+
+def test_whole_experts_need_a_transformers_that_skips_the_sentinel():
+    """transformers before expert parallelism (5.17: no _is_expert_parallel) one-hot the router's ids over
+    num_experts, so the sentinel of another rank's expert failed inside the audit's twin comparison ("Class
+    values must be smaller than num_classes", "no structural cause recognised"): refused up front, naming why."""
+    from tplayers.layers.experts import ParallelExperts
+
+    class OldExperts(_SigmoidExperts):
+        pass
+
+    OldExperts.__module__ = "transformers.models.old.modeling_old"  # (a transformers class without the attribute)
+    with pytest.raises(ValueError, match=r"sentinel expert id num_experts.*transformers \S+ has not.*experts='ffn'"):
+        ParallelExperts.from_dense(OldExperts(4, 8, 6), group=None, splits=(("up", 0, 1), ("down", 0, 1)))
