@@ -24,6 +24,19 @@ testing.FORKSERVER_PRELOAD.extend(["transformers.models.granitemoehybrid.modelin
                                    "transformers.models.jamba.modeling_jamba"])
 
 
+def _norm_is_grouped() -> bool:
+    import inspect
+
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hybrid
+    return "group_size" in inspect.signature(hybrid.GraniteMoeHybridRMSNormGated.__init__).parameters
+
+
+# transformers before 5.2x (the lent GPU's 5.17) normalize the gated output over the mixer's whole width, not per
+# group of B and C: such a mixer cannot split by heads (refused, naming the norm), so these tests skip there
+needs_grouped_norm = pytest.mark.skipif(not _norm_is_grouped(), reason=f"transformers {transformers.__version__}'s "
+                                        "gated RMSNorm spans the whole width (no group_size): refused, not split")
+
+
 def _mixer(heads, head_dim, groups, state, bias, seed):
     """Granite-MoE-Hybrid's Mamba-2 mixer, float64, every parameter drawn at random (the per-head A_log, D,
     dt_bias and the norm's weight start equal across heads: a head read from the wrong rank would not show)."""
@@ -58,6 +71,7 @@ def _check_mixer(group, heads, head_dim, groups, state, bias, tokens, seed):
     return sorted((r.op, r.phase) for r in acc.records), tp.num_heads, tp.n_groups
 
 
+@needs_grouped_norm
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @settings(max_examples=examples(3))
 @given(heads_per_unit=st.integers(1, 2), head_dim=st.integers(1, 3), groups=st.sampled_from([1, 2, 4, 8]),
@@ -191,6 +205,7 @@ def _bfloat16(group):
         xd.grad.abs().max()), out.dtype
 
 
+@needs_grouped_norm
 def test_sharded_mixer_never_takes_the_fused_kernel_and_runs_in_bfloat16():
     for dense_calls, tp_calls in get_world(2).run(_fused_kernel_not_reached):
         assert (dense_calls, tp_calls) == (1, 0)
@@ -223,5 +238,6 @@ def _refusals(group):
     return True
 
 
+@needs_grouped_norm
 def test_mixers_that_cannot_split_by_heads_are_refused_naming_why():
     assert all(get_world(2).run(_refusals))

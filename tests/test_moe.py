@@ -46,6 +46,13 @@ def test_each_rank_holds_its_share_of_the_experts_as_the_docs_say():
     model at TP 2. Each family's per-rank fraction is within issue 27's target (0.55 at TP 2, 0.30 at TP 4),
     and its row in docs/models.md's generated table (figures, what is sharded, what stays replicated) is
     this test's (regenerate: ``PYTHONPATH=. python benchmarks/moe_families.py --write``)."""
+    import re
+
+    import transformers
+
+    table = re.search(r"--write` \(transformers ([\w.]+)\)", (ROOT / "docs" / "models.md").read_text()).group(1)
+    if transformers.__version__ != table:  # (another version's plans split other modules)
+        pytest.skip(f"the table was generated with transformers {table}; this is {transformers.__version__}")
     results = {tp: get_world(tp).run(_measure, FAMILIES)[0] for tp in (2, 4)}
     documented = moe_families.docs_rows(ROOT / "docs" / "models.md")
     for family, row in moe_families.table_rows(results).items():
@@ -212,6 +219,10 @@ def test_whole_experts_per_rank_match_dense(tp, implementation, layout):
     """Per MoE layer (two layers): "whole" all-reduces once each way; "all_to_all" all-gathers the per-expert
     counts, sends the tokens with two all-to-alls each way, and (tokens the same on every rank: each sends its
     share) all-gathers the outputs forward, the tokens' and routing weights' gradients backward."""
+    if (layout, implementation) == ("whole", "eager") and not hasattr(_mixtral().model.layers[0].mlp.experts,
+                                                                       "_is_expert_parallel"):
+        pytest.skip("this transformers' experts do not skip another rank's (refused: "
+                    "test_whole_experts_need_a_transformers_that_skips_the_sentinel)")
     for held, errors, same_generate, counts, audit in get_world(tp).run(_whole_experts, implementation, layout):
         assert held == (4 // tp, (4 // tp, 2 * 64, 32)), held  # whole experts: every row of each
         assert errors["logits"] < 1e-12 and errors["loss"] < 1e-12, errors
@@ -500,8 +511,8 @@ def test_experts_too_narrow_for_grouped_mm_take_the_eager_loop():
 
 
 def test_whole_experts_need_a_transformers_that_skips_the_sentinel():
-    """transformers before expert parallelism (5.17: no _is_expert_parallel) one-hot the router's ids over
-    num_experts, so the sentinel of another rank's expert failed inside the audit's twin comparison ("Class
+    """transformers' eager experts before expert parallelism (5.17: no _is_expert_parallel) one-hot the router's
+    ids over num_experts, so the sentinel of another rank's expert failed inside the audit's twin comparison ("Class
     values must be smaller than num_classes", "no structural cause recognised"): refused up front, naming why."""
     from tplayers.layers.experts import ParallelExperts
 

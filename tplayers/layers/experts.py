@@ -183,14 +183,17 @@ class ParallelExperts(TensorParallelModule):
                                                             (p.shape[0] for p in dense.parameters(recurse=False)))):
             raise ValueError(f"{what}: whole experts per rank need the module's num_experts (got {experts!r}) to "
                              "count its parameters' first dim")
-        if whole and type(dense).__module__.startswith("transformers.") and not hasattr(dense, "_is_expert_parallel"):
+        if (whole and dispatch == "all_reduce" and type(dense).__module__.startswith("transformers.")
+                and not hasattr(dense, "_is_expert_parallel")
+                and getattr(getattr(dense, "config", None), "_experts_implementation", None) in (None, "eager")):
             import transformers  # (a transformers class: the package is there)
 
             raise ValueError(f"{what}: whole experts per rank route other ranks' tokens to the sentinel expert id "
-                             f"num_experts, which transformers' experts skip from the version that has expert "
+                             f"num_experts, which transformers' eager experts skip from the version that has expert "
                              f"parallelism (_is_expert_parallel); transformers {transformers.__version__} has not (its "
-                             "eager experts one-hot the ids over num_experts and fail). Upgrade transformers, or split "
-                             "each expert's ffn (experts='ffn')")
+                             "eager experts one-hot the ids over num_experts and fail). Upgrade transformers, or send "
+                             "the tokens to the experts (experts='all_to_all'), or split each expert's ffn "
+                             "(experts='ffn')")
         if whole and len(_forward_inputs(type(dense))) < 3:
             raise ValueError(f"{what}: whole experts per rank need a forward of (hidden_states, top_k_index, "
                              f"top_k_weights) that runs each token on the experts it is routed to; "
