@@ -72,16 +72,20 @@ def test_verify_on_gloo_ranks_sharing_one_gpu():
     assert f"{len(V.CHECKS)}/{len(V.CHECKS)} checks passed" in proc.stdout, proc.stdout
 
 
-def test_verify_under_torchrun_env():
-    """The same code runs directly on ranks a launcher started (torchrun's env:// variables)."""
+@pytest.mark.parametrize("sizes", [None, "1,2"])
+def test_verify_under_torchrun_env(sizes):
+    """The same code runs directly on ranks a launcher started (torchrun's env:// variables); several TP sizes
+    each divide the world into groups of that size (before: 'under torchrun pass a single --tp')."""
     port = _free_port()
     procs = []
     for rank in range(2):
         env = subprocess_env()
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "tplayers", "verify", "-k", "sequence_parallel", "--json"],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        tp = ["--tp", sizes] if sizes else []
+        procs.append(subprocess.Popen([sys.executable, "-m", "tplayers", "verify", "-k", "sequence_parallel", "--json",
+                                       *tp], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
@@ -91,8 +95,9 @@ def test_verify_under_torchrun_env():
     assert [p.returncode for p in procs] == [0, 0], outs
     assert outs[1][0].strip() == ""  # only global rank 0 prints
     report = json.loads(outs[0][0])
-    assert report["passed"] and {r["tp"] for r in report["results"]} == {2}
-    assert len(report["results"]) == len(V.select_checks(["sequence_parallel"]))
+    tps = [2] if sizes is None else [1, 2]
+    assert report["passed"] and sorted({r["tp"] for r in report["results"]}) == tps, report
+    assert len(report["results"]) == len(tps) * len(V.select_checks(["sequence_parallel"]))
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ def _add_verify(sub: Any) -> None:
                        description="Check every TP module against its dense reference (outputs, input and "
                                    "weight gradients). Exit status 1 if any check fails.")
     v.add_argument("--tp", type=_tp_list, default=None,
-                   help="TP size(s), e.g. 2 or 1,2,4 (default 2; under torchrun: the world size)")
+                   help="TP size(s), e.g. 2 or 1,2,4 (default 2; under torchrun: the world size, or groups of each size given)")
     _common(v, "float64")
     v.add_argument("-k", "--only", action="append", metavar="PATTERN",
                    help="run only checks whose name contains PATTERN (or matches a glob); repeatable")

@@ -217,9 +217,6 @@ def verify_command(args: argparse.Namespace) -> int:
                        progress=progress, model=args.model, plan=args.plan)
     names = [c.name for c in selected]
     sizes = args.tp or [None]
-    if under_torchrun() and len(sizes) > 1:
-        print("tplayers verify: under torchrun pass a single --tp (the ranks are fixed)", file=sys.stderr)
-        return 2
     results: List[CheckResult] = []
     reporter = True
     for size in sizes:
