@@ -36,7 +36,6 @@ reads the local head count get those attributes divided via the plan's ``divide_
 from __future__ import annotations
 
 import copy
-
 import fnmatch
 import types
 import warnings

@@ -77,13 +77,19 @@ class SequenceShardInputs:
     rank's verdict is structural: the same on all)."""
 
     def __init__(self, model: nn.Module, entries: List[nn.Module]) -> None:
+        self.model = model
         self.exempt: set = set()  # argument paths (``argument 0``)
         self.pending: dict = {}  # path -> the tensor, while a forward that found it differing runs
         self._error = ""
         self._consumed: set = set()  # ids of the tensors that entered an entry layer in that forward
         for m in entries:
             m.register_forward_pre_hook(self._entered, with_kwargs=True)
+        model.register_forward_pre_hook(self._begin)  # (before the inputs check's: registered first)
         model.register_forward_hook(self._settle)
+
+    def _begin(self, module: nn.Module, *_: Any) -> None:
+        if module is self.model:  # (a forward that raised left its pending arguments unsettled: dropped)
+            self.pending, self._consumed = {}, set()
 
     def skipped(self) -> set:
         return self.exempt | set(self.pending)
@@ -98,9 +104,9 @@ class SequenceShardInputs:
             if isinstance(first, torch.Tensor):
                 self._consumed.add(id(first))
 
-    def _settle(self, *_: Any) -> None:
-        if not self.pending:
-            return
+    def _settle(self, module: nn.Module, *_: Any) -> None:
+        if module is not self.model or not self.pending:
+            return  # (a copy of the model made with its hooks, as the audit's float32 copy, settles nothing)
         pending, self.pending = self.pending, {}
         if not all(id(t) in self._consumed for t in pending.values()):
             raise ValueError(self._error)
