@@ -77,7 +77,7 @@ class SequenceShardInputs:
     rank's verdict is structural: the same on all)."""
 
     def __init__(self, model: nn.Module, entries: List[nn.Module]) -> None:
-        self.model = model
+        self._model = id(model)  # (not the model: a deepcopy of an entry layer's hooks must not copy the model)
         self.exempt: set = set()  # argument paths (``argument 0``)
         self.pending: dict = {}  # path -> the tensor, while a forward that found it differing runs
         self._error = ""
@@ -88,7 +88,7 @@ class SequenceShardInputs:
         model.register_forward_hook(self._settle)
 
     def _begin(self, module: nn.Module, *_: Any) -> None:
-        if module is self.model:  # (a forward that raised left its pending arguments unsettled: dropped)
+        if id(module) == self._model:  # (a forward that raised left its pending arguments unsettled: dropped)
             self.pending, self._consumed = {}, set()
 
     def skipped(self) -> set:
@@ -105,7 +105,7 @@ class SequenceShardInputs:
                 self._consumed.add(id(first))
 
     def _settle(self, module: nn.Module, *_: Any) -> None:
-        if module is not self.model or not self.pending:
+        if id(module) != self._model or not self.pending:
             return  # (a copy of the model made with its hooks, as the audit's float32 copy, settles nothing)
         pending, self.pending = self.pending, {}
         if not all(id(t) in self._consumed for t in pending.values()):
