@@ -326,3 +326,106 @@ def test_kv_caches_shaped_by_local_heads_are_cut_with_them(tp):
         for message in get_world(tp).run(_reference_llama_with_caches, False):
             assert "tensor 'cache_k' (2, 16, 2, 8) keeps the dense head count" in message, message
             assert "'cache_k:2'" in message, message
+
+
+class _OLMoConfig:
+    d_model, n_heads, n_kv_heads, mlp_hidden_size, vocab_size = 32, 8, 4, 128, 50
+
+
+class OLMoBlock(nn.Module):
+    """OLMo's layout: a fused [q; k; v] ``att_proj`` split by a ``fused_dims`` tuple of widths, head counts in
+    a config object every block shares, a fused SwiGLU ``ff_proj`` ([x; gate], chunked)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config, hd = config, config.d_model // config.n_heads
+        self.fused_dims = (config.d_model, config.n_kv_heads * hd, config.n_kv_heads * hd)
+        self.attn_norm, self.ff_norm = nn.LayerNorm(config.d_model), nn.LayerNorm(config.d_model)
+        self.att_proj = nn.Linear(config.d_model, sum(self.fused_dims), bias=False)
+        self.attn_out = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.ff_proj = nn.Linear(config.d_model, config.mlp_hidden_size, bias=False)
+        self.ff_out = nn.Linear(config.mlp_hidden_size // 2, config.d_model, bias=False)
+
+    def forward(self, x):  # (b, t, d)
+        q, k, v = self.att_proj(self.attn_norm(x)).split(self.fused_dims, dim=-1)
+        b, t, c = q.shape
+        q = q.view(b, t, self.config.n_heads, -1).transpose(1, 2)  # (b, heads, t, hd)
+        k, v = (z.view(b, t, self.config.n_kv_heads, -1).transpose(1, 2) for z in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.attn_out(y.transpose(1, 2).reshape(b, t, c))
+        h, gate = self.ff_proj(self.ff_norm(x)).chunk(2, dim=-1)
+        return x + self.ff_out(F.silu(gate) * h)
+
+
+class OLMoLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        config = _OLMoConfig()
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(OLMoBlock(config) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.wte(ids)
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(x, self.wte.weight)  # the head tied by reading the (whole) embedding's weight
+
+
+OLMO_PLAN = Plan({"blocks.*.att_proj": FusedQKV(heads="config.n_heads", kv_heads="config.n_kv_heads"),
+                  "blocks.*.attn_out": "row", "blocks.*.ff_proj": tplayers.convert.Column(parts=2),
+                  "blocks.*.ff_out": "row"},
+                 divide_attrs={"blocks.*": ("config.n_heads", "config.n_kv_heads", "fused_dims")})
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_tuple_of_widths_is_divided_element_by_element(tp):
+    """OLMo's fused_dims: divide_attrs divides each width of a tuple. Before: "fused_dims=(32, 16, 16) is not
+    divisible by the TP degree 2"."""
+    for out_err, grad_err, audited in get_world(tp).run(_matches_dense, OLMoLike, OLMO_PLAN):
+        assert out_err < 1e-12 and grad_err < 1e-12 and audited
+
+
+def _divide_refusal(group, value):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    model[0].widths = value
+    try:
+        tplayers.parallelize(model, Plan({"0": "column", "1": "row"}, divide_attrs={"0": ("widths",)}), group=group)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_divide_attrs_refuses_what_it_cannot_divide_naming_it():
+    assert all("widths[1]=3 is not divisible by the TP degree 2" in m for m in get_world(2).run(_divide_refusal, (4, 3)))
+    for message in get_world(2).run(_divide_refusal, 4.0):
+        assert "divides an int or a tuple of ints; 'widths' is a float" in message, message
+
+
+class _InferenceOnlyReference(ReferenceModel):
+    """Meta's reference decorates its forward with ``@torch.inference_mode()``: it is never trained."""
+
+    @torch.inference_mode()
+    def forward(self, h, start_pos: int):
+        return super().forward(h, start_pos)
+
+
+def _audit_on_demand_under_inference_mode(group, caches: bool):
+    torch.manual_seed(0)
+    model = _InferenceOnlyReference().double()
+    extra = ("cache_k:2", "cache_v:2") if caches else ()
+    plan = Plan(layers={"layers.*.attention.wq": "column", "layers.*.attention.wk": "column",
+                        "layers.*.attention.wv": "column", "layers.*.attention.wo": "row"},
+                divide_attrs={"layers.*.attention": ("n_local_heads", "n_local_kv_heads", *extra)})
+    tplayers.parallelize(model, plan, group=group)
+    try:
+        report = tplayers.audit(model, torch.randn(2, 5, 32, dtype=torch.float64), 0)
+    except tplayers.AuditError as e:
+        return str(e)
+    return [(r.name, r.status) for r in report.regions]
+
+
+def test_the_audit_on_demand_checks_a_model_whose_forward_turns_autograd_off():
+    """Before: every region 'skipped (not reached by this forward)', report.passed False, nothing checked."""
+    assert get_world(2).run(_audit_on_demand_under_inference_mode, True) == [[("layers.0.attention", "passed")]] * 2
+    for message in get_world(2).run(_audit_on_demand_under_inference_mode, False):
+        assert "tensor 'cache_k' (2, 16, 2, 8) keeps the dense head count" in message, message

@@ -139,6 +139,7 @@ class Auditor:
         self.report: Optional[AuditReport] = None
         self.results: Dict[Tuple, RegionAudit] = {}
         self.active = False
+        self.on_demand = False  # tplayers.audit: check even where the model's forward turns autograd off
         self.skipped: Tuple[str, ...] = ()  # parallelize(..., audit_skip=...)
 
     # -- parallelize's steps ---------------------------------------------------------------------
@@ -212,7 +213,7 @@ class Auditor:
             result = self.results[region.signature]
             if result.status == "failed" and not self.active:  # a model known to be wrong stays stopped
                 raise AuditError(result.message)
-            if result.status != "pending" or self.active or not torch.is_grad_enabled():
+            if result.status != "pending" or self.active or not (torch.is_grad_enabled() or self.on_demand):
                 return  # a forward under no_grad (generate, evaluation) waits for the first training step
             if torch.compiler.is_compiling():
                 raise AuditError(f"tplayers audit: region '{region.name}' is reached first inside torch.compile: run "
@@ -222,7 +223,8 @@ class Auditor:
                 return  # PipelineStage's shape inference, on uninitialized activations: the next call is judged
             self.active = True
             try:  # the instance called (a deep copy of the model calls its own modules)
-                check_region(replace(region, module=module), result, self.group, args, kwargs, self.plan_name)
+                with torch.inference_mode(False), torch.enable_grad():  # (a forward under inference_mode, on demand)
+                    check_region(replace(region, module=module), result, self.group, args, kwargs, self.plan_name)
             finally:
                 self.active = False
                 if all(r.status in ("passed", "skipped") for r in self.results.values()):
@@ -256,7 +258,8 @@ def _signature(module: nn.Module) -> Tuple:
 
 def audit(model: nn.Module, *args: Any, **kwargs: Any) -> AuditReport:
     """Run the audit now: ``model(*args, **kwargs)`` once (with autograd on, no backward), auditing each
-    distinct region at its first call; returns the :class:`AuditReport` or raises
+    distinct region at its first call (also inside a forward that turns autograd off itself, as Meta's Llama
+    reference does with ``@torch.inference_mode()``: the regions are checked with autograd on); returns the :class:`AuditReport` or raises
     :class:`AuditError` on every rank. Collective: call on every rank of the TP group with the
     same inputs. Also after ``parallelize(..., audit=False)`` (e.g. eagerly, before torch.compile)."""
     auditor = getattr(model, AUDIT_ATTR, None)
@@ -264,10 +267,12 @@ def audit(model: nn.Module, *args: Any, **kwargs: Any) -> AuditReport:
         raise ValueError(f"tplayers.audit: {type(model).__name__} was not parallelized (no regions recorded); call "
                          "tplayers.parallelize(model, plan, group=...) first")
     auditor.rearm()
+    auditor.on_demand = True  # also where the model's forward turns autograd off (Meta's @torch.inference_mode())
     try:
         with torch.enable_grad():  # as a training step's forward (hooks may depend on it); no backward
             model(*args, **kwargs)
     finally:
+        auditor.on_demand = False
         auditor.disarm()
     for result in auditor.results.values():
         if result.status == "pending":

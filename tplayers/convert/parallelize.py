@@ -140,24 +140,34 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
     return built
 
 
+def _attr_targets(modules: Dict[str, nn.Module], pattern: str) -> List[str]:
+    """The modules an attribute entry's ``pattern`` names: those it matches that no ancestor of theirs matches
+    too. (``*`` also matches dots, so ``"blocks.*"`` matches ``blocks.0`` and every module inside it; the
+    attributes are those of the blocks.)"""
+    named: List[str] = []
+    for name in modules:
+        if fnmatch.fnmatchcase(name, pattern) and not any(name.startswith(n + ".") for n in named if n):
+            named.append(name)
+    return named
+
+
 def _attr_changes(modules: Dict[str, nn.Module], plan: Plan, tp: TPGroup) -> List[_Change]:
     """Check the plan's head-count attributes and return the changes to make (none made here)."""
     changes: List[_Change] = []
-    for name, module in modules.items():
-        for pat, paths in plan.require_divisible.items():
-            if fnmatch.fnmatchcase(name, pat):
-                for path in paths:
-                    try:
-                        value = getattr_path(module, path)
-                    except AttributeError as e:
-                        raise AttributeError(f"parallelize: module '{name}' ({pat!r}): {e}") from None
-                    require_divisible(value, tp.size, f"parallelize: module '{name}'", path)
-        for pat, fn in plan.set_attrs.items():
-            if fnmatch.fnmatchcase(name, pat):
-                changes.extend((module, attr, value) for attr, value in fn(module, tp.size).items())
-        for pat, attrs in plan.divide_attrs.items():
-            if fnmatch.fnmatchcase(name, pat):
-                changes.extend(_divided(module, name, attrs, plan.name, tp))
+    for pat, paths in plan.require_divisible.items():
+        for name in _attr_targets(modules, pat):
+            for path in paths:
+                try:
+                    value = getattr_path(modules[name], path)
+                except AttributeError as e:
+                    raise AttributeError(f"parallelize: module '{name}' ({pat!r}): {e}") from None
+                require_divisible(value, tp.size, f"parallelize: module '{name}'", path)
+    for pat, fn in plan.set_attrs.items():
+        for name in _attr_targets(modules, pat):
+            changes.extend((modules[name], attr, value) for attr, value in fn(modules[name], tp.size).items())
+    for pat, attrs in plan.divide_attrs.items():
+        for name in _attr_targets(modules, pat):
+            changes.extend(_divided(modules[name], name, attrs, plan.name, tp))
     return changes
 
 
@@ -182,9 +192,7 @@ def _divided(module: nn.Module, name: str, attrs: Tuple[str, ...], plan_name: st
         if cut:
             changes.append((module, attr, _cut_tensor(value, cut, f"parallelize: module '{name}'", attr, tp)))
             continue
-        if not isinstance(value, int):
-            raise ValueError(f"parallelize: module '{name}': {attr}={value} is not divisible by the TP degree {tp_size}")
-        divided = require_divisible(value, tp_size, f"parallelize: module '{name}'", attr)
+        divided = _divided_value(value, f"parallelize: module '{name}'", attr, tp_size)
         *path, last = attr.split(".")
         if not path:
             changes.append((module, attr, divided))
@@ -201,6 +209,18 @@ def _divided(module: nn.Module, name: str, attrs: Tuple[str, ...], plan_name: st
             owner = copies[prefix]
         setattr(owner, last, divided)
     return changes
+
+
+def _divided_value(value: Any, where: str, attr: str, tp_size: int) -> Any:
+    """An int divided by the TP degree, or a tuple / list of ints (OLMo's ``fused_dims``: the widths a fused
+    projection's output is split by) divided element by element."""
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, int) for v in value):
+        return type(value)(require_divisible(v, tp_size, where, f"{attr}[{i}]") for i, v in enumerate(value))
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{where}: divide_attrs divides an int or a tuple of ints; '{attr}' is a "
+                         f"{type(value).__name__} ({value!r}): set it with set_attrs, or cut a tensor with "
+                         f"'{attr}:<dim>'")
+    return require_divisible(value, tp_size, where, attr)
 
 
 def _cut_tensor(value: Any, cut: str, where: str, attr: str, tp: TPGroup) -> torch.Tensor:
