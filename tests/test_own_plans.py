@@ -429,3 +429,21 @@ def test_the_audit_on_demand_checks_a_model_whose_forward_turns_autograd_off():
     assert get_world(2).run(_audit_on_demand_under_inference_mode, True) == [[("layers.0.attention", "passed")]] * 2
     for message in get_world(2).run(_audit_on_demand_under_inference_mode, False):
         assert "tensor 'cache_k' (2, 16, 2, 8) keeps the dense head count" in message, message
+
+
+def _olmo_swiglu_as_one_block(group):
+    torch.manual_seed(0)
+    plan = Plan({**OLMO_PLAN.layers, "blocks.*.ff_proj": "column"}, divide_attrs=OLMO_PLAN.divide_attrs)
+    model = tplayers.parallelize(OLMoLike().double(), plan, group=group)
+    try:
+        model(torch.randint(0, 50, (2, 8)))
+    except tplayers.AuditError as e:
+        return str(e)
+    return "passed"
+
+
+def test_a_fused_projection_wider_than_its_row_layer_reads_is_named():
+    """OLMo's fused SwiGLU ff_proj declared "column": its output is twice what ff_out reads, so it is fused.
+    Before: "no structural cause recognised" (the name says nothing)."""
+    for message in get_world(2).run(_olmo_swiglu_as_one_block):
+        assert "'ff_proj' (32 -> 128, wider than 'ff_out' reads (64)) looks fused" in message, message

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..core.placement import Sharded
 from ..layers.base import TensorParallelModule, model_placements
-from ..layers.linear import ColumnParallelLinear
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.lora import LoRAPiece, is_peft_lora
 from .twin import within
 
@@ -145,14 +145,18 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
             causes.append(f"parameter '{n}' {tuple(prm.shape)} is whole on every rank, and its first dim is a head "
                           "count: it acts on heads this rank does not hold; it needs splitting by heads, which a "
                           "plan cannot express yet: leave this attention out of the plan ('replicate')")
+    rows = {rel: m.in_features for rel, m in mods.items() if isinstance(m, RowParallelLinear)}
     for rel, m in mods.items():
         if isinstance(m, ColumnParallelLinear) and not m.gather_output:  # (a FusedColumnParallelLinear is not one)
             out_f, in_f = m.out_features, m.in_features
             leaf = rel.rpartition(".")[2]
-            if _FUSED_NAMES.search(leaf) or (out_f == 3 * in_f and not _MLP_NAMES.search(leaf)):
-                causes.append(f"'{rel}' ({in_f} -> {out_f}) looks fused ([q; k; v] or [gate; up]) but is split as one "
-                              "block ('column'): rank 0 gets all of q and part of k. Use \"fused_qkv\", "
-                              "Column(parts=[...]) or tplayers.convert.FusedQKV(heads=..., kv_heads=...)")
+            # wider than every row layer of the region reads: the forward splits its output into parts
+            widest = max(rows, key=rows.get) if rows else ""
+            wider = f", wider than '{widest}' reads ({rows[widest]})" if rows and out_f > rows[widest] else ""
+            if wider or _FUSED_NAMES.search(leaf) or (out_f == 3 * in_f and not _MLP_NAMES.search(leaf)):
+                causes.append(f"'{rel}' ({in_f} -> {out_f}{wider}) looks fused ([q; k; v] or [gate; up]) but is split "
+                              "as one block ('column'): rank 0 gets all of the first part and part of the next. Use "
+                              "\"fused_qkv\", Column(parts=[...]) or tplayers.convert.FusedQKV(heads=..., kv_heads=...)")
     for rel, attrs in originals.items():
         for attr, value in attrs.items():
             if isinstance(value, int) and _WIDTH_ATTR.match(attr):
