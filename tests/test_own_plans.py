@@ -281,9 +281,9 @@ class ReferenceAttention(nn.Module):
 
 
 class ReferenceModel(nn.Module):
-    def __init__(self):
+    def __init__(self, **sizes):
         super().__init__()
-        self.layers = nn.ModuleList(nn.ModuleDict({"attention": ReferenceAttention()}) for _ in range(2))
+        self.layers = nn.ModuleList(nn.ModuleDict({"attention": ReferenceAttention(**sizes)}) for _ in range(2))
 
     def forward(self, h, start_pos: int):
         for layer in self.layers:
@@ -324,7 +324,8 @@ def test_kv_caches_shaped_by_local_heads_are_cut_with_them(tp):
         assert error < 1e-12 and shape == (2, 16, 2 // tp, 8) and audited, (error, shape)
     if tp > 1:
         for message in get_world(tp).run(_reference_llama_with_caches, False):
-            assert "tensor 'cache_k' (2, 16, 2, 8) keeps the dense head count" in message, message
+            # (batch 2 = KV heads 2: the first dim, a batch, is not named)
+            assert "tensor 'cache_k' (2, 16, 2, 8) keeps the dense head count in dim 2 while" in message, message
             assert "'cache_k:2'" in message, message
 
 

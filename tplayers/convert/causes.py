@@ -130,12 +130,14 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
         for attr, t in [*vars(m).items(), *m._buffers.items()]:
             if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.dim() > 1:
                 dims = [str(d) for d, n in enumerate(t.shape) if n in divided and n > 1]
+                inner = [d for d in dims if d not in ("0", str(t.dim() - 1))]  # a cache's heads: neither its batch
+                dims = inner or dims  # dim (first) nor its head_dim (last), when a size matches there by chance
                 if dims:
                     where = f"{name}.{rel}" if rel else name
                     causes.append(f"tensor '{(rel + '.') if rel else ''}{attr}' {tuple(t.shape)} keeps the dense head "
                                   f"count in dim {' or '.join(dims)} while the heads were divided: if it holds per-head "
                                   f"state (a KV cache), cut it with them (Plan(divide_attrs={{'{name_pattern(where)}': "
-                                  f"(..., '{attr}:{dims[-1]}')}}))")
+                                  f"(..., '{attr}:{dims[0]}')}}))")
     placements = model_placements(module)
     counts = set(heads.values()) | _config_head_counts(module)
     for n, prm in module.named_parameters():
