@@ -298,3 +298,62 @@ def test_columns_on_a_sequence_their_module_gathered_reduce_scatter_into_its_sha
     for records in get_world(tp).run(_gathered_siblings):
         assert records == [("forward", "all_gather"), ("forward", "reduce_scatter"), ("backward", "all_gather"),
                            ("backward", "all_gather"), ("backward", "reduce_scatter")], records
+
+
+PRECISIONS = ["float32", "autocast", "bfloat16"]  # float32 weights; the same under bf16 autocast; bf16 weights
+
+
+def _precision(precision):
+    import contextlib
+
+    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+    if precision == "autocast":
+        return dtype, lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    return dtype, contextlib.nullcontext
+
+
+def _siblings_in(group, precision, gathered):
+    """q/k/v on one input (gathered: the module gathers its sequence itself, HF attention under SP), in each
+    precision: the collectives of a step, and the input gradient against the dense model's in that precision."""
+    from tplayers.testing import dense_parameters
+
+    torch.manual_seed(0)
+    dtype, ctx = _precision(precision)
+    p, h, f = group.size(), 8, 4 * group.size()
+    build = (lambda *m: _GatheredAttention(*m, None)) if gathered else _Attention
+    dense = build(*[torch.nn.Linear(h, f) for _ in range(3)], torch.nn.Linear(f, h)).to(dtype)
+    col = lambda m: tplayers.ColumnParallelLinear.from_dense(m, group=group)  # noqa: E731
+    row = tplayers.RowParallelLinear.from_dense(dense.o, group=group, sequence_parallel=gathered)
+    model = (_GatheredAttention(col(dense.q), col(dense.k), col(dense.v), row, group) if gathered
+             else _Attention(col(dense.q), col(dense.k), col(dense.v), row))
+    xd = torch.randn(2, 2 * p, h, dtype=dtype, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = (xd.detach().chunk(p, 1)[group.rank()] if gathered else xd.detach()).clone().requires_grad_()
+    with tplayers.comm_accounting() as acc, ctx():
+        model(x).float().square().sum().backward()
+    with ctx():
+        dense(xd).float().square().sum().backward()
+    want = xd.grad.chunk(p, 1)[group.rank()] if gathered else xd.grad
+    tol = 1e-5 if precision == "float32" else 5e-2
+    torch.testing.assert_close(x.grad, want, rtol=tol, atol=tol * float(want.abs().max()))
+    grads = dense_parameters(model, grads=True)
+    for name, param in dense.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=tol, atol=tol * float(param.grad.abs().max()))
+    return [(r.phase, r.op, r.nbytes) for r in acc.records]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("gathered", [False, True])
+def test_siblings_share_their_collectives_in_every_precision(precision, gathered):
+    """One all-reduce (SP: one gather each way, one reduce-scatter) for q, k and v under bf16 autocast as in
+    float32. Before: under autocast each layer cast its own copy of x, the set broke on identity, and each
+    layer reduced (and gathered) alone (3 backward all-reduces; SP: 3 gathers each way, 3 reduce-scatters)."""
+    tp = 2
+    act = 2 * 2 * tp * 8 * (4 if precision == "float32" else 2)  # (b, s, h) in the dtype the columns compute in
+    if gathered:
+        want = [("forward", "all_gather", 2 * 2 * tp * 8 * (2 if precision == "bfloat16" else 4)),
+                ("forward", "reduce_scatter", act), ("backward", "all_gather", act // 4 * 4),
+                ("backward", "all_gather", act), ("backward", "reduce_scatter", act)]
+    else:
+        want = [("forward", "all_reduce", act), ("backward", "all_reduce", act)]
+    for records in get_world(tp).run(_siblings_in, precision, gathered):
+        assert records == want, records

@@ -44,7 +44,7 @@ from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatt
 from .groups import GroupLike, TPGroup, resolve_group
 from .ring import ring_gather_linear, ring_linear_scatter
 from .siblings import Siblings, join_siblings, joins_siblings, register, take_shard
-from .prepare import autocast_inputs, check_linear_inputs, warn_cuda_connections_once
+from .prepare import autocast_dtype, autocast_inputs, check_linear_inputs, warn_cuda_connections_once
 from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads
 
 __all__ = ["column_parallel_linear", "row_parallel_linear", "differentiable_grads"]
@@ -152,13 +152,15 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
         x, sequence_parallel = offered[0], True
     check_linear_inputs("column_parallel_linear", x, weight, bias, weight.shape[1], g, sequence_parallel,
                         collective_matmul)
-    x, weight, bias = autocast_inputs(x, weight, bias)
+    # siblings are found by the tensor the layers were called on, before autocast's cast: the set casts it once
+    siblings = join_siblings(x, g, weight, sequence_parallel) if joins else None
+    x_cast = x if siblings is None else siblings.cast(x, autocast_dtype(x))
+    x, weight, bias = autocast_inputs(x_cast, weight, bias)
     if g.size == 1 and wgrad_store is None and main_grads is None:
         return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear
     warn_cuda_connections_once(x, g, overlap_comm)
     main = check_main_grads(main_grads, weight, bias, "column_parallel_linear", g.size)
     sink = WgradSink(g, wgrad_store, main, (weight, bias), gather_input=sequence_parallel)
-    siblings = join_siblings(x, g, weight, sequence_parallel) if joins else None
     if offered is not None and siblings.x_full is None:
         siblings.x_full = offered[1].to(x.dtype)  # the set's forward gather, done already (cast as x under autocast)
     return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, sink, collective_matmul,

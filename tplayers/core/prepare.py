@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .collectives import SEQ_DIM
 from .groups import TPGroup
 
-__all__ = ["refuse_replicating_wrapper", "check_linear_inputs", "autocast_inputs", "autocast_enabled", "warn_cuda_connections_once", "require_chunks"]
+__all__ = ["refuse_replicating_wrapper", "check_linear_inputs", "autocast_inputs", "autocast_dtype", "autocast_enabled", "warn_cuda_connections_once", "require_chunks"]
 
 
 def check_linear_inputs(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -102,11 +102,16 @@ def autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                     ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Autocast's cast, applied before a custom Function (which autocast does not see); unchanged
     when autocast is off."""
-    if not autocast_enabled(x):
+    dtype = autocast_dtype(x)
+    if dtype is None:
         return x, weight, bias
-    dtype = torch.get_autocast_dtype(x.device.type)
     cast = lambda t: None if t is None else (t if t.dtype == dtype else t.to(dtype))  # noqa: E731
     return cast(x), cast(weight), cast(bias)
+
+
+def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast computes a linear layer on ``x`` in, or None when autocast is off."""
+    return torch.get_autocast_dtype(x.device.type) if autocast_enabled(x) else None
 
 
 _warned_cuda_connections = [False]

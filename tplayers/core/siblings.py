@@ -48,7 +48,7 @@ class Siblings:
     """Column layers on one input: their autograd nodes, the gathered input they share in forward
     (sequence parallelism), and per backward the partial sum so far."""
 
-    __slots__ = ("x", "g", "sp", "nodes", "weights", "tasks", "backward_started", "x_full")
+    __slots__ = ("x", "g", "sp", "nodes", "weights", "tasks", "backward_started", "x_full", "x_cast")
 
     def __init__(self, x: torch.Tensor, g: TPGroup, sequence_parallel: bool) -> None:
         self.x, self.g, self.sp = x, g, sequence_parallel
@@ -57,6 +57,16 @@ class Siblings:
         self.tasks: Dict[int, List[Any]] = {}  # graph task -> [partial sum, members still to run, gathered x]
         self.backward_started = False
         self.x_full: Optional[torch.Tensor] = None  # SP: the all-gathered x, shared by the forwards only
+        self.x_cast: Optional[torch.Tensor] = None  # x as autocast casts it: one cast (one tensor) for the set
+
+    def cast(self, x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+        """``x`` (the set's input) cast to autocast's ``dtype`` (None: autocast off) once for the set: every
+        member computes on the same tensor, whose one gradient (the sum) flows back through one cast."""
+        if dtype is None or x.dtype == dtype:
+            return x
+        if self.x_cast is None or self.x_cast.dtype != dtype:
+            self.x_cast = x.to(dtype)
+        return self.x_cast
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Forward, sequence parallelism: every rank's chunk of ``x``, gathered once for the set."""
@@ -68,7 +78,7 @@ class Siblings:
         task = torch._C._current_graph_task_id()
         state = self.tasks.get(task)
         if state is None:
-            self.backward_started, self.x_full = True, None
+            self.backward_started, self.x_full, self.x_cast = True, None, None
             if _LAST[0] is self:
                 _LAST[0] = None
             running = sum(1 for ref in self.nodes if (n := ref()) is not None and torch._C._will_engine_execute_node(n))
@@ -132,8 +142,8 @@ def join_siblings(x: torch.Tensor, g: TPGroup, weight: torch.Tensor, sequence_pa
     siblings = _LAST[0]
     if (siblings is None or siblings.backward_started or siblings.x is not x or siblings.g != g
             or siblings.sp != sequence_parallel or id(weight) in siblings.weights):
-        if siblings is not None:
-            siblings.x_full = None  # (SP: the gathered input lives only while its set is being called)
+        if siblings is not None:  # (the gathered, cast input lives only while its set is being called)
+            siblings.x_full = siblings.x_cast = None
         siblings = _LAST[0] = Siblings(x, g, sequence_parallel)
     siblings.weights.append(id(weight))
     return siblings
