@@ -146,7 +146,8 @@ def _dtype_name(dtype: Union[torch.dtype, int]) -> str:
 def megatron_budget(*, layers: int, batch: int, seq: int, hidden: int, vocab: int, tp_size: int,
                     dtype: Union[torch.dtype, int] = torch.float32, sequence_parallel: bool = False,
                     loss_parallel: bool = False, norm_params: Optional[int] = None,
-                    kv_replicas: Optional[Tuple[int, int]] = None) -> CommBudget:
+                    kv_replicas: Optional[Tuple[int, int]] = None,
+                    residual_dtype: Union[None, torch.dtype, int] = None) -> CommBudget:
     """The Megatron-layout communication budget of one forward + backward of a decoder-only LM with
     ``layers`` decoder layers on input ``(batch, seq)`` over ``tp_size`` ranks (what is counted: the
     module docstring of `tplayers.bench.budget`).
@@ -158,7 +159,10 @@ def megatron_budget(*, layers: int, batch: int, seq: int, hidden: int, vocab: in
     default ``(2 * layers + 1) * hidden`` (two RMSNorms per layer and the final one, weights only).
     ``kv_replicas``: ``(ranks sharing a KV head, elements of the k and v parameters each rank holds per
     layer)`` when KV heads are replicated (fewer KV heads than ranks, dividing them); their gradients in the
-    parameters' element size, ``dtype``'s."""
+    parameters' element size. ``residual_dtype``: of the residual stream and the parameters where it is not
+    ``dtype`` (mixed precision, ``torch.autocast``: the TP regions compute in ``dtype``; the embedding's
+    output and its gradient, the norms' and replicated KV heads' parameter gradients stay in
+    ``residual_dtype``, as the dense model has them); default ``dtype``."""
     sizes = dict(layers=layers, batch=batch, seq=seq, hidden=hidden, vocab=vocab, tp_size=tp_size)
     for name, v in sizes.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -174,13 +178,17 @@ def megatron_budget(*, layers: int, batch: int, seq: int, hidden: int, vocab: in
     if sequence_parallel and seq % tp_size:
         raise ValueError(f"megatron_budget: seq={seq} is not divisible by the TP degree {tp_size} (sequence parallel)")
     e = _elements(dtype)
+    r = e if residual_dtype is None else _elements(residual_dtype)
     p, L = tp_size, layers
     act = batch * seq * hidden * e
+    residual = batch * seq * hidden * r  # the embedding's output: the residual stream's dtype
     vocab_padded = -(-vocab // p) * p  # the vocabulary-parallel layers pad V to a multiple of p
     loss_e = max(e, 4)  # the loss's row statistics: float32, or the logits' dtype if wider (float64)
     words = (f"{L} decoder layers, [b, s, h]=[{batch}, {seq}, {hidden}], vocab {vocab}"
              + (f" (padded to {vocab_padded})" if vocab_padded != vocab else "")
-             + f", {_dtype_name(dtype)}, TP {p}, " + ("sequence-parallel" if sequence_parallel else "no sequence parallelism")
+             + f", {_dtype_name(dtype)}"
+             + ("" if r == e else f" (residual stream and parameters {_dtype_name(residual_dtype)})")
+             + f", TP {p}, " + ("sequence-parallel" if sequence_parallel else "no sequence parallelism")
              + ", " + ("vocab-parallel loss" if loss_parallel else "logits gathered"))
     if p == 1:  # one rank: the layout communicates nothing
         return CommBudget([], p, words)
@@ -188,14 +196,14 @@ def megatron_budget(*, layers: int, batch: int, seq: int, hidden: int, vocab: in
     fwd: List[BudgetItem] = []
     bwd: List[BudgetItem] = []
     if not sequence_parallel:
-        fwd += [BudgetItem("all_reduce", "forward", 1, act, f"embedding: the {A}, partial over vocabulary shards"),
+        fwd += [BudgetItem("all_reduce", "forward", 1, residual, f"embedding: the {A}, partial over vocabulary shards"),
                 BudgetItem("all_reduce", "forward", 2 * L, act, "per layer 2: after o_proj, after down_proj")]
         bwd += [BudgetItem("all_reduce", "backward", 2 * L, act,
                            "per layer 2: input gradient of q/k/v together, of gate/up together"),
                 BudgetItem("all_reduce", "backward", 1, act, "LM head: its input gradient")]
     else:
         params = (2 * L + 1) * hidden if norm_params is None else norm_params
-        fwd += [BudgetItem("reduce_scatter", "forward", 1, act, f"embedding: the {A}, into sequence shards"),
+        fwd += [BudgetItem("reduce_scatter", "forward", 1, residual, f"embedding: the {A}, into sequence shards"),
                 BudgetItem("all_gather", "forward", 2 * L, act, "per layer 2: the sequence before q/k/v, before gate/up"),
                 BudgetItem("reduce_scatter", "forward", 2 * L, act, "per layer 2: after o_proj, after down_proj"),
                 BudgetItem("all_gather", "forward", 1, act, "LM head: its input, the whole sequence")]
@@ -206,13 +214,13 @@ def megatron_budget(*, layers: int, batch: int, seq: int, hidden: int, vocab: in
                            "per layer 2: input gradient of q/k/v together, of gate/up together"),
                 BudgetItem("all_gather", "backward", 1, act, "LM head: its input again, for its weight gradient"),
                 BudgetItem("reduce_scatter", "backward", 1, act, "LM head: its input gradient"),
-                BudgetItem("all_gather", "backward", 1, act, "embedding: its output gradient")]
+                BudgetItem("all_gather", "backward", 1, residual, "embedding: its output gradient")]
         if params:
-            bwd.append(BudgetItem("all_reduce", "backward", 1, params * e,
+            bwd.append(BudgetItem("all_reduce", "backward", 1, params * r,
                                   f"norms: the gradients of their {params} parameters, one coalesced buffer"))
     if kv_replicas is not None:
         ranks, elements = kv_replicas
-        bwd.append(BudgetItem("all_reduce", "backward", L, elements * e,
+        bwd.append(BudgetItem("all_reduce", "backward", L, elements * r,
                               f"per layer 1: k and v weight gradients over the {ranks} ranks sharing a KV head",
                               group_size=ranks))
         words += f", each KV head on {ranks} ranks"
@@ -231,8 +239,9 @@ def megatron_budget_for_hf(model: nn.Module, input_shape: Sequence[int], *, tp_s
     """`megatron_budget` of a Hugging Face causal LM (dense or parallelized) on ``input_ids`` of shape
     ``input_shape`` = (batch, seq), reading ``num_hidden_layers``, ``hidden_size`` and ``vocab_size``
     from ``model.config``. ``tp_size``: default the TP degree of the model's TP layers;
-    ``sequence_parallel`` / ``loss_parallel``: as given to ``parallelize``; ``dtype``: default the
-    model's floating-point parameters'. Under sequence parallelism the norms counted are the modules
+    ``sequence_parallel`` / ``loss_parallel``: as given to ``parallelize``; ``dtype``: of the activations
+    in the TP regions, default the model's floating-point parameters' (under ``torch.autocast``, its dtype:
+    the embedding and the norms' gradients are then counted in the parameters' dtype, ``residual_dtype``). Under sequence parallelism the norms counted are the modules
     whose class name contains "Norm" and whose parameters are vectors of ``hidden_size``."""
     config = getattr(model, "config", None)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if getattr(config, k, None) is None]
@@ -247,15 +256,15 @@ def megatron_budget_for_hf(model: nn.Module, input_shape: Sequence[int], *, tp_s
             raise ValueError("megatron_budget_for_hf: pass tp_size= (the model has "
                              f"{'no TP layers' if not groups else f'TP layers of sizes {sorted(groups)}'})")
         tp_size = groups.pop()
-    if dtype is None:
-        floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
-        dtype = floats[0] if floats else torch.float32
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    param_dtype = floats[0] if floats else torch.float32
+    dtype = param_dtype if dtype is None else dtype
     hidden = int(config.hidden_size)
     norm_params = _norm_params(model, hidden) if sequence_parallel else None
     return megatron_budget(layers=int(config.num_hidden_layers), batch=int(input_shape[0]), seq=int(input_shape[1]),
                            hidden=hidden, vocab=int(config.vocab_size), tp_size=tp_size, dtype=dtype,
                            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, norm_params=norm_params,
-                           kv_replicas=_kv_replicas(model, config, hidden, tp_size))
+                           kv_replicas=_kv_replicas(model, config, hidden, tp_size), residual_dtype=param_dtype)
 
 
 def _kv_replicas(model: nn.Module, config: Any, hidden: int, tp_size: int) -> Optional[Tuple[int, int]]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import platform
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Tuple
+import contextlib
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -52,6 +53,7 @@ class HFBudgetConfig:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     seed: int = 0
+    autocast: Optional[str] = None  # the step under torch.autocast of this dtype ("bfloat16", "float16")
 
     @property
     def plan(self) -> str:
@@ -68,6 +70,9 @@ class HFBudgetConfig:
                 raise ValueError(f"bench: {name}={value} is not divisible by the TP degree {tp} (hf:{self.family})")
         if self.sequence_parallel and self.seq % tp:
             raise ValueError(f"bench: seq={self.seq} is not divisible by the TP degree {tp} (sequence parallel)")
+        if self.autocast is not None and (self.autocast not in ("bfloat16", "float16") or self.dtype != "float32"):
+            raise ValueError(f"bench: --autocast {self.autocast} runs a float32 model's step under torch.autocast "
+                             f"(bfloat16 or float16); got --dtype {self.dtype}")
 
 
 def _config(cfg: HFBudgetConfig) -> Any:
@@ -97,11 +102,14 @@ def run_hf_budget(group: GroupLike, cfg: HFBudgetConfig) -> Dict[str, Any]:
     model = parallelize(model, cfg.plan, group=g, sequence_parallel=cfg.sequence_parallel,
                         loss_parallel=cfg.loss_parallel)
     ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(cfg.seed)).to(device)
-    model(ids, labels=ids).loss.backward()  # the first step: the audit's collectives (once per model)
-    with comm_accounting(model) as acct:
+    autocast = DTYPES[cfg.autocast] if cfg.autocast else None
+    mixed = (lambda: torch.autocast(device.type, dtype=autocast)) if autocast else contextlib.nullcontext
+    with mixed():
+        model(ids, labels=ids).loss.backward()  # the first step: the audit's collectives (once per model)
+    with comm_accounting(model) as acct, mixed():
         model(ids, labels=ids).loss.backward()
     budget = megatron_budget_for_hf(model, tuple(ids.shape), tp_size=g.size, sequence_parallel=cfg.sequence_parallel,
-                                    loss_parallel=cfg.loss_parallel)
+                                    loss_parallel=cfg.loss_parallel, dtype=autocast)
     comparison = acct.against(budget)
     report = {"schema": BUDGET_SCHEMA, "config": dict(asdict(cfg), module=f"hf:{cfg.family}", plan=cfg.plan),
               "environment": {"tp": g.size, "device": cfg.device, "torch": torch.__version__,
@@ -116,6 +124,7 @@ def format_hf_budget(result: Dict[str, Any]) -> str:
     c, env = result["report"]["config"], result["report"]["environment"]
     sp = " sequence-parallel" if c["sequence_parallel"] else ""
     loss = " loss-parallel" if c["loss_parallel"] else ""
+    loss += f" under autocast({c['autocast']})" if c.get("autocast") else ""
     head = (f"tplayers bench: {c['module']} ({env['model']}, plan '{c['plan']}'{sp}{loss})  tp={env['tp']}  "
             f"{c['dtype']}  {env['device']}; one forward+backward with labels after a first step, collectives "
             "counted (not timed)")

@@ -109,6 +109,9 @@ def _add_bench(sub: Any) -> None:
     b.add_argument("--vocab", type=_positive, default=None, help="vocabulary of --module hf: (default 256)")
     b.add_argument("--loss-parallel", action="store_true",
                    help="--module hf: the loss on vocabulary-split logits (parallelize(loss_parallel=True))")
+    b.add_argument("--autocast", choices=["bfloat16", "float16"], default=None,
+                   help="--module hf: run the step under torch.autocast of this dtype (the budget counts the TP "
+                        "regions in it, the residual stream in --dtype)")
     b.add_argument("--tp", type=_positive, default=None, help="TP size (default 2; under torchrun: the world size)")
     b.add_argument("--sequence-parallel", action="store_true", help="shard activations along the sequence")
     b.add_argument("--iters", type=_positive, default=None, help="timed iterations per mode (default 50; --quick: 10)")

@@ -110,7 +110,7 @@ def hf_budget_config(args: argparse.Namespace, tp: int) -> HFBudgetConfig:
         sizes["ffn"] = 2 * args.hidden
     cfg = HFBudgetConfig(family=args.module[len("hf:"):], heads=args.heads, dtype=args.dtype, device=args.device,
                          sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel, seed=args.seed,
-                         **sizes)
+                         autocast=args.autocast, **sizes)
     cfg.check(tp)
     return cfg
 
@@ -150,7 +150,7 @@ def bench_command(args: argparse.Namespace) -> int:
     if args.module and args.module.startswith("hf:"):
         return _hf_budget_command(args, tp)
     unused = [flag for flag, given in (("--loss-parallel", args.loss_parallel), ("--layers", args.layers is not None),
-                                       ("--vocab", args.vocab is not None)) if given]
+                                       ("--vocab", args.vocab is not None), ("--autocast", args.autocast)) if given]
     if unused:
         print(f"tplayers bench: {', '.join(unused)} appl{'y' if len(unused) > 1 else 'ies'} to --module hf:FAMILY only",
               file=sys.stderr)
