@@ -216,3 +216,76 @@ def test_fsdp2_example_trains_like_dense():
         assert result["clipped_steps"] == 3  # max_norm below every step's norm: the clip is exercised
         assert result["max_norm_error"] < 1e-9 and result["max_weight_error"] < 1e-9, result
     assert len({tuple(r["grad_norms"]) for r in results}) == 1  # one norm, on every rank
+
+
+class QKVBlock(nn.Module):
+    """q, k, v on one normed input (an attention's shape): under TP they share one backward all-reduce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.q, self.k, self.v = (nn.Linear(HIDDEN, 2 * HIDDEN) for _ in range(3))
+        self.o = nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x):  # (b, s, h)
+        h = self.norm(x)
+        return x + self.o(self.q(h) * self.k(h) + self.v(h))
+
+
+class QKVNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = QKVBlock(), nn.Linear(HIDDEN, 5)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def _siblings_under_data_parallel(group, wrap: str, precision: str):
+    """One step of QKVNet on a dp 2 x tp 2 mesh wrapped in DDP or FSDP2 (per block, as torchtitan wraps), in float32,
+    under bf16 autocast, or (FSDP2) with MixedPrecisionPolicy(bfloat16): the TP collectives of the backward, and
+    the gradients against the dense model's on the global batch."""
+    import contextlib
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = tplayers.make_2d_mesh(dp=2, tp=2)
+    torch.manual_seed(0)
+    dense = QKVNet()
+    model = tplayers.parallelize(copy.deepcopy(dense), {"block.q": "column", "block.k": "column", "block.v": "column",
+                                                        "block.o": "row"}, group=mesh.mesh)
+    x, y = _data(0)[0]
+    x = x.float()
+    tplayers.audit(model, x.chunk(2)[mesh.dp_rank])  # (its own collectives, before the wrapping and the counted step)
+    mixed = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext()
+    if wrap == "ddp":
+        trained = DDP(model, process_group=mesh.dp_group)
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "mp_policy" else MixedPrecisionPolicy()
+        fully_shard(model.block, mesh=mesh.dp_mesh, mp_policy=policy)
+        trained = fully_shard(model, mesh=mesh.dp_mesh, mp_policy=policy)
+    with tplayers.comm_accounting() as acc, mixed:
+        loss = nn.functional.cross_entropy(trained(x.chunk(2)[mesh.dp_rank]).float().flatten(0, 1),
+                                           y.chunk(2)[mesh.dp_rank].flatten())
+        loss.backward()
+    with (torch.autocast("cpu", dtype=torch.bfloat16) if precision != "float32" else contextlib.nullcontext()):
+        nn.functional.cross_entropy(dense(x).float().flatten(0, 1), y.flatten()).backward()
+    want = shard_state_dict({n: p.grad for n, p in dense.named_parameters()}, model_layouts(model), mesh.tp.rank,
+                            mesh.tp.size)
+    tol = 1e-5 if precision == "float32" else 5e-2
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(g.float(), want[name], rtol=tol, atol=tol * float(want[name].abs().max()),
+                                   msg=lambda m: f"{name}: {m}")
+    return [(r.op, r.nbytes) for r in acc.records if r.phase == "backward"]
+
+
+@pytest.mark.parametrize("wrap, precision", [("ddp", "float32"), ("ddp", "autocast"), ("fsdp2", "float32"),
+                                             ("fsdp2", "mp_policy")])
+def test_siblings_share_one_all_reduce_under_ddp_and_fsdp2(wrap, precision):
+    """q/k/v's input gradient: one TP all-reduce of (b/dp, s, h) per step, in the dtype the columns compute in."""
+    elements = GLOBAL_BATCH // 2 * SEQ * HIDDEN
+    size = 4 if precision == "float32" else 2
+    for backward in get_world(4).run(_siblings_under_data_parallel, wrap, precision):
+        assert backward == [("all_reduce", elements * size)], backward
