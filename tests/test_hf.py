@@ -338,3 +338,41 @@ def test_sequence_parallel_siblings_share_their_gather_and_reduction():
         assert counts == {("forward", "all_gather"): 6, ("forward", "reduce_scatter"): 5,
                           ("backward", "all_reduce"): 1, ("backward", "all_gather"): 10,
                           ("backward", "reduce_scatter"): 5}, counts
+
+
+def _sp_under_autocast(group, reads_values: bool):
+    """The "llama" SP plan, float32 weights, two steps under bf16 autocast on the same batch: the gathers of the
+    second step (dtype of each forward all-gather) and whether its loss and gradients equal the first's bit for bit
+    (the first step gathers in float32 while it watches who reads the gathered sequence)."""
+    model = tplayers.parallelize(_llama().float(), "llama", group=group, sequence_parallel=True)
+    logged = []
+    if reads_values:  # a hook on layer 0's attention logs a statistic of its (gathered) input's values
+        def log(module, args, kwargs, out):
+            logged.append(kwargs["hidden_states"].detach().float().pow(2).mean())
+        model.model.layers[0].self_attn.register_forward_hook(log, with_kwargs=True)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    steps = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with tplayers.comm_accounting() as acc, torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        steps.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                      [r.nbytes for r in acc.records if (r.phase, r.op) == ("forward", "all_gather")]))
+    (loss1, grads1, _), (loss2, grads2, gathers) = steps
+    same = bool(torch.equal(loss1, loss2)) and all(torch.equal(grads1[n], grads2[n]) for n in grads1)
+    if reads_values:  # the two steps' entries, the last two (the audit's runs log before them)
+        same = same and bool(torch.equal(logged[-1], logged[-2]))
+    return same, gathers
+
+
+def test_sequence_parallel_gathers_in_autocast_dtype_where_only_column_layers_read():
+    """Each attention gathers its input (HF views q/k/v with its (b, s)); under bf16 autocast only its q/k/v read
+    the values, and each casts them to bfloat16: gathering the cast shard is exact (the cast commutes with the
+    gather) at half the bytes. Before: float32 gathers (forward 1.27x the budget's wire bytes). An attention that
+    reads the values itself keeps its float32 gather. (6 tokens x 32 features x 2 batch: 1536 B in float32.)"""
+    for same, gathers in get_world(2).run(_sp_under_autocast, False):
+        # attention x2, MLP x2 in bfloat16; the head's input in float32; the bfloat16 logits (96 wide)
+        assert same and sorted(gathers) == [768, 768, 768, 768, 1536, 2304], gathers
+    for same, gathers in get_world(2).run(_sp_under_autocast, True):
+        assert same and sorted(gathers) == [768, 768, 768, 1536, 1536, 2304], gathers  # layer 0's attention: f32

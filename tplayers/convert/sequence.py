@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..core.comm import gather_sequence_for_columns, scatter_to_sequence
+from .gather_dtype import CastGather
 from ..core.partial_grads import PartialGradSum
 from ..core.partial_sum import PartialSum
 from ..core.placement import Replicated, Sharded, head_parts
@@ -204,7 +205,16 @@ class GatherSequence(_SequenceStyle):
 
     def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
         tp, switch = ctx.group, ctx.switch
-        map_first_input(module, lambda x: gather_sequence_for_columns(x, group=tp) if switch.active else x)
+        cast = CastGather(module)  # under autocast: the shard cast first where only column layers read it
+
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            if not switch.active:
+                return x
+            dtype = cast.before(x)
+            x_full = gather_sequence_for_columns(x if dtype is None else x.to(dtype), group=tp)
+            cast.watch(x_full)
+            return x_full
+        map_first_input(module, gather)
 
 
 @dataclass(frozen=True)
