@@ -448,3 +448,58 @@ def test_a_fused_projection_wider_than_its_row_layer_reads_is_named():
     Before: "no structural cause recognised" (the name says nothing)."""
     for message in get_world(2).run(_olmo_swiglu_as_one_block):
         assert "'ff_proj' (32 -> 128, wider than 'ff_out' reads (64)) looks fused" in message, message
+
+
+def _olmo_without_its_row_layer(group):
+    torch.manual_seed(0)
+    layers = {k: v for k, v in OLMO_PLAN.layers.items() if k != "blocks.*.ff_out"}
+    model = tplayers.parallelize(OLMoLike().double(), Plan(layers, divide_attrs=OLMO_PLAN.divide_attrs), group=group)
+    try:
+        model(torch.randint(0, 50, (2, 8)))
+    except tplayers.AuditError as e:
+        return str(e)
+    return "passed"
+
+
+def test_a_whole_linear_fed_a_split_activation_is_named_with_the_plan_line():
+    """OLMo's ff_out left out of the plan: its 64 input features arrive split (32 per rank). Before: the raw
+    "mat1 and mat2 shapes cannot be multiplied" and "no structural cause recognised"."""
+    for message in get_world(2).run(_olmo_without_its_row_layer):
+        assert "'ff_out' (a whole nn.Linear reading 64 features) got 32 = 64 / 2" in message, message
+        assert '"blocks.*.ff_out": "row"' in message, message
+
+
+class _OLMoBlockQKNorm(OLMoBlock):
+    """OLMo's qk_layernorm: a LayerNorm over q's whole width (every head's features), before the heads split."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.q_norm = nn.LayerNorm(config.d_model)
+
+    def forward(self, x):  # (b, t, d)
+        q, k, v = self.att_proj(self.attn_norm(x)).split(self.fused_dims, dim=-1)
+        b, t, c = q.shape
+        q = self.q_norm(q).view(b, t, self.config.n_heads, -1).transpose(1, 2)
+        k, v = (z.view(b, t, self.config.n_kv_heads, -1).transpose(1, 2) for z in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return x + self.attn_out(y.transpose(1, 2).reshape(b, t, c))
+
+
+def _olmo_with_a_norm_over_the_whole_q(group):
+    torch.manual_seed(0)
+    model = nn.Sequential(_OLMoBlockQKNorm(_OLMoConfig())).double()
+    plan = Plan({"0.att_proj": OLMO_PLAN.layers["blocks.*.att_proj"], "0.attn_out": "row"},
+                divide_attrs={"0": OLMO_PLAN.divide_attrs["blocks.*"]})
+    tplayers.parallelize(model, plan, group=group)
+    try:
+        model(torch.randn(2, 8, 32, dtype=torch.float64))
+    except tplayers.AuditError as e:
+        return str(e)
+    return "passed"
+
+
+def test_a_norm_over_a_split_projections_whole_width_is_named():
+    """Before: "Given normalized_shape=[32] ... got input of size[2, 8, 16]" and no structural cause."""
+    for message in get_world(2).run(_olmo_with_a_norm_over_the_whole_q):
+        assert "'q_norm' (LayerNorm over 32 features) got 16 = 32 / 2" in message, message
+        assert "leave this region whole" in message, message

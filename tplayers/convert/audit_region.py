@@ -224,7 +224,8 @@ def _run_and_compare(region: Region, result: RegionAudit, group: TPGroup, args: 
                            f"{raised[failed_on]}") from None
     if failed_on is not None:
         return (f"it raises when sharded but not dense (rank {failed_on}): {raised[failed_on]}\n"
-                + likely_causes(region.name, region.module, region.originals, group.size, True, []))
+                + likely_causes(region.name, region.module, region.originals, group.size, True, [],
+                                raised=raised[failed_on]))
     if out_dim is not None:  # every rank's part of the output, gathered (vocabulary padding cut)
         tp_out = all_gather_tensor(tp_out.contiguous(), out_dim, group=group)
         tp_out = tp_out.narrow(out_dim, 0, dense_out.shape[out_dim])

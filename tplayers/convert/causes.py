@@ -84,12 +84,47 @@ def _likely(causes: List[str]) -> str:
     return "likely cause" + ("s" if len(seen) > 1 else "") + ":\n  - " + "\n  - ".join(seen)
 
 
+_MATMUL_SHAPES = re.compile(r"mat1 and mat2 shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)")
+
+
+def _whole_linear_fed_a_shard(name: str, module: nn.Module, p: int, raised: str) -> List[str]:
+    """A whole ``nn.Linear`` of the region that got ``in_features / p`` features (the matmul error says so): a
+    column layer's split output reaches it, where a row layer belongs."""
+    shapes = _MATMUL_SHAPES.search(raised)
+    if shapes is None:
+        return []
+    got, want = int(shapes.group(2)), int(shapes.group(3))
+    return [f"'{rel}' (a whole nn.Linear reading {want} features) got {got} = {want} / {p}: a column layer's split "
+            f"output reaches it; it is the row layer after that column layer: the plan line "
+            f"\"{name_pattern(f'{name}.{rel}')}\": \"row\" (or gather the column's output: 'column_gather')"
+            for rel, m in module.named_modules()
+            if type(m) is nn.Linear and m.in_features == want and got * p == want]
+
+
+_NORM_SHAPES = re.compile(r"normalized_shape=\[(\d+)\], expected input with shape \[\*,? ?\d+\], but got input of "
+                          r"size\s?\[[\d, ]*?(\d+)\]")
+
+
+def _whole_norm_fed_a_shard(name: str, module: nn.Module, p: int, raised: str) -> List[str]:
+    """A norm over a projection's whole width (OLMo's q/k LayerNorm) that got the width / p of a split one."""
+    shapes = _NORM_SHAPES.search(raised)
+    if shapes is None:
+        return []
+    want, got = int(shapes.group(1)), int(shapes.group(2))
+    return [f"'{rel}' ({type(m).__name__} over {want} features) got {got} = {want} / {p}: it normalizes a projection "
+            "whose output is split, across heads other ranks hold (its statistics need every rank's part); a plan "
+            f"cannot split it: leave this region whole (\"{name_pattern(name)}\" out of the plan or 'replicate')"
+            for rel, m in module.named_modules()
+            if tuple(getattr(m, "normalized_shape", ()) or ())[-1:] == (want,) and got * p == want]
+
+
 def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, Any]], p: int, forward_wrong: bool,
-                  partial: List[str], plan_name: str = "") -> str:
+                  partial: List[str], plan_name: str = "", raised: str = "") -> str:
     """The likely causes, read off the region's structure, most specific first. ``forward_wrong``: the
-    output differs or the forward raised (a layout or a head count); else only gradients do (a
-    replicated parameter's partial gradient)."""
-    causes = _partial_hints(name, p, partial, plan_name)
+    output differs or the forward raised (a layout or a head count; ``raised``: the sharded run's error);
+    else only gradients do (a replicated parameter's partial gradient)."""
+    causes = (_partial_hints(name, p, partial, plan_name) + _whole_linear_fed_a_shard(name, module, p, raised)
+              + _whole_norm_fed_a_shard(name, module, p, raised))
     if not forward_wrong:
         return _likely(causes or [
             "the forward matches but gradients do not, and no replicated parameter's gradient is a plain partial "
