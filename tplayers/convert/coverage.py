@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Iterable, List, Tuple
 
 import torch.nn as nn
 
 from ..layers.base import TensorParallelModule, model_placements
 from ..layers.conv1d import is_conv1d
 from ..core.placement import Sharded
+from .plan import Plan
+from .styles import Built, Style
 
-__all__ = ["CoverageReport", "coverage", "build_report", "REPORT_ATTR"]
+__all__ = ["CoverageReport", "coverage", "build_report", "report_coverage", "REPORT_ATTR"]
 
 REPORT_ATTR = "_tplayers_coverage"
 
@@ -122,3 +125,41 @@ def coverage(model: nn.Module) -> CoverageReport:
         raise ValueError(f"tplayers.coverage: {type(model).__name__} was not parallelized (no report); "
                          "call tplayers.parallelize(model, plan, group=...) first")
     return report
+
+
+# ---------------------------------------------------------------------------- made by parallelize
+
+
+def _describe(built: Dict[str, Built], modules: Dict[str, nn.Module], styles: Dict[str, Style],
+              matched: List[Tuple[str, str]]) -> Dict[str, str]:
+    """module -> what it became, for the coverage report."""
+    style_of = dict(matched)
+    out = {}
+    for name, b in built.items():
+        if b.module is not modules[name]:
+            note = getattr(b.module, "_coverage_note", None)  # (e.g. a kernel it cannot take at its shard's shape)
+            out[name] = type(b.module).__name__ + (f" ({note})" if note else "")
+        elif b.label is not None:
+            out[name] = b.label
+        elif b.finish is not None:
+            out[name] = f"{type(b.module).__name__} with {type(styles[style_of[name]]).__name__} hooks"
+    return out
+
+
+def report_coverage(model: nn.Module, p: Plan, plan: object, built: Dict[str, Built], modules: Dict[str, nn.Module],
+            styles: Dict[str, Style], matched: List[Tuple[str, str]], used: set, unmatched_keys: List[str],
+            skipped: Dict[str, str]) -> None:
+    """Store the coverage report on the model; warn when a shipped or "auto" plan covers only part
+    of it, or when patterns of the user's own plan matched nothing."""
+    # Patterns of shipped plans list alternatives (with / without a head, a prefix): not reported.
+    unmatched = unmatched_keys if p.name == "auto" else [] if isinstance(plan, str) else [
+        pat for pat in styles if pat not in used]
+    report = build_report(model, p.name, _describe(built, modules, styles, matched), (n for n, _ in matched),
+                          unmatched, skipped)
+    object.__setattr__(model, REPORT_ATTR, report)  # a plain attribute: not a submodule, not in the state dict
+    if isinstance(plan, str) and not report.complete:
+        warnings.warn(f"parallelize: plan '{p.name}' covers only part of {type(model).__name__}; what stays dense "
+                      f"runs whole on every rank (correct, but no memory saved):\n{report}", stacklevel=3)
+    elif unmatched and not isinstance(plan, str):
+        warnings.warn(f"parallelize: plan pattern(s) {unmatched} matched no module of {type(model).__name__} "
+                      "(or only modules an earlier pattern took); those modules stay as they are", stacklevel=3)
