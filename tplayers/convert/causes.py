@@ -129,13 +129,22 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
         return _likely(causes or [
             "the forward matches but gradients do not, and no replicated parameter's gradient is a plain partial "
             "sum: a parameter or buffer the forward uses on this rank's shard only (check_replicas may tell)"])
-    causes += _adapters_added_after(name, module)
     heads: Dict[str, int] = {}
     for rel, attrs in originals.items():
         for attr, value in attrs.items():
             if isinstance(value, int) and not isinstance(value, bool) and _HEAD_ATTR.search(attr):
                 heads[f"{rel}.{attr}" if rel else attr] = value
     mods = dict(module.named_modules())
+    causes += (_adapters_added_after(name, module) + _head_count_causes(name, heads, mods, p)
+               + _tensors_keeping_heads(name, heads, mods) + _whole_params_by_head(module, heads)
+               + _fused_split_as_one(mods) + _dense_widths(originals, mods, p))
+    return _likely(causes or ["no structural cause recognised: compare the region's forward with the plan (which "
+                              "tensors it reshapes with dense sizes, which parameters act on split activations)"])
+
+
+def _head_count_causes(name: str, heads: Dict[str, int], mods: Dict[str, nn.Module], p: int) -> List[str]:
+    """Head counts left dense, not divisible, or per-head modules kept whole."""
+    causes: List[str] = []
     # counts that cannot split first: they are the likelier cause when several head counts are undivided
     for path, dense_value in sorted(heads.items(), key=lambda kv: kv[1] % p == 0):
         rel, _, attr = path.rpartition(".")
@@ -159,9 +168,15 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
                               f"while rank r computes heads r*{dense_value // p or 1}..: a forward indexing them from 0 "
                               "pairs them with the wrong heads; per-head modules cannot be split by a plan yet, "
                               "leave this attention out of the plan ('replicate')")
+    return causes
+
+
+def _tensors_keeping_heads(name: str, heads: Dict[str, int], mods: Dict[str, nn.Module]) -> List[str]:
+    """A tensor shaped by the heads (a KV cache) whole while its head count was divided."""
+    causes: List[str] = []
     divided = {v for path, v in heads.items()
                if getattr(mods.get(path.rpartition(".")[0]), path.rpartition(".")[2], v) not in (v, None)}
-    for rel, m in mods.items():  # a tensor shaped by the heads (a KV cache) whole while its head count was divided
+    for rel, m in mods.items():
         for attr, t in [*vars(m).items(), *m._buffers.items()]:
             if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.dim() > 1:
                 dims = [str(d) for d, n in enumerate(t.shape) if n in divided and n > 1]
@@ -173,38 +188,44 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
                                   f"count in dim {' or '.join(dims)} while the heads were divided: if it holds per-head "
                                   f"state (a KV cache), cut it with them (Plan(divide_attrs={{'{name_pattern(where)}': "
                                   f"(..., '{attr}:{dims[0]}')}}))")
+    return causes
+
+
+def _whole_params_by_head(module: nn.Module, heads: Dict[str, int]) -> List[str]:
+    """A whole parameter whose first dim is a head count (it acts on heads other ranks hold)."""
     placements = model_placements(module)
     counts = set(heads.values()) | _config_head_counts(module)
-    for n, prm in module.named_parameters():
-        if isinstance(placements.get(n), Sharded) or prm.dim() == 0:
-            continue
-        if any(prm.shape[0] == v and v > 1 for v in counts):
-            causes.append(f"parameter '{n}' {tuple(prm.shape)} is whole on every rank, and its first dim is a head "
-                          "count: it acts on heads this rank does not hold; it needs splitting by heads, which a "
-                          "plan cannot express yet: leave this attention out of the plan ('replicate')")
+    return [f"parameter '{n}' {tuple(prm.shape)} is whole on every rank, and its first dim is a head count: it acts "
+            "on heads this rank does not hold; it needs splitting by heads, which a plan cannot express yet: leave "
+            "this attention out of the plan ('replicate')"
+            for n, prm in module.named_parameters()
+            if not isinstance(placements.get(n), Sharded) and prm.dim() > 0
+            and any(prm.shape[0] == v and v > 1 for v in counts)]
+
+
+def _fused_split_as_one(mods: Dict[str, nn.Module]) -> List[str]:
+    """A fused projection (by its name, or wider than the row layers read) split as one block."""
+    causes: List[str] = []
     rows = {rel: m.in_features for rel, m in mods.items() if isinstance(m, RowParallelLinear)}
+    widest = max(rows, key=rows.get) if rows else ""
     for rel, m in mods.items():
         if isinstance(m, ColumnParallelLinear) and not m.gather_output:  # (a FusedColumnParallelLinear is not one)
             out_f, in_f = m.out_features, m.in_features
             leaf = rel.rpartition(".")[2]
             # wider than every row layer of the region reads: the forward splits its output into parts
-            widest = max(rows, key=rows.get) if rows else ""
             wider = f", wider than '{widest}' reads ({rows[widest]})" if rows and out_f > rows[widest] else ""
             if wider or _FUSED_NAMES.search(leaf) or (out_f == 3 * in_f and not _MLP_NAMES.search(leaf)):
                 causes.append(f"'{rel}' ({in_f} -> {out_f}{wider}) looks fused ([q; k; v] or [gate; up]) but is split "
                               "as one block ('column'): rank 0 gets all of the first part and part of the next. Use "
                               "\"fused_qkv\", Column(parts=[...]) or tplayers.convert.FusedQKV(heads=..., kv_heads=...)")
-    for rel, attrs in originals.items():
-        for attr, value in attrs.items():
-            if isinstance(value, int) and _WIDTH_ATTR.match(attr):
-                now = getattr(mods.get(rel), attr, None)
-                if now == value:
-                    causes.append(f"width '{(rel + '.') if rel else ''}{attr}' = {value} is the dense width on every "
-                                  "rank; if the forward splits or reshapes the sharded projections with it (or with a "
-                                  "width read from its input, B, T, C = x.size()), each rank needs its local width "
-                                  f"{value // p if value % p == 0 else value / p}: divide it (divide_attrs) or compute "
-                                  "it from the projection's output")
-    if not causes:
-        causes.append("no structural cause recognised: compare the region's forward with the plan (which tensors it "
-                      "reshapes with dense sizes, which parameters act on split activations)")
-    return _likely(causes)
+    return causes
+
+
+def _dense_widths(originals: Dict[str, Dict[str, Any]], mods: Dict[str, nn.Module], p: int) -> List[str]:
+    """A width attribute still the dense width on every rank."""
+    return [f"width '{(rel + '.') if rel else ''}{attr}' = {value} is the dense width on every rank; if the forward "
+            "splits or reshapes the sharded projections with it (or with a width read from its input, B, T, C = "
+            f"x.size()), each rank needs its local width {value // p if value % p == 0 else value / p}: divide it "
+            "(divide_attrs) or compute it from the projection's output"
+            for rel, attrs in originals.items() for attr, value in attrs.items()
+            if isinstance(value, int) and _WIDTH_ATTR.match(attr) and getattr(mods.get(rel), attr, None) == value]
