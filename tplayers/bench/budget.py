@@ -192,32 +192,11 @@ def megatron_budget(*, layers: int, batch: int, seq: int, hidden: int, vocab: in
              + ", " + ("vocab-parallel loss" if loss_parallel else "logits gathered"))
     if p == 1:  # one rank: the layout communicates nothing
         return CommBudget([], p, words)
-    A = "(b, s, h) activation"
-    fwd: List[BudgetItem] = []
-    bwd: List[BudgetItem] = []
-    if not sequence_parallel:
-        fwd += [BudgetItem("all_reduce", "forward", 1, residual, f"embedding: the {A}, partial over vocabulary shards"),
-                BudgetItem("all_reduce", "forward", 2 * L, act, "per layer 2: after o_proj, after down_proj")]
-        bwd += [BudgetItem("all_reduce", "backward", 2 * L, act,
-                           "per layer 2: input gradient of q/k/v together, of gate/up together"),
-                BudgetItem("all_reduce", "backward", 1, act, "LM head: its input gradient")]
+    if sequence_parallel:
+        fwd, bwd = _sequence_parallel_items(L, act, residual, (2 * L + 1) * hidden if norm_params is None
+                                            else norm_params, r)
     else:
-        params = (2 * L + 1) * hidden if norm_params is None else norm_params
-        fwd += [BudgetItem("reduce_scatter", "forward", 1, residual, f"embedding: the {A}, into sequence shards"),
-                BudgetItem("all_gather", "forward", 2 * L, act, "per layer 2: the sequence before q/k/v, before gate/up"),
-                BudgetItem("reduce_scatter", "forward", 2 * L, act, "per layer 2: after o_proj, after down_proj"),
-                BudgetItem("all_gather", "forward", 1, act, "LM head: its input, the whole sequence")]
-        bwd += [BudgetItem("all_gather", "backward", 2 * L, act, "per layer 2: output gradients of o_proj, down_proj"),
-                BudgetItem("all_gather", "backward", 2 * L, act,
-                           "per layer 2: inputs of q/k/v and gate/up again, for their weight gradients"),
-                BudgetItem("reduce_scatter", "backward", 2 * L, act,
-                           "per layer 2: input gradient of q/k/v together, of gate/up together"),
-                BudgetItem("all_gather", "backward", 1, act, "LM head: its input again, for its weight gradient"),
-                BudgetItem("reduce_scatter", "backward", 1, act, "LM head: its input gradient"),
-                BudgetItem("all_gather", "backward", 1, residual, "embedding: its output gradient")]
-        if params:
-            bwd.append(BudgetItem("all_reduce", "backward", 1, params * r,
-                                  f"norms: the gradients of their {params} parameters, one coalesced buffer"))
+        fwd, bwd = _plain_items(L, act, residual)
     if kv_replicas is not None:
         ranks, elements = kv_replicas
         bwd.append(BudgetItem("all_reduce", "backward", L, elements * r,
@@ -231,6 +210,39 @@ def megatron_budget(*, layers: int, batch: int, seq: int, hidden: int, vocab: in
     else:
         fwd.append(BudgetItem("all_gather", "forward", 1, batch * seq * vocab_padded * e, "logits: (b, s, V) gathered"))
     return CommBudget(fwd + bwd, p, words)
+
+
+_A = "(b, s, h) activation"
+
+
+def _plain_items(L: int, act: int, residual: int) -> Tuple[List[BudgetItem], List[BudgetItem]]:
+    """The decoder layers', the embedding's and the head's collectives without sequence parallelism."""
+    return ([BudgetItem("all_reduce", "forward", 1, residual, f"embedding: the {_A}, partial over vocabulary shards"),
+             BudgetItem("all_reduce", "forward", 2 * L, act, "per layer 2: after o_proj, after down_proj")],
+            [BudgetItem("all_reduce", "backward", 2 * L, act,
+                        "per layer 2: input gradient of q/k/v together, of gate/up together"),
+             BudgetItem("all_reduce", "backward", 1, act, "LM head: its input gradient")])
+
+
+def _sequence_parallel_items(L: int, act: int, residual: int, params: int, r: int
+                             ) -> Tuple[List[BudgetItem], List[BudgetItem]]:
+    """The same under sequence parallelism (``params``: norm parameters, their gradients ``r`` bytes each)."""
+    fwd = [BudgetItem("reduce_scatter", "forward", 1, residual, f"embedding: the {_A}, into sequence shards"),
+           BudgetItem("all_gather", "forward", 2 * L, act, "per layer 2: the sequence before q/k/v, before gate/up"),
+           BudgetItem("reduce_scatter", "forward", 2 * L, act, "per layer 2: after o_proj, after down_proj"),
+           BudgetItem("all_gather", "forward", 1, act, "LM head: its input, the whole sequence")]
+    bwd = [BudgetItem("all_gather", "backward", 2 * L, act, "per layer 2: output gradients of o_proj, down_proj"),
+           BudgetItem("all_gather", "backward", 2 * L, act,
+                      "per layer 2: inputs of q/k/v and gate/up again, for their weight gradients"),
+           BudgetItem("reduce_scatter", "backward", 2 * L, act,
+                      "per layer 2: input gradient of q/k/v together, of gate/up together"),
+           BudgetItem("all_gather", "backward", 1, act, "LM head: its input again, for its weight gradient"),
+           BudgetItem("reduce_scatter", "backward", 1, act, "LM head: its input gradient"),
+           BudgetItem("all_gather", "backward", 1, residual, "embedding: its output gradient")]
+    if params:
+        bwd.append(BudgetItem("all_reduce", "backward", 1, params * r,
+                              f"norms: the gradients of their {params} parameters, one coalesced buffer"))
+    return fwd, bwd
 
 
 def megatron_budget_for_hf(model: nn.Module, input_shape: Sequence[int], *, tp_size: Optional[int] = None,
