@@ -55,7 +55,8 @@ from ..layers.same_inputs import (SequenceShardInputs, check_same_inputs, check_
                                   has_dropout)
 from .attrs import Change, attr_changes
 from .audit import AUDIT_ATTR, Auditor, find_regions
-from .auto import auto_plan, sequence_parallel_auto
+from .auto import auto_plan
+from .auto_sequence import sequence_parallel_auto
 from .loss_parallel import apply_loss_parallel
 from .outputs import label_split_outputs
 from .coverage import REPORT_ATTR, report_coverage
