@@ -22,7 +22,9 @@ from .parallelize import parallelize
 from .plan import STYLE_NAMES, Plan, sequence_parallel_variant
 from .plans import PLANS, SP_PLANS, get_plan
 from .sequence import GatherSequence, PerHeadParams, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
-from .styles import BuildContext, Built, Column, Experts, FusedQKV, LatentKV, KVColumn, MambaMixer, Replicate, Row, Style, VocabEmbedding, VocabHead
+from .styles import BuildContext, Built, Column, FusedQKV, KVColumn, Replicate, Row, Style
+from .styles_vocab import VocabEmbedding, VocabHead
+from .styles_whole import Experts, LatentKV, MambaMixer
 
 __all__ = [
     "parallelize", "audit", "AuditError", "AuditReport", "Plan", "Style", "BuildContext", "Built", "STYLE_NAMES", "sequence_parallel_variant",

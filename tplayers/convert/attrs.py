@@ -17,7 +17,7 @@ import torch.nn as nn
 from ..core.groups import TPGroup
 from ..core.placement import require_divisible
 from .plan import Plan
-from .styles import getattr_path
+from .heads import getattr_path
 
 __all__ = ["Change", "attr_changes"]
 

@@ -14,7 +14,7 @@ style name through :data:`HF_STYLES`. What we chose where transformers differs:
 - MoE experts (``moe_tp_experts``, 3-D parameters styled ``packed_colwise`` / ``colwise`` /
   ``rowwise`` / ``packed_rowwise``) become :class:`~tplayers.layers.experts.ParallelExperts`: each
   rank holds 1/p of every expert's ffn, the partial outputs summed by one all-reduce forward and
-  one backward (style :class:`~tplayers.convert.styles.Experts`); experts the plan does not split
+  one backward (style :class:`~tplayers.convert.styles_whole.Experts`); experts the plan does not split
   whole (a parameter without a style, e.g. a bias, or an identity expert inside) stay replicated:
   exact, no memory saved, and the coverage report says why (a style on any other bare parameter is
   refused);
@@ -22,7 +22,7 @@ style name through :data:`HF_STYLES`. What we chose where transformers differs:
   does not name but the expert-parallel plan does (``base_model_ep_plan``: ``ep_dispatch_experts`` over
   ``grouped_gemm`` parameters) are split by expert too (Zaya, which has no tensor-parallel plan);
 - ``mla_kv_a_proj`` (multi-head latent attention) keeps the latent projections whole on every rank
-  (:class:`~tplayers.convert.styles.LatentKV`: the shared rotary key's gradient summed), the ``q_a_proj``
+  (:class:`~tplayers.convert.styles_whole.LatentKV`: the shared rotary key's gradient summed), the ``q_a_proj``
   beside it too; DeepSeek-V3's plan, which names no attention, gets DeepSeek-V2's;
 - a model without a plan of its own (GPT-2, OPT, Falcon) gets tplayers' shipped plan for its
   ``config.model_type`` (:data:`~tplayers.convert.plans.MODEL_TYPES`);
@@ -46,8 +46,10 @@ from .plan import Plan, local_attention_attrs
 from .plans import MODEL_TYPES, PLANS
 from .plans.hf_additions import ADDED_ONCE, FAMILY_ADDITIONS, NO_WHOLE_EXPERTS
 from .sequence import PerHeadParams, ReplicateReduceGrad
-from .styles import (Column, Experts, KVColumn, LatentKV, is_peft_saved_copies, Replicate, Row, Style, VocabEmbedding,
-                     VocabHead, attention_heads)
+from .heads import attention_heads
+from .styles import Column, KVColumn, is_peft_saved_copies, Replicate, Row, Style
+from .styles_vocab import VocabEmbedding, VocabHead
+from .styles_whole import Experts, LatentKV
 
 __all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "translate_style"]
 

@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from .plan import Plan, resolve_style, sequence_parallel_variant
 from .sequence import ReplicateReduceGrad
-from .styles import Column, Experts, KVColumn, Replicate, Row, Style
+from .styles import Column, KVColumn, Replicate, Row, Style
+from .styles_whole import Experts
 
 __all__ = ["sequence_parallel_auto"]
 

@@ -65,7 +65,8 @@ from .plans import get_plan
 from .refusals import (check_same_dense_model, refuse_lonely_columns, refuse_lonely_rows, refuse_no_match,
                        refuse_router_logits_argument, refuse_router_logits_in_config, refuse_unfitting_plan)
 from .sequence import ReplicateReduceGrad, check_sequence_region, refuse_double_gather, takes_sequence_shards
-from .styles import (BuildContext, Built, Column, FusedQKV, KVColumn, Row, SequenceSwitch, Style, VocabEmbedding, VocabHead)
+from .styles import BuildContext, Built, Column, FusedQKV, KVColumn, Row, SequenceSwitch, Style
+from .styles_vocab import VocabEmbedding, VocabHead
 
 __all__ = ["parallelize"]
 

@@ -21,7 +21,8 @@ from ..core.partial_grads import PartialGradSum
 from ..core.partial_sum import PartialSum
 from ..core.placement import Replicated, Sharded, head_parts
 from ..layers.base import PLACEMENTS_ATTR
-from .styles import BuildContext, Built, Row, attention_heads
+from .heads import attention_heads
+from .styles import BuildContext, Built, Row
 
 __all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "ReplicateReduceGrad", "PerHeadParams",
            "map_first_input", "route_params_through",

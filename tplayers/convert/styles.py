@@ -5,32 +5,29 @@ Every style is an object with ``build(module, ctx) -> Built``. ``build`` only ch
 the model changes until every style of the plan has built. Then the engine puts each
 ``Built.module`` in place of the original (when it differs) and calls each ``Built.finish`` (hooks
 on modules that stay). So an error anywhere leaves the model untouched, and the engine never needs
-to know which style it is running.
+to know which style it is running. Styles that convert a whole module of a family's own class (MoE experts,
+multi-head latent attention's KV projection, Mamba mixers): :mod:`tplayers.convert.styles_whole`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
-import torch
 import torch.nn as nn
 
-from ..core.comm import copy_to_tp
 from ..core.groups import TPGroup
 from ..core.partial_grads import PartialGradSum
 from ..core.placement import Part, Sharded, head_parts, kv_part, kv_shards, qkv_placement, require_divisible
 from ..layers.base import class_name
-from ..layers.experts import ExpertSplit, ParallelExperts
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
-from ..layers.mamba import ParallelMamba1, ParallelMamba2, is_mamba1_mixer, is_mamba2_mixer
 from ..layers.from_dense import computes_linear, own_forward
 from ..layers.lora import is_peft_lora, prepare_lora
-from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding, embedding_scale
+from .heads import head_counts, attention_heads, getattr_path
 
-__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "Experts", "FusedQKV", "LatentKV", "KVColumn", "MambaMixer", "Row", "VocabEmbedding",
-           "VocabHead", "Replicate", "attention_heads", "getattr_path"]
+__all__ = ["BuildContext", "Built", "SequenceSwitch", "Style", "Column", "FusedQKV", "KVColumn", "Row",
+           "Replicate"]
 
 
 class SequenceSwitch:
@@ -82,61 +79,7 @@ class Style(Protocol):
     def build(self, module: nn.Module, ctx: BuildContext) -> Built: ...
 
 
-def getattr_path(obj: Any, path: str) -> Any:
-    """``obj.a.b.c`` for ``path="a.b.c"``, or an AttributeError naming the missing part."""
-    value = obj
-    for part in path.split("."):
-        if not hasattr(value, part):
-            raise AttributeError(f"{type(obj).__name__} has no attribute path '{path}' (no '{part}')")
-        value = getattr(value, part)
-    return value
-
-
-# Where an attention keeps its head counts, first found wins: its config (never changed by parallelize), then
-# its own attributes (Exaone 4, Seed-OSS, Nemotron keep num_key_value_heads / num_heads of their own).
-_HEAD_COUNTS = ("config.num_attention_heads", "num_attention_heads", "num_heads")
-_KV_HEAD_COUNTS = ("config.num_key_value_heads", "num_key_value_heads")
-
-
-def _first_count(module: nn.Module, paths: Sequence[str]) -> Tuple[Optional[int], str]:
-    """The first int found at ``paths`` on ``module`` and its path, or (None, "")."""
-    for path in paths:
-        try:
-            value = getattr_path(module, path)
-        except AttributeError:
-            continue
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value, path
-    return None, ""
-
-
-def _kv_heads(attn: nn.Module) -> Tuple[Optional[int], int, str]:
-    """Query heads, KV heads and where the KV count was read ("" for multi-head: none kept)."""
-    heads, _ = _first_count(attn, _HEAD_COUNTS)
-    kv, where = _first_count(attn, _KV_HEAD_COUNTS)
-    if kv is None and heads is None:
-        raise AttributeError(f"{type(attn).__name__} has no attribute path 'config.num_key_value_heads' nor any other "
-                             f"head count ({', '.join(_KV_HEAD_COUNTS[1:] + _HEAD_COUNTS)})")
-    groups = getattr(attn, "num_key_value_groups", None)  # the attention's own: per layer where the config is not
-    if (isinstance(groups, int) and not isinstance(groups, bool) and groups > 0 and heads and heads % groups == 0
-            and heads // groups != (heads if kv is None else kv)):  # (MiMo-V2-Flash's sliding layers: twice the KV heads)
-        return heads, heads // groups, "num_key_value_groups"
-    if kv is None:
-        return heads, heads, ""
-    return heads, kv, where
-
-
-def attention_heads(attn: nn.Module) -> Tuple[Optional[int], int]:
-    """``(query heads, KV heads)`` of a dense attention module, read where Hugging Face attentions keep
-    them (``config.num_attention_heads`` / ``config.num_key_value_heads``, else the attention's own
-    ``num_attention_heads`` or ``num_heads`` / ``num_key_value_heads``). No KV count anywhere means plain
-    multi-head attention: as many KV heads as heads (GPT-J). Query heads may be unknown (None) when only
-    a KV count is found; neither raises an AttributeError naming where it looked."""
-    heads, kv, _ = _kv_heads(attn)
-    return heads, kv
-
-
-def _check_plain(module: nn.Module, base: type, ctx: BuildContext, style: str) -> None:
+def refuse_own_forward(module: nn.Module, base: type, ctx: BuildContext, style: str) -> None:
     """A subclass of ``base`` whose ``forward`` is its own (a LoRA or quantized linear) would silently
     lose that behaviour when swapped for a plain TP layer: refuse it."""
     override = own_forward(module, base)
@@ -154,7 +97,7 @@ def _check_linear_like(module: nn.Module, ctx: BuildContext, style: str) -> None
     if not isinstance(module, nn.Linear):
         raise TypeError(f"parallelize: module '{ctx.name}' is a {class_name(module)}; style '{style}' "
                         "needs an nn.Linear or a GPT-2 Conv1D")
-    _check_plain(module, nn.Linear, ctx, style)
+    refuse_own_forward(module, nn.Linear, ctx, style)
 
 
 def _from(module: nn.Module, linear_cls: type, conv_cls: type, ctx: BuildContext, **options: Any) -> nn.Module:
@@ -185,7 +128,7 @@ def is_peft_saved_copies(module: nn.Module) -> bool:
             and isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict))
 
 
-def _with_saved_copies(style: Style, module: nn.Module, ctx: BuildContext) -> Built:
+def with_saved_copies(style: Style, module: nn.Module, ctx: BuildContext) -> Built:
     """A PEFT ``modules_to_save`` wrapper: its original module and every adapter's copy built by ``style``
     (the copies train; each is split like the module it copies); the wrapper stays in place."""
     inner = [("original_module", module.original_module)] + [(f"modules_to_save.{a}", m)
@@ -204,7 +147,7 @@ def _with_saved_copies(style: Style, module: nn.Module, ctx: BuildContext) -> Bu
     return Built(module, finish=finish, label=f"PEFT modules_to_save over {type(built[0][1].module).__name__}")
 
 
-def _switched(layer: nn.Module, ctx: BuildContext) -> Built:
+def switched(layer: nn.Module, ctx: BuildContext) -> Built:
     """A sequence-parallel layer follows its call's :class:`SequenceSwitch` (registered once swapped in)."""
     if not getattr(layer, "sequence_parallel", False):
         return Built(layer)
@@ -281,12 +224,12 @@ class Column:
         if is_peft_lora(module):
             return _with_lora(self, module, ctx, "column")
         if is_peft_saved_copies(module):
-            return _with_saved_copies(self, module, ctx)
+            return with_saved_copies(self, module, ctx)
         _check_linear_like(module, ctx, "column")
         out = module.nf if is_conv1d(module) else module.out_features
         if self.parts is None:
             split = _heads_split(out, ctx, "Column") if self.heads else _feature_split(out, ctx, self.uneven)
-            return _switched(_with_split(ColumnParallelLinear, ColumnParallelConv1D, module, ctx, split,
+            return switched(_with_split(ColumnParallelLinear, ColumnParallelConv1D, module, ctx, split,
                                          gather_output=self.gather_output, sequence_parallel=self.sequence_parallel),
                              ctx)
         if self.gather_output:
@@ -298,11 +241,11 @@ class Column:
         if self.uneven and any(n % ctx.group.size for n in parts):  # each component as evenly as possible
             _refuse_uneven_conv1d(module, ctx, f"parts {self.parts}")
             parts = [Sharded.balanced(0, n, ctx.group.size).parts[0] for n in parts]
-        return _switched(_from(module, FusedColumnParallelLinear, FusedColumnParallelConv1D, ctx, parts=parts,
+        return switched(_from(module, FusedColumnParallelLinear, FusedColumnParallelConv1D, ctx, parts=parts,
                                sequence_parallel=self.sequence_parallel), ctx)
 
 
-def _count(value: Union[int, str], ctx: BuildContext, style: str, what: str) -> int:
+def read_count(value: Union[int, str], ctx: BuildContext, style: str, what: str) -> int:
     """A head count given as a number or as a dotted attribute path on the parent module (the attention)."""
     if isinstance(value, int):
         return value
@@ -332,8 +275,8 @@ class FusedQKV:
         if is_peft_lora(module):
             return _with_lora(self, module, ctx, "column")
         _check_linear_like(module, ctx, "FusedQKV")
-        heads = _count(self.heads, ctx, "FusedQKV", "heads")
-        kv = heads if self.kv_heads is None else _count(self.kv_heads, ctx, "FusedQKV", "kv_heads")
+        heads = read_count(self.heads, ctx, "FusedQKV", "heads")
+        kv = heads if self.kv_heads is None else read_count(self.kv_heads, ctx, "FusedQKV", "kv_heads")
         out = module.nf if is_conv1d(module) else module.out_features
         layer = f"parallelize: module '{ctx.name}' (FusedQKV)"
         if heads < 1 or kv < 1 or out % (heads + 2 * kv):
@@ -378,17 +321,17 @@ class KVColumn:
         if not isinstance(module, nn.Linear):
             raise TypeError(f"parallelize: module '{ctx.name}' is a {class_name(module)}; style 'kv_column' "
                             "needs an nn.Linear")
-        _check_plain(module, nn.Linear, ctx, "kv_column")
+        refuse_own_forward(module, nn.Linear, ctx, "kv_column")
         if self.kv_heads is None:
             try:
-                _, count, where = _kv_heads(ctx.parent)
+                _, count, where = head_counts(ctx.parent)
             except AttributeError as e:
                 raise AttributeError(f"{e}: KVColumn reads the KV heads from the attention holding '{ctx.name}'; give "
                                      "the count itself (KVColumn(kv_heads=8)) or the attribute your attention keeps it "
                                      "in (KVColumn(kv_heads='n_kv_heads'))") from None
             where = where or "KV heads (multi-head: its heads)"
         else:
-            count, where = _count(self.kv_heads, ctx, "KVColumn", "kv_heads"), str(self.kv_heads)
+            count, where = read_count(self.kv_heads, ctx, "KVColumn", "kv_heads"), str(self.kv_heads)
         if count < 1 or module.out_features % count:
             raise ValueError(f"kv_column: '{ctx.name}' has out_features={module.out_features}, not whole heads of "
                              f"{where}={count} KV heads")
@@ -423,144 +366,15 @@ class Row:
         if is_peft_lora(module):
             return _with_lora(self, module, ctx, "row")
         if is_peft_saved_copies(module):
-            return _with_saved_copies(self, module, ctx)
+            return with_saved_copies(self, module, ctx)
         _check_linear_like(module, ctx, "row")
         features = module.nx if is_conv1d(module) else module.in_features
         split = None
         if self.input_is_parallel:
             split = _heads_split(features, ctx, "Row") if self.heads else _feature_split(features, ctx, self.uneven)
-        return _switched(_with_split(RowParallelLinear, RowParallelConv1D, module, ctx, split,
+        return switched(_with_split(RowParallelLinear, RowParallelConv1D, module, ctx, split,
                                      input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel),
                          ctx)
-
-
-@dataclass(frozen=True)
-class VocabEmbedding:
-    """Split an ``nn.Embedding``'s rows (the vocabulary, padded to the TP degree) across ranks.
-    A scaled embedding (``forward = embedding(ids) * embed_scale``, Gemma's) keeps its scale."""
-
-    sequence_parallel: bool = False
-    partial_output: bool = False  # sequence-parallel variants: the first block reduce-scatters the lookup
-
-    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
-        if is_peft_saved_copies(module):
-            return _with_saved_copies(self, module, ctx)
-        if not isinstance(module, nn.Embedding):
-            raise TypeError(f"parallelize: module '{ctx.name}' is a {class_name(module)}; style "
-                            "'vocab_embedding' needs an nn.Embedding")
-        try:  # a scaled embedding (Gemma's) keeps its scale; any other own forward is refused
-            embedding_scale(module)
-        except TypeError as e:
-            raise TypeError(f"parallelize: module '{ctx.name}' (style 'vocab_embedding'): {e}. Leave it out of "
-                            "the plan ('replicate') to keep it dense") from None
-        return Built(VocabParallelEmbedding.from_dense(module, group=ctx.group, sequence_parallel=self.sequence_parallel,
-                                                       partial_output=self.partial_output),
-                     region="enter_sequence" if self.sequence_parallel else None)  # (its lookup reduce-scatters)
-
-
-@dataclass(frozen=True)
-class VocabHead:
-    """An LM head ``nn.Linear(dim, vocab)`` split along the (padded) vocabulary, its bias (if any) too.
-
-    ``gather_output=True`` (default) returns full logits, so a model computing its own loss keeps
-    working; False keeps this rank's shard for ``vocab_parallel_cross_entropy``. Same placement as
-    :class:`VocabEmbedding`, so a head tied to the embedding stays tied.
-    """
-
-    gather_output: bool = True
-
-    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
-        if is_peft_saved_copies(module):
-            return _with_saved_copies(self, module, ctx)
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"parallelize: module '{ctx.name}' is a {class_name(module)}; style "
-                            "'vocab_head' needs an nn.Linear")
-        _check_plain(module, nn.Linear, ctx, "vocab_head")
-        return Built(ParallelLMHead.from_dense(module, group=ctx.group, gather_output=self.gather_output))
-
-
-@dataclass(frozen=True)
-class Experts:
-    """MoE experts kept as one module of 3-D parameters (Hugging Face's ``gate_up_proj`` /
-    ``down_proj``): every expert's ffn split across ranks, the partial outputs summed once
-    (:class:`~tplayers.layers.experts.ParallelExperts`). ``splits``: ``(parameter, dim, parts)`` for
-    every parameter, e.g. ``(("gate_up_proj", 1, 2), ("down_proj", 2, 1))`` for Mixtral's layout
-    (``parts=2``: a packed ``[gate; up]``, each half split); ``divide_attrs``: the module's int
-    attributes holding the ffn size, divided by the TP degree where present; ``dispatch`` (every
-    parameter cut along dim 0, whole experts per rank): ``"all_reduce"`` (every rank runs its experts on
-    every token) or ``"all_to_all"`` (each rank sends its share of the routed tokens to the experts'
-    ranks and back: :mod:`tplayers.layers.token_dispatch`); ``sequence_parallel`` (``"all_to_all"``): the
-    experts sit in a sequence-parallel region and each rank's tokens are its own chunk of the sequence
-    (``parallelize(model, "auto", sequence_parallel=True, experts="all_to_all")``)."""
-
-    splits: Tuple[ExpertSplit, ...]
-    divide_attrs: Tuple[str, ...] = ("intermediate_dim", "intermediate_size", "expert_dim")
-    identity_experts: Tuple[str, ...] = ()  # child nn.Identity experts (LongCat-Flash's zero experts)
-    added_once: Tuple[str, ...] = ()  # parameters added after the down projection (gpt-oss's down_proj_bias)
-    dispatch: str = "all_reduce"  # whole experts: "all_to_all" sends each rank's share of the tokens to them
-    sequence_parallel: bool = False  # "all_to_all": the tokens are this rank's sequence chunk (follows the switch)
-
-    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
-        try:
-            layer = ParallelExperts.from_dense(module, group=ctx.group, splits=self.splits,
-                                               divide_attrs=self.divide_attrs, identity_experts=self.identity_experts,
-                                               added_once=self.added_once, dispatch=self.dispatch,
-                                               sequence_parallel=self.sequence_parallel)
-        except ValueError as e:
-            raise ValueError(f"parallelize: module '{ctx.name}' (style Experts): {e}") from None
-        return _switched(layer, ctx)
-
-
-@dataclass(frozen=True)
-class LatentKV:
-    """Multi-head latent attention's ``kv_a_proj_with_mqa`` (DeepSeek-V2/V3): kept whole on every rank.
-    Its output is ``[latent (kv_lora_rank); rotary key (rope_dim)]``: the latent feeds the column-split
-    ``kv_b_proj`` (whose backward sums the latent's gradient), but the rotary key is shared by every
-    head and goes straight into attention, so each rank's gradient for it covers only its own heads:
-    summed over the group here (one small all-reduce per layer backward). ``rope_dim``: the count, or
-    the attribute path on the attention that holds it."""
-
-    rope_dim: Union[int, str] = "qk_rope_head_dim"
-
-    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"parallelize: module '{ctx.name}' is a {class_name(module)}; style LatentKV needs an "
-                            "nn.Linear")
-        _check_plain(module, nn.Linear, ctx, "LatentKV")
-        rope = _count(self.rope_dim, ctx, "LatentKV", "rope_dim")
-        if not 0 < rope < module.out_features:
-            raise ValueError(f"parallelize: module '{ctx.name}' (LatentKV): rope_dim={rope} must be positive and below "
-                             f"out_features={module.out_features}")
-        tp = ctx.group
-
-        def rotary_key_grad_summed(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-            latent, rotary = out.split([out.shape[-1] - rope, rope], dim=-1)
-            return torch.cat([latent, copy_to_tp(rotary, group=tp)], dim=-1)
-        return Built(module, finish=lambda: module.register_forward_hook(rotary_key_grad_summed),
-                     label="replicated; the rotary key's gradient summed over the group")
-
-
-@dataclass(frozen=True)
-class MambaMixer:
-    """A Mamba mixer of Hugging Face's layout split across ranks (:mod:`tplayers.layers.mamba`): a Mamba-2 mixer by
-    heads (``ParallelMamba2``: ``in_proj`` column-parallel part by part, gate, x, B, C, dt; its conv channels,
-    per-head ``A_log`` / ``D`` / ``dt_bias`` and gated-norm channels cut with the heads, ``out_proj`` row-parallel),
-    a Mamba-1 mixer (Jamba's) by channels (``ParallelMamba1``). ``mixers_only``: a module at the pattern that is
-    neither stays as it is, its children styled by their own entries (Nemotron-H names every layer's mixer
-    ``mixer``: attention, MLP, MoE or Mamba)."""
-
-    mixers_only: bool = False
-
-    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
-        layer_cls = (ParallelMamba2 if is_mamba2_mixer(module) else ParallelMamba1 if is_mamba1_mixer(module)
-                     else None)
-        if layer_cls is None and self.mixers_only:
-            return Built(module)
-        try:
-            layer = (layer_cls or ParallelMamba2).from_dense(module, group=ctx.group)  # (None: names what is missing)
-        except ValueError as e:
-            raise ValueError(f"parallelize: module '{ctx.name}' (style MambaMixer): {e}") from None
-        return Built(layer)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Dict, Union
 
 from ..sequence import PerHeadParams
-from ..styles import MambaMixer, Style
+from ..styles import Style
+from ..styles_whole import MambaMixer
 
 __all__ = ["ADDED_ONCE", "FAMILY_ADDITIONS", "NO_WHOLE_EXPERTS"]
 

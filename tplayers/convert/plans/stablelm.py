@@ -22,7 +22,8 @@ from ...core.groups import TPGroup
 from ...core.placement import Replicated, kv_shards, require_divisible
 from ...layers.base import PLACEMENTS_ATTR
 from ..plan import Plan
-from ..styles import BuildContext, Built, KVColumn, attention_heads
+from ..heads import attention_heads
+from ..styles import BuildContext, Built, KVColumn
 from . import llama
 
 __all__ = ["PLAN", "LocalHeadNorms"]
@@ -43,7 +44,7 @@ class LocalHeadNorms:
     ``kv=False``: the query heads' norms (rank r holds heads ``[r * h/p, (r + 1) * h/p)``); ``kv=True``: the
     KV heads' norms, by the KV-head rule (:func:`~tplayers.core.placement.kv_shards`: fewer KV heads than
     ranks, each held by ``p / kv`` consecutive ranks). Head counts are read from the attention holding the
-    module (:func:`~tplayers.convert.styles.attention_heads`). Every norm stays whole on every rank; their
+    module (:func:`~tplayers.convert.heads.attention_heads`). Every norm stays whole on every rank; their
     parameters enter the forward stacked through one ``copy_to_tp`` (one all-reduce of the stacked gradient,
     the same on every rank whichever heads it holds), placement ``Replicated(partial_grad=True)``."""
 
