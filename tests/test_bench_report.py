@@ -14,7 +14,8 @@ from tplayers.bench.overlap import BenchConfig
 from tplayers.bench.report import summarize
 from tplayers.bench.timing import Progress, Timing, estimate_line
 from tplayers.cli import build_parser, main
-from tplayers.cli.bench_cmd import bench_config, format_report
+from tplayers.cli.bench_cmd import bench_config
+from tplayers.cli.bench_table import format_report
 
 SCHEDULES = ("tp", "tp_blocking", "tp_split", "tp_chunked", "tp_cm")
 

@@ -10,7 +10,7 @@ from conftest import ROOT, subprocess_env
 
 from tplayers.bench import MODES, SCHEMA
 from tplayers.cli import main
-from tplayers.cli.bench_cmd import format_report, plot_report
+from tplayers.cli.bench_table import format_report, plot_report
 
 
 def test_bench_json_schema_and_table(capsys, tmp_path):
