@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from tplayers.bench.overlap import BenchConfig
+from tplayers.bench.config import BenchConfig
 from tplayers.bench.report import summarize
 from tplayers.bench.timing import Progress, Timing, estimate_line
 from tplayers.cli import build_parser, main

@@ -105,7 +105,7 @@ def test_bench_bad_link_is_a_usage_error(capsys):
 
 
 def test_every_option_has_help_and_the_readme_names_the_default_shape():
-    from tplayers.bench.overlap import SHAPES
+    from tplayers.bench.config import SHAPES
     from tplayers.cli import build_parser
 
     parser = build_parser()

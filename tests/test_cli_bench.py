@@ -142,7 +142,8 @@ def test_bench_block_collectives_alone(monkeypatch, sp, expect_all, expect_bwd):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from tplayers.bench.overlap import BenchConfig, BenchInputs
+    from tplayers.bench.config import BenchConfig
+    from tplayers.bench.overlap import BenchInputs
     from tplayers.bench.accounting import comm_accounting
     from tplayers.core.groups import resolve_group
 

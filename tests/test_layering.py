@@ -1,6 +1,6 @@
 """The package's floors are checked, not promised: no module imports from a floor above its own, no
-module takes another module's private (``_x``) names, and only core/collectives issues
-torch.distributed collectives. Parses source; no processes."""
+module takes another module's private (``_x``) names, no two modules import each other (directly or round a
+circle, ``TYPE_CHECKING`` imports included), and only core/collectives issues torch.distributed collectives. Parses source; no processes."""
 import ast
 import pathlib
 from typing import List
@@ -86,6 +86,37 @@ def collectives_outside_comm(root: pathlib.Path) -> List[str]:
     return errors
 
 
+def import_cycles(root: pathlib.Path) -> List[str]:
+    """Every circle of module imports (``a -> b -> a``), packages' ``__init__`` left out (a package re-exports
+    its modules), ``TYPE_CHECKING`` imports counted: the one ordering of modules a reader can follow."""
+    names = {}
+    for path in root.rglob("*.py"):
+        if path.name != "__init__.py":
+            names[".".join(["tplayers", *path.relative_to(root).with_suffix("").parts])] = path
+    graph = {m: set() for m in names}
+    for m, path in names.items():
+        for imported in _imported_modules(path, root):
+            target = imported if imported in names else imported.rpartition(".")[0]
+            if target in names and target != m:
+                graph[m].add(target)
+    cycles, state = set(), {}
+
+    def visit(m: str, trail: List[str]) -> None:  # depth first; a module on the trail closes a circle
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                circle = trail[trail.index(n):]
+                start = circle.index(min(circle))
+                cycles.add(" -> ".join(circle[start:] + circle[:start] + [min(circle)]))
+            elif n not in state:
+                visit(n, trail + [n])
+        state[m] = "done"
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return sorted(cycles)
+
+
 def test_every_package_folder_is_a_floor():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert folders == set(FLOORS)
@@ -144,3 +175,17 @@ def test_the_collective_check_catches_a_stray_collective(tmp_path):
     vocab = copy / "layers" / "vocab.py"
     vocab.write_text(vocab.read_text() + "\ndist.all_reduce(x)\n")
     assert [e.split(" ")[1] for e in collectives_outside_comm(copy)] == ["dist.all_reduce"]
+
+
+def test_no_module_imports_round_a_circle():
+    assert import_cycles(PACKAGE) == []
+
+
+def test_the_cycle_check_catches_a_circle(tmp_path):
+    import shutil
+
+    copy = tmp_path / "tplayers"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    config = copy / "bench" / "config.py"
+    config.write_text(config.read_text() + "\nif TYPE_CHECKING:\n    from .overlap import Mode\n")
+    assert "tplayers.bench.config -> tplayers.bench.overlap -> tplayers.bench.config" in import_cycles(copy)

@@ -1,7 +1,8 @@
 """Floor 7, bench: timing over ranks (timing.py), the overlap microbenchmark (overlap.py: config, modes,
 runner; modules.py: what it builds; schedule.py: the collectives alone; measure.py: accounting,
 timeline, trace), its report (report.py), one simulated rank (simulate.py)."""
-from .overlap import MODE_LABELS, MODES, SHAPES, BenchConfig, run_overlap_bench
+from .config import MODES, SHAPES, BenchConfig
+from .overlap import MODE_LABELS, run_overlap_bench
 from .report import SCHEMA, summarize
 from .timing import Timing, barrier, fwd_bwd_step, time_steps
 

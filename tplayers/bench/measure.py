@@ -7,18 +7,17 @@ import contextlib
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from ..core.collectives import all_reduce_tensor
 from ..core.groups import TPGroup, collective_device
 from .accounting import comm_accounting
+from .config import BenchConfig
 from .link import LinkModel, matmul_tflops, parse_link
 from .timing import barrier, sync
 
-if TYPE_CHECKING:  # (overlap.py imports this module)
-    from .overlap import BenchConfig
 
 __all__ = ["resolve_link", "slowest_tflops", "ACCOUNTING_COLUMNS", "accounting_row", "Accounted", "step_timeline",
            "profile"]

@@ -4,7 +4,7 @@ parallelism (fc1 on rank 0, fc2 on rank 1) for the MLP."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -15,9 +15,8 @@ from ..core.groups import TPGroup
 from ..layers import ColumnParallelLinear, RowParallelLinear, set_overlap
 from ..models.blocks import ParallelMLP, ParallelTransformerBlock
 from ..models.dense import BlockConfig, DenseMLP, DenseTransformerBlock
+from .config import MODULE_NAMES, BenchConfig
 
-if TYPE_CHECKING:  # (overlap.py imports this module)
-    from .overlap import BenchConfig
 
 __all__ = ["ModuleKind", "MODULES", "tp_model", "naive_step"]
 
@@ -99,6 +98,7 @@ MODULES: Dict[str, ModuleKind] = {
             d.attn.qkv.weight.device, d.attn.qkv.weight.dtype),
         split=_split_block),
 }
+assert tuple(MODULES) == MODULE_NAMES, "bench.config.MODULE_NAMES names MODULES in order"
 
 
 def tp_model(dense: nn.Module, cfg: "BenchConfig", g: TPGroup, overlap: bool) -> nn.Module:

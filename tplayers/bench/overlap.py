@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -28,7 +28,7 @@ from ..core.dtypes import DTYPES
 from ..core.groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
 from ..layers import set_overlap
 from .accounting import emulated_link
-from .link import parse_link
+from .config import MODES, BenchConfig
 from .link import calibration
 from .measure import ACCOUNTING_COLUMNS, Accounted, profile, resolve_link, slowest_tflops, step_timeline
 from .modules import MODULES, naive_step, tp_model
@@ -36,86 +36,9 @@ from .report import SCHEDULES, backend_name, summarize
 from .schedule import comm_steps, record_collectives
 from .timing import Timing, fwd_bwd_step, leaf, time_steps
 
-__all__ = ["BenchConfig", "BenchInputs", "Mode", "MODE_TABLE", "MODES", "MODE_LABELS", "SHAPES", "LAYER_SHAPES",
-           "run_overlap_bench"]
+__all__ = ["BenchInputs", "Mode", "MODE_TABLE", "MODE_LABELS", "run_overlap_bench"]
 
 Step = Callable[[], None]
-
-# Named shapes: latency-bound, compute-bound, and communication-heavy (many tokens, narrow hidden).
-SHAPES: Dict[str, Dict[str, int]] = {
-    "small": dict(batch=1, seq=16, hidden=64, ffn=256),
-    "large": dict(batch=4, seq=256, hidden=512, ffn=2048),
-    "comm-heavy": dict(batch=8, seq=1024, hidden=64, ffn=256),
-}
-
-# One real model layer (implies --module block): Llama-3 8B / 70B (hidden, ffn, heads, KV heads from
-# their published configs); few tokens, so one rank's compute fits this machine.
-LAYER_SHAPES: Dict[str, Dict[str, Any]] = {
-    "llama3-8b": dict(batch=1, seq=128, hidden=4096, ffn=14336, heads=32, kv_heads=8, activation="swiglu",
-                      norm="rmsnorm"),
-    "llama3-70b": dict(batch=1, seq=64, hidden=8192, ffn=28672, heads=64, kv_heads=8, activation="swiglu",
-                       norm="rmsnorm"),
-}
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark: module, shape ``[batch, seq, hidden]`` (ffn for the MLP and the block; heads
-    for the block), precision, modes."""
-
-    module: str = "mlp"  # "mlp" (Column -> GELU -> Row) | "column" | "block" (ParallelTransformerBlock)
-    batch: int = 8
-    seq: int = 1024
-    hidden: int = 64
-    ffn: int = 256
-    heads: int = 4  # attention heads of the block (MHA, head_dim = hidden / heads)
-    kv_heads: Optional[int] = None  # block: grouped-query attention (None: = heads)
-    activation: str = "gelu"  # block: "gelu" | "swiglu"
-    norm: str = "layernorm"  # block: "layernorm" | "rmsnorm"
-    dtype: str = "float32"
-    device: str = "cpu"
-    sequence_parallel: bool = False
-    iters: int = 50
-    warmup: int = 5
-    modes: Tuple[str, ...] = field(default_factory=lambda: MODES)  # every mode (MODES is below)
-    seed: int = 0
-    progress: bool = False
-    trace_dir: Optional[str] = None
-    trace_iters: int = 3
-    link: Optional[str] = None  # an emulated interconnect (tplayers.bench.link spec), None: the real backend
-    default_link: bool = False  # the link is the CPU default (DEFAULT_CPU_LINK), not asked for
-    chunks: int = 2  # mode tp_chunked: batch chunks (forward overlap, Domino-style)
-
-    def __post_init__(self) -> None:
-        if self.module not in MODULES:
-            raise ValueError(f"bench: unknown module {self.module!r} (choose from {sorted(MODULES)})")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"bench: unknown dtype {self.dtype!r} (choose from {sorted(DTYPES)})")
-        unknown = [m for m in self.modes if m not in MODES]
-        if unknown:
-            raise ValueError(f"bench: unknown modes {unknown} (choose from {list(MODES)})")
-        for name in ("batch", "seq", "hidden", "ffn", "heads", "iters", "chunks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"bench: {name}={getattr(self, name)} must be >= 1")
-        if self.warmup < 0:
-            raise ValueError(f"bench: warmup={self.warmup} must be >= 0")
-        if self.module == "block" and self.hidden % self.heads:
-            raise ValueError(f"bench: hidden={self.hidden} is not divisible by heads={self.heads} (block)")
-        if self.link is not None:
-            try:  # the spec's syntax, now (match: measures later, on the ranks)
-                parse_link(self.link, tflops=1.0)
-            except ValueError as e:
-                raise ValueError(f"bench: {e}") from None
-
-    def check_tp(self, tp: int) -> None:
-        """Clear errors for shapes the TP degree does not divide."""
-        if self.ffn % tp:
-            raise ValueError(f"bench: ffn={self.ffn} is not divisible by the TP degree {tp}")
-        if self.module == "block" and self.heads % tp:
-            raise ValueError(f"bench: heads={self.heads} is not divisible by the TP degree {tp} (block)")
-        if self.sequence_parallel and self.seq % tp:
-            raise ValueError(f"bench: seq={self.seq} is not divisible by the TP degree {tp} (sequence parallel)")
-
 
 # ---------------------------------------------------------------------------- the modes
 
@@ -224,7 +147,7 @@ MODE_TABLE: Dict[str, Mode] = {
                   lambda s: None if s.g.size == 2 and s.cfg.module == "mlp" else
                   "needs --tp 2 and --module mlp (fc1 on rank 0, fc2 on rank 1)"),
 }
-MODES: Tuple[str, ...] = tuple(MODE_TABLE)
+assert tuple(MODE_TABLE) == MODES, "bench.config.MODES names MODE_TABLE's modes in order"
 MODE_LABELS: Dict[str, str] = {name: mode.label for name, mode in MODE_TABLE.items()}
 
 

@@ -11,17 +11,16 @@ collective's wait starts at its launch).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable, List, Tuple
+from typing import Callable, List, Tuple
 
 import torch
 
 from ..core.collectives import SEQ_DIM, all_gather_tensor, all_reduce_, reduce_scatter_tensor
 from ..core.groups import TPGroup
 from .accounting import CommRecord, comm_accounting
+from .config import BenchConfig
 from .timing import sync
 
-if TYPE_CHECKING:  # (overlap.py imports this module)
-    from .overlap import BenchConfig
 
 __all__ = ["record_collectives", "comm_steps"]
 

@@ -22,7 +22,8 @@ import torch.nn as nn
 from ..core.dtypes import DTYPES
 from ..core.groups import resolve_group
 from .modules import MODULES, tp_model
-from .overlap import BenchConfig, run_overlap_bench
+from .config import BenchConfig
+from .overlap import run_overlap_bench
 
 __all__ = ["simulate", "rank_memory"]
 

@@ -87,7 +87,7 @@ def _add_verify(sub: Any) -> None:
 
 def _add_bench(sub: Any) -> None:
     from ..bench.hf_budget import HF_FAMILIES
-    from ..bench.overlap import LAYER_SHAPES, MODES, SHAPES
+    from ..bench.config import LAYER_SHAPES, MODES, SHAPES
 
     b = sub.add_parser("bench", help="comm-overlap microbenchmark",
                        description="Time forward+backward of a TP module with the overlapped backward and with "

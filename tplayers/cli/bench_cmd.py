@@ -10,7 +10,8 @@ from typing import Optional
 
 from ..bench.hf_budget import HF_FAMILIES, HFBudgetConfig, format_hf_budget, run_hf_budget
 from ..bench.link import DEFAULT_CPU_LINK
-from ..bench.overlap import LAYER_SHAPES, SHAPES, BenchConfig, run_overlap_bench
+from ..bench.config import LAYER_SHAPES, SHAPES, BenchConfig
+from ..bench.overlap import run_overlap_bench
 from ..testing import FORKSERVER_PRELOAD
 from ._launch import run_on_ranks, under_torchrun
 from .bench_table import format_report, plot_report
