@@ -29,7 +29,8 @@ from .layers import (backward_dw, check_replicas, check_same_inputs, check_same_
                      set_overlap, use_main_grad, zero_main_grads)
 from .core.wgrad import WeightGradStore
 from .bench.accounting import CommAccounting, CommRecord, EmulatedLink, comm_accounting, emulated_link
-from .bench.budget import BudgetComparison, CommBudget, megatron_budget, megatron_budget_for_hf
+from .bench.budget import BudgetComparison, CommBudget, megatron_budget
+from .bench.hf_budget import megatron_budget_for_hf
 from .bench.link import LinkModel, parse_link
 from .convert.mesh2d import Mesh2D, make_2d_mesh
 from .io import load_checkpoint, load_dense, save_checkpoint, save_dense

@@ -28,7 +28,7 @@ one observer hook (`tplayers.core.collectives.set_observer`), installed while an
 removed after: when none is, a collective costs core one truth test.
 
 ``acct.against(budget)`` holds the records against what a layout must communicate
-(:mod:`.budget`: `megatron_budget`, `megatron_budget_for_hf`), per phase and collective.
+(:mod:`.budget`: `megatron_budget`; :mod:`.hf_budget`: `megatron_budget_for_hf`), per phase and collective.
 """
 from __future__ import annotations
 

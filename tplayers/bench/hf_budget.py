@@ -6,24 +6,27 @@ The model is built from a config (random weights, nothing downloaded) with the s
 first step runs uncounted (it holds the audit's own collectives, once per model), the second is
 counted. ``parallelize(model, "auto")``; with ``sequence_parallel`` the family's shipped sequence-parallel
 plan where it has one (Llama, GPT-2), else "auto"'s variant derived from the module tree (Qwen2, Mistral).
+`megatron_budget_for_hf`: the budget of any Hugging Face causal LM, read off its config.
 """
 from __future__ import annotations
 
 import platform
 from dataclasses import asdict, dataclass
 import contextlib
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
+import torch.nn as nn
 
 from ..convert import parallelize
 from ..convert.plans import SP_PLANS
 from ..core.dtypes import DTYPES
 from ..core.groups import GroupLike, resolve_group
 from .accounting import comm_accounting
-from .budget import megatron_budget_for_hf
+from ..layers.base import TensorParallelModule
+from .budget import CommBudget, megatron_budget
 
-__all__ = ["HF_FAMILIES", "HFBudgetConfig", "run_hf_budget", "format_hf_budget", "BUDGET_SCHEMA"]
+__all__ = ["HF_FAMILIES", "HFBudgetConfig", "run_hf_budget", "format_hf_budget", "BUDGET_SCHEMA", "megatron_budget_for_hf"]
 
 BUDGET_SCHEMA = "tplayers-bench-budget/1"
 
@@ -129,3 +132,62 @@ def format_hf_budget(result: Dict[str, Any]) -> str:
             f"{c['dtype']}  {env['device']}; one forward+backward with labels after a first step, collectives "
             "counted (not timed)")
     return "\n".join([head, "", result["table"], "", result["budget"]])
+
+
+# ---------------------------------------------------------------------------- the budget of a model
+
+
+def megatron_budget_for_hf(model: nn.Module, input_shape: Sequence[int], *, tp_size: Optional[int] = None,
+                           sequence_parallel: bool = False, loss_parallel: bool = False,
+                           dtype: Optional[torch.dtype] = None) -> CommBudget:
+    """`megatron_budget` of a Hugging Face causal LM (dense or parallelized) on ``input_ids`` of shape
+    ``input_shape`` = (batch, seq), reading ``num_hidden_layers``, ``hidden_size`` and ``vocab_size``
+    from ``model.config``. ``tp_size``: default the TP degree of the model's TP layers;
+    ``sequence_parallel`` / ``loss_parallel``: as given to ``parallelize``; ``dtype``: of the activations
+    in the TP regions, default the model's floating-point parameters' (under ``torch.autocast``, its dtype:
+    the embedding and the norms' gradients are then counted in the parameters' dtype, ``residual_dtype``). Under sequence parallelism the norms counted are the modules
+    whose class name contains "Norm" and whose parameters are vectors of ``hidden_size``."""
+    config = getattr(model, "config", None)
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if getattr(config, k, None) is None]
+    if missing:
+        raise ValueError(f"megatron_budget_for_hf: {type(model).__name__} has no Hugging Face config with "
+                         f"{', '.join(missing)} (model.config: {type(config).__name__})")
+    if len(input_shape) != 2:
+        raise ValueError(f"megatron_budget_for_hf: input_shape must be (batch, seq), got {tuple(input_shape)}")
+    if tp_size is None:
+        groups = {m.group.size for m in model.modules() if isinstance(m, TensorParallelModule)}
+        if len(groups) != 1:
+            raise ValueError("megatron_budget_for_hf: pass tp_size= (the model has "
+                             f"{'no TP layers' if not groups else f'TP layers of sizes {sorted(groups)}'})")
+        tp_size = groups.pop()
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    param_dtype = floats[0] if floats else torch.float32
+    dtype = param_dtype if dtype is None else dtype
+    hidden = int(config.hidden_size)
+    norm_params = _norm_params(model, hidden) if sequence_parallel else None
+    return megatron_budget(layers=int(config.num_hidden_layers), batch=int(input_shape[0]), seq=int(input_shape[1]),
+                           hidden=hidden, vocab=int(config.vocab_size), tp_size=tp_size, dtype=dtype,
+                           sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, norm_params=norm_params,
+                           kv_replicas=_kv_replicas(model, config, hidden, tp_size), residual_dtype=param_dtype)
+
+
+def _kv_replicas(model: nn.Module, config: Any, hidden: int, tp_size: int) -> Optional[Tuple[int, int]]:
+    """``(ranks sharing a KV head, k and v elements per rank per layer)`` when KV heads are replicated evenly
+    (fewer than the ranks, dividing them); None otherwise. Biases: when the model's k projections have one."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not heads or not kv or kv >= tp_size or tp_size % kv:
+        return None
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    biased = any(n.rsplit(".", 1)[-1] == "k_proj" and getattr(m, "bias", None) is not None for n, m in model.named_modules())
+    return tp_size // kv, 2 * head_dim * (hidden + int(biased))
+
+
+def _norm_params(model: nn.Module, hidden: int) -> int:
+    """Elements of the norms on the residual stream (``hidden``-wide vectors; a q/k norm over a head is not one)."""
+    total = 0
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if "Norm" in type(module).__name__ and params and all(p.dim() == 1 and p.numel() == hidden for p in params):
+            total += sum(p.numel() for p in params)
+    return total
