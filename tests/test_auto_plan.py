@@ -12,7 +12,8 @@ import torch.nn as nn
 
 import tplayers
 from tplayers.convert import HF_STYLES, SKIPPED_STYLES, Column, KVColumn, LatentKV, ReplicateReduceGrad, Row
-from tplayers.convert.auto import auto_plan, translate_style
+from tplayers.convert.auto import auto_plan
+from tplayers.convert.hf_styles import translate_style
 from tplayers.testing import dense_parameters, get_world
 
 

@@ -15,7 +15,8 @@
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from .audit import AuditReport, audit
 from .audit_region import AuditError
-from .auto import HF_STYLES, SKIPPED_STYLES, auto_plan
+from .auto import auto_plan
+from .hf_styles import HF_STYLES, SKIPPED_STYLES
 from .coverage import CoverageReport, coverage
 from .mesh2d import Mesh2D, make_2d_mesh
 from .parallelize import parallelize

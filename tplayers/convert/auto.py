@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch.nn as nn
 
@@ -45,15 +45,15 @@ from ..layers.vocab import embedding_scale
 from .plan import Plan, local_attention_attrs
 from .plans import MODEL_TYPES, PLANS
 from .plans.hf_additions import ADDED_ONCE, FAMILY_ADDITIONS, NO_WHOLE_EXPERTS
-from .sequence import PerHeadParams, ReplicateReduceGrad
+from .sequence import PerHeadParams
 from .heads import attention_heads
+from .hf_styles import EXPERTS_REPLICATED, REPLICATED_EXPERTS, SKIPPED_STYLES, translate_style
 from .styles import Column, KVColumn, is_peft_saved_copies, Replicate, Row, Style
 from .styles_vocab import VocabEmbedding, VocabHead
 from .styles_whole import Experts, LatentKV
 
-__all__ = ["HF_STYLES", "SKIPPED_STYLES", "FAMILY_ADDITIONS", "AutoPlan", "auto_plan", "translate_style"]
+__all__ = ["FAMILY_ADDITIONS", "AutoPlan", "auto_plan"]
 
-_KV_PROJECTIONS = ("k_proj", "v_proj")
 # The children of an attention module whose column split divides its heads: the attention's own
 # head-count attributes then follow the local heads.
 _HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv",
@@ -61,56 +61,11 @@ _HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"
 # An MLP's column / row projections (each pair cut the same way when the ffn does not divide the TP degree)
 _FFN_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "c_fc", "w1", "w2", "w3",
                     "dense_h_to_4h", "dense_4h_to_h")
-_REPLICATED_EXPERTS = "MoE experts stay replicated"
-_EXPERTS = f"{_REPLICATED_EXPERTS} (the plan does not split them): exact, but no memory saved"
 # transformers' styles on an experts module's 3-D parameters (weights laid out (..., out, in)): the
 # dim to cut, counted from the end, and the number of packed parts ([gate; up] is two)
 _EXPERT_PARAM_STYLES = {"colwise": (2, 1), "packed_colwise": (2, 2), "rowwise": (1, 1), "packed_rowwise": (1, 2)}
 # transformers' expert-parallel plan's style on experts' parameters (cut along the expert dim), read for whole experts
 GROUPED_GEMM = "grouped_gemm"
-
-# transformers' style names (4.48 .. 5.x) -> a tplayers style, by the last component of the module name.
-HF_STYLES: Dict[str, Callable[[str], Style]] = {
-    "colwise": lambda leaf: KVColumn() if leaf in _KV_PROJECTIONS else Column(),
-    "local_colwise": lambda leaf: KVColumn() if leaf in _KV_PROJECTIONS else Column(),
-    "rowwise": lambda leaf: Row(),
-    "local_rowwise": lambda leaf: Row(),  # 4.5x: its sum came from a "gather" parent; Row all-reduces itself
-    "colwise_rep": lambda leaf: Column(gather_output=True),
-    "colwise_gather_output": lambda leaf: Column(gather_output=True),
-    "rowwise_rep": lambda leaf: Row(input_is_parallel=False),
-    "rowwise_split_input": lambda leaf: Row(input_is_parallel=False),
-    "packed_colwise": lambda leaf: Column(parts=2),  # fused [gate; up]
-    "embedding_rowwise": lambda leaf: VocabEmbedding(),
-    "embedding_colwise": lambda leaf: VocabEmbedding(),  # same result; tplayers splits the vocabulary
-    "replicated_with_grad_allreduce": lambda leaf: ReplicateReduceGrad(),
-    "replicate": lambda leaf: Replicate(),
-    "mla_kv_a_proj": lambda leaf: LatentKV(),
-}
-
-# Recognised names that "auto" leaves out, with the reason the coverage report gives.
-SKIPPED_STYLES: Dict[str, str] = {
-    "moe_tp_experts": _EXPERTS, "moe_identity_expert": _EXPERTS, "grouped_gemm": _EXPERTS, "ep_router": _EXPERTS,
-    "local": _EXPERTS, "isolated": _EXPERTS, "local_packed_rowwise": _EXPERTS, "packed_rowwise": _EXPERTS,
-    # transformers sums a module's partial output with these; every tplayers layer already returns a
-    # complete output (its row layers all-reduce), so there is nothing left to sum.
-    "gather": "its children's outputs are already complete (tplayers row layers all-reduce)",
-    "all_reduce": "its children's outputs are already complete (tplayers row layers all-reduce)",
-    "sequence_parallel": "the 'auto' plan is the plain TP layout: this norm sees the whole sequence (with "
-                         "sequence_parallel=True, the variant derived from the module tree splits it)",
-    "local_params": "its own parameters follow their own keys (one value per query head, e.g. sinks, styled "
-                    "'colwise': read for this rank's heads; any other bare parameter refused); none here",
-}
-
-
-def translate_style(hf_style: Union[str, Style], module_name: str) -> Style:
-    """The tplayers style for transformers' ``hf_style`` on module ``module_name`` (a tplayers style, from
-    :data:`FAMILY_ADDITIONS`, as it is), or an error."""
-    if not isinstance(hf_style, str):
-        return hf_style
-    if hf_style in HF_STYLES:
-        return HF_STYLES[hf_style](module_name.rpartition(".")[2])
-    raise ValueError(f"parallelize(model, 'auto'): module '{module_name}' has the unknown Hugging Face style "
-                     f"'{hf_style}'; known: {sorted(HF_STYLES)}, left out: {sorted(SKIPPED_STYLES)}")
 
 
 @dataclass
@@ -194,48 +149,23 @@ def _unwrap(model: nn.Module, whole_experts: bool = False) -> Dict[str, str]:
     return {f"{path}.{k}": v for k, v in _hf_plan(base, whole_experts).items()}
 
 
-def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
-    """Translate ``model``'s own transformers plan into a tplayers :class:`Plan` (see the module
-    docstring); pure: reads the model, changes nothing. A PEFT ``PeftModel`` is read through to the
-    model it wraps. ``experts``: how MoE experts are split, ``"ffn"`` (every expert's ffn across the
-    ranks, transformers' ``moe_tp_experts``), ``"whole"`` (whole experts per rank: expert
-    parallelism over the TP group, partial outputs all-reduced) or ``"all_to_all"`` (whole experts per
-    rank, each rank sending its share of the routed tokens to the experts' ranks and back: transformers'
-    ``ep_dispatch_experts`` with ``AllToAllEP``)."""
+def _check_experts(experts: str, model_type: Optional[str]) -> None:
+    """The ``experts`` choice, refused where it does not exist or this family's experts cannot take it."""
     if experts not in ("ffn", "whole", "all_to_all"):
         raise ValueError(f"parallelize(model, 'auto'): experts={experts!r}; choose 'ffn' (each expert's ffn split "
                          "across ranks), 'whole' (whole experts per rank) or 'all_to_all' (whole experts per rank, "
                          "tokens sent to them)")
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
     if experts == "whole" and model_type in NO_WHOLE_EXPERTS:
         raise ValueError(f"parallelize(model, 'auto', experts='whole'): {NO_WHOLE_EXPERTS[model_type]}; use "
                          "experts='ffn' (each expert's ffn split across ranks) or experts='all_to_all' (whole experts "
                          "per rank, tokens sent to them: only this rank's expert ids reach its experts)")
-    hf = _unwrap(model, whole_experts=experts != "ffn")
-    if not hf:
-        if model_type in MODEL_TYPES:  # no plan of its own, but tplayers ships one for its family
-            return AutoPlan(plan=PLANS[MODEL_TYPES[model_type]], sources={})
-        raise ValueError(f"parallelize(model, 'auto'): {type(model).__name__} has no tensor-parallel plan of its own "
-                         f"(config.base_model_tp_plan is empty) and tplayers ships none for model_type "
-                         f"{model_type!r} (shipped: {sorted(PLANS)}); give a plan of your own")
-    modules = dict(model.named_modules())
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    matches = {key: [n for n in modules if n and _regex(key).match(n)] for key in hf}
-    param_keys = {key for key in hf if not matches[key] and any(_regex(key).match(p) for p in params)}
-    experts_found = [n for key, names in matches.items()
-                     if hf[key] in SKIPPED_STYLES and SKIPPED_STYLES[hf[key]] == _EXPERTS for n in names]
-    layers: Dict[str, Union[str, Style]] = {}
-    skipped: Dict[str, str] = {}
-    for name, why in _split_experts(modules, hf, matches, param_keys, whole=experts in ("whole", "all_to_all"),
-                                    dispatch="all_to_all" if experts == "all_to_all" else "all_reduce").items():
-        if isinstance(why, Experts):
-            layers[name] = why
-        else:
-            skipped[name] = why
-    split = [n for n, st in layers.items() if isinstance(st, Experts)]
-    unmatched = [k for k in hf if not matches[k] and k not in param_keys]
-    replicated = [e for e in experts_found if e not in split]
-    per_head: Dict[str, List[str]] = {}  # an attention -> its parameters holding one value per head (sinks)
+
+
+def _bare_parameters(param_keys: set, params: set, split: List[str], replicated: List[str],
+                     modules: Dict[str, nn.Module], hf: Dict[str, str], skipped: Dict[str, str]) -> Dict[str, List[str]]:
+    """The plan's keys naming bare parameters: split with their experts, left inside replicated ones, read per
+    head by their attention (sinks: the returned attention -> its parameter names), else refused."""
+    per_head: Dict[str, List[str]] = {}
     for key in sorted(param_keys):  # a bare parameter: split with its experts, left inside replicated ones, else refused
         if all(any(p.startswith(e + ".") for e in split) for p in params if _regex(key).match(p)):
             continue
@@ -250,31 +180,13 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
             raise ValueError(f"parallelize(model, 'auto'): the plan gives the bare parameter '{outside[0]}' the style "
                              f"'{hf[key]}'; sharding a parameter outside a module is not supported (outside MoE "
                              "experts, which stay replicated); give a plan of your own")
-        skipped[key] = _EXPERTS
-    for key, names in matches.items():
-        for name in names:
-            if name in layers or any(name.startswith(e + ".") for e in split):  # experts split above, and inside them
-                continue
-            if hf[key] == "local_params" and not modules[name]._parameters:  # (MiMo's full-attention layers: no sinks)
-                continue
-            if any(name == e or name.startswith(e + ".") for e in replicated):
-                skipped.setdefault(name, _EXPERTS)
-            elif hf[key] in SKIPPED_STYLES:
-                skipped[name] = SKIPPED_STYLES[hf[key]]
-            else:
-                layers[name] = translate_style(hf[key], name)
-    for owner, pnames in per_head.items():  # sinks styled colwise: read for this rank's heads
-        if owner in layers:
-            raise ValueError(f"parallelize(model, 'auto'): module '{owner}' has the style {layers[owner]!r} and "
-                             f"parameters {sorted(pnames)} styled per head; give a plan of your own")
-        layers[owner] = PerHeadParams(tuple(sorted(set(pnames))))
-        skipped.pop(owner, None)  # (its "local_params")
-    for name in [n for n, st in layers.items() if isinstance(st, LatentKV)]:
-        # the query's latent projection, like the KV one, runs whole on every rank (its output feeds q_b_proj)
-        q_a = f"{name.rpartition('.')[0]}.q_a_proj"
-        if q_a in modules and q_a not in layers:
-            layers[q_a] = Replicate()
-    _vocab_parallel_ends(model, layers, skipped)
+        skipped[key] = EXPERTS_REPLICATED
+    return per_head
+
+
+def _cut_by_heads(layers: Dict[str, Union[str, Style]]) -> Tuple[List[str], List[str]]:
+    """The attentions the plan splits, and those whose q_proj / o_proj it now cuts by whole heads (KV
+    projections and ffn layers as evenly as possible where they do not divide); ``layers`` updated."""
     attention = sorted({n.rpartition(".")[0] for n, s in layers.items()
                         if n.rpartition(".")[2] in _HEAD_PROJECTIONS and isinstance(s, (Column, KVColumn))
                         and not getattr(s, "gather_output", False)})
@@ -292,6 +204,69 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
     for name, style in list(layers.items()):  # an MLP's ffn that does not divide: as evenly as possible
         if name.rpartition(".")[2] in _FFN_PROJECTIONS and style in (Column(), Row(), Column(parts=2)):
             layers[name] = dataclasses.replace(style, uneven=True)
+    return attention, by_heads
+
+
+def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
+    """Translate ``model``'s own transformers plan into a tplayers :class:`Plan` (see the module
+    docstring); pure: reads the model, changes nothing. A PEFT ``PeftModel`` is read through to the
+    model it wraps. ``experts``: how MoE experts are split, ``"ffn"`` (every expert's ffn across the
+    ranks, transformers' ``moe_tp_experts``), ``"whole"`` (whole experts per rank: expert
+    parallelism over the TP group, partial outputs all-reduced) or ``"all_to_all"`` (whole experts per
+    rank, each rank sending its share of the routed tokens to the experts' ranks and back: transformers'
+    ``ep_dispatch_experts`` with ``AllToAllEP``)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    _check_experts(experts, model_type)
+    hf = _unwrap(model, whole_experts=experts != "ffn")
+    if not hf:
+        if model_type in MODEL_TYPES:  # no plan of its own, but tplayers ships one for its family
+            return AutoPlan(plan=PLANS[MODEL_TYPES[model_type]], sources={})
+        raise ValueError(f"parallelize(model, 'auto'): {type(model).__name__} has no tensor-parallel plan of its own "
+                         f"(config.base_model_tp_plan is empty) and tplayers ships none for model_type "
+                         f"{model_type!r} (shipped: {sorted(PLANS)}); give a plan of your own")
+    modules = dict(model.named_modules())
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    matches = {key: [n for n in modules if n and _regex(key).match(n)] for key in hf}
+    param_keys = {key for key in hf if not matches[key] and any(_regex(key).match(p) for p in params)}
+    experts_found = [n for key, names in matches.items()
+                     if hf[key] in SKIPPED_STYLES and SKIPPED_STYLES[hf[key]] == EXPERTS_REPLICATED for n in names]
+    layers: Dict[str, Union[str, Style]] = {}
+    skipped: Dict[str, str] = {}
+    for name, why in _split_experts(modules, hf, matches, param_keys, whole=experts in ("whole", "all_to_all"),
+                                    dispatch="all_to_all" if experts == "all_to_all" else "all_reduce").items():
+        if isinstance(why, Experts):
+            layers[name] = why
+        else:
+            skipped[name] = why
+    split = [n for n, st in layers.items() if isinstance(st, Experts)]
+    unmatched = [k for k in hf if not matches[k] and k not in param_keys]
+    replicated = [e for e in experts_found if e not in split]
+    per_head = _bare_parameters(param_keys, params, split, replicated, modules, hf, skipped)
+    for key, names in matches.items():
+        for name in names:
+            if name in layers or any(name.startswith(e + ".") for e in split):  # experts split above, and inside them
+                continue
+            if hf[key] == "local_params" and not modules[name]._parameters:  # (MiMo's full-attention layers: no sinks)
+                continue
+            if any(name == e or name.startswith(e + ".") for e in replicated):
+                skipped.setdefault(name, EXPERTS_REPLICATED)
+            elif hf[key] in SKIPPED_STYLES:
+                skipped[name] = SKIPPED_STYLES[hf[key]]
+            else:
+                layers[name] = translate_style(hf[key], name)
+    for owner, pnames in per_head.items():  # sinks styled colwise: read for this rank's heads
+        if owner in layers:
+            raise ValueError(f"parallelize(model, 'auto'): module '{owner}' has the style {layers[owner]!r} and "
+                             f"parameters {sorted(pnames)} styled per head; give a plan of your own")
+        layers[owner] = PerHeadParams(tuple(sorted(set(pnames))))
+        skipped.pop(owner, None)  # (its "local_params")
+    for name in [n for n, st in layers.items() if isinstance(st, LatentKV)]:
+        # the query's latent projection, like the KV one, runs whole on every rank (its output feeds q_b_proj)
+        q_a = f"{name.rpartition('.')[0]}.q_a_proj"
+        if q_a in modules and q_a not in layers:
+            layers[q_a] = Replicate()
+    _vocab_parallel_ends(model, layers, skipped)
+    attention, by_heads = _cut_by_heads(layers)
     plan = Plan(
         name="auto", layers=layers,
         # transformers >= 4.48 reshapes with view(..., -1, head_dim); older versions, and attentions keeping
@@ -355,7 +330,7 @@ def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: D
             if missing or inside or not splits or (identity and whole):
                 why = (f"parameters {missing} have no split the plan gives" if missing else f"it holds {inside}" if inside
                        else "identity experts with whole experts per rank" if identity else "nothing to split")
-                out[name] = f"{_REPLICATED_EXPERTS}: {why} (exact, but no memory saved)"
+                out[name] = f"{REPLICATED_EXPERTS}: {why} (exact, but no memory saved)"
             else:
                 out[name] = Experts(splits=tuple(splits), identity_experts=identity, added_once=tuple(added),
                                     dispatch=dispatch)
