@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from ..core.comm import copy_to_tp
 from ..layers.base import class_name
-from ..layers.experts import ExpertSplit, ParallelExperts
+from ..layers.expert_layout import ExpertSplit
+from ..layers.experts import ParallelExperts
 from ..layers.mamba import ParallelMamba1, ParallelMamba2, is_mamba1_mixer, is_mamba2_mixer
 from .styles import BuildContext, Built, refuse_own_forward, read_count, switched
 

@@ -40,7 +40,6 @@ the one layout for ranks holding different tokens (``sequence_parallel=True``).
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -48,20 +47,12 @@ import torch.nn as nn
 
 from ..core.comm import copy_many_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
-from ..core.placement import Placement, Replicated, Sharded
+from ..core.placement import Placement, Replicated
 from .base import TensorParallelModule, mixed_class, module_copy, params_read_as
+from .expert_layout import ExpertSplit, check_dispatch, check_params, expert_placements
 from .token_dispatch import dispatch_to_experts, tied_to
 
-__all__ = ["ParallelExperts", "ExpertSplit"]
-
-ExpertSplit = Tuple[str, int, int]  # (parameter name, dim, parts): parts=2 for a packed [gate; up]
-
-def _forward_inputs(cls: type) -> List[str]:
-    """The names of the positional inputs of ``cls.forward`` (after self); a ``*args`` counts as three."""
-    params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    if any(p.kind == p.VAR_POSITIONAL for p in params):
-        return ["*args"] * 3
-    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+__all__ = ["ParallelExperts"]
 
 
 Slot = Tuple[Any, Any]  # (the list of positional arguments or the kwargs dict, the index or key)
@@ -165,76 +156,9 @@ class ParallelExperts(TensorParallelModule):
         are this rank's own, not the same on every rank."""
         g = resolve_group(group)
         what = f"ParallelExperts({type(dense).__name__})"
-        whole = bool(splits) and all(dim == 0 for _, dim, _ in splits)
-        if dispatch not in ("all_reduce", "all_to_all"):
-            raise ValueError(f"{what}: dispatch={dispatch!r}; choose 'all_reduce' or 'all_to_all'")
-        if dispatch == "all_to_all" and not whole:
-            raise ValueError(f"{what}: dispatch='all_to_all' sends tokens to whole experts: cut every parameter "
-                             "along dim 0 (whole experts per rank)")
-        if sequence_parallel and dispatch != "all_to_all":
-            raise ValueError(f"{what}: sequence_parallel=True (each rank its own tokens) needs dispatch='all_to_all': "
-                             "the all-reduce dispatch sums partial outputs of the same tokens")
-        if whole and any(parts != 1 for _, _, parts in splits):
-            raise ValueError(f"{what}: whole experts per rank (dim 0) are cut in one part")
-        if any(dim == 0 for _, dim, _ in splits) and not whole:
-            raise ValueError(f"{what}: either every parameter is cut along dim 0 (whole experts per rank) or none is")
-        experts = getattr(dense, "num_experts", None)
-        if whole and not (isinstance(experts, int) and all(params_shape0 == experts for params_shape0 in
-                                                            (p.shape[0] for p in dense.parameters(recurse=False)))):
-            raise ValueError(f"{what}: whole experts per rank need the module's num_experts (got {experts!r}) to "
-                             "count its parameters' first dim")
-        if (whole and dispatch == "all_reduce" and type(dense).__module__.startswith("transformers.")
-                and not hasattr(dense, "_is_expert_parallel")
-                and getattr(getattr(dense, "config", None), "_experts_implementation", None) in (None, "eager")):
-            import transformers  # (a transformers class: the package is there)
-
-            raise ValueError(f"{what}: whole experts per rank route other ranks' tokens to the sentinel expert id "
-                             f"num_experts, which transformers' eager experts skip from the version that has expert "
-                             f"parallelism (_is_expert_parallel); transformers {transformers.__version__} has not (its "
-                             "eager experts one-hot the ids over num_experts and fail). Upgrade transformers, or send "
-                             "the tokens to the experts (experts='all_to_all'), or split each expert's ffn "
-                             "(experts='ffn')")
-        if whole and len(_forward_inputs(type(dense))) < 3:
-            raise ValueError(f"{what}: whole experts per rank need a forward of (hidden_states, top_k_index, "
-                             f"top_k_weights) that runs each token on the experts it is routed to; "
-                             f"{type(dense).__name__}.forward takes {_forward_inputs(type(dense))} (every expert "
-                             "sees every token it is given): split each expert's ffn instead (experts='ffn')")
-        params = dict(dense.named_parameters(recurse=False))
-        names = [s[0] for s in splits]
-        added_once = tuple(added_once)
-        if whole and added_once:
-            raise ValueError(f"{what}: with whole experts per rank every parameter is cut along dim 0 (a bias too); "
-                             f"added_once={list(added_once)} is for experts whose ffn is split")
-        if set(added_once) & set(names) or not set(added_once) <= set(params):
-            raise ValueError(f"{what}: added_once={list(added_once)} must name parameters of the experts that "
-                             f"splits does not (splits: {names})")
-        unsplit = sorted(set(dict(dense.named_parameters())) - set(names) - set(added_once))
-        if not splits or unsplit:
-            raise ValueError(f"{what}: every parameter of the experts must be split (got splits for {names}); "
-                             f"not split: {unsplit}. A parameter added after the partial sums (a bias of the "
-                             "down projection) cannot be split: name it in added_once")
-        placements: Dict[str, Placement] = {}
-        for name, dim, parts in splits:
-            p = params.get(name)
-            if p is None or not -p.dim() <= dim < p.dim() or parts < 1 or p.shape[dim] % parts:
-                raise ValueError(f"{what}: cannot cut parameter '{name}' "
-                                 f"{tuple(p.shape) if p is not None else '(missing)'} along dim {dim} into {parts} "
-                                 "parts")
-            dim = dim % p.dim()
-            placements[name] = Sharded.fused(dim, [p.shape[dim] // parts] * parts, g.size,
-                                             layer=f"{what}.{name}", names=[f"dim {dim}"] * parts) \
-                if whole or (p.shape[dim] // parts) % g.size == 0 else None
-        uneven = [n for n, pl in placements.items() if pl is None]
-        if uneven:  # an ffn that does not divide the TP degree: each part as evenly as possible, padded
-            ffn = {params[n].shape[d] // k for n, d, k in splits}
-            if len(ffn) != 1 or added_once:
-                raise ValueError(f"{what}: the ffn does not divide the TP degree {g.size} ({', '.join(uneven)}); "
-                                 "cut unevenly only when every split is the ffn or a packed [gate; up] of it (here "
-                                 f"{sorted(ffn)}) and nothing is added after the partial sums")
-            (ffn_size,) = ffn
-            part = Sharded.balanced(0, ffn_size, g.size).parts[0]
-            for name, dim, parts in splits:
-                placements[name] = Sharded(dim % params[name].dim(), (part,) * parts)
+        whole, experts = check_dispatch(dense, what, splits, dispatch, sequence_parallel)
+        params, added_once = check_params(dense, what, splits, added_once, whole)
+        placements, uneven, part, ffn_size = expert_placements(what, splits, params, whole, g, added_once)
         for name in identity_experts:
             if not isinstance(getattr(dense, name, None), nn.Identity):
                 raise ValueError(f"{what}: identity expert '{name}' is a {type(getattr(dense, name, None)).__name__}, "
