@@ -1,6 +1,7 @@
 """The package's floors are checked, not promised: no module imports from a floor above its own, no
 module takes another module's private (``_x``) names, no two modules import each other (directly or round a
-circle, ``TYPE_CHECKING`` imports included), and only core/collectives issues torch.distributed collectives. Parses source; no processes."""
+circle, ``TYPE_CHECKING`` imports included), and only core/collectives issues torch.distributed collectives.
+Parses source; no processes."""
 import ast
 import pathlib
 from typing import List

@@ -432,43 +432,6 @@ def test_the_audit_on_demand_checks_a_model_whose_forward_turns_autograd_off():
         assert "tensor 'cache_k' (2, 16, 2, 8) keeps the dense head count" in message, message
 
 
-def _olmo_swiglu_as_one_block(group):
-    torch.manual_seed(0)
-    plan = Plan({**OLMO_PLAN.layers, "blocks.*.ff_proj": "column"}, divide_attrs=OLMO_PLAN.divide_attrs)
-    model = tplayers.parallelize(OLMoLike().double(), plan, group=group)
-    try:
-        model(torch.randint(0, 50, (2, 8)))
-    except tplayers.AuditError as e:
-        return str(e)
-    return "passed"
-
-
-def test_a_fused_projection_wider_than_its_row_layer_reads_is_named():
-    """OLMo's fused SwiGLU ff_proj declared "column": its output is twice what ff_out reads, so it is fused.
-    Before: "no structural cause recognised" (the name says nothing)."""
-    for message in get_world(2).run(_olmo_swiglu_as_one_block):
-        assert "'ff_proj' (32 -> 128, wider than 'ff_out' reads (64)) looks fused" in message, message
-
-
-def _olmo_without_its_row_layer(group):
-    torch.manual_seed(0)
-    layers = {k: v for k, v in OLMO_PLAN.layers.items() if k != "blocks.*.ff_out"}
-    model = tplayers.parallelize(OLMoLike().double(), Plan(layers, divide_attrs=OLMO_PLAN.divide_attrs), group=group)
-    try:
-        model(torch.randint(0, 50, (2, 8)))
-    except tplayers.AuditError as e:
-        return str(e)
-    return "passed"
-
-
-def test_a_whole_linear_fed_a_split_activation_is_named_with_the_plan_line():
-    """OLMo's ff_out left out of the plan: its 64 input features arrive split (32 per rank). Before: the raw
-    "mat1 and mat2 shapes cannot be multiplied" and "no structural cause recognised"."""
-    for message in get_world(2).run(_olmo_without_its_row_layer):
-        assert "'ff_out' (a whole nn.Linear reading 64 features) got 32 = 64 / 2" in message, message
-        assert '"blocks.*.ff_out": "row"' in message, message
-
-
 class _OLMoBlockQKNorm(OLMoBlock):
     """OLMo's qk_layernorm: a LayerNorm over q's whole width (every head's features), before the heads split."""
 
@@ -485,21 +448,46 @@ class _OLMoBlockQKNorm(OLMoBlock):
         return x + self.attn_out(y.transpose(1, 2).reshape(b, t, c))
 
 
-def _olmo_with_a_norm_over_the_whole_q(group):
+def _olmo_first_step(group, mistake: str):
+    """The audit's words at the first step of an OLMo-like model whose plan makes ``mistake``."""
     torch.manual_seed(0)
-    model = nn.Sequential(_OLMoBlockQKNorm(_OLMoConfig())).double()
-    plan = Plan({"0.att_proj": OLMO_PLAN.layers["blocks.*.att_proj"], "0.attn_out": "row"},
-                divide_attrs={"0": OLMO_PLAN.divide_attrs["blocks.*"]})
-    tplayers.parallelize(model, plan, group=group)
+    layers, divide = dict(OLMO_PLAN.layers), OLMO_PLAN.divide_attrs
+    model, x = OLMoLike().double(), torch.randint(0, 50, (2, 8))
+    if mistake == "swiglu as one block":
+        layers["blocks.*.ff_proj"] = "column"
+    elif mistake == "no row layer":
+        del layers["blocks.*.ff_out"]
+    elif mistake == "norm over the whole q":
+        model, x = nn.Sequential(_OLMoBlockQKNorm(_OLMoConfig())).double(), torch.randn(2, 8, 32, dtype=torch.float64)
+        layers = {"0.att_proj": layers["blocks.*.att_proj"], "0.attn_out": "row"}
+        divide = {"0": divide["blocks.*"]}
+    else:
+        raise ValueError(f"no such mistake: {mistake!r}")
+    tplayers.parallelize(model, Plan(layers, divide_attrs=divide), group=group)
     try:
-        model(torch.randn(2, 8, 32, dtype=torch.float64))
+        model(x)
     except tplayers.AuditError as e:
         return str(e)
     return "passed"
 
 
+def test_a_fused_projection_wider_than_its_row_layer_reads_is_named():
+    """OLMo's fused SwiGLU ff_proj declared "column": its output is twice what ff_out reads, so it is fused.
+    Before: "no structural cause recognised" (the name says nothing)."""
+    for message in get_world(2).run(_olmo_first_step, "swiglu as one block"):
+        assert "'ff_proj' (32 -> 128, wider than 'ff_out' reads (64)) looks fused" in message, message
+
+
+def test_a_whole_linear_fed_a_split_activation_is_named_with_the_plan_line():
+    """OLMo's ff_out left out of the plan: its 64 input features arrive split (32 per rank). Before: the raw
+    "mat1 and mat2 shapes cannot be multiplied" and "no structural cause recognised"."""
+    for message in get_world(2).run(_olmo_first_step, "no row layer"):
+        assert "'ff_out' (a whole nn.Linear reading 64 features) got 32 = 64 / 2" in message, message
+        assert '"blocks.*.ff_out": "row"' in message, message
+
+
 def test_a_norm_over_a_split_projections_whole_width_is_named():
     """Before: "Given normalized_shape=[32] ... got input of size[2, 8, 16]" and no structural cause."""
-    for message in get_world(2).run(_olmo_with_a_norm_over_the_whole_q):
+    for message in get_world(2).run(_olmo_first_step, "norm over the whole q"):
         assert "'q_norm' (LayerNorm over 32 features) got 16 = 32 / 2" in message, message
         assert "leave this region whole" in message, message

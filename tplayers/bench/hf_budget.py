@@ -26,7 +26,8 @@ from .accounting import comm_accounting
 from ..layers.base import TensorParallelModule
 from .budget import CommBudget, megatron_budget
 
-__all__ = ["HF_FAMILIES", "HFBudgetConfig", "run_hf_budget", "format_hf_budget", "BUDGET_SCHEMA", "megatron_budget_for_hf"]
+__all__ = ["HF_FAMILIES", "HFBudgetConfig", "run_hf_budget", "format_hf_budget", "BUDGET_SCHEMA",
+           "megatron_budget_for_hf"]
 
 BUDGET_SCHEMA = "tplayers-bench-budget/1"
 
@@ -145,8 +146,9 @@ def megatron_budget_for_hf(model: nn.Module, input_shape: Sequence[int], *, tp_s
     from ``model.config``. ``tp_size``: default the TP degree of the model's TP layers;
     ``sequence_parallel`` / ``loss_parallel``: as given to ``parallelize``; ``dtype``: of the activations
     in the TP regions, default the model's floating-point parameters' (under ``torch.autocast``, its dtype:
-    the embedding and the norms' gradients are then counted in the parameters' dtype, ``residual_dtype``). Under sequence parallelism the norms counted are the modules
-    whose class name contains "Norm" and whose parameters are vectors of ``hidden_size``."""
+    the embedding and the norms' gradients are then counted in the parameters' dtype, ``residual_dtype``).
+    Under sequence parallelism the norms counted are the modules whose class name contains "Norm" and whose
+    parameters are vectors of ``hidden_size``."""
     config = getattr(model, "config", None)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if getattr(config, k, None) is None]
     if missing:
