@@ -3,7 +3,7 @@ over the emulated link that matches an H100 + NVLink's compute / communication r
 (EMULATION: real compute and real gloo data movement; each collective completes no earlier than the
 modeled link allows).
 
-Without ``--sequence-parallel``: ``"auto"``; "before" switches the sibling detection off for its steps
+Without ``--sequence-parallel``: ``"auto"``; "before" undeclares the siblings for its steps
 (q/k/v and gate/up each all-reduce their own input gradient, `tplayers/core/siblings.py`).
 With ``--sequence-parallel``: the shipped ``"llama"`` SP plan; "before" switches off for its steps what
 brought it to Megatron's layout: the attention's and the LM head's columns taking the shard their module
@@ -27,26 +27,29 @@ import torch
 import tplayers
 from tplayers.bench.measure import resolve_link
 from tplayers.bench.report import quartiles
-from tplayers.core import functional, partial_grads
+from tplayers.core import partial_grads, siblings
 from tplayers.core.comm import copy_to_tp
 from tplayers.core.collectives import all_reduce_tensor
 from tplayers.core.groups import resolve_group
+from tplayers.layers.siblings import COLUMN_KINDS
 from tplayers.testing import World
 
 
 def _switch(model, sequence_parallel: bool):
     """``switch(after)``: the step's code as after issue 26's change (True) or before it (False)."""
-    joins, take, many = functional.joins_siblings, functional.take_shard, partial_grads.copy_many_to_tp
+    take, many = siblings.ColumnInputs.take, partial_grads.copy_many_to_tp
     embedding = model.get_input_embeddings()
+    declared = {m: m.siblings for m in model.modules() if isinstance(m, COLUMN_KINDS)}
 
     def one_each(params, group):  # "before": each norm's gradient all-reduced on its own
         return tuple(copy_to_tp(p, group=group) for p in params)
 
     def switch(after: bool) -> None:
         if not sequence_parallel:
-            functional.joins_siblings = joins if after else (lambda *a: False)  # "before": one f per layer
+            for m, s in declared.items():  # "before": no set declared, one f per layer
+                m.siblings = s if after else None
             return
-        functional.take_shard = take if after else (lambda *a: None)
+        siblings.ColumnInputs.take = take if after else (lambda *a: None)
         partial_grads.copy_many_to_tp = many if after else one_each
         embedding.partial_output = after
     return switch

@@ -1,5 +1,6 @@
 """Comm accounting counts every collective a block issues (the textbook figures) and the emulated
 link makes each complete no earlier than its alpha-beta time, results unchanged."""
+import copy
 import os
 import time
 
@@ -219,6 +220,10 @@ def _siblings(group, sizes):
     dense = _Attention(*[torch.nn.Linear(h, f).double() for _ in range(3)], torch.nn.Linear(f, h).double())
     col = lambda m: tplayers.ColumnParallelLinear.from_dense(m, group=group)  # noqa: E731
     model = _Attention(col(dense.q), col(dense.k), col(dense.v), tplayers.RowParallelLinear.from_dense(dense.o, group=group))
+    with tplayers.comm_accounting() as undeclared:  # undeclared: plain Megatron layers, each reduces its own
+        model(torch.randn(2, 5, h, dtype=torch.float64, requires_grad=True)).sum().backward()
+    model.zero_grad()
+    tplayers.declare_siblings(model.q, model.k, model.v)
     x = torch.randn(2, 5, h, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
     xd = x.detach().clone().requires_grad_()
     with tplayers.comm_accounting() as acc:
@@ -240,13 +245,14 @@ def _siblings(group, sizes):
     (qd * vd).sum().backward()  # each rank's (q * v).sum() is its features' share: the partials sum to this
     torch.testing.assert_close(x.grad, xd.grad, rtol=1e-10, atol=1e-10)
     backward = [r for r in acc.records if r.phase == "backward"]
-    return [(r.op, r.nbytes) for r in backward]
+    return [(r.op, r.nbytes) for r in backward], len([r for r in undeclared.records if r.phase == "backward"])
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_columns_on_the_same_input_share_one_backward_all_reduce(tp):
-    for backward in get_world(tp).run(_siblings, (8, 4 * tp)):
+    for backward, undeclared in get_world(tp).run(_siblings, (8, 4 * tp)):
         assert backward == [("all_reduce", 2 * 5 * 8 * 8)], backward  # one f for q, k and v (was three)
+        assert undeclared == 3  # layers no set declares: one each
 
 
 class _GatheredAttention(torch.nn.Module):
@@ -256,9 +262,11 @@ class _GatheredAttention(torch.nn.Module):
     def __init__(self, q, k, v, o, group):
         super().__init__()
         self.q, self.k, self.v, self.o, self.group = q, k, v, o, group
+        self.inputs = tplayers.declare_siblings(q, k, v).inputs if group else None  # where the gather offers its shard
 
     def forward(self, x):  # (b, s/p, h)
-        full = tplayers.core.comm.gather_sequence_for_columns(x, group=self.group) if self.group else x  # (b, s, h)
+        full = (tplayers.core.comm.gather_sequence_for_columns(x, group=self.group, inputs=self.inputs) if self.group
+                else x)  # (b, s, h)
         s = full.shape[1] // (self.group.size() if self.group else 1)
         rank = self.group.rank() if self.group else 0
         replicated = torch.tanh(full)[:, rank * s:(rank + 1) * s]  # this rank's chunk of a replicated branch
@@ -326,6 +334,8 @@ def _siblings_in(group, precision, gathered):
     row = tplayers.RowParallelLinear.from_dense(dense.o, group=group, sequence_parallel=gathered)
     model = (_GatheredAttention(col(dense.q), col(dense.k), col(dense.v), row, group) if gathered
              else _Attention(col(dense.q), col(dense.k), col(dense.v), row))
+    if not gathered:
+        tplayers.declare_siblings(model.q, model.k, model.v)
     xd = torch.randn(2, 2 * p, h, dtype=dtype, generator=torch.Generator().manual_seed(1), requires_grad=True)
     x = (xd.detach().chunk(p, 1)[group.rank()] if gathered else xd.detach()).clone().requires_grad_()
     with tplayers.comm_accounting() as acc, ctx():
@@ -357,3 +367,40 @@ def test_siblings_share_their_collectives_in_every_precision(precision, gathered
         want = [("forward", "all_reduce", act), ("backward", "all_reduce", act)]
     for records in get_world(tp).run(_siblings_in, precision, gathered):
         assert records == want, records
+
+
+class _CrossAttention(torch.nn.Module):
+    """q reads x; k and v read y (a cross-attention reads the encoder's states): one region, two inputs."""
+
+    def __init__(self, h, f):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(h, f), torch.nn.Linear(h, f), torch.nn.Linear(h, f),
+                                          torch.nn.Linear(f, h))
+
+    def forward(self, x, y):
+        return self.o(self.q(x) * self.k(y) + self.v(y)) + x
+
+
+def _cross_attention(group):
+    torch.manual_seed(0)
+    dense = _CrossAttention(8, 4 * group.size()).double()
+    model = tplayers.parallelize(copy.deepcopy(dense), {"q": "column", "k": "column", "v": "column", "o": "row"},
+                                 group=group)
+    assert model.q.siblings is model.k.siblings is model.v.siblings  # one region: one declared set
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(2, 3, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    xd, yd = (t.detach().clone().requires_grad_() for t in (x, y))
+    model(x, y)  # (the audit's first forward)
+    with tplayers.comm_accounting() as acc:
+        model(x, y).square().sum().backward()
+    dense(xd, yd).square().sum().backward()
+    for got, want in ((x.grad, xd.grad), (y.grad, yd.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    return [r.op for r in acc.records if r.phase == "backward"]
+
+
+def test_a_declared_set_shares_per_input():
+    """The set is declared by region; the members called on y (k, v) share one all-reduce, q on x its own:
+    the declaration never sums gradients of different tensors."""
+    for ops in get_world(2).run(_cross_attention):
+        assert ops == ["all_reduce", "all_reduce"], ops

@@ -17,7 +17,7 @@ from .core.fingerprint import CollectivesOutOfStep, RanksDiverged, set_collectiv
 from .core.dtensors import UnlabelledShard
 from .core.groups import TPGroup, resolve_group
 from .layers import (ColumnParallelLinear, FusedColumnParallelLinear, ParallelExperts, ParallelLMHead, ParallelNorm,
-                     RowParallelLinear, TensorParallelModule, VocabParallelEmbedding)
+                     RowParallelLinear, TensorParallelModule, VocabParallelEmbedding, declare_siblings)
 from .models.dense import BlockConfig, GPTConfig
 from .models.rng import RNGTracker
 from .models.loss import vocab_parallel_cross_entropy
@@ -53,6 +53,7 @@ __all__ = [
     "RNGTracker",
     "ParallelNorm",
     "FusedColumnParallelLinear",
+    "declare_siblings",
     "ParallelExperts",
     "ParallelMLP",
     "ParallelMoE",

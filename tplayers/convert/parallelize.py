@@ -46,11 +46,13 @@ from ..core.collectives import wait_for_ranks
 from ..core.fingerprint import name_modules
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.partial_grads import PartialGradSum
+from ..core.siblings import ColumnInputs
 from ..layers.base import TensorParallelModule, carry_hooks, placements_of
 from ..layers.experts import ParallelExperts
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.outside_reads import refuse_outside_reads
 from ..layers.shared_state import carry_shared_state
+from ..layers.siblings import COLUMN_KINDS, declare_siblings
 from ..layers.same_inputs import (SequenceShardInputs, check_same_inputs, check_same_output_grads, check_same_rng_once,
                                   has_dropout)
 from .attrs import Change, attr_changes
@@ -64,6 +66,7 @@ from .plan import Plan, resolve_style
 from .plans import get_plan
 from .refusals import (check_same_dense_model, refuse_lonely_columns, refuse_lonely_rows, refuse_no_match,
                        refuse_router_logits_argument, refuse_router_logits_in_config, refuse_unfitting_plan)
+from .twin import within
 from .sequence import ReplicateReduceGrad, check_sequence_region, refuse_double_gather, takes_sequence_shards
 from .styles import BuildContext, Built, Column, FusedQKV, KVColumn, Row, SequenceSwitch, Style
 from .styles_vocab import VocabEmbedding, VocabHead
@@ -87,7 +90,7 @@ def _match(modules: Dict[str, nn.Module], styles: Dict[str, Style]) -> Tuple[Lis
 
 
 def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles: Dict[str, Style],
-           tp: TPGroup) -> Dict[str, Built]:
+           tp: TPGroup, column_inputs: ColumnInputs) -> Dict[str, Built]:
     """Every style's result, in model order; modules inside a replaced one are skipped."""
     built: Dict[str, Built] = {}
     replaced: List[str] = []
@@ -102,7 +105,7 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
             raise ValueError(f"parallelize: module '{name}' is already tensor-parallel "
                              f"({type(module).__name__}); parallelize each model once")
         ctx = BuildContext(name=name, group=tp, parent=modules[name.rpartition(".")[0]], switch=switch,
-                           partial_grads=partial_grads, replica_sums=replica_sums)
+                           partial_grads=partial_grads, replica_sums=replica_sums, column_inputs=column_inputs)
         try:
             built[name] = styles[pat].build(module, ctx)
         except (ValueError, TypeError, AttributeError) as e:
@@ -310,7 +313,8 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     if isinstance(plan, str):
         refuse_unfitting_plan(model, p.name, styles, used)
     refuse_double_gather(p.name, {name: styles[pat] for name, pat in matched})
-    built = _build(modules, matched, styles, tp)
+    column_inputs = ColumnInputs()  # one per call: what the model's forward has in flight for its column layers
+    built = _build(modules, matched, styles, tp, column_inputs)
     check_sequence_region(p.name, {n: b.region for n, b in built.items()})
     chunked_experts = [n for n, b in built.items() if isinstance(b.module, ParallelExperts) and b.module.sequence_parallel]
     if chunked_experts:
@@ -319,7 +323,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     changes = attr_changes(modules, p, tp)
     retie = _ties(model, modules, built)
     auditor = _auditor(model, built, styles, matched, tp, p.name, isinstance(plan, str))  # reads the dense modules' attributes
-    _swap(model, modules, built, changes, retie, auditor)  # swap -> hooks
+    _swap(model, modules, built, changes, retie, auditor, column_inputs)  # swap -> siblings -> hooks
     auditor.skip(audit_skip)
     object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict
     _at_the_boundary(model, tp, built, loss_parallel)
@@ -334,9 +338,11 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
 
 
 def _swap(model: nn.Module, modules: Dict[str, nn.Module], built: Dict[str, Built], changes: List[Change],
-          retie: List[Tuple[nn.Module, str, nn.Module, str]], auditor: Auditor) -> None:
+          retie: List[Tuple[nn.Module, str, nn.Module, str]], auditor: Auditor,
+          column_inputs: ColumnInputs) -> None:
     """Put the built modules in place (the user's hooks carried over), make the attribute changes, re-tie
-    tied parameters, then let each style finish (its hooks) with the auditor recording what was there."""
+    tied parameters, declare each region's column layers siblings, then let each style finish (its hooks)
+    with the auditor recording what was there."""
     for name, b in built.items():
         if b.module is not modules[name]:
             parent_name, _, child = name.rpartition(".")
@@ -348,11 +354,25 @@ def _swap(model: nn.Module, modules: Dict[str, nn.Module], built: Dict[str, Buil
     for dst, a, src, a0 in retie:
         setattr(dst, a, getattr(src, a0))
     _keep_parameter_objects(model, modules, built)
+    _declare_siblings(model, [r.name for r in auditor.regions], column_inputs)
     auditor.before_hooks(model)
     for b in built.values():
         if b.finish is not None:
             b.finish()
     auditor.after_swap(model)
+
+
+def _declare_siblings(model: nn.Module, regions: List[str], column_inputs: ColumnInputs) -> None:
+    """The column layers of each region (q/k/v, gate/up, a LoRA's base layer among them) are declared one set:
+    those a forward calls on one input share its input-gradient collective (`tplayers.core.siblings`). A
+    column layer outside every region is a set alone (the LM head: it may take a gathered sequence's shard)."""
+    sets: Dict[str, List[nn.Module]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, COLUMN_KINDS) and module.group.size > 1:
+            inside = [r for r in regions if within(name, r)]
+            sets.setdefault(max(inside, key=len) if inside else name, []).append(module)
+    for members in sets.values():
+        declare_siblings(*members, inputs=column_inputs)
 
 
 def _at_the_boundary(model: nn.Module, tp: TPGroup, built: Dict[str, Built], loss_parallel: bool) -> None:

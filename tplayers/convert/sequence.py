@@ -174,7 +174,7 @@ class SequenceParallelNorm(_SequenceStyle):
         if self.gather_output:
             # the head after it takes the sequence-parallel path on this rank's chunk (what else reads the
             # gathered output gets its gradient split)
-            module.register_forward_hook(lambda m, args, out: gather_sequence_for_columns(out, group=tp)
+            module.register_forward_hook(lambda m, args, out: gather_sequence_for_columns(out, group=tp, inputs=ctx.column_inputs)
                                          if switch.active else out)
 
 
@@ -212,7 +212,7 @@ class GatherSequence(_SequenceStyle):
             if not switch.active:
                 return x
             dtype = cast.before(x)
-            x_full = gather_sequence_for_columns(x if dtype is None else x.to(dtype), group=tp)
+            x_full = gather_sequence_for_columns(x if dtype is None else x.to(dtype), group=tp, inputs=ctx.column_inputs)
             cast.watch(x_full)
             return x_full
         map_first_input(module, gather)

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..core.groups import TPGroup
 from ..core.partial_grads import PartialGradSum
+from ..core.siblings import ColumnInputs
 from ..core.placement import Part, Sharded, head_parts, kv_part, kv_shards, qkv_placement, require_divisible
 from ..layers.base import class_name
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
@@ -58,6 +59,7 @@ class BuildContext:
     switch: SequenceSwitch = field(default_factory=SequenceSwitch)
     partial_grads: Optional[PartialGradSum] = None  # the call's replicated parameters with partial gradients
     replica_sums: Dict[Any, PartialGradSum] = field(default_factory=dict)  # (attention, holders) -> its k and v
+    column_inputs: ColumnInputs = field(default_factory=ColumnInputs)  # the model's siblings' calls, gathers offered
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 from .collectives import (all_gather, all_reduce, all_to_all, owned_copy, reduce_scatter, replica_slot, split,
                           sum_over_replica_ranks)
 from .groups import GroupLike, TPGroup, resolve_group
-from .siblings import offer_shard
+from .siblings import ColumnInputs
 
 __all__ = [
     "copy_to_tp",
@@ -378,21 +378,21 @@ def gather_from_sequence(
     return x if g.size == 1 else _GatherFromSequence.apply(x, g, seq_dim, grad_is_partial)
 
 
-def gather_sequence_for_columns(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
+def gather_sequence_for_columns(x: torch.Tensor, *, group: GroupLike, inputs: ColumnInputs) -> torch.Tensor:
     """All-gather the sequence dim (-2) of ``x`` for a module whose code needs the whole sequence and whose
     column-parallel layers read it (HF attention; the LM head after the last norm).
 
     Backward splits the gradient that reaches the gathered tensor (complete: whatever replicated code
-    read it). The column layers called on the gathered tensor itself take the sequence-parallel path on
-    ``x`` instead (`tplayers.core.siblings`): they keep only ``x`` for backward, gather it again there and
-    reduce-scatter their input gradient into ``x`` (Megatron's layout, not an all-reduce of the whole
-    sequence)."""
+    read it). The column layers whose declared sets hold ``inputs`` (`tplayers.core.siblings`), called on
+    the gathered tensor itself, take the sequence-parallel path on ``x`` instead: they keep only ``x`` for
+    backward, gather it again there and reduce-scatter their input gradient into ``x`` (Megatron's layout,
+    not an all-reduce of the whole sequence)."""
     g = resolve_group(group)
     if g.size == 1:
         return x
     x_full = _GatherFromSequence.apply(x, g, -2, False)
     if x.requires_grad and torch.is_grad_enabled():
-        offer_shard(x_full, x, g)
+        inputs.offer(x_full, x, g)
     return x_full
 
 

@@ -43,7 +43,7 @@ from .collectives import SEQ_DIM, all_gather, sum_partials
 from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
 from .groups import GroupLike, TPGroup, resolve_group
 from .ring import ring_gather_linear, ring_linear_scatter
-from .siblings import Siblings, join_siblings, joins_siblings, register, take_shard
+from .siblings import Siblings, joins_siblings
 from .prepare import autocast_dtype, autocast_inputs, check_linear_inputs, warn_cuda_connections_once
 from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads
 
@@ -55,12 +55,12 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, overlap_comm: bool, sink: WgradSink,
-                ring: bool, siblings: Optional[Siblings] = None):
+                ring: bool, siblings=None):
         ctx.save_for_backward(x, weight)  # under sequence parallelism x is only this rank's shard
         ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink = g, sequence_parallel, overlap_comm, sink
-        ctx.siblings = siblings  # column layers on this same x: one all-reduce for all (core/siblings.py)
+        ctx.siblings = siblings  # this call of the layer's declared set: one all-reduce for all (core/siblings.py)
         if siblings is not None:
-            register(siblings, ctx)
+            siblings.register(ctx)
         ctx.has_bias = bias is not None
         if sequence_parallel and ring:
             return ring_gather_linear(x, weight, bias, g)  # the gather in p ring steps under the GEMMs
@@ -132,7 +132,7 @@ class _RowParallelLinearFn(torch.autograd.Function):
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                            group: GroupLike, sequence_parallel: bool = False, overlap_comm: bool = True,
                            wgrad_store: Optional[WeightGradStore] = None, main_grads: MainGrads = None,
-                           collective_matmul: bool = False) -> torch.Tensor:
+                           collective_matmul: bool = False, siblings: Optional[Siblings] = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for this rank's output features; output is sharded on the last dim.
 
     x: ``(..., in)`` replicated, or ``(..., seq/p, in)`` with ``sequence_parallel``.
@@ -144,27 +144,29 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     inputs) and returns no gradient for those parameters (Megatron's gradient_accumulation_fusion).
     A buffer wrapped in `tplayers.core.wgrad.ReplicatedRows` has its replicated rows' contribution
     summed over their replica ranks first (collective: every rank of the group runs the backward).
+    ``siblings``: the layer's declared set (:class:`~tplayers.core.siblings.Siblings`): the members called on
+    one input sum their partial input gradients and reduce them once; None: the layer reduces its own.
     """
     g = resolve_group(group)
-    joins = joins_siblings(x, g, collective_matmul)
-    offered = take_shard(x, g) if joins and not sequence_parallel else None
+    joins = joins_siblings(siblings, x, g, collective_matmul)
+    offered = siblings.inputs.take(x, g) if joins and not sequence_parallel else None
     if offered is not None:  # x: a sequence its module gathered (gather_sequence_for_columns); work on its shard
         x, sequence_parallel = offered[0], True
     check_linear_inputs("column_parallel_linear", x, weight, bias, weight.shape[1], g, sequence_parallel,
                         collective_matmul)
-    # siblings are found by the tensor the layers were called on, before autocast's cast: the set casts it once
-    siblings = join_siblings(x, g, weight, sequence_parallel) if joins else None
-    x_cast = x if siblings is None else siblings.cast(x, autocast_dtype(x))
+    # a call of the set is joined on the tensor the layers were called on, before autocast's cast: it casts once
+    call = siblings.join(x, g, weight, sequence_parallel) if joins else None
+    x_cast = x if call is None else call.cast(x, autocast_dtype(x))
     x, weight, bias = autocast_inputs(x_cast, weight, bias)
     if g.size == 1 and wgrad_store is None and main_grads is None:
         return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear
     warn_cuda_connections_once(x, g, overlap_comm)
     main = check_main_grads(main_grads, weight, bias, "column_parallel_linear", g.size)
     sink = WgradSink(g, wgrad_store, main, (weight, bias), gather_input=sequence_parallel)
-    if offered is not None and siblings.x_full is None:
-        siblings.x_full = offered[1].to(x.dtype)  # the set's forward gather, done already (cast as x under autocast)
+    if offered is not None and call.x_full is None:
+        call.x_full = offered[1].to(x.dtype)  # the call's forward gather, done already (cast as x under autocast)
     return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, sink, collective_matmul,
-                                         siblings)  # siblings: q/k/v, gate/up ... on this same x
+                                         call)  # q/k/v, gate/up ... called on this same x
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,

@@ -1,4 +1,4 @@
-"""Siblings share one collective: column layers that consume the same tensor all-reduce their input
+"""Siblings share one collective: column layers declared to read one tensor all-reduce their input
 gradient once.
 
 A Hugging Face attention calls ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` on the same ``x`` (an MLP:
@@ -12,24 +12,29 @@ all-reduce follows the sum of the three partials. Here, without fusing::
     k: the same                               q: acc += grad_q @ Wq;  pending = all_reduce(acc)
     q: the same                                  grad_Wq (under it); grad_x = pending.wait()
 
-The set is found at run time: a column layer whose input is the very tensor the previous column layer
-consumed (same object, same group, a layer not yet in the set, before any backward of the set) joins
-it. In a backward, the set's layers that this backward runs (autograd can say which) add their
-partials into one buffer; the last of them all-reduces it under its own weight-gradient GEMM and
-returns the sum as its input gradient, the others return none (autograd adds the gradients of every
-use of ``x``: a residual, a replicated branch, take theirs directly, so the sum is right whatever else
-reads ``x``). Weight gradients are each layer's own, returned as usual (``.grad``, hooks, DDP,
-``torch.autograd.grad`` all see the ordinary path). Under sequence parallelism the set also gathers
-its input once in forward (kept only while the set is being called) and once in backward, and
-reduce-scatters the summed gradient once.
+The set is declared: ``parallelize`` declares the column layers of each region (an attention, an MLP)
+as one :class:`Siblings` (a user's own code: :func:`tplayers.declare_siblings`); a column layer no set
+declares is the plain Megatron layer. In a forward, the members called on one input form a *call* of
+the set: the input is recognised by where its gradient goes (its autograd edge), looked through casts
+and FSDP2's post-backward hook, so autocast's cast, FSDP2's per-layer cast of x and a fresh tensor
+each layer is handed do not split the set; a member called on something else (a cross-attention's k
+and v read the encoder's states) starts a call of its own. In a backward, the call's members that this
+backward runs (autograd can say which) add their partials into one buffer; the last of them all-reduces
+it under its own weight-gradient GEMM and returns the sum as its input gradient, the others return
+none (autograd adds the gradients of every use of ``x``: a residual, a replicated branch, take theirs
+directly, so the sum is right whatever else reads ``x``). Weight gradients are each layer's own, returned
+as usual (``.grad``, hooks, DDP, ``torch.autograd.grad`` all see the ordinary path). Under sequence
+parallelism the call also gathers its input once in forward (kept only while the call lasts) and once in
+backward, and reduce-scatters the summed gradient once.
 
 A module whose own code needs the whole sequence (HF attention views q/k/v with its input's (b, s); the
 LM head after the last norm) gathers its input itself (`tplayers.core.comm.gather_sequence_for_columns`)
-and offers the shard it came from. Column layers called on that very gathered tensor take the
-sequence-parallel path on the shard (the gathered tensor seeds the set's forward gather): they save the
-shard, gather it again in backward and reduce-scatter their summed input gradient into it, as Megatron's
-layout does, instead of all-reducing a whole-sequence gradient and keeping the gathered input alive.
-Whatever else reads the gathered tensor gets its ordinary (complete) gradient, split back to the shard.
+and offers the shard it came from through its model's :class:`ColumnInputs`. Members called on that very
+gathered tensor take the sequence-parallel path on the shard (the gathered tensor seeds the call's
+forward gather): they save the shard, gather it again in backward and reduce-scatter their summed input
+gradient into it, as Megatron's layout does, instead of all-reducing a whole-sequence gradient and
+keeping the gathered input alive. Whatever else reads the gathered tensor gets its ordinary (complete)
+gradient, split back to the shard.
 """
 from __future__ import annotations
 
@@ -37,39 +42,129 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from .collectives import SEQ_DIM, Pending, all_gather, sum_partials
 from .groups import TPGroup
 
-__all__ = ["Siblings", "join_siblings", "joins_siblings", "register", "offer_shard", "take_shard"]
+__all__ = ["Siblings", "ColumnInputs", "joins_siblings"]
+
+# autograd nodes whose input gradient is their output gradient, element for element (in another dtype): a
+# member reached through one reads the set's tensor. FSDP2's node only runs its module's post-backward hook.
+_SEE_THROUGH = {"ToCopyBackward0": False, "RegisterPostBackwardFunctionBackward": True}  # name -> one edge per output
+
+
+def _source(x: torch.Tensor) -> Tuple[Any, int]:
+    """Where ``x``'s gradient goes, looked through casts and FSDP2's post-backward hook: the autograd edge
+    every member called on ``x`` (or on a cast of it) shares."""
+    edge = get_gradient_edge(x)
+    node, nr = edge.node, edge.output_nr
+    while node is not None and node.name() in _SEE_THROUGH:
+        node, nr = node.next_functions[nr if _SEE_THROUGH[node.name()] else 0]
+    return node, nr
+
+
+class ColumnInputs:
+    """What one model's forward has in flight for its column layers: the call of a set of siblings being
+    made (one at a time: a new call closes the last, so a forward without backward keeps no input alive
+    beyond it), and the last sequence a module gathered for them (:func:`gather_sequence_for_columns`)
+    with the shard it came from (held only while the gathered tensor lives). ``parallelize`` makes one per
+    model; a copied or pickled model starts with nothing in flight."""
+
+    __slots__ = ("call", "_offer", "__weakref__")
+
+    def __init__(self) -> None:
+        self.call: Optional[_Call] = None
+        self._offer: Optional[Tuple[Any, torch.Tensor, TPGroup]] = None
+
+    def offer(self, x_full: torch.Tensor, x_shard: torch.Tensor, g: TPGroup) -> None:
+        """``x_full`` is ``x_shard`` gathered along the sequence over ``g``; a later offer replaces it."""
+        offer = self._offer = (weakref.ref(x_full), x_shard, g)
+        weakref.finalize(x_full, _withdraw, weakref.ref(self), offer)
+
+    def take(self, x: torch.Tensor, g: TPGroup) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(shard, gathered)`` when ``x`` is the tensor last offered over ``g``, or a view of all of it
+        (HF causal LMs call their head on ``hidden_states[:, slice(0, None), :]``), else None."""
+        offer = self._offer
+        full = offer[0]() if offer is not None and offer[2] == g else None
+        if full is None or not (x is full or (x._base is full and x.shape == full.shape and x.stride() == full.stride()
+                                              and x.storage_offset() == full.storage_offset())):
+            return None
+        return offer[1], x
+
+    def close(self) -> None:
+        """The call in flight takes no more members (its inputs are let go; a backward still runs it)."""
+        call, self.call = self.call, None
+        if call is not None:
+            call.x = call.x_full = call.x_cast = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.call = self._offer = None
+
+
+def _withdraw(slot: "weakref.ref[ColumnInputs]", offer: tuple) -> None:
+    owner = slot()
+    if owner is not None and owner._offer is offer:
+        owner._offer = None
 
 
 class Siblings:
-    """Column layers on one input: their autograd nodes, the gathered input they share in forward
-    (sequence parallelism), and per backward the partial sum so far."""
+    """A declared set of column layers that read one tensor (q/k/v, gate/up): their input gradient is
+    summed and reduced once per call. ``inputs``: the model's :class:`ColumnInputs` (its own if None)."""
 
-    __slots__ = ("x", "g", "sp", "nodes", "weights", "tasks", "backward_started", "x_full", "x_cast")
+    __slots__ = ("inputs",)
 
-    def __init__(self, x: torch.Tensor, g: TPGroup, sequence_parallel: bool) -> None:
-        self.x, self.g, self.sp = x, g, sequence_parallel
+    def __init__(self, inputs: Optional[ColumnInputs] = None) -> None:
+        self.inputs = ColumnInputs() if inputs is None else inputs
+
+    def join(self, x: torch.Tensor, g: TPGroup, weight: torch.Tensor, sequence_parallel: bool) -> "_Call":
+        """The call a member with ``weight`` joins on ``x``: the model's call in flight when it is this set's,
+        on ``x`` (or a cast of it: the same source), else a new one. Its autograd Function registers its node."""
+        call, source = self.inputs.call, _source(x)
+        if (call is None or call.owner is not self or call.source != source or call.g != g
+                or call.sp != sequence_parallel or call.x.dtype != x.dtype or call.x.shape != x.shape
+                or id(weight) in call.weights):
+            self.inputs.close()
+            call = self.inputs.call = _Call(self, x, source, g, sequence_parallel)
+        call.weights.append(id(weight))
+        return call
+
+
+class _Call:
+    """One call of a set: the members called on one input, their autograd nodes, the gathered input they
+    share in forward (sequence parallelism), and per backward the partial sum so far."""
+
+    __slots__ = ("owner", "x", "source", "g", "sp", "nodes", "weights", "tasks", "x_full", "x_cast")
+
+    def __init__(self, owner: Siblings, x: torch.Tensor, source: Tuple[Any, int], g: TPGroup,
+                 sequence_parallel: bool) -> None:
+        self.owner, self.x, self.source, self.g, self.sp = owner, x, source, g, sequence_parallel
         self.nodes: List[Any] = []  # weak references to the members' autograd nodes
-        self.weights: List[int] = []  # ids of the members' weights: a layer joins a set once
+        self.weights: List[int] = []  # ids of the members' weights: a layer joins a call once
         self.tasks: Dict[int, List[Any]] = {}  # graph task -> [partial sum, members still to run, gathered x]
-        self.backward_started = False
         self.x_full: Optional[torch.Tensor] = None  # SP: the all-gathered x, shared by the forwards only
-        self.x_cast: Optional[torch.Tensor] = None  # x as autocast casts it: one cast (one tensor) for the set
+        self.x_cast: Optional[torch.Tensor] = None  # x as autocast casts it: one cast (one tensor) for the call
+
+    def register(self, node: Any) -> None:
+        """A member's autograd node (its Function's ``ctx``), so a backward can count the members it runs."""
+        self.nodes.append(weakref.ref(node))
 
     def cast(self, x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
-        """``x`` (the set's input) cast to autocast's ``dtype`` (None: autocast off) once for the set: every
-        member computes on the same tensor, whose one gradient (the sum) flows back through one cast."""
+        """``x`` cast to autocast's ``dtype`` (None: autocast off), once for the members called on the call's
+        own tensor: they compute on one tensor, whose one gradient (the sum) flows back through one cast."""
         if dtype is None or x.dtype == dtype:
             return x
+        if x is not self.x:
+            return x.to(dtype)  # (a member handed its own copy: the same values, cast for it alone)
         if self.x_cast is None or self.x_cast.dtype != dtype:
             self.x_cast = x.to(dtype)
         return self.x_cast
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Forward, sequence parallelism: every rank's chunk of ``x``, gathered once for the set."""
+        """Forward, sequence parallelism: every rank's chunk of ``x``, gathered once for the call."""
         if self.x_full is None:
             self.x_full = all_gather(x, SEQ_DIM, self.g).wait()
         return self.x_full
@@ -78,9 +173,8 @@ class Siblings:
         task = torch._C._current_graph_task_id()
         state = self.tasks.get(task)
         if state is None:
-            self.backward_started, self.x_full, self.x_cast = True, None, None
-            if _LAST[0] is self:
-                _LAST[0] = None
+            if self.owner.inputs.call is self:  # no member joins once its backward began
+                self.owner.inputs.close()
             running = sum(1 for ref in self.nodes if (n := ref()) is not None and torch._C._will_engine_execute_node(n))
             state = self.tasks[task] = [None, running, None]
         return state
@@ -105,57 +199,8 @@ class Siblings:
         return sum_partials(state[0], self.g, self.sp, async_op=overlap)
 
 
-_LAST: list = [None]  # the set the last column layer joined (None once its backward began)
-
-
-_OFFERED: list = [None]  # (weak reference to the gathered tensor, its shard, group): the last offer
-
-
-def offer_shard(x_full: torch.Tensor, x_shard: torch.Tensor, g: TPGroup) -> None:
-    """``x_full`` is ``x_shard`` gathered along the sequence over ``g``: column layers called on ``x_full``
-    may take the sequence-parallel path on ``x_shard`` (:func:`take_shard`). One offer at a time (a later
-    one replaces it); it holds the shard (often nothing else does: a norm's output replaced by its gather)
-    only while ``x_full`` lives."""
-    offer = _OFFERED[0] = (weakref.ref(x_full), x_shard, g)
-    weakref.finalize(x_full, _withdraw, offer)
-
-
-def _withdraw(offer: tuple) -> None:
-    if _OFFERED[0] is offer:
-        _OFFERED[0] = None
-
-
-def take_shard(x: torch.Tensor, g: TPGroup) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """``(shard, gathered)`` when ``x`` is the tensor last offered over ``g``, or a view of all of it
-    (HF causal LMs call their head on ``hidden_states[:, slice(0, None), :]``), else None."""
-    offer = _OFFERED[0]
-    full = offer[0]() if offer is not None and offer[2] == g else None
-    if full is None or not (x is full or (x._base is full and x.shape == full.shape and x.stride() == full.stride()
-                                          and x.storage_offset() == full.storage_offset())):
-        return None
-    return offer[1], x
-
-
-def join_siblings(x: torch.Tensor, g: TPGroup, weight: torch.Tensor, sequence_parallel: bool) -> Siblings:
-    """The set of column layers on ``x`` that a layer with ``weight`` joins (a new one when ``x`` is not the
-    last set's input). The layer's autograd Function registers its node with :func:`register` in forward."""
-    siblings = _LAST[0]
-    if (siblings is None or siblings.backward_started or siblings.x is not x or siblings.g != g
-            or siblings.sp != sequence_parallel or id(weight) in siblings.weights):
-        if siblings is not None:  # (the gathered, cast input lives only while its set is being called)
-            siblings.x_full = siblings.x_cast = None
-        siblings = _LAST[0] = Siblings(x, g, sequence_parallel)
-    siblings.weights.append(id(weight))
-    return siblings
-
-
-def joins_siblings(x: torch.Tensor, g: TPGroup, collective_matmul: bool) -> bool:
-    """Whether a column layer's call joins a set of siblings: a backward to come, at TP > 1, eager, not
+def joins_siblings(siblings: Optional[Siblings], x: torch.Tensor, g: TPGroup, collective_matmul: bool) -> bool:
+    """Whether a column layer's call joins its declared set: a backward to come, at TP > 1, eager, not
     as ring steps (collective matmul gathers chunk by chunk under its own GEMMs)."""
-    return (g.size > 1 and not collective_matmul and x.requires_grad and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling())
-
-
-def register(siblings: Siblings, node: Any) -> None:
-    """A member's autograd node (its Function's ``ctx``), so a backward can count the members it runs."""
-    siblings.nodes.append(weakref.ref(node))
+    return (siblings is not None and g.size > 1 and not collective_matmul and x.requires_grad
+            and torch.is_grad_enabled() and not torch.compiler.is_compiling())

@@ -20,6 +20,7 @@ from ..core.partial_grads import PartialGradSum
 from ..core.comm import sum_over_replicas
 from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, resolve_group
+from ..core.siblings import Siblings
 from ..core.wgrad import WeightGradStore
 from ..core.placement import Part, Placement, Sharded, require_positive
 from .base import TensorParallelModule
@@ -49,7 +50,10 @@ class FusedColumnParallelLinear(TensorParallelModule):
     pieces concatenated in component order (``split(self.local_parts, -1)`` separates them).
     ``parts`` may also be :class:`~tplayers.core.placement.Part` objects, each saying how it is cut
     (uneven pieces: heads or an ffn that do not divide the TP degree); then ``part_shards`` is not given.
+    ``siblings``: as :class:`~tplayers.layers.linear.ColumnParallelLinear`'s.
     """
+
+    siblings: Optional[Siblings] = None
 
     def __init__(
         self,
@@ -134,7 +138,7 @@ class FusedColumnParallelLinear(TensorParallelModule):
         weight = read(self.weight)
         bias = None if self.bias is None else read(self.bias)
         return column_parallel_linear(x, weight, bias, group=self.group, sequence_parallel=self.sequence_parallel,
-                                      overlap_comm=self.overlap_comm, **grad_sinks(self))  # (..., [seq,] local_out)
+                                      overlap_comm=self.overlap_comm, siblings=self.siblings, **grad_sinks(self))  # (..., [seq,] local_out)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, parts: Sequence[Any] = (),

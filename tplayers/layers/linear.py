@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..core.comm import gather_from_tp
 from ..core.functional import column_parallel_linear, row_parallel_linear
 from ..core.groups import GroupLike, resolve_group
+from ..core.siblings import Siblings
 from ..core.wgrad import WeightGradStore
 from ..core.placement import Part, Placement, Replicated, Sharded, require_positive
 from .base import TensorParallelModule
@@ -66,7 +67,11 @@ class ColumnParallelLinear(TensorParallelModule):
     Input ``(..., in)`` replicated (``(..., seq/p, in)`` with ``sequence_parallel``). Output
     ``(..., out/p)``, or ``(..., out)`` on every rank with ``gather_output=True``.
     Rank r holds rows ``[r*out/p, (r+1)*out/p)`` of the dense weight, and that slice of bias.
+    ``siblings``: the set of column layers it is declared to share its input-gradient collective with
+    (:func:`tplayers.declare_siblings`; ``parallelize`` declares each region's); None: it reduces its own.
     """
+
+    siblings: Optional[Siblings] = None
 
     def __init__(
         self,
@@ -113,7 +118,7 @@ class ColumnParallelLinear(TensorParallelModule):
             return F.linear(x, self.weight, self.bias)
         out = column_parallel_linear(x, self.weight, self.bias, group=self.group,
                                      sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
-                                     **grad_sinks(self))
+                                     siblings=self.siblings, **grad_sinks(self))
         return gather_from_tp(out, group=self.group) if self.gather_output else out  # (..., out) | (..., out/p)
 
     @classmethod

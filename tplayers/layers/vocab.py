@@ -28,6 +28,7 @@ from ..core.comm import gather_from_tp, reduce_from_tp, reduce_scatter_to_sequen
 from ..core.collectives import SEQ_DIM
 from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..core.siblings import Siblings
 from ..core.partial_sum import partial_sum
 from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range
@@ -272,7 +273,11 @@ class ParallelLMHead(_VocabParallelBase):
     Tied embeddings (GPT-2 style): the local weight has the same layout as a
     `VocabParallelEmbedding` of the same vocabulary, so ``head.weight = embedding.weight`` ties
     them rank by rank, and both uses accumulate into the one gradient.
+    ``siblings``: as :class:`~tplayers.layers.linear.ColumnParallelLinear`'s (the head after a norm that gathers
+    the sequence for it takes the sequence-parallel path on the norm's shard offered through its set's inputs).
     """
+
+    siblings: Optional[Siblings] = None
 
     def __init__(
         self,
@@ -323,7 +328,8 @@ class ParallelLMHead(_VocabParallelBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # padding rows: zero weight and zero bias, so their logits are zero with or without a bias
         logits = column_parallel_linear(x, self.weight, self.bias, group=self.group,  # (..., V'/p)
-                                        sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
+                                        sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
+                                        siblings=self.siblings)
         if not self.gather_output:
             return logits
         return gather_from_tp(logits, group=self.group)[..., : self.num_embeddings]  # (..., V)
