@@ -31,7 +31,7 @@ import torch.nn as nn
 import tplayers
 from tplayers.bench.config import SHAPES
 from tplayers.bench.report import quartiles
-from tplayers.core.collectives import all_reduce_tensor
+from tplayers.core.blocking import all_reduce_tensor
 from tplayers.layers.shared_state import carry_shared_state
 from tplayers.testing import World
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import tplayers
-from tplayers.core.collectives import all_reduce_tensor
+from tplayers.core.blocking import all_reduce_tensor
 from tplayers.testing import World
 
 

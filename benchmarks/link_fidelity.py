@@ -32,7 +32,7 @@ def _ratios(group, spec: str, iters: int):
             times = []
             with tplayers.emulated_link(link):
                 for _ in range(iters):
-                    tplayers.core.collectives.barrier(g)  # (emulated too; not timed)
+                    tplayers.core.blocking.barrier(g)  # (emulated too; not timed)
                     t0 = time.perf_counter()
                     call()
                     times.append(time.perf_counter() - t0)

@@ -26,7 +26,7 @@ from tplayers.bench.budget import wire_bytes
 from tplayers.bench.report import quartiles
 from tplayers.convert import auto_plan
 from tplayers.convert.styles import Experts
-from tplayers.core.collectives import all_reduce_tensor
+from tplayers.core.blocking import all_reduce_tensor
 from tplayers.testing import World
 
 

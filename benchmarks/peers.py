@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tplayers import ColumnParallelLinear, RowParallelLinear, emulated_link, parse_link, resolve_group  # noqa: E402
-from tplayers.core.collectives import all_reduce_tensor  # noqa: E402
+from tplayers.core.blocking import all_reduce_tensor
 from tplayers.bench.link import matmul_tflops  # noqa: E402
 from tplayers.bench import SHAPES, fwd_bwd_step, time_steps  # noqa: E402
 from tplayers.testing import World  # noqa: E402
@@ -185,7 +185,7 @@ def run_peers(group: Any, shape: Dict[str, int], peers: List[str], iters: int, w
             continue
         steps[peer] = fwd_bwd(model)
     # every rank must time the same steps: drop peers that failed on any rank
-    from tplayers.core.collectives import all_gather_tensor
+    from tplayers.core.blocking import all_gather_tensor
 
     ok = torch.tensor([[0.0 if p in steps else 1.0 for p in peers]])
     failed_any = all_gather_tensor(ok, 0, group=g).amax(0) if g.size > 1 else ok[0]

@@ -29,7 +29,7 @@ from tplayers.bench.measure import resolve_link
 from tplayers.bench.report import quartiles
 from tplayers.core import partial_grads, siblings
 from tplayers.core.comm import copy_to_tp
-from tplayers.core.collectives import all_reduce_tensor
+from tplayers.core.blocking import all_reduce_tensor
 from tplayers.core.groups import resolve_group
 from tplayers.layers.siblings import COLUMN_KINDS
 from tplayers.testing import World

@@ -61,7 +61,7 @@ def _without_new_checks() -> Iterator[None]:
 def _median_s(fn: Callable[[], object], repeats: int, group) -> float:
     times: List[float] = []
     for _ in range(repeats):
-        tplayers.core.collectives.barrier(group)
+        tplayers.core.blocking.barrier(group)
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)

@@ -18,7 +18,7 @@ import torch
 
 import tplayers
 from tplayers.bench.report import quartiles
-from tplayers.core.collectives import all_reduce_tensor
+from tplayers.core.blocking import all_reduce_tensor
 from tplayers.testing import World
 
 HEADS = (6, 7, 8)

@@ -454,7 +454,7 @@ def _corrupt_and_load(group, path, how):
             manifest.pop("save_id")
             manifest["version"] = 2
             _json.dump(manifest, open(os.path.join(path, "tplayers.json"), "w"))
-    tplayers.core.collectives.barrier(group)  # rank 0 has damaged it before anyone loads
+    tplayers.core.blocking.barrier(group)  # rank 0 has damaged it before anyone loads
     fresh = _build(group, seed=7)
     try:
         tplayers.load_checkpoint(fresh, path)
@@ -515,7 +515,7 @@ def _shard_from_another_save(group, root, source):
             manifest["files"][shard] = hashlib.sha256(f.read()).hexdigest()
         with open(os.path.join(a, "tplayers.json"), "w") as f:
             _json.dump(manifest, f)
-    tplayers.core.collectives.barrier(group)  # rank 0 has mixed the saves before anyone loads
+    tplayers.core.blocking.barrier(group)  # rank 0 has mixed the saves before anyone loads
     fresh = _build(group, seed=15)
     try:
         tplayers.load_checkpoint(fresh, a)
@@ -600,7 +600,7 @@ def _load_rank0_state_dict(group, path):
     if g.rank == 0:
         torch.save(model.state_dict(), path)
     torch.save(model.state_dict(), f"{path}.{g.rank}")
-    tplayers.core.collectives.barrier(group)
+    tplayers.core.blocking.barrier(group)
     fresh = _mlp(group, seed=9)
     try:
         fresh.load_state_dict(torch.load(path))
@@ -696,7 +696,7 @@ def _one_rank_fails_to_write(group, path):
         error = str(e)
     finally:
         FileSystemWriter.write_data = original
-    tplayers.core.collectives.barrier(group)
+    tplayers.core.blocking.barrier(group)
     return error, sorted(os.listdir(os.path.dirname(path)))
 
 

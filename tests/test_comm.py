@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import examples
 from _helpers import TP_SIZES
 
-from tplayers.core import collectives, comm
+from tplayers.core import blocking, collectives, comm
 from tplayers.testing import get_world
 
 
@@ -130,13 +130,13 @@ def test_collectives_are_contiguity_and_ownership_safe(tp):
 def _check_helpers(group):
     rank, size = group.rank(), group.size()
     x = torch.full((2, 3), float(rank))
-    gathered = collectives.all_gather_tensor(x, 1, group=group)
+    gathered = blocking.all_gather_tensor(x, 1, group=group)
     assert gathered.shape == (2, 3 * size)
     assert torch.equal(gathered[:, 3 * rank:3 * rank + 3], x)
     before = x.clone()
-    total = collectives.all_reduce_tensor(x, group=group)
+    total = blocking.all_reduce_tensor(x, group=group)
     assert torch.equal(x, before) and torch.equal(total, torch.full((2, 3), float(sum(range(size)))))
-    b = collectives.broadcast_tensor(x, size - 1, group=group)
+    b = blocking.broadcast_tensor(x, size - 1, group=group)
     assert torch.equal(b, torch.full((2, 3), float(size - 1)))
     return True
 

@@ -200,7 +200,7 @@ def _dispatch_out_of_step_on_a_gpu(group):
     another all-gather of the same shape. The all-to-all checks the counts' table before it launches (it
     launched, and rank 0 waited in it for the other rank)."""
     from tplayers.core import fingerprint
-    from tplayers.core.collectives import all_gather_tensor
+    from tplayers.core.blocking import all_gather_tensor
     from tplayers.models.moe import DenseMoE
 
     previous = tplayers.set_collective_checks(True, timeout=10)
@@ -324,7 +324,7 @@ def _checks_off_on_one_rank(group):
     fresh = dist.new_group(ranks=[0, 1])  # a group whose first collective is this test's
     before = tplayers.set_collective_checks(dist.get_rank() == 0, timeout=5.0)
     try:
-        tplayers.core.collectives.all_reduce_tensor(torch.ones(3), group=fresh)
+        tplayers.core.blocking.all_reduce_tensor(torch.ones(3), group=fresh)
     except CollectivesOutOfStep as e:
         return str(e)
     finally:

@@ -270,7 +270,7 @@ def _dropout_with_seeds(group, per_rank_seed):
         out = model(x)
     except RuntimeError as e:
         return str(e)
-    return tplayers.core.collectives.all_gather_tensor(out[None].detach(), 0, group=group).unique(dim=0).shape[0]
+    return tplayers.core.blocking.all_gather_tensor(out[None].detach(), 0, group=group).unique(dim=0).shape[0]
 
 
 def test_per_rank_seeds_with_dropout_are_refused_at_the_first_training_step():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import tplayers
 from tplayers.convert import Column
-from tplayers.core.collectives import gather_placed
+from tplayers.core.blocking import gather_placed
 from tplayers.core.dtensors import UnlabelledShard
 from tplayers.core.groups import resolve_group
 from tplayers.layers import model_placements

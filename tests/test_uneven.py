@@ -13,7 +13,8 @@ from _helpers import F64
 
 import tplayers
 from tplayers import ColumnParallelLinear, RowParallelLinear
-from tplayers.core.placement import Part, Sharded, balanced, head_parts
+from tplayers.core.placement import Part, Sharded, balanced
+from tplayers.core.head_layout import head_parts
 from tplayers.testing import assert_matches_dense, get_world
 
 

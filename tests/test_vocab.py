@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import tplayers
 import tplayers.testing
 from tplayers import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
-from tplayers.core.collectives import all_gather_tensor, gather_placed
+from tplayers.core.blocking import all_gather_tensor, gather_placed
 from tplayers.core.placement import Sharded
 from tplayers.core.groups import resolve_group
 from tplayers.testing import RankFailed, assert_matches_dense, get_world

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from ..core.collectives import all_reduce_tensor
+from ..core.blocking import all_reduce_tensor
 from ..core.groups import TPGroup, collective_device
 from .accounting import comm_accounting
 from .config import BenchConfig

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.collectives import broadcast_tensor
+from ..core.blocking import broadcast_tensor
 from ..core.groups import TPGroup
 from ..layers import ColumnParallelLinear, RowParallelLinear, set_overlap
 from ..models.blocks import ParallelMLP, ParallelTransformerBlock

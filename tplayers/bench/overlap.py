@@ -23,7 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.collectives import SEQ_DIM, all_gather_tensor
+from ..core.collectives import SEQ_DIM
+from ..core.blocking import all_gather_tensor
 from ..core.dtypes import DTYPES
 from ..core.groups import GroupLike, TPGroup, collective_device, is_fake, resolve_group
 from ..layers import set_overlap

@@ -15,7 +15,8 @@ from typing import Callable, List, Tuple
 
 import torch
 
-from ..core.collectives import SEQ_DIM, all_gather_tensor, all_reduce_, reduce_scatter_tensor
+from ..core.collectives import SEQ_DIM
+from ..core.blocking import all_gather_tensor, all_reduce_, reduce_scatter_tensor
 from ..core.groups import TPGroup
 from .accounting import CommRecord, comm_accounting
 from .config import BenchConfig

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, TextIO
 import torch
 import torch.nn as nn
 
-from ..core.collectives import all_gather_tensor, barrier
+from ..core.blocking import all_gather_tensor, barrier
 from ..core.groups import GroupLike, collective_device, is_fake, resolve_group
 
 __all__ = ["Timing", "Progress", "estimate_line", "barrier", "time_steps", "fwd_bwd_step", "leaf", "sync"]

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..core.collectives import barrier
+from ..core.blocking import barrier
 from ..testing import World
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

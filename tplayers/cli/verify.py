@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..bench.timing import Progress
-from ..core.collectives import all_gather_tensor
+from ..core.blocking import all_gather_tensor
 from ..convert.audit import audit
 from ..convert.parallelize import parallelize
 from ..convert.twin import first_float

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.collectives import all_gather_tensor, all_gather_text, all_reduce_tensor
+from ..core.blocking import all_gather_tensor, all_gather_text, all_reduce_tensor
 from ..core.groups import TPGroup
 from ..core.fingerprint import RanksDiverged
 from ..core.placement import Sharded

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch.nn as nn
 
-from ..core.placement import head_parts
+from ..core.head_layout import head_parts
 from .sequence import GatherSequence, PerHeadParams, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
 from .heads import attention_heads
 from .styles import Column, KVColumn, Replicate, Row, Style
@@ -89,7 +89,7 @@ def local_head_attrs(attn: nn.Module, tp_size: int) -> Dict[str, int]:
     ``num_key_value_heads`` = KV heads / p, or 1 when there are fewer KV heads than ranks (each rank
     holds one replicated KV head, the KV-head rule of ``KVColumn``); ``num_key_value_groups`` = local
     heads / local KV heads. Heads that do not divide the TP degree count each rank's padded width (the largest rank's heads,
-    :func:`~tplayers.core.placement.head_parts`), the same on every rank. Heads and KV heads are read by :func:`~tplayers.convert.heads.attention_heads`
+    :func:`~tplayers.core.head_layout.head_parts`), the same on every rank. Heads and KV heads are read by :func:`~tplayers.convert.heads.attention_heads`
     (no KV count: multi-head); attributes the attention does not keep are left out."""
     counts = _local_head_counts(attn, tp_size)
     if counts is None:

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.collectives import bit_hash, ranks_that_differ
+from ..core.blocking import bit_hash, ranks_that_differ
 from ..core.groups import TPGroup
 from ..layers.base import TensorParallelModule
 from .plan import Plan

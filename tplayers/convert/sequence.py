@@ -19,7 +19,8 @@ from ..core.comm import gather_sequence_for_columns, scatter_to_sequence
 from .gather_dtype import CastGather
 from ..core.partial_grads import PartialGradSum
 from ..core.partial_sum import PartialSum
-from ..core.placement import Replicated, Sharded, head_parts
+from ..core.placement import Replicated, Sharded
+from ..core.head_layout import head_parts
 from ..layers.base import PLACEMENTS_ATTR
 from .heads import attention_heads
 from .styles import BuildContext, Built, Row

@@ -18,7 +18,8 @@ import torch.nn as nn
 from ..core.groups import TPGroup
 from ..core.partial_grads import PartialGradSum
 from ..core.siblings import ColumnInputs
-from ..core.placement import Part, Sharded, head_parts, kv_part, kv_shards, qkv_placement, require_divisible
+from ..core.placement import Part, Sharded, kv_shards, require_divisible
+from ..core.head_layout import head_parts, kv_part, qkv_placement
 from ..layers.base import class_name
 from ..layers.conv1d import ColumnParallelConv1D, FusedColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from ..layers.fused import FusedColumnParallelLinear
@@ -178,7 +179,7 @@ def _feature_split(size: int, ctx: BuildContext, uneven: bool) -> Optional[Part]
 
 def _heads_split(features: int, ctx: BuildContext, style: str) -> Optional[Part]:
     """The query heads' part of ``features`` (q_proj's output, o_proj's input) by the attention's head
-    counts (:func:`~tplayers.core.placement.head_parts`); None when it is an even split."""
+    counts (:func:`~tplayers.core.head_layout.head_parts`); None when it is an even split."""
     try:
         heads, kv = attention_heads(ctx.parent)
     except AttributeError as e:
@@ -211,7 +212,7 @@ def _with_split(layer_cls: type, conv_cls: type, module: nn.Module, ctx: BuildCo
 class Column:
     """Split output features. ``parts``: fused projection (int = equal parts, or part sizes).
     ``heads``: the output is the query heads of the attention holding the layer (q_proj), cut by whole
-    heads (:func:`~tplayers.core.placement.head_parts`), as evenly as possible when they do not divide the
+    heads (:func:`~tplayers.core.head_layout.head_parts`), as evenly as possible when they do not divide the
     TP degree. ``uneven``: features (of each part) that do not divide the TP degree are split as evenly as
     possible instead of refused; the layer consuming them must be a ``Row(uneven=True)`` of the same size
     (an MLP's ffn). Opt-in: an output cut anywhere would split a head that the plan does not know of."""
@@ -311,7 +312,7 @@ class KVColumn:
     attention) that holds it; None (default): the attention's KV heads as :func:`attention_heads`
     reads them (Hugging Face's ``config.num_key_value_heads``; multi-head attention: its heads).
     ``uneven``: KV heads that do not divide the TP degree (nor divide it) are cut as evenly as possible
-    (:func:`~tplayers.core.placement.kv_part`) instead of refused; the query projection must then be
+    (:func:`~tplayers.core.head_layout.kv_part`) instead of refused; the query projection must then be
     ``Column(heads=True)`` and the output projection ``Row(heads=True)`` (a plain column would not follow)."""
 
     kv_heads: Union[None, int, str] = None

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from ..core.collectives import all_gather_tensor
+from ..core.blocking import all_gather_tensor
 from ..core.groups import TPGroup
 from ..layers.base import PLACEMENTS_ATTR, TensorParallelModule, carry_hooks
 

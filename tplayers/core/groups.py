@@ -14,12 +14,14 @@ import gc
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Union
+from typing import Any, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["TPGroup", "GroupLike", "resolve_group", "collective_device"]
+from .placement import holder_slot
+
+__all__ = ["TPGroup", "GroupLike", "resolve_group", "collective_device", "replica_slot", "replica_group"]
 
 
 @dataclass(frozen=True)
@@ -196,3 +198,38 @@ def collective_device(process_group: Any) -> torch.device:
     if process_group is not None and dist.get_backend(process_group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def replica_slot(holders: Sequence[int], g: TPGroup, what: str = "replicated rows") -> int:
+    """Which replica rank ``g.rank`` holds, the group's ranks held in runs of ``holders[j]`` consecutive
+    ranks (KV heads replicated over more ranks than there are heads: ``(2, 2)`` at TP 4, ``(2, 1)`` at
+    TP 3); a ValueError naming the layout when it does not cover the group."""
+    if not holders or min(holders) < 1 or sum(holders) != g.size:
+        raise ValueError(f"{what}: replicas held by {list(holders)} consecutive ranks do not cover the TP group of "
+                         f"{g.size} ranks")
+    return holder_slot(holders, g.rank)
+
+
+_REPLICA_GROUPS: dict = {}  # (process group, holders) -> this rank's run as a TPGroup, made once per process
+
+
+def replica_group(g: TPGroup, holders: Sequence[int]) -> Optional[TPGroup]:
+    """The ranks of ``g`` holding the same replica as this rank (its run of ``holders[slot]`` consecutive
+    ranks) as a group of their own, made on first use (``new_group(use_local_synchronization=True)``: only
+    the run's members take part, every run at once) and kept; a world of one for a run of one. None where
+    subgroups cannot be made (a fake group: ``tplayers bench --simulate``): the whole group sums instead."""
+    slot = replica_slot(holders, g)
+    holders = tuple(int(n) for n in holders)
+    key = (g.process_group, holders)
+    if key not in _REPLICA_GROUPS:
+        if holders[slot] == 1:
+            _REPLICA_GROUPS[key] = TPGroup(None, 0, 1)
+        elif is_fake(g.process_group) or holders[slot] == g.size:
+            _REPLICA_GROUPS[key] = None
+        else:
+            start = sum(holders[:slot])
+            ranks = [dist.get_global_rank(g.process_group, r) for r in range(start, start + holders[slot])]
+            sub = dist.new_group(ranks=ranks, backend=dist.get_backend(g.process_group),
+                                 use_local_synchronization=True)
+            _REPLICA_GROUPS[key] = TPGroup(sub, g.rank - start, holders[slot])
+    return _REPLICA_GROUPS[key]

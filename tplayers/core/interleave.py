@@ -25,7 +25,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .collectives import SEQ_DIM, Pending, all_gather, all_reduce, sum_partials
+from .collectives import SEQ_DIM, all_gather, all_reduce, sum_partials
+from .pending import Pending
 from .comm import copy_to_tp
 from .functional import column_parallel_linear, differentiable_grads, row_parallel_linear
 from .groups import TPGroup

@@ -47,9 +47,7 @@ __all__ = [
     "padded_size",
     "balanced",
     "holder_slot",
-    "head_parts",
-    "kv_part",
-    "qkv_placement",
+    "uneven_part",
 ]
 
 
@@ -263,7 +261,7 @@ class Sharded(Placement):
         possible (:func:`balanced`): a plain split when the units divide the TP degree."""
         if size % unit:
             raise ValueError(f"Sharded.balanced: size {size} is not whole units of {unit} rows")
-        return Sharded(dim, (_uneven(size, balanced(size // unit, tp_size, unit)),))
+        return Sharded(dim, (uneven_part(size, balanced(size // unit, tp_size, unit)),))
 
     @staticmethod
     def fused(dim: int, sizes: Sequence[int], tp_size: int, shards: Optional[Sequence[int]] = None,
@@ -353,55 +351,9 @@ class Sharded(Placement):
         return rows[0] if len(rows) == 1 else torch.cat(rows, dim=self.dim)
 
 
-def _uneven(size: int, counts: Sequence[int]) -> Part:
+def uneven_part(size: int, counts: Sequence[int]) -> Part:
     """A part cut into ``counts`` rows per piece: a plain (torch.chunk) part when they are all equal."""
     counts = tuple(int(c) for c in counts)
     if len(set(counts)) == 1:
         return Part(size, len(counts))
     return Part(size, len(counts), counts=counts)
-
-
-def head_parts(num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int,
-               layer: str = "attention") -> Tuple[Part, Part]:
-    """``(query part, key/value part)``: how the query heads and the KV heads (each of K and V) are cut
-    at TP degree ``tp_size``, whole heads only and each query head on a rank holding its KV head (the
-    ``num_heads / num_kv_heads`` query heads of a KV head are consecutive, as ``repeat_kv`` assumes).
-
-    - Fewer KV heads than ranks: each KV head held by consecutive ranks (as many each when they divide
-      the TP degree, :func:`kv_shards`; else as evenly as possible: 2 KV heads at TP 3 by 2 and 1), its
-      query heads split over the ranks holding it as evenly as possible.
-    - More KV heads than ranks, not dividing: the KV heads as evenly as possible (:func:`balanced`),
-      each rank the query heads of its KV heads (groups kept whole).
-    Uneven parts pad every rank to the largest piece: a rank with fewer query heads has zero heads after
-    its own (attributes such as ``num_heads`` count the padded width; see the module docstring)."""
-    require_positive(num_heads, layer, "num_heads")
-    require_positive(num_kv_heads, layer, "num_kv_heads")
-    require_positive(head_dim, layer, "head_dim")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{layer}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    group = num_heads // num_kv_heads  # query heads per KV head
-    kv = kv_part(num_kv_heads, head_dim, tp_size, layer)
-    if kv.shards == tp_size:  # each rank whole KV heads, and the query heads that use them
-        return _uneven(num_heads * head_dim, [kv.piece(j)[1] * group for j in range(tp_size)]), kv
-    # the ranks holding each (replicated) KV head split its query heads
-    q_counts = [c for n in kv.holder_counts(tp_size) for c in balanced(group, n, head_dim)]
-    return _uneven(num_heads * head_dim, q_counts), kv
-
-
-def kv_part(num_kv_heads: int, head_dim: int, tp_size: int, layer: str = "attention",
-            what: str = "num_kv_heads") -> Part:
-    """How a K or V projection's ``num_kv_heads * head_dim`` rows are cut: at least as many KV heads as
-    ranks, whole heads per rank as evenly as possible; fewer, each head on consecutive ranks (replicas),
-    as many ranks each as possible (:func:`kv_shards` when they divide the TP degree)."""
-    require_positive(num_kv_heads, layer, what)
-    if num_kv_heads >= tp_size:
-        return _uneven(num_kv_heads * head_dim, balanced(num_kv_heads, tp_size, head_dim))
-    holders = balanced(tp_size, num_kv_heads)  # ranks per KV head; equal when they divide the TP degree
-    return Part(num_kv_heads * head_dim, num_kv_heads, holders=None if len(set(holders)) == 1 else holders)
-
-
-def qkv_placement(num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int, *, dim: int = 0,
-                  layer: str = "attention") -> Sharded:
-    """Fused ``[q; k; v]`` projection: the parts of :func:`head_parts` (q, k, v)."""
-    q, kv = head_parts(num_heads, num_kv_heads, head_dim, tp_size, layer)
-    return Sharded(dim, (q, kv, kv))

@@ -44,7 +44,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .collectives import SEQ_DIM, Pending, all_gather, sum_partials
+from .collectives import SEQ_DIM, all_gather, sum_partials
+from .pending import Pending
 from .groups import TPGroup
 
 __all__ = ["Siblings", "ColumnInputs", "joins_siblings"]

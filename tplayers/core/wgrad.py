@@ -26,7 +26,9 @@ from typing import Callable, Deque, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .collectives import SEQ_DIM, Pending, all_gather, sum_over_replica_ranks
+from .collectives import SEQ_DIM, all_gather
+from .pending import Pending
+from .blocking import sum_over_replica_ranks
 from .groups import TPGroup
 
 __all__ = ["WeightGradStore", "WgradSink", "ReplicatedRows", "accumulate_matmul", "check_main_grads",

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..core.collectives import all_gather_tensor, gather_placed
+from ..core.blocking import all_gather_tensor, gather_placed
 from ..core.dtensors import shard_dtensor
 from ..core.groups import collective_device
 from ..core.placement import Sharded

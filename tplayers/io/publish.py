@@ -12,7 +12,8 @@ from typing import Any, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..core.collectives import broadcast_tensor, bytes_hash, ranks_that_differ, wait_for_ranks
+from ..core.collectives import wait_for_ranks
+from ..core.blocking import broadcast_tensor, bytes_hash, ranks_that_differ
 from ..core.groups import collective_device
 from .walk import CheckpointError
 

@@ -18,7 +18,8 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from ..core.placement import Placement, Sharded, qkv_placement
+from ..core.placement import Placement, Sharded
+from ..core.head_layout import qkv_placement
 from ..layers.base import model_placements
 from ..layers.conv1d import conv1d_to_linear_weight, linear_to_conv1d_weight
 
@@ -101,7 +102,7 @@ def fused_layout(
 
 
 def qkv_layout(num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int, *, dim: int = 0) -> Sharded:
-    """Fused ``[q; k; v]`` projection placement (see :func:`~tplayers.core.placement.qkv_placement`)."""
+    """Fused ``[q; k; v]`` projection placement (see :func:`~tplayers.core.head_layout.qkv_placement`)."""
     return qkv_placement(num_heads, num_kv_heads, head_dim, tp_size, dim=dim)
 
 

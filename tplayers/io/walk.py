@@ -14,7 +14,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.collectives import gather_placed
+from ..core.blocking import gather_placed
 from ..core.dtensors import is_dtensor
 from ..core.groups import TPGroup
 from ..core.placement import Part, Piece, Sharded

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.collectives import gather_placed
+from ..core.blocking import gather_placed
 from ..core.dtensors import (UnlabelledShard, as_dtensor, as_dtensor_over_dp_tp, from_dtensor_over_dp_tp, is_dtensor,
                              local_rows, unlabelled_reason)
 from ..core.groups import GroupLike, TPGroup

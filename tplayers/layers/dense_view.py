@@ -12,7 +12,7 @@ from typing import Callable, Dict, Optional, Set
 import torch
 import torch.nn as nn
 
-from ..core.collectives import gather_placed
+from ..core.blocking import gather_placed
 from .base import placements_of
 
 __all__ = ["dense_parameters", "dense_tensors"]

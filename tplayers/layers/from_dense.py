@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.collectives import bit_hash, ranks_that_differ
+from ..core.blocking import bit_hash, ranks_that_differ
 from .base import TensorParallelModule, class_name
 
 __all__ = ["dense_linear_init", "new_param", "load_full_params", "reset_linear_params", "linear_to_dense",

@@ -15,11 +15,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
-from ..core.collectives import replica_group
+from ..core.groups import GroupLike, replica_group, resolve_group
 from ..core.partial_grads import PartialGradSum
 from ..core.comm import sum_over_replicas
 from ..core.functional import column_parallel_linear
-from ..core.groups import GroupLike, resolve_group
 from ..core.siblings import Siblings
 from ..core.wgrad import WeightGradStore
 from ..core.placement import Part, Placement, Sharded, require_positive

@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..core.collectives import all_gather_tensor, all_reduce_tensor, bit_hash, ranks_that_differ
+from ..core.blocking import all_gather_tensor, all_reduce_tensor, bit_hash, ranks_that_differ
 from ..core.groups import GroupLike, TPGroup, collective_device, resolve_group
 from ..core.placement import Placement, Sharded
 from .base import TensorParallelModule, model_placements

@@ -11,7 +11,7 @@ GEMMs in the layer's ``wgrad_store``; ``tplayers.backward_dw(model)`` runs them 
 
 ``split``: how the split features are cut, a :class:`~tplayers.core.placement.Part` (default: evenly,
 one piece per rank). An uneven part (``Sharded.balanced(...).parts[0]``; whole heads:
-:func:`~tplayers.core.placement.head_parts`) gives every rank the largest piece's width, a shorter
+:func:`~tplayers.core.head_layout.head_parts`) gives every rank the largest piece's width, a shorter
 piece followed by zero features; the row-parallel layer masks those input features, so their weights
 stay zero and get a zero gradient.
 """

@@ -55,7 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.collectives import all_reduce_tensor
+from ..core.blocking import all_reduce_tensor
 from ..core.comm import copy_to_tp, reduce_from_tp
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import Placement, Replicated, Sharded

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ..core.collectives import all_gather_text, bit_hash, bytes_hash, ranks_that_differ
+from ..core.blocking import all_gather_text, bit_hash, bytes_hash, ranks_that_differ
 from ..core.fingerprint import CollectivesOutOfStep
 from ..core.digest import generator_states
 from ..core.groups import GroupLike, resolve_group

@@ -22,7 +22,7 @@ from ..core.digest import digests, generators_digest, joint_digest
 from ..core.dtensors import is_dtensor
 from ..core.carried import Shared, carry
 from ..core.fingerprint import checks_enabled
-from ..core.groups import GroupLike, resolve_group
+from ..core.groups import GroupLike, TPGroup, resolve_group
 from .base import model_placements
 from .same_inputs import SequenceShardInputs, has_dropout, in_pipeline_shape_inference, named_arguments
 
@@ -66,65 +66,78 @@ def carry_shared_state(model: nn.Module, *, group: GroupLike, inputs: bool = Tru
     ``tplayers.set_collective_checks(False)`` (no slot, nothing computed). ``parallelize`` registers it
     (``check_inputs=0`` leaves the inputs out, ``check_consistency=False`` the generators and parameters).
     Returns the pre-hook's handle."""
-    tp = resolve_group(group)
-    pg, label = tp.process_group, type(model).__name__
-    draws = [generators and has_dropout(model)]  # found by its config, or seen at a forward that moved the generators
-    before: List[Any] = [None]  # the generators' digest at this forward's start (training forwards)
-    keys = tuple((id(model), kind) for kind in ("inputs", "generators", "replicas"))
-    calls = [0]
+    carrier = _Carrier(model, resolve_group(group), inputs, generators, replicas, sequence_shards)
+    model.register_forward_hook(carrier.post_forward, always_call=True)
+    return model.register_forward_pre_hook(carrier.pre_forward, with_kwargs=True)
 
-    def replicated_params(root: nn.Module) -> List[Tuple[str, torch.Tensor]]:
-        placements = model_placements(root)
-        return [(name, p) for name, p in root.named_parameters()
+
+class _Carrier:
+    """:func:`carry_shared_state`'s hooks on one model: what each forward carries, and the error path's detail."""
+
+    def __init__(self, model: nn.Module, tp: TPGroup, inputs: bool, generators: bool, replicas: bool,
+                 sequence_shards: Optional[SequenceShardInputs]) -> None:
+        self.model, self.tp, self.label = model, tp, type(model).__name__
+        self.inputs, self.generators, self.replicas, self.sequence_shards = inputs, generators, replicas, sequence_shards
+        self.draws = generators and has_dropout(model)  # by its config, or seen at a forward that moved the generators
+        self.before: Optional[Any] = None  # the generators' digest at this forward's start (training forwards)
+        self.keys = tuple((id(model), kind) for kind in ("inputs", "generators", "replicas"))
+        self.calls = 0
+        self.slots: List[Tuple[nn.Module, str]] = []  # where each replicated parameter sits, found at the first forward
+
+    def replicated_params(self) -> List[Tuple[str, torch.Tensor]]:
+        placements = model_placements(self.model)
+        return [(name, p) for name, p in self.model.named_parameters()
                 if placements.get(name) is None or not placements[name].is_sharded]
 
-    slots: List[Tuple[nn.Module, str]] = []  # where each replicated parameter sits, found at the first forward
+    def replicated_now(self) -> List[torch.Tensor]:  # read where they sit: a parameter replaced later is read anew
+        if not self.slots:
+            owners = {id(p): (m, a) for m in self.model.modules() for a, p in m.named_parameters(recurse=False)}
+            self.slots.extend(owners[id(p)] for _, p in self.replicated_params() if id(p) in owners)
+        return [_local(m._parameters[a]) for m, a in self.slots if m._parameters.get(a) is not None]
 
-    def replicated_now() -> List[torch.Tensor]:  # read where they sit: a parameter replaced later is read anew
-        if not slots:
-            owners = {id(p): (m, a) for m in model.modules() for a, p in m.named_parameters(recurse=False)}
-            slots.extend(owners[id(p)] for _, p in replicated_params(model) if id(p) in owners)
-        return [_local(m._parameters[a]) for m, a in slots if m._parameters.get(a) is not None]
-
-    def detail() -> List[Tuple[str, int]]:  # the error path: one digest per parameter, to name the one that differs
-        params = replicated_params(model)
+    def detail(self) -> List[Tuple[str, int]]:  # the error path: one digest per parameter, to name the one that differs
+        params = self.replicated_params()
         return list(zip((f"'{n}'" for n, _ in params), digests([_local(t) for _, t in params]).tolist()))
 
-    def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: dict) -> None:
-        if module is not model or tp.size == 1 or not checks_enabled() or torch.compiler.is_compiling():
+    def pre_forward(self, module: nn.Module, args: Tuple[Any, ...], kwargs: dict) -> None:
+        if module is not self.model or self.tp.size == 1 or not checks_enabled() or torch.compiler.is_compiling():
             return  # (a copy of the model made with its hooks, as the audit's float32 copy, carries nothing)
+        pg = self.tp.process_group
         if "torch.distributed.pipelining" in sys.modules and in_pipeline_shape_inference():
-            carry(pg, keys[0], None)  # a PipelineStage's shape inference runs on uninitialized inputs
+            carry(pg, self.keys[0], None)  # a PipelineStage's shape inference runs on uninitialized inputs
             return
-        calls[0] += 1
-        if inputs:
-            named = named_arguments(args, kwargs)
-            if sequence_shards is not None:
-                skipped = sequence_shards.skipped()
-                named = [(n, t) for n, t in named if n not in skipped]
-            carry(pg, keys[0], Shared(f"the inputs of {label} forward #{calls[0]}", [n for n, _ in named],
-                                      digests([t for _, t in named]), INPUTS_ADVICE) if named else None)
-        before[0] = generators_digest() if generators and module.training and torch.is_grad_enabled() else None
-        if draws[0] and before[0] is not None:
-            carry(pg, keys[1], Shared(f"the random generators of {label} (it draws random numbers: dropout, "
-                                      "router noise, torch.rand*)", ["CPU generator", "CUDA generator"][:len(before[0])],
-                                      before[0], GENERATORS_ADVICE))
+        self.calls += 1
+        if self.inputs:
+            self._carry_inputs(args, kwargs)
+        training = self.generators and module.training and torch.is_grad_enabled()
+        self.before = generators_digest() if training else None
+        if self.draws and self.before is not None:
+            carry(pg, self.keys[1], Shared(f"the random generators of {self.label} (it draws random numbers: dropout, "
+                                           "router noise, torch.rand*)",
+                                           ["CPU generator", "CUDA generator"][:len(self.before)], self.before,
+                                           GENERATORS_ADVICE))
         else:
-            carry(pg, keys[1], None)  # an evaluation or no_grad forward draws nothing
-        if replicas:
-            params = replicated_now()
+            carry(pg, self.keys[1], None)  # an evaluation or no_grad forward draws nothing
+        if self.replicas:
+            params = self.replicated_now()
             if params:
-                carry(pg, keys[2], Shared(f"the replicated parameters of {label}", ["replicated parameters"],
-                                          joint_digest(params), REPLICAS_ADVICE, detail=detail))
+                carry(pg, self.keys[2], Shared(f"the replicated parameters of {self.label}", ["replicated parameters"],
+                                               joint_digest(params), REPLICAS_ADVICE, detail=self.detail))
 
-    def done(module: nn.Module, *_: Any) -> None:  # (also when the forward raised: nothing stale is left on the group)
-        if module is not model or torch.compiler.is_compiling():
+    def _carry_inputs(self, args: Tuple[Any, ...], kwargs: dict) -> None:
+        named = named_arguments(args, kwargs)
+        if self.sequence_shards is not None:
+            skipped = self.sequence_shards.skipped()
+            named = [(n, t) for n, t in named if n not in skipped]
+        carry(self.tp.process_group, self.keys[0],
+              Shared(f"the inputs of {self.label} forward #{self.calls}", [n for n, _ in named],
+                     digests([t for _, t in named]), INPUTS_ADVICE) if named else None)
+
+    def post_forward(self, module: nn.Module, *_: Any) -> None:  # (also when the forward raised: nothing stale left)
+        if module is not self.model or torch.compiler.is_compiling():
             return  # (nothing was carried)
-        if not draws[0] and before[0] is not None and not torch.equal(generators_digest(), before[0]):
-            draws[0] = True  # it drew random numbers (torch.rand* in its forward): carried from its next forward
-        before[0] = None
-        for key in keys:
-            carry(pg, key, None)
-
-    model.register_forward_hook(done, always_call=True)
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
+        if not self.draws and self.before is not None and not torch.equal(generators_digest(), self.before):
+            self.draws = True  # it drew random numbers (torch.rand* in its forward): carried from its next forward
+        self.before = None
+        for key in self.keys:
+            carry(self.tp.process_group, key, None)

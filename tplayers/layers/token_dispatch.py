@@ -18,7 +18,7 @@ No pair is dropped (no capacity factor); the per-expert counts are read back to 
 layer (the all-to-all sizes), so this does not capture in a CUDA graph.
 
 ``sequence_parallel=False`` (tokens the same on every rank, TP without sequence parallelism): each
-rank first keeps its share of the rows (:func:`~tplayers.core.comm.split_rows`, no communication;
+rank first keeps its share of the rows (:func:`~tplayers.core.rows.split_rows`, no communication;
 backward all-gathers their gradients) and the outputs are all-gathered at the end, so every pair
 still runs once. ``sequence_parallel=True``: the tokens are this rank's own (a sequence shard, or
 any per-rank batch whose dense twin is their concatenation); nothing is split or gathered.
@@ -33,8 +33,8 @@ from typing import Callable
 
 import torch
 
-from ..core.collectives import all_gather_tensor
-from ..core.comm import all_to_all_rows, gather_rows, split_rows
+from ..core.blocking import all_gather_tensor
+from ..core.rows import all_to_all_rows, gather_rows, split_rows
 from ..core.groups import TPGroup
 
 __all__ = ["dispatch_to_experts", "tied_to"]

@@ -19,7 +19,7 @@ from typing import ContextManager, Optional
 import torch
 from torch._C import _functions as _autograd_functions
 
-from ..core.collectives import all_reduce_tensor
+from ..core.blocking import all_reduce_tensor
 from ..core.digest import digests
 from ..core.carried import Shared, carrying
 from ..core.fingerprint import checks_enabled

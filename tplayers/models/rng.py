@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..core.collectives import ranks_that_differ
+from ..core.blocking import ranks_that_differ
 from ..core.groups import GroupLike, TPGroup, resolve_group
 
 __all__ = ["RNGTracker", "PARALLEL", "REPLICATED", "dropout_context", "require_rng", "activation_dropout"]

@@ -18,7 +18,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
-from ..core.collectives import all_gather_tensor
+from ..core.blocking import all_gather_tensor
 from ..core.groups import GroupLike, resolve_group
 from ..layers.switches import backward_dw, main_grads_to_grads, zero_main_grads
 from ..layers.dense_view import dense_parameters
