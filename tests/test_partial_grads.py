@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import tplayers
-from tplayers.convert.sequence import route_params_through
+from tplayers.layers.base import route_params_through
 from tplayers.core.partial_grads import PartialGradSum
 from tplayers.testing import get_world
 

@@ -21,12 +21,12 @@ from ..core.partial_grads import PartialGradSum
 from ..core.partial_sum import PartialSum
 from ..core.placement import Replicated, Sharded
 from ..core.head_layout import head_parts
-from ..layers.base import PLACEMENTS_ATTR
+from ..layers.base import PLACEMENTS_ATTR, route_params_through
 from .heads import attention_heads
 from .styles import BuildContext, Built, Row
 
 __all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "ReplicateReduceGrad", "PerHeadParams",
-           "map_first_input", "route_params_through",
+           "map_first_input",
            "check_sequence_region", "refuse_double_gather", "takes_sequence_shards"]
 
 _MARK = "_tplayers_styles"  # the sequence styles already applied to a module (refuse stacking a second set)
@@ -43,28 +43,6 @@ def map_first_input(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor
         raise TypeError(f"parallelize: expected the module's input as the first argument or '{key}='")
 
     module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-
-
-def route_params_through(module: nn.Module, names: Tuple[str, ...], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """During each forward, ``module.<name>`` reads as ``fn(parameter)`` for each of ``names``.
-
-    The pre-hook puts ``fn(param)`` in the instance ``__dict__``, which attribute lookup finds before
-    ``nn.Module.__getattr__`` reads ``_parameters``; the forward hook (also called when forward
-    raises) removes it. The parameter is read anew each forward, so replacing it (``to_empty``,
-    loading) keeps the routing; state-dict names do not change."""
-
-    def pre_hook(m: nn.Module, args: tuple) -> None:
-        for name in names:
-            param = m._parameters.get(name)
-            if param is not None:
-                m.__dict__[name] = fn(param)
-
-    def post_hook(m: nn.Module, args: tuple, out: object) -> None:
-        for name in names:
-            m.__dict__.pop(name, None)
-
-    module.register_forward_pre_hook(pre_hook)
-    module.register_forward_hook(post_hook, always_call=True)
 
 
 def takes_sequence_shards(module: nn.Module) -> bool:

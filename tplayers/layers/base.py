@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -22,7 +22,8 @@ from ..core.placement import Placement
 from .optimizers import track_tp_module
 
 __all__ = ["class_name", "TensorParallelModule", "model_placements", "placements_of", "PLACEMENTS_ATTR", "SHARD_OWNER_KEY",
-           "mixed_class", "module_copy", "params_read_as", "carry_hooks"]
+           "mixed_class", "module_copy", "params_read_as", "route_params_through",
+           "carry_hooks"]
 
 # A module that is not a TensorParallelModule (a Hugging Face norm under sequence parallelism) carries
 # its parameters' placements in this attribute, set by the parallelize style that changed how it runs.
@@ -191,21 +192,46 @@ def module_copy(module: nn.Module, cls: type) -> nn.Module:
     return new
 
 
-@contextmanager
-def params_read_as(reads: Iterable[Tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
-    """While the body runs, ``module.<name>`` reads as the tensor given for each ``(module, name, tensor)``: it
-    is put in the instance ``__dict__``, which attribute lookup finds before ``nn.Module.__getattr__`` reads
-    ``_parameters``, and removed afterwards, also when the body raises. For code that reads a parameter
-    directly (a family's forward reading ``self.conv1d.weight``) where TP needs a function of it (its
-    replicas' gradients summed, padding rows masked); state-dict names and the parameters are unchanged."""
-    reads = list(reads)
+def _shadow(reads: Iterable[Tuple[nn.Module, str, torch.Tensor]]) -> None:
+    """``module.<name>`` reads as the tensor given: it is put in the instance ``__dict__``, which attribute lookup
+    finds before ``nn.Module.__getattr__`` reads ``_parameters`` (state-dict names, the parameters unchanged)."""
     for module, name, value in reads:
         module.__dict__[name] = value
+
+
+def _unshadow(names: Iterable[Tuple[nn.Module, str]]) -> None:
+    for module, name in names:
+        module.__dict__.pop(name, None)
+
+
+@contextmanager
+def params_read_as(reads: Iterable[Tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
+    """While the body runs, ``module.<name>`` reads as the tensor given for each ``(module, name, tensor)``, and
+    as the parameter again afterwards, also when the body raises. For code that reads a parameter directly (a
+    family's forward reading ``self.conv1d.weight``) where TP needs a function of it (its replicas' gradients
+    summed, padding rows masked)."""
+    reads = list(reads)
+    _shadow(reads)
     try:
         yield
     finally:
-        for module, name, _ in reads:
-            module.__dict__.pop(name, None)
+        _unshadow((module, name) for module, name, _ in reads)
+
+
+def route_params_through(module: nn.Module, names: Tuple[str, ...], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """During each forward of ``module``, ``module.<name>`` reads as ``fn(parameter)`` for each of ``names``
+    (:func:`params_read_as` around every forward, by a pre-hook and a forward hook also called when forward
+    raises). The parameter is read anew each forward, so replacing it (``to_empty``, loading) keeps the
+    routing."""
+
+    def pre_hook(m: nn.Module, args: tuple) -> None:
+        _shadow((m, name, fn(param)) for name in names if (param := m._parameters.get(name)) is not None)
+
+    def post_hook(m: nn.Module, args: tuple, out: object) -> None:
+        _unshadow((m, name) for name in names)
+
+    module.register_forward_pre_hook(pre_hook)
+    module.register_forward_hook(post_hook, always_call=True)
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
