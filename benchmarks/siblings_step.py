@@ -27,7 +27,8 @@ import torch
 import tplayers
 from tplayers.bench.measure import resolve_link
 from tplayers.bench.report import quartiles
-from tplayers.core import partial_grads, siblings
+from tplayers.core import siblings
+from tplayers.regions import partial_grads
 from tplayers.core.comm import copy_to_tp
 from tplayers.core.blocking import all_reduce_tensor
 from tplayers.core.groups import resolve_group

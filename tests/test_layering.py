@@ -9,7 +9,7 @@ from typing import List
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "tplayers"
-FLOORS = ["core", "layers", "models", "convert", "io", "testing", "bench", "cli"]  # bottom to top (docs/architecture.md)
+FLOORS = ["core", "regions", "layers", "models", "convert", "io", "testing", "bench", "cli"]  # bottom to top (docs/architecture.md)
 LEAVES = {"_version"}  # modules with no tplayers imports that any floor may use
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
                "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "barrier", "monitored_barrier", "send",
@@ -190,3 +190,38 @@ def test_the_cycle_check_catches_a_circle(tmp_path):
     config = copy / "bench" / "config.py"
     config.write_text(config.read_text() + "\nif TYPE_CHECKING:\n    from .overlap import Mode\n")
     assert "tplayers.bench.config -> tplayers.bench.overlap -> tplayers.bench.config" in import_cycles(copy)
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 70  # (a function's docstring not counted: it is its reference)
+
+
+def oversized(root: pathlib.Path) -> List[str]:
+    """``"file: N lines"`` for every module over MAX_MODULE_LINES, ``"file: name() N lines"`` for every function
+    whose body (its docstring left out) is over MAX_FUNCTION_LINES."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel, text = path.relative_to(root), path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            found.append(f"{rel}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body[1:] if ast.get_docstring(node) is not None and len(node.body) > 1 else node.body
+                lines = node.end_lineno - body[0].lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{rel}: {node.name}() {lines} lines")
+    return found
+
+
+def test_no_module_or_function_is_too_long_to_read_in_one_sitting():
+    assert oversized(PACKAGE) == []
+
+
+def test_the_size_check_catches_a_long_module_and_function(tmp_path):
+    import shutil
+
+    copy = tmp_path / "tplayers"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    rng = copy / "models" / "rng.py"
+    rng.write_text(rng.read_text() + "\n\ndef long():\n    \"\"\"doc\"\"\"\n" + "    x = 1\n" * 400)
+    found = oversized(copy)
+    assert len(found) == 2 and found[0].startswith("models/rng.py: ") and found[1] == "models/rng.py: long() 400 lines"

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import tplayers
 from tplayers.layers.base import route_params_through
-from tplayers.core.partial_grads import PartialGradSum
+from tplayers.regions.partial_grads import PartialGradSum
 from tplayers.testing import get_world
 
 H = 6

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tplayers
-from tplayers.core.partial_sum import PartialSum
+from tplayers.regions.partial_sum import PartialSum
 from tplayers.testing import get_world
 
 VOCAB, DIM = 11, 4

@@ -1,4 +1,4 @@
-"""Floor 7, bench: timing over ranks (timing.py), the overlap microbenchmark (overlap.py: config, modes,
+"""Floor 8, bench: timing over ranks (timing.py), the overlap microbenchmark (overlap.py: config, modes,
 runner; modules.py: what it builds; schedule.py: the collectives alone; measure.py: accounting,
 timeline, trace), its report (report.py), one simulated rank (simulate.py)."""
 from .config import MODES, SHAPES, BenchConfig

@@ -1,4 +1,4 @@
-"""Floor 4, convert: ``parallelize`` an existing model from a plan; TP x DP meshes.
+"""Floor 5, convert: ``parallelize`` an existing model from a plan; TP x DP meshes.
 
     styles.py       the style contract (build(module, ctx) -> Built) and the layer-swapping styles
     sequence.py     sequence-parallel styles (scatter, gather, norms), replicated parameters with partial gradients

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from ..core.partial_sum import METADATA
+from ..regions.partial_sum import METADATA
 from ..core.prepare import autocast_dtype
 
 __all__ = ["CastGather"]

@@ -45,7 +45,7 @@ import torch.nn as nn
 from ..core.collectives import wait_for_ranks
 from ..core.fingerprint import name_modules
 from ..core.groups import GroupLike, TPGroup, resolve_group
-from ..core.partial_grads import PartialGradSum
+from ..regions.partial_grads import PartialGradSum
 from ..core.siblings import ColumnInputs
 from ..layers.base import TensorParallelModule, carry_hooks, placements_of
 from ..layers.experts import ParallelExperts

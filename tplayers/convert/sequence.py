@@ -3,7 +3,7 @@
 Under sequence parallelism the activations between the TP layers are ``(b, s/p, h)``. These styles
 keep the module and attach forward hooks (in ``Built.finish``, after every check of the plan passed).
 A norm inside the region runs on this rank's tokens, so its replicated parameters get partial
-gradients: they enter its forward through the call's :class:`~tplayers.core.partial_grads.PartialGradSum`
+gradients: they enter its forward through the call's :class:`~tplayers.regions.partial_grads.PartialGradSum`
 (identity forward; backward every norm's gradient summed over the group by one all-reduce), and carry
 the placement ``Replicated(partial_grad=True)``.
 """
@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from ..core.comm import gather_sequence_for_columns, scatter_to_sequence
 from .gather_dtype import CastGather
-from ..core.partial_grads import PartialGradSum
-from ..core.partial_sum import PartialSum
+from ..regions.partial_grads import PartialGradSum
+from ..regions.partial_sum import PartialSum
 from ..core.placement import Replicated, Sharded
 from ..core.head_layout import head_parts
 from ..layers.base import PLACEMENTS_ATTR, route_params_through

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import torch.nn as nn
 
 from ..core.groups import TPGroup
-from ..core.partial_grads import PartialGradSum
+from ..regions.partial_grads import PartialGradSum
 from ..core.siblings import ColumnInputs
 from ..core.placement import Part, Sharded, kv_shards, require_divisible
 from ..core.head_layout import head_parts, kv_part, qkv_placement

@@ -1,1 +1,1 @@
-"""Floor 1, core: groups, the placement contract, differentiable collectives, fused linear ops."""
+"""Floor 1, core: groups, the placement contract, the collectives, the column / row parallel linear Functions."""

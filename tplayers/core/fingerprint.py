@@ -125,7 +125,7 @@ _READING: List[Optional[str]] = [None]  # what a collective issued outside any m
 @contextmanager
 def reading(what: str) -> Iterator[None]:
     """Name the collectives issued in the block by what they compute (``what``) rather than by the module
-    running: a read of a deferred value (a :class:`~.partial_sum.PartialSum`) happens wherever user code
+    running: a read of a deferred value (a :class:`~tplayers.regions.partial_sum.PartialSum`) happens wherever user code
     reads it, often outside any forward ("(no module)" said nothing)."""
     before, _READING[0] = _READING[0], what
     try:

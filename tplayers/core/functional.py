@@ -25,7 +25,7 @@ all-reducing it, and all-gathers its output gradient in backward.
 results, to measure what the overlap buys. ``collective_matmul`` cuts the sequence-parallel gather /
 scatter into ring steps under the GEMMs (:mod:`.ring`). Where the weight gradients go (``.grad``,
 float32 ``main_grad`` buffers, or later: delay_wgrad) is :mod:`.wgrad`'s `WgradSink`. The column ->
-core -> row region with both layers' backward ordered together is :mod:`.region`.
+core -> row region with both layers' backward ordered together is :mod:`tplayers.regions.region`.
 
 CUDA launch order: an async NCCL collective runs on its own stream. With several hardware queues
 (``CUDA_DEVICE_MAX_CONNECTIONS`` > 1, the default) the weight-gradient GEMM launched after it can be

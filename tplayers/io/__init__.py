@@ -1,4 +1,4 @@
-"""Floor 5, io: sharded checkpoints that reshard (DCP) and dense safetensors import/export.
+"""Floor 6, io: sharded checkpoints that reshard (DCP) and dense safetensors import/export.
 
     walk.py         the model's persistent tensors with their placements; dense_state_dict
     publish.py      rank coordination: shared temporary names, rank-0 work raised everywhere, atomic renames

@@ -1,4 +1,4 @@
-"""Floor 2, layers: nn.Modules over the core ops (linear, fused, vocabulary, norm, MoE experts, Mamba-2 mixers,
+"""Floor 3, layers: nn.Modules over the core ops (linear, fused, vocabulary, norm, MoE experts, Mamba-2 mixers,
 GPT-2 Conv1D)."""
 from ..core.placement import require_divisible
 from .base import TensorParallelModule, model_placements

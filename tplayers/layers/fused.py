@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..core.groups import GroupLike, replica_group, resolve_group
-from ..core.partial_grads import PartialGradSum
+from ..regions.partial_grads import PartialGradSum
 from ..core.comm import sum_over_replicas
 from ..core.functional import column_parallel_linear
 from ..core.siblings import Siblings

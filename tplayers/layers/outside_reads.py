@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from ..core.partial_sum import METADATA
+from ..regions.partial_sum import METADATA
 from .base import TensorParallelModule, model_placements
 from .same_inputs import in_pipeline_shape_inference
 

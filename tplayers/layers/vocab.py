@@ -29,7 +29,7 @@ from ..core.collectives import SEQ_DIM
 from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.siblings import Siblings
-from ..core.partial_sum import partial_sum
+from ..regions.partial_sum import partial_sum
 from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range
 from .base import TensorParallelModule, class_name
@@ -132,7 +132,7 @@ class VocabParallelEmbedding(_VocabParallelBase):
 
     Input: integer ids ``(...)``, identical on every rank. Output ``(..., dim)`` on every rank,
     or ``(..., seq/p, dim)`` with ``sequence_parallel=True`` (ids ``(..., seq)``). ``partial_output=True``:
-    ``(..., dim)`` as a :class:`~tplayers.core.partial_sum.PartialSum`, summed when its values are first read,
+    ``(..., dim)`` as a :class:`~tplayers.regions.partial_sum.PartialSum`, summed when its values are first read,
     or reduce-scattered by a sequence-parallel region's entry (a Hugging Face model reads its shape first).
     ``num_embeddings`` need not divide the TP degree (padded, see the module docstring).
     Initialization draws the full ``nn.Embedding`` table (same RNG calls) and keeps this rank's rows.

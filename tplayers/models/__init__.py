@@ -1,1 +1,1 @@
-"""Floor 3, models: dense twins and configs (the spec), rng, loss, transformer blocks, MoE, ParallelGPT."""
+"""Floor 4, models: dense twins and configs (the spec), rng, loss, transformer blocks, MoE, ParallelGPT."""

@@ -25,9 +25,9 @@ from einops import rearrange
 from .cache import LayerKV
 from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, attention_core,
                     check_heads, normalize_attn_mask, refuse_mask_with_cache, rotate_and_cache)
-from ..core.region import split_backward_region
+from ..regions.region import split_backward_region
 from ..core.prepare import autocast_enabled, require_chunks
-from ..core.interleave import ResidualRegion, interleaved_residual_regions
+from ..regions.interleave import ResidualRegion, interleaved_residual_regions
 from ..layers.fused import FusedColumnParallelLinear
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import kv_shards as placement_kv_shards, require_divisible, require_positive
@@ -61,7 +61,7 @@ class ParallelMLP(TensorParallelModule):
 
     SwiGLU: ``fc1`` is the fused ``[gate; up]``, gate and up each split across ranks, so rank r
     computes ``silu(gate_r) * up_r`` locally. ``ffn_hidden`` must divide the TP degree.
-    ``split_backward``: one fused backward (`tplayers.core.region.parallel_mlp`) runs fc1's
+    ``split_backward``: one fused backward (`tplayers.regions.region.parallel_mlp`) runs fc1's
     input-gradient collective under both layers' weight gradients instead of fc1's alone; the
     same numbers, bit for bit (off with ``overlap_comm=False``).
     ``chunks`` > 1: the same fused region, run over that many batch chunks so each chunk's fc2
@@ -280,7 +280,7 @@ class ParallelTransformerBlock(TensorParallelModule):
 
     Batch chunks (``set_overlap(block, chunks=k)``: attention and MLP with the same ``chunks``): with
     ``interleave_chunks`` (the default) the whole block runs as one pipeline over the chunks
-    (`tplayers.core.interleave`), so the attention's last chunk collective travels under the MLP's
+    (`tplayers.regions.interleave`), so the attention's last chunk collective travels under the MLP's
     first chunk instead of waiting alone; ``False`` chunks each sublayer on its own. Without dropout
     in training, a KV cache or sequence parallelism; otherwise (and in a world of one, or under
     autocast) the sublayers run one after the other, each with its own chunks.

@@ -1,4 +1,4 @@
-"""Floor 6, testing: verify TP modules the way tplayers verifies itself (public, for your modules).
+"""Floor 7, testing: verify TP modules the way tplayers verifies itself (public, for your modules).
 
     world.py        World: persistent spawned ranks (gloo on loopback), never a hang
     dense_match.py  assert_matches_dense: outputs, input and parameter gradients vs dense

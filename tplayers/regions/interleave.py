@@ -25,14 +25,14 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .collectives import SEQ_DIM, all_gather, all_reduce, sum_partials
-from .pending import Pending
-from .comm import copy_to_tp
-from .functional import column_parallel_linear, differentiable_grads, row_parallel_linear
-from .groups import TPGroup
+from ..core.collectives import SEQ_DIM, all_gather, all_reduce, sum_partials
+from ..core.pending import Pending
+from ..core.comm import copy_to_tp
+from ..core.functional import column_parallel_linear, differentiable_grads, row_parallel_linear
+from ..core.groups import TPGroup
 from .region import Core, batch_chunks, cat_rows, check_region_main_grads, core_graph
-from .prepare import warn_cuda_connections_once
-from .wgrad import MainGrads, WeightGradStore, WgradSink, region_wgrads
+from ..core.prepare import warn_cuda_connections_once
+from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, region_wgrads
 
 __all__ = ["ResidualRegion", "interleaved_residual_regions"]
 

@@ -25,10 +25,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .collectives import all_gather, reduce_scatter, split
-from .comm import reduce_from_tp, reduce_scatter_to_sequence, scatter_to_sequence
-from .fingerprint import reading
-from .groups import TPGroup
+from ..core.collectives import all_gather, reduce_scatter, split
+from ..core.comm import reduce_from_tp, reduce_scatter_to_sequence, scatter_to_sequence
+from ..core.fingerprint import reading
+from ..core.groups import TPGroup
 
 __all__ = ["METADATA", "PartialSum", "partial_sum"]
 

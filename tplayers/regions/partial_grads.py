@@ -31,8 +31,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .comm import copy_many_to_replicas, copy_many_to_tp, copy_to_tp, sum_over_replicas
-from .groups import TPGroup
+from ..core.comm import copy_many_to_replicas, copy_many_to_tp, copy_to_tp, sum_over_replicas
+from ..core.groups import TPGroup
 
 __all__ = ["PartialGradSum"]
 

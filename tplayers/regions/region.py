@@ -27,11 +27,11 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .collectives import SEQ_DIM, all_gather, sum_partials
-from .functional import column_parallel_linear, differentiable_grads, row_parallel_linear
-from .groups import GroupLike, TPGroup, resolve_group
-from .prepare import autocast_enabled, check_linear_inputs, require_chunks, warn_cuda_connections_once
-from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, region_wgrads
+from ..core.collectives import SEQ_DIM, all_gather, sum_partials
+from ..core.functional import column_parallel_linear, differentiable_grads, row_parallel_linear
+from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..core.prepare import autocast_enabled, check_linear_inputs, require_chunks, warn_cuda_connections_once
+from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, region_wgrads
 
 __all__ = ["split_backward_region", "parallel_mlp", "batch_chunks", "cat_rows", "core_graph", "Core"]
 
