@@ -118,6 +118,18 @@ def import_cycles(root: pathlib.Path) -> List[str]:
     return sorted(cycles)
 
 
+def _planted(tmp_path: pathlib.Path, target: str, addition: str) -> pathlib.Path:
+    """A copy of the package with ``addition`` appended to module ``target``: a deliberate violation to show a
+    check can fail."""
+    import shutil
+
+    copy = tmp_path / "tplayers"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    module = copy / target
+    module.write_text(module.read_text() + addition)
+    return copy
+
+
 def test_every_package_folder_is_a_floor():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert folders == set(FLOORS)
@@ -142,13 +154,7 @@ def test_collectives_are_issued_only_from_core_comm():
 ])
 def test_the_floor_check_catches_an_upward_import(tmp_path, line, expected):
     """The check can fail: a copy of the package with one deliberate upward import is refused."""
-    import shutil
-
-    copy = tmp_path / "tplayers"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    linear = copy / "layers" / "linear.py"
-    linear.write_text(linear.read_text() + line)
-    errors = upward_imports(copy)
+    errors = upward_imports(_planted(tmp_path, "layers/linear.py", line))
     assert len(errors) == 1 and errors[0].startswith("layers/linear.py") and expected in errors[0], errors
 
 
@@ -157,24 +163,14 @@ def test_the_floor_check_catches_an_upward_import(tmp_path, line, expected):
     ("layers/linear.py", "from ..core.wgrad import _flat\n"),  # across floors
 ])
 def test_the_private_name_check_catches_a_private_import(tmp_path, target, line):
-    import shutil
-
-    copy = tmp_path / "tplayers"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    module = copy / target
-    module.write_text(module.read_text() + line)
+    copy = _planted(tmp_path, target, line)
     absolute = line.strip().replace("from ..core.", "from tplayers.core.").replace("from .", "from tplayers.core.")
     found = private_imports_across_modules(copy)
     assert f"{target}: {absolute}" in found and len(found) == len(private_imports_across_modules(PACKAGE)) + 1, found
 
 
 def test_the_collective_check_catches_a_stray_collective(tmp_path):
-    import shutil
-
-    copy = tmp_path / "tplayers"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    vocab = copy / "layers" / "vocab.py"
-    vocab.write_text(vocab.read_text() + "\ndist.all_reduce(x)\n")
+    copy = _planted(tmp_path, "layers/vocab.py", "\ndist.all_reduce(x)\n")
     assert [e.split(" ")[1] for e in collectives_outside_comm(copy)] == ["dist.all_reduce"]
 
 
@@ -183,12 +179,7 @@ def test_no_module_imports_round_a_circle():
 
 
 def test_the_cycle_check_catches_a_circle(tmp_path):
-    import shutil
-
-    copy = tmp_path / "tplayers"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    config = copy / "bench" / "config.py"
-    config.write_text(config.read_text() + "\nif TYPE_CHECKING:\n    from .overlap import Mode\n")
+    copy = _planted(tmp_path, "bench/config.py", "\nif TYPE_CHECKING:\n    from .overlap import Mode\n")
     assert "tplayers.bench.config -> tplayers.bench.overlap -> tplayers.bench.config" in import_cycles(copy)
 
 
@@ -217,11 +208,5 @@ def test_no_module_or_function_is_too_long_to_read_in_one_sitting():
 
 
 def test_the_size_check_catches_a_long_module_and_function(tmp_path):
-    import shutil
-
-    copy = tmp_path / "tplayers"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    rng = copy / "models" / "rng.py"
-    rng.write_text(rng.read_text() + "\n\ndef long():\n    \"\"\"doc\"\"\"\n" + "    x = 1\n" * 400)
-    found = oversized(copy)
+    found = oversized(_planted(tmp_path, "models/rng.py", "\n\ndef long():\n    \"\"\"doc\"\"\"\n" + "    x = 1\n" * 400))
     assert len(found) == 2 and found[0].startswith("models/rng.py: ") and found[1] == "models/rng.py: long() 400 lines"
