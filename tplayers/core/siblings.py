@@ -127,7 +127,7 @@ class Siblings:
         call, source = self.inputs.call, _source(x)
         if (call is None or call.owner is not self or call.source != source or call.g != g
                 or call.sp != sequence_parallel or call.x.dtype != x.dtype or call.x.shape != x.shape
-                or id(weight) in call.weights):
+                or call.x.device != x.device or id(weight) in call.weights):
             self.inputs.close()
             call = self.inputs.call = _Call(self, x, source, g, sequence_parallel)
         call.weights.append(id(weight))
