@@ -13,21 +13,23 @@ Core knows nothing of benchmarks: every collective goes through :func:`.pending.
 an `Observer` on the bench floor may watch.
 
 Ranks in step (:mod:`.fingerprint`): all-reduce, all-gather and reduce-scatter carry each rank's
-fingerprint of the call in ``SLOT`` extra elements of their own buffer (an all-reduce sums in a
-reused longer buffer and copies back), checked when the collective completes.
+fingerprint of the call in ``SLOT`` extra elements of their own buffer, checked when the collective
+completes. Each eager collective has one path: :mod:`.stamped` says what it sends and receives (the
+caller's own buffers when nothing is stamped); under torch.compile, torch's functional collectives.
 """
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol  # the compiled paths
 
-from .fingerprint import SLOT, Stamp, bounded_wait, check_lagging, checks_enabled, stamp
+from .fingerprint import Stamp, bounded_wait, check_lagging, checks_enabled, stamp
 from .groups import GroupLike, TPGroup, is_fake, resolve_group
 from .pending import Pending, eager_on_old_torch, launch
+from .stamped import all_gather_buffers, all_reduce_buffers, reduce_scatter_buffers
 
 __all__ = ["REDUCE_OPS", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
            "ring_exchange", "split", "owned_copy",
@@ -97,48 +99,14 @@ def all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str
         return Pending(None, lambda: buf.copy_(funcol.wait_tensor(reduced)))
     nbytes = buf.numel() * buf.element_size()
     s = _stamp("all_reduce", nbytes, buf, g)
-    if s is None:
-        work, observed = launch("all_reduce", nbytes, g, lambda: dist.all_reduce(
-            buf, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op), buf.device)
-        return _settled(Pending(work, lambda: buf, observed), async_op)
-    n = buf.numel()  # (n data + p * SLOT fingerprint slots: each rank's in its own, zeros elsewhere)
-    flat = _scratch(n + s.size * SLOT, buf.dtype, buf.device)
-    flat[:n].view(buf.shape).copy_(buf)
-    flat[n:].copy_(s.slots(buf.dtype, buf.device, _not_finite(buf) if check_finite else None))
+    send, _, finish = all_reduce_buffers(buf, s, check_finite)  # (a stamped one: async, checked at the wait)
     work, observed = launch("all_reduce", nbytes, g, lambda: dist.all_reduce(
-        flat, op=_REDUCE_OPS[op], group=g.process_group, async_op=True), buf.device)
-
-    def finish() -> torch.Tensor:
-        try:
-            s.check(flat[n:])
-            return buf.copy_(flat[:n].view(buf.shape))
-        finally:
-            _SCRATCH.append(flat)
-
+        send, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op or s is not None), buf.device)
     return _settled(Pending(work, finish, observed, s), async_op)
-
-
-# Fingerprinted all-reduces sum in a longer buffer than the caller's, then copy back. Reused: fresh
-# pages cost more than the copy (a 2 MB buffer on the CPU: +2.4 ms fresh, +0.8 ms reused, per all-reduce).
-_SCRATCH: List[torch.Tensor] = []
-
-
-def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    for i, t in enumerate(_SCRATCH):
-        if t.numel() == numel and t.dtype == dtype and t.device == device:
-            return _SCRATCH.pop(i)
-    if len(_SCRATCH) >= 8:
-        _SCRATCH.pop(0)
-    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _stamp(op: str, nbytes: int, sent: torch.Tensor, g: TPGroup) -> Optional[Stamp]:
     return stamp(op, nbytes, sent, g.process_group, g.rank, g.size)
-
-
-def _not_finite(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool on ``t``'s device (no synchronization): some element of ``t`` is inf or nan."""
-    return ~torch.isfinite(t).all()
 
 
 @eager_on_old_torch
@@ -152,24 +120,11 @@ def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False)
         gathered = funcol.all_gather_tensor(src, 0, _functional_pg(g))  # (p*d0, ...)
         work, observed, stamped, result = None, None, None, lambda: funcol.wait_tensor(gathered)
     else:
-        full = (g.size * src.shape[0],) + tuple(src.shape[1:])
         nbytes = src.numel() * g.size * src.element_size()
         stamped = _stamp("all_gather", nbytes, src, g)
-        if stamped is None:
-            out = torch.empty(full, dtype=src.dtype, device=src.device)
-            work, observed = launch("all_gather", nbytes, g, lambda: _all_gather_single(
-                out, src, group=g.process_group, async_op=async_op), src.device)
-            result = lambda: out  # noqa: E731
-        else:  # each rank sends (n data + SLOT fingerprint) elements
-            n = src.numel()
-            ext = torch.cat([src.reshape(-1), stamped.mine(src.dtype, src.device)])
-            rows = torch.empty((g.size, n + SLOT), dtype=src.dtype, device=src.device)
-            work, observed = launch("all_gather", nbytes, g, lambda: _all_gather_single(
-                rows.view(-1), ext, group=g.process_group, async_op=True), src.device)
-
-            def result() -> torch.Tensor:
-                stamped.check(rows[:, n:])
-                return rows[:, :n].reshape(full)
+        send, receive, result = all_gather_buffers(src, g.size, stamped)
+        work, observed = launch("all_gather", nbytes, g, lambda: _all_gather_single(
+            receive, send, group=g.process_group, async_op=async_op or stamped is not None), src.device)
     if dim == 0:
         return _settled(Pending(work, result, observed, stamped), async_op)
 
@@ -206,24 +161,10 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = Fa
         scattered = funcol.reduce_scatter_tensor(src, "sum", 0, _functional_pg(g))
         return Pending(None, lambda: funcol.wait_tensor(scattered).reshape(out_shape))
     # src: p contiguous blocks, block r = rank r's chunk in out_shape's layout (for dim != 0 too)
-    m = src.numel() // g.size
     stamped = _stamp("reduce_scatter", nbytes, src, g)
-    if stamped is None:
-        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-        work, observed = launch("reduce_scatter", nbytes, g, lambda: _reduce_scatter_single(
-            out.view(-1), src.view(-1), group=g.process_group, async_op=async_op), x.device)
-        return _settled(Pending(work, lambda: out, observed), async_op)
-    # every block carries the p fingerprint slots (this rank's in its own), so each rank's chunk of the sum has all
-    flag = _not_finite(src) if check_finite else None
-    blocks = torch.cat([src.view(g.size, m), stamped.slots(x.dtype, x.device, flag).expand(g.size, -1)], dim=1)
-    out = torch.empty(m + g.size * SLOT, dtype=x.dtype, device=x.device)
+    send, receive, finish = reduce_scatter_buffers(src, g.size, out_shape, stamped, check_finite)
     work, observed = launch("reduce_scatter", nbytes, g, lambda: _reduce_scatter_single(
-        out, blocks.view(-1), group=g.process_group, async_op=True), x.device)
-
-    def finish() -> torch.Tensor:
-        stamped.check(out[m:])
-        return out[:m].view(out_shape)
-
+        receive, send, group=g.process_group, async_op=async_op or stamped is not None), x.device)
     return _settled(Pending(work, finish, observed, stamped), async_op)
 
 
