@@ -405,3 +405,14 @@ def test_a_declared_set_shares_per_input():
     the declaration never sums gradients of different tensors."""
     for ops in get_world(2).run(_cross_attention):
         assert ops == ["all_reduce", "all_reduce"], ops
+
+
+def test_declare_siblings_refuses_what_is_not_a_set_of_column_layers():
+    row = tplayers.RowParallelLinear(4, 4, group=None)
+    col = tplayers.ColumnParallelLinear(4, 4, group=None)
+    with pytest.raises(TypeError, match="RowParallelLinear is not a column-parallel layer"):
+        tplayers.declare_siblings(col, row)
+    with pytest.raises(ValueError, match="no layers given"):
+        tplayers.declare_siblings()
+    assert col.siblings is None  # (nothing declared by a refused call)
+    assert tplayers.declare_siblings(col).inputs is col.siblings.inputs
