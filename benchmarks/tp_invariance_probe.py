@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-SHAPES = ((128, 256, 512), (512, 1024, 2048), (37, 304, 96))  # (M, K, N)
+SHAPES = ((128, 256, 512), (512, 1024, 2048), (37, 304, 96), (32, 32, 32))  # (M, K, N)
 LEAVES = 8
 
 

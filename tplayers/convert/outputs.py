@@ -21,7 +21,7 @@ from ..core.dtensors import as_dtensor, is_dtensor
 from ..core.groups import TPGroup
 from ..core.placement import Sharded
 
-__all__ = ["label_split_outputs"]
+__all__ = ["label_split_outputs", "save_pretrained_whole"]
 
 
 def _length(args: tuple, kwargs: dict) -> Optional[int]:
@@ -61,3 +61,16 @@ def _label_heads(t: Any, heads: int, tp: TPGroup) -> Any:
                          "over the TP group describes. Ask for attention weights at a TP degree that divides the "
                          "heads, or from the dense model")
     return as_dtensor(t, Sharded.split(1, heads, tp.size), tp)  # (b, H, s, s), Shard(1)
+
+
+def save_pretrained_whole(model: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """A Hugging Face / PEFT model's ``save_pretrained`` after ``parallelize``: given the dense ``state_dict`` it is
+    the library's own; without it the library would read ``state_dict()``, whose TP shards are DTensors (no
+    safetensors file holds one), and fail deep inside safetensors: refused here, naming the route."""
+    if kwargs.get("state_dict") is None:
+        raise RuntimeError(
+            f"{type(model).__name__}.save_pretrained on a tensor-parallel model: its state_dict() holds TP shards (as "
+            "DTensors), which a Hugging Face / PEFT save cannot write. On every rank of the TP group: "
+            "model.save_pretrained(path, state_dict=tplayers.io.dense_state_dict(model), is_main_process=rank == 0) "
+            "(dense_state_dict gathers the shards: collective), or tplayers.save_dense(model, path)")
+    return type(model).save_pretrained(model, save_directory, *args, **kwargs)

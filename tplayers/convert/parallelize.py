@@ -59,8 +59,9 @@ from .attrs import Change, attr_changes
 from .audit import AUDIT_ATTR, Auditor, find_regions
 from .auto import auto_plan
 from .auto_sequence import sequence_parallel_auto
+from .invariant import apply_tp_invariant
 from .loss_parallel import apply_loss_parallel
-from .outputs import label_split_outputs
+from .outputs import label_split_outputs, save_pretrained_whole
 from .coverage import REPORT_ATTR, report_coverage
 from .plan import Plan, resolve_style
 from .plans import get_plan
@@ -252,7 +253,7 @@ def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
                 group: GroupLike, sequence_parallel: bool = False, check_consistency: bool = True,
                 audit: bool = True, audit_skip: Sequence[str] = (), check_inputs: int = 1000, timeout: float = 300.0,
-                loss_parallel: bool = False, experts: str = "ffn") -> nn.Module:
+                loss_parallel: bool = False, experts: str = "ffn", tp_invariant: bool = False) -> nn.Module:
     """Swap, in place, the modules ``plan`` names for TP layers holding this rank's shard.
 
     Every rank of ``group`` calls it on an identical dense model (same weights). Returns
@@ -298,6 +299,11 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     the logits, each rank holds 1/p of them); ``outputs.logits`` is then this rank's shard labelled as one, a
     DTensor of shape ``(b, s, V)``, ``Shard(-1)`` over the TP group; without labels the logits are gathered
     whole (:mod:`tplayers.convert.loss_parallel`).
+    ``tp_invariant``: every sum TP splits (the row layers' contraction, the column layers' input gradient) is one
+    fixed tree over ``tplayers.core.invariant.LEAVES`` leaves, so logits, loss, gradients and the parameters after
+    optimizer steps are the same bits at TP 1 (``group=None``), 2, 4 and 8 (:mod:`tplayers.core.invariant`); this
+    version takes column / row layers, the vocabulary-parallel embedding and head, without sequence parallelism or
+    ``loss_parallel``, and refuses the rest, named.
     """
     tp = resolve_group(group)
     if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) or check_inputs < 0:
@@ -323,6 +329,9 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     changes = attr_changes(modules, p, tp)
     retie = _ties(model, modules, built)
     auditor = _auditor(model, built, styles, matched, tp, p.name, isinstance(plan, str))  # reads the dense modules' attributes
+    if tp_invariant:  # (on the built layers: refused before the model changes)
+        apply_tp_invariant([(f"{n}.{r}".rstrip("."), m) for n, b in built.items() for r, m in b.module.named_modules()],
+                           tp, sequence_parallel, loss_parallel)
     _swap(model, modules, built, changes, retie, auditor, column_inputs)  # swap -> siblings -> hooks
     auditor.skip(audit_skip)
     object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict
@@ -384,17 +393,4 @@ def _at_the_boundary(model: nn.Module, tp: TPGroup, built: Dict[str, Built], los
     if hasattr(model, "config"):  # a Hugging Face model: split hidden states / attentions labelled
         label_split_outputs(model, tp, sequence_parallel=any(b.region for b in built.values()))
     if callable(getattr(type(model), "save_pretrained", None)):
-        object.__setattr__(model, "save_pretrained", types.MethodType(_save_pretrained_whole, model))
-
-
-def _save_pretrained_whole(model: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-    """A Hugging Face / PEFT model's ``save_pretrained`` after ``parallelize``: given the dense ``state_dict`` it is
-    the library's own; without it the library would read ``state_dict()``, whose TP shards are DTensors (no
-    safetensors file holds one), and fail deep inside safetensors: refused here, naming the route."""
-    if kwargs.get("state_dict") is None:
-        raise RuntimeError(
-            f"{type(model).__name__}.save_pretrained on a tensor-parallel model: its state_dict() holds TP shards (as "
-            "DTensors), which a Hugging Face / PEFT save cannot write. On every rank of the TP group: "
-            "model.save_pretrained(path, state_dict=tplayers.io.dense_state_dict(model), is_main_process=rank == 0) "
-            "(dense_state_dict gathers the shards: collective), or tplayers.save_dense(model, path)")
-    return type(model).save_pretrained(model, save_directory, *args, **kwargs)
+        object.__setattr__(model, "save_pretrained", types.MethodType(save_pretrained_whole, model))

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..core.comm import gather_from_tp
 from ..core.functional import column_parallel_linear, row_parallel_linear
 from ..core.groups import GroupLike, resolve_group
+from ..core.invariant import invariant_column_linear, invariant_row_linear
 from ..core.siblings import Siblings
 from ..core.wgrad import WeightGradStore
 from ..core.placement import Part, Placement, Replicated, Sharded, require_positive
@@ -33,7 +34,7 @@ from .base import TensorParallelModule
 from .from_dense import check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 from .switches import grad_sinks
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "mask_padding"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "mask_padding", "refuse_with_invariant"]
 
 
 def mask_padding(x: torch.Tensor, real: int, width: int) -> torch.Tensor:
@@ -44,6 +45,15 @@ def mask_padding(x: torch.Tensor, real: int, width: int) -> torch.Tensor:
     if real >= width:
         return x
     return x * (torch.arange(x.shape[-1], device=x.device) < real).to(x.dtype)  # (..., in_local)
+
+
+def refuse_with_invariant(layer: nn.Module) -> None:
+    """A ``tp_invariant`` layer computes its own fixed-tree path: a switch it would silently ignore is refused."""
+    on = [n for n in ("delay_wgrad", "accumulate_main_grad", "collective_matmul", "sequence_parallel")
+          if getattr(layer, n, False)]
+    if on:
+        raise RuntimeError(f"{type(layer).__name__}: parallelize(..., tp_invariant=True) computes the fixed tree's "
+                           f"own path; {', '.join(on)} is not available with it (set_overlap / use_main_grad)")
 
 
 def _split_part(split: Optional[Part], features: int, tp_size: int, layer: str, what: str) -> Part:
@@ -72,6 +82,7 @@ class ColumnParallelLinear(TensorParallelModule):
     """
 
     siblings: Optional[Siblings] = None
+    tp_invariant = False  # parallelize(..., tp_invariant=True): the same bits at every TP degree (core/invariant.py)
 
     def __init__(
         self,
@@ -114,6 +125,10 @@ class ColumnParallelLinear(TensorParallelModule):
         reset_linear_params(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_invariant:
+            refuse_with_invariant(self)
+            out = invariant_column_linear(x, self.weight, self.bias, self.group)
+            return gather_from_tp(out, group=self.group) if self.gather_output else out
         if self.group.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
             return F.linear(x, self.weight, self.bias)
         out = column_parallel_linear(x, self.weight, self.bias, group=self.group,
@@ -152,6 +167,8 @@ class RowParallelLinear(TensorParallelModule):
     ``(..., out)`` on every rank (``(..., seq/p, out)`` with ``sequence_parallel``).
     Rank r holds columns ``[r*in/p, (r+1)*in/p)`` of the dense weight and the full bias.
     """
+
+    tp_invariant = False  # as ColumnParallelLinear's
 
     def __init__(
         self,
@@ -193,6 +210,9 @@ class RowParallelLinear(TensorParallelModule):
         reset_linear_params(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_invariant:  # (input split: parallelize refuses input_is_parallel=False and uneven splits here)
+            refuse_with_invariant(self)
+            return invariant_row_linear(x, self.weight, self.bias, self.group)
         if self.group.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
             return F.linear(x, self.weight, self.bias)
         # the padding features of an uneven split reach neither the output nor the weights' gradient

@@ -28,12 +28,14 @@ from ..core.comm import gather_from_tp, reduce_from_tp, reduce_scatter_to_sequen
 from ..core.collectives import SEQ_DIM
 from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, TPGroup, resolve_group
+from ..core.invariant import invariant_column_linear
 from ..core.siblings import Siblings
 from ..regions.partial_sum import partial_sum
 from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range
 from .base import TensorParallelModule, class_name
 from .from_dense import dense_linear_init, linear_to_dense, load_full_params, new_param, own_forward
+from .linear import refuse_with_invariant
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead", "ScaledEmbedding", "embedding_scale"]
 
@@ -278,6 +280,7 @@ class ParallelLMHead(_VocabParallelBase):
     """
 
     siblings: Optional[Siblings] = None
+    tp_invariant = False  # as ColumnParallelLinear's
 
     def __init__(
         self,
@@ -327,9 +330,13 @@ class ParallelLMHead(_VocabParallelBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # padding rows: zero weight and zero bias, so their logits are zero with or without a bias
-        logits = column_parallel_linear(x, self.weight, self.bias, group=self.group,  # (..., V'/p)
-                                        sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
-                                        siblings=self.siblings)
+        if self.tp_invariant:
+            refuse_with_invariant(self)
+            logits = invariant_column_linear(x, self.weight, self.bias, self.group)  # (..., V'/p)
+        else:
+            logits = column_parallel_linear(x, self.weight, self.bias, group=self.group,  # (..., V'/p)
+                                            sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
+                                            siblings=self.siblings)
         if not self.gather_output:
             return logits
         return gather_from_tp(logits, group=self.group)[..., : self.num_embeddings]  # (..., V)

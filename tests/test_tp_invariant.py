@@ -1,0 +1,119 @@
+"""parallelize(..., tp_invariant=True): the same bits at TP 1, 2 and 4 (logits, loss, every gradient, the parameters
+after AdamW steps), float32 and bfloat16; what this version refuses."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tplayers
+from tplayers.testing import dense_parameters, get_world
+
+STEPS = 5
+
+
+def _llama(dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def _train(group, dtype_name: str):
+    """5 AdamW steps of a tiny HF Llama ("auto", tp_invariant): the first step's logits and dense gradients, every
+    loss, the dense parameters after the steps."""
+    dtype = getattr(torch, dtype_name)
+    model = tplayers.parallelize(_llama(dtype), "auto", group=group, tp_invariant=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    losses, logits, grads = [], None, None
+    for step in range(STEPS):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        if step == 0:
+            logits, grads = out.logits.detach(), dense_parameters(model, grads=True)
+        losses.append(out.loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, logits, grads, dense_parameters(model)
+
+
+def _differences(a, b) -> list:
+    losses_a, logits_a, grads_a, params_a = a
+    losses_b, logits_b, grads_b, params_b = b
+    found = [f"loss {i}" for i, (x, y) in enumerate(zip(losses_a, losses_b)) if not torch.equal(x, y)]
+    found += ["logits"] if not torch.equal(logits_a, logits_b) else []
+    found += [f"grad {n}" for n in grads_a if not torch.equal(grads_a[n], grads_b[n])]
+    return found + [f"param {n}" for n in params_a if not torch.equal(params_a[n], params_b[n])]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_trains_to_the_same_bits_at_tp_1_2_and_4(dtype):
+    pytest.importorskip("transformers")
+    tp1 = _train(None, dtype)
+    for tp in (2, 4):
+        for rank, result in enumerate(get_world(tp).run(_train, dtype)):
+            assert _differences(tp1, result) == [], f"TP {tp}, rank {rank}"
+
+
+class _Block(torch.nn.Module):
+    """An own model: q, k, v read one x, gelu MLP; a plan by patterns."""
+
+    def __init__(self, h: int = 32, f: int = 64):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(h, h) for _ in range(4))
+        self.up, self.down = torch.nn.Linear(h, f), torch.nn.Linear(f, h)
+
+    def forward(self, x):
+        a = self.o(torch.tanh(self.q(x)) * self.k(x) + self.v(x)) + x  # (elementwise on the split features)
+        return self.down(torch.nn.functional.gelu(self.up(a))) + a
+
+
+PLAN = {"q": "column", "k": "column", "v": "column", "o": "row", "up": "column", "down": "row"}
+
+
+def _own(group):
+    torch.manual_seed(0)
+    model = tplayers.parallelize(_Block(), PLAN, group=group, tp_invariant=True)
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(x).square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, dense_parameters(model)
+
+
+def test_an_own_plan_trains_to_the_same_bits_at_tp_1_2_and_4():
+    losses, params = _own(None)
+    for tp in (2, 4):
+        for got_losses, got_params in get_world(tp).run(_own):
+            assert all(torch.equal(a, b) for a, b in zip(losses, got_losses)), (tp, losses, got_losses)
+            assert [n for n in params if not torch.equal(params[n], got_params[n])] == [], tp
+
+
+def test_what_the_mode_does_not_take_yet_is_refused_before_the_model_changes():
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(ValueError, match="tp_invariant=True is not available with loss_parallel=True"):
+        tplayers.parallelize(_llama(torch.float32), "auto", group=None, tp_invariant=True, loss_parallel=True)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=16))
+    with pytest.raises(ValueError, match=r"module 'transformer.h.0.attn.c_attn' \(FusedColumnParallelConv1D\) sums"):
+        tplayers.parallelize(gpt2, "auto", group=None, tp_invariant=True)
+    assert type(gpt2.transformer.h[0].attn.c_attn).__name__ == "Conv1D"  # untouched
+    with pytest.raises(ValueError, match=r"its split features \(36\) are not 8 whole leaves"):
+        tplayers.parallelize(torch.nn.Sequential(torch.nn.Linear(8, 36), torch.nn.Linear(36, 8)),
+                             {"0": "column", "1": "row"}, group=None, tp_invariant=True)
+
+
+def test_a_switch_the_fixed_tree_would_ignore_is_refused():
+    model = tplayers.parallelize(_Block(), PLAN, group=None, tp_invariant=True, audit=False)
+    tplayers.set_overlap(model, delay_wgrad=True)
+    with pytest.raises(RuntimeError, match="delay_wgrad is not available with it"):
+        model(torch.randn(2, 4, 32))

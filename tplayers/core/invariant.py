@@ -1,0 +1,147 @@
+"""The same bits at every TP degree: the column and row linears with every sum TP splits computed as one fixed
+tree over ``LEAVES`` leaves (``parallelize(..., tp_invariant=True)``).
+
+TP splits two sums of the Column -> Row path: the row layer's contraction over its input features (forward) and
+the column layer's input gradient, a contraction over its output features (backward). Summed as TP usually sums
+them (each rank's partial GEMM, then an all-reduce in the ring's order) their bits depend on the TP degree. Here
+the contraction is cut into ``LEAVES`` consecutive leaves, whatever the degree; each of p ranks holds
+``LEAVES / p`` consecutive ones::
+
+    TP 1:  leaf 0 .. leaf 7 -> ((0+1)+(2+3)) + ((4+5)+(6+7))
+    TP 2:  rank 0: (0+1)+(2+3)   rank 1: (4+5)+(6+7)   -> all-gather -> s0 + s1
+    TP 4:  rank r: leaves 2r, 2r+1 summed             -> all-gather -> (s0+s1) + (s2+s3)
+
+Every leaf is one batch of one bmm, the same shape at every degree. The GEMMs whose split dimension changes
+with the degree (the column layer's forward and weight gradient, the row layer's input and weight gradients) are
+computed in ``LEAVES`` blocks of fixed width the same way: on this build a GEMM's output columns are not the
+same bits when it computes 8 of them as when it computes 32 (benchmarks/tp_invariance_probe.py). Bias gradients
+are summed feature by feature (a column sum over fewer features is not the same either). The cross-rank step is
+an all-gather of each rank's subtree sum and the tree's top computed on every rank: the bytes of a ring
+all-reduce at TP 2, twice them at TP 4 (benchmarks/RESULTS.md). No overlap: the collective waits where it is issued.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .collectives import all_gather
+from .groups import TPGroup
+
+__all__ = ["LEAVES", "check_invariant", "invariant_column_linear", "invariant_row_linear"]
+
+LEAVES = 8  # the contraction's leaves: TP degrees 1, 2, 4, 8 are invariant
+
+
+def check_invariant(size: int, features: int, layer: str, what: str) -> None:
+    """The TP degree divides ``LEAVES`` and the split ``features`` are whole leaves on every rank."""
+    if LEAVES % size:
+        raise ValueError(f"{layer}: tp_invariant sums over {LEAVES} leaves; the TP degree {size} does not divide "
+                         f"them (TP 1, 2, 4, 8 are invariant)")
+    if features % LEAVES:
+        raise ValueError(f"{layer}: tp_invariant cuts {what}={features} into {LEAVES} leaves; it is not divisible")
+
+
+def _tree(parts: torch.Tensor) -> torch.Tensor:
+    """``parts`` (n, ...) summed as a binary tree of adjacent pairs (n a power of two)."""
+    while parts.shape[0] > 1:
+        parts = parts[0::2] + parts[1::2]
+    return parts[0]
+
+
+def _contract(a: torch.Tensor, b: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    """``a @ b.T`` summed over the group, where ``a`` (..., k) and ``b`` (n, k) hold this rank's consecutive k of
+    the contraction: this rank's ``LEAVES / p`` leaves as one batched GEMM, their subtree, the tree's top."""
+    leaves = LEAVES // g.size
+    rows = a.reshape(-1, a.shape[-1])  # (m, k)
+    a_leaves = rows.view(rows.shape[0], leaves, -1).transpose(0, 1).contiguous()  # (leaves, m, k/leaves)
+    b_leaves = b.reshape(b.shape[0], leaves, -1).transpose(0, 1).contiguous()  # (leaves, n, k/leaves)
+    local = _tree(torch.bmm(a_leaves, b_leaves.transpose(1, 2)))  # (m, n)
+    if g.size > 1:
+        local = _tree(all_gather(local.unsqueeze(0), 0, g).wait())  # every rank's subtree, in rank order
+    return local.view(*a.shape[:-1], b.shape[0])
+
+
+def _in_blocks(a: torch.Tensor, b: torch.Tensor, blocks: int, split_rows: bool) -> torch.Tensor:
+    """``a @ b`` (2-D) with the dimension TP splits (``a``'s rows if ``split_rows``, else ``b``'s columns) cut
+    into ``blocks`` of a fixed width, each one batch of one bmm: a GEMM's bits can depend on how many rows or
+    columns it computes at once (8 columns of 32 differ from the same 8 alone on this build), so every block is
+    the same GEMM at every TP degree."""
+    if split_rows:
+        out = torch.bmm(a.reshape(blocks, a.shape[0] // blocks, a.shape[1]), b.expand(blocks, *b.shape))
+        return out.reshape(a.shape[0], b.shape[1])  # (n, m)
+    b_blocks = b.reshape(b.shape[0], blocks, b.shape[1] // blocks).transpose(0, 1).contiguous()  # (blocks, k, m/blocks)
+    out = torch.bmm(a.expand(blocks, *a.shape), b_blocks)  # (blocks, n, m/blocks)
+    return out.transpose(0, 1).reshape(a.shape[0], b.shape[1])
+
+
+def _bias_grad(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` (tokens, n) summed over the tokens, each feature's sum on its own contiguous row: a column sum
+    (``sum(0)``) of fewer features can take other bits (37 x 96 in float32 on this build)."""
+    return flat.t().contiguous().sum(1)
+
+
+class _InvariantColumnFn(torch.autograd.Function):
+    """``x @ W_r^T + b_r`` in fixed blocks of output features; backward's input gradient summed as the fixed tree
+    over the output features."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, g: TPGroup):
+        ctx.save_for_backward(x, weight)
+        ctx.g, ctx.has_bias = g, bias is not None
+        leaves = LEAVES // g.size
+        out = _in_blocks(x.reshape(-1, x.shape[-1]).contiguous(), weight.t(), leaves, split_rows=False)
+        out = out.view(*x.shape[:-1], weight.shape[0])  # (..., out/p)
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def backward(ctx, grad_out):  # (..., out/p)
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        leaves = LEAVES // ctx.g.size
+        grad_x = _contract(grad_out, weight.t(), ctx.g) if need_x else None  # (..., in), the same on every rank
+        flat = grad_out.reshape(-1, grad_out.shape[-1])
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        grad_w = _in_blocks(flat.t().contiguous(), rows, leaves, split_rows=True) if need_w else None  # (out/p, in)
+        grad_b = _bias_grad(flat) if need_b and ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+class _InvariantRowFn(torch.autograd.Function):
+    """``sum_r x_r @ W_r^T + b`` as the fixed tree over the input features; backward needs no collective, its
+    GEMMs in fixed blocks of the input features."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, g: TPGroup):
+        ctx.save_for_backward(x, weight)
+        ctx.g, ctx.has_bias = g, bias is not None
+        out = _contract(x, weight, g)  # (..., out), the same on every rank
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def backward(ctx, grad_out):  # (..., out)
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        leaves = LEAVES // ctx.g.size
+        flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        grad_x = None
+        if need_x:  # (..., in/p): this rank's columns of the dense product
+            grad_x = _in_blocks(flat, weight, leaves, split_rows=False).view(*x.shape[:-1], weight.shape[1])
+        rows = x.reshape(-1, x.shape[-1])
+        grad_w = _in_blocks(flat.t().contiguous(), rows, leaves, split_rows=False) if need_w else None  # (out, in/p)
+        grad_b = _bias_grad(flat) if need_b and ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+def invariant_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                            g: TPGroup) -> torch.Tensor:
+    """The column layer of ``tp_invariant``: ``x`` (..., in) replicated, ``weight`` (out/p, in)."""
+    check_invariant(g.size, weight.shape[0] * g.size, "column layer", "out_features")
+    return _InvariantColumnFn.apply(x, weight, bias, g)
+
+
+def invariant_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         g: TPGroup) -> torch.Tensor:
+    """The row layer of ``tp_invariant``: ``x`` (..., in/p) split, ``weight`` (out, in/p)."""
+    check_invariant(g.size, weight.shape[1] * g.size, "row layer", "in_features")
+    return _InvariantRowFn.apply(x, weight, bias, g)
