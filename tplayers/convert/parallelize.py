@@ -301,8 +301,8 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     whole (:mod:`tplayers.convert.loss_parallel`).
     ``tp_invariant``: every sum TP splits (the row layers' contraction, the column layers' input gradient) is one
     fixed tree over ``tplayers.core.invariant.LEAVES`` leaves, so logits, loss, gradients and the parameters after
-    optimizer steps are the same bits at TP 1 (``group=None``), 2, 4 and 8 (:mod:`tplayers.core.invariant`); this
-    version takes column / row layers, the vocabulary-parallel embedding and head, without sequence parallelism or
+    optimizer steps are the same bits at TP 1 (``group=None``), 2 and 4 (8: untested; :mod:`tplayers.core.invariant`);
+    this version takes column / row layers, the vocabulary-parallel embedding and head, without sequence parallelism or
     ``loss_parallel``, and refuses the rest, named.
     """
     tp = resolve_group(group)
