@@ -14,6 +14,7 @@ import time
 import torch
 
 import tplayers
+from tplayers.bench.budget import wire_bytes
 from tplayers.bench.measure import resolve_link
 from tplayers.bench.report import quartiles
 from tplayers.core.blocking import all_reduce_tensor
@@ -30,11 +31,6 @@ def _llama(layers: int):
                                         max_position_embeddings=512, tie_word_embeddings=False))
 
 
-def _wire(op: str, nbytes: int, p: int) -> float:
-    """What each rank sends in a ring: an all-reduce 2(p-1)/p of its buffer, a gather or scatter (p-1)/p."""
-    return nbytes * (2 if op == "all_reduce" else 1) * (p - 1) / p
-
-
 def _rank(group, layers: int, repeats: int, link: str):
     models = {mode: tplayers.parallelize(_llama(layers), "auto", group=group, tp_invariant=mode, audit=False,
                                          check_inputs=0) for mode in (False, True)}
@@ -48,7 +44,7 @@ def _rank(group, layers: int, repeats: int, link: str):
                 models[mode](input_ids=ids, labels=ids).loss.backward()
                 elapsed = time.perf_counter() - t0
             models[mode].zero_grad(set_to_none=True)
-            nbytes[mode] = sum(_wire(r.op, r.nbytes, group.size()) for r in acc.records)
+            nbytes[mode] = sum(wire_bytes(r.op, r.nbytes, group.size()) for r in acc.records)
             if i >= 2:
                 times[mode].append(1e3 * elapsed)
     slowest = lambda v: all_reduce_tensor(torch.tensor(v), group=group, op="max").tolist()  # noqa: E731

@@ -7,7 +7,7 @@ from typing import Iterable, Tuple
 import torch.nn as nn
 
 from ..core.groups import TPGroup
-from ..core.invariant import LEAVES
+from ..core.invariant import check_invariant
 from ..layers.base import TensorParallelModule
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -18,16 +18,14 @@ __all__ = ["apply_tp_invariant"]
 def apply_tp_invariant(modules: Iterable[Tuple[str, nn.Module]], tp: TPGroup, sequence_parallel: bool,
                        loss_parallel: bool) -> None:
     """Put the column / row layers and the LM head among the built ``(name, module)`` on the fixed-tree path,
-    after checking them all; refuse what would still sum in a TP-dependent order. The embedding needs nothing: a token's row is on one rank (the sum
-    over ranks adds zeros)."""
+    after checking them all; refuse what would still sum in a TP-dependent order. The embedding needs nothing:
+    a token's row is on one rank (the sum over ranks adds zeros)."""
     if sequence_parallel or loss_parallel:
         raise ValueError("parallelize: tp_invariant=True is not available with "
                          f"{'sequence_parallel' if sequence_parallel else 'loss_parallel'}=True yet (the norms' partial "
                          "gradients and the vocabulary-parallel softmax sums are not summed as the fixed tree); "
                          "drop it, or tp_invariant")
-    if LEAVES % tp.size:
-        raise ValueError(f"parallelize: tp_invariant=True sums over {LEAVES} leaves; the TP degree {tp.size} does not "
-                         f"divide them (TP 1, 2, 4, 8 are invariant)")
+    check_invariant(tp.size, "parallelize")
     layers = [(n, m) for n, m in modules if isinstance(m, TensorParallelModule)
               and not isinstance(m, VocabParallelEmbedding)]
     for name, module in layers:
@@ -40,9 +38,7 @@ def apply_tp_invariant(modules: Iterable[Tuple[str, nn.Module]], tp: TPGroup, se
             raise ValueError(f"{what} is split unevenly; the fixed tree needs whole leaves on every rank")
         if isinstance(module, RowParallelLinear) and not module.input_is_parallel:
             raise ValueError(f"{what} takes a whole input (input_is_parallel=False); give it the column layer's shard")
-        features = (module.in_features if isinstance(module, RowParallelLinear) else
-                    module.weight.shape[0] * tp.size)  # (the head: its vocabulary padded to the TP degree)
-        if features % LEAVES:
-            raise ValueError(f"{what}: its split features ({features}) are not {LEAVES} whole leaves")
+        check_invariant(tp.size, what, module.in_features if isinstance(module, RowParallelLinear) else
+                        module.weight.shape[0] * tp.size)  # (the head: its vocabulary padded to the TP degree)
     for _, module in layers:
         module.tp_invariant = True

@@ -55,17 +55,17 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, overlap_comm: bool, sink: WgradSink,
-                ring: bool, siblings=None):
+                ring: bool, call=None):
         ctx.save_for_backward(x, weight)  # under sequence parallelism x is only this rank's shard
         ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink = g, sequence_parallel, overlap_comm, sink
-        ctx.siblings = siblings  # this call of the layer's declared set: one all-reduce for all (core/siblings.py)
-        if siblings is not None:
-            siblings.register(ctx)
+        ctx.call = call  # this layer's call of its declared siblings: one all-reduce for all (core/siblings.py)
+        if call is not None:
+            call.register(ctx)
         ctx.has_bias = bias is not None
         if sequence_parallel and ring:
             return ring_gather_linear(x, weight, bias, g)  # the gather in p ring steps under the GEMMs
         if sequence_parallel:  # (..., s, in): once for a set of siblings
-            x_full = siblings.gather(x) if siblings is not None else all_gather(x, SEQ_DIM, g).wait()
+            x_full = call.gather(x) if call is not None else all_gather(x, SEQ_DIM, g).wait()
         else:
             x_full = x
         return F.linear(x_full, weight, bias)  # (..., s, out/p)
@@ -77,22 +77,22 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g, sp, overlap_comm, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if sp and ctx.siblings is not None and need_w and sink.now:  # one gather for the set's weight gradients
-            x_full = ctx.siblings.gathered_input(x, overlap_comm)
+        if sp and ctx.call is not None and need_w and sink.now:  # one gather for the call's weight gradients
+            x_full = ctx.call.gathered_input(x, overlap_comm)
         else:
             x_full = sink.input(x, need_w, async_op=overlap_comm)  # SP: the gather of x, in flight under the next GEMM
         grad_x = reducing = None
         if need_x:
             grad_x = grad_out @ weight  # (..., s, in): this rank's partial sum, a buffer we own
-            if ctx.siblings is not None:  # summed with the other members': the last one gets the all-reduce
-                reducing = ctx.siblings.add_partial(grad_x, overlap_comm)
+            if ctx.call is not None:  # summed with the other members': the last one gets the all-reduce
+                reducing = ctx.call.add_partial(grad_x, overlap_comm)
             else:
                 reducing = sum_partials(grad_x, g, sp, async_op=overlap_comm)  # f: all-reduce (SP: reduce-scatter)
         grad_w, grad_b = sink.linear(grad_out, x_full, need_w, need_b and ctx.has_bias)  # under the collective
         if reducing is not None:
             grad_x = reducing.wait()
-        elif ctx.siblings is not None:
-            grad_x = None  # (in the set's sum, which its last member returns)
+        elif ctx.call is not None:
+            grad_x = None  # (in the call's sum, which its last member returns)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 

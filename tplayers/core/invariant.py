@@ -33,13 +33,14 @@ __all__ = ["LEAVES", "check_invariant", "invariant_column_linear", "invariant_ro
 LEAVES = 8  # the contraction's leaves: TP degrees 1, 2, 4, 8 are invariant
 
 
-def check_invariant(size: int, features: int, layer: str, what: str) -> None:
-    """The TP degree divides ``LEAVES`` and the split ``features`` are whole leaves on every rank."""
+def check_invariant(size: int, layer: str, features: Optional[int] = None) -> None:
+    """The TP degree divides ``LEAVES`` and the split ``features`` (when given) are whole leaves on every rank;
+    a ValueError starting with ``layer`` otherwise."""
     if LEAVES % size:
-        raise ValueError(f"{layer}: tp_invariant sums over {LEAVES} leaves; the TP degree {size} does not divide "
-                         f"them (TP 1, 2, 4, 8 are invariant)")
-    if features % LEAVES:
-        raise ValueError(f"{layer}: tp_invariant cuts {what}={features} into {LEAVES} leaves; it is not divisible")
+        raise ValueError(f"{layer}: tp_invariant=True sums over {LEAVES} leaves; the TP degree {size} does not "
+                         f"divide them (TP 1, 2, 4, 8 are invariant)")
+    if features is not None and features % LEAVES:
+        raise ValueError(f"{layer}: its split features ({features}) are not {LEAVES} whole leaves")
 
 
 def _tree(parts: torch.Tensor) -> torch.Tensor:
@@ -136,12 +137,12 @@ class _InvariantRowFn(torch.autograd.Function):
 def invariant_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                             g: TPGroup) -> torch.Tensor:
     """The column layer of ``tp_invariant``: ``x`` (..., in) replicated, ``weight`` (out/p, in)."""
-    check_invariant(g.size, weight.shape[0] * g.size, "column layer", "out_features")
+    check_invariant(g.size, "invariant_column_linear", weight.shape[0] * g.size)
     return _InvariantColumnFn.apply(x, weight, bias, g)
 
 
 def invariant_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          g: TPGroup) -> torch.Tensor:
     """The row layer of ``tp_invariant``: ``x`` (..., in/p) split, ``weight`` (out, in/p)."""
-    check_invariant(g.size, weight.shape[1] * g.size, "row layer", "in_features")
+    check_invariant(g.size, "invariant_row_linear", weight.shape[1] * g.size)
     return _InvariantRowFn.apply(x, weight, bias, g)

@@ -137,7 +137,8 @@ class FusedColumnParallelLinear(TensorParallelModule):
         weight = read(self.weight)
         bias = None if self.bias is None else read(self.bias)
         return column_parallel_linear(x, weight, bias, group=self.group, sequence_parallel=self.sequence_parallel,
-                                      overlap_comm=self.overlap_comm, siblings=self.siblings, **grad_sinks(self))  # (..., [seq,] local_out)
+                                      overlap_comm=self.overlap_comm, siblings=self.siblings,
+                                      **grad_sinks(self))  # (..., [seq,] local_out)
 
     @classmethod
     def from_dense(cls, dense: nn.Module, *, group: GroupLike, parts: Sequence[Any] = (),
