@@ -117,3 +117,28 @@ def test_a_switch_the_fixed_tree_would_ignore_is_refused():
     tplayers.set_overlap(model, delay_wgrad=True)
     with pytest.raises(RuntimeError, match="delay_wgrad is not available with it"):
         model(torch.randn(2, 4, 32))
+
+
+def _own_collectives(group, autocast: bool):
+    """The collectives of a step after the first (the audit's), float32 or under bf16 autocast."""
+    import contextlib
+
+    torch.manual_seed(0)
+    model = tplayers.parallelize(_Block(), PLAN, group=group, tp_invariant=True)
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
+    mixed = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    for step in range(2):
+        with tplayers.comm_accounting() as acc, mixed():
+            model(x).float().square().mean().backward()
+    return [(r.phase, r.op, r.nbytes) for r in acc.records]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_fixed_tree_sends_one_all_gather_per_split_sum(autocast):
+    """Forward: one all-gather of each row layer's subtree sum (o, down); backward: one per column layer whose
+    input needs a gradient (up; q, k, v read the input, which needs none), (b, s, h) per rank, in the dtype the
+    layers compute in."""
+    tp = 2
+    full = tp * 4 * 8 * 32 * (2 if autocast else 4)  # the gathered (p, b*s, h) buffer
+    for records in get_world(tp).run(_own_collectives, autocast):
+        assert records == [("forward", "all_gather", full)] * 2 + [("backward", "all_gather", full)], records
