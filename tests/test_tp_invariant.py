@@ -2,6 +2,8 @@
 after AdamW steps), float32 and bfloat16; what this version refuses."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -11,38 +13,43 @@ from tplayers.testing import dense_parameters, get_world
 STEPS = 5
 
 
-def _llama(dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _llama(dtype: torch.dtype, family: str = "llama"):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    return LlamaForCausalLM(config).to(dtype)
+    config, cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    config = config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                    num_key_value_heads=8, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False)
+    return cls(config).to(dtype)
 
 
-def _train(group, dtype_name: str):
-    """5 AdamW steps of a tiny HF Llama ("auto", tp_invariant): the first step's logits and dense gradients, every
-    loss, the dense parameters after the steps."""
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # loss_parallel's logits: a DTensor at TP > 1
+
+
+def _train(group, dtype_name: str, family: str = "llama", **options):
+    """5 AdamW steps of a tiny HF Llama / Qwen3 ("auto", tp_invariant, ``options`` to parallelize): the first step's
+    logits and dense gradients, every loss, the dense parameters after the steps."""
     dtype = getattr(torch, dtype_name)
-    model = tplayers.parallelize(_llama(dtype), "auto", group=group, tp_invariant=True)
+    model = tplayers.parallelize(_llama(dtype, family), "auto", group=group, tp_invariant=True, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     losses, logits, grads = [], None, None
     for step in range(STEPS):
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
+        with tplayers.comm_accounting() as acc:
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
         if step == 0:
-            logits, grads = out.logits.detach(), dense_parameters(model, grads=True)
+            logits, grads = _whole(out.logits).detach(), dense_parameters(model, grads=True)
         losses.append(out.loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return losses, logits, grads, dense_parameters(model)
+    return losses, logits, grads, dense_parameters(model), Counter((r.phase, r.op, r.nbytes) for r in acc.records)
 
 
 def _differences(a, b) -> list:
-    losses_a, logits_a, grads_a, params_a = a
-    losses_b, logits_b, grads_b, params_b = b
+    losses_a, logits_a, grads_a, params_a = a[:4]
+    losses_b, logits_b, grads_b, params_b = b[:4]
     found = [f"loss {i}" for i, (x, y) in enumerate(zip(losses_a, losses_b)) if not torch.equal(x, y)]
     found += ["logits"] if not torch.equal(logits_a, logits_b) else []
     found += [f"grad {n}" for n in grads_a if not torch.equal(grads_a[n], grads_b[n])]
@@ -55,6 +62,39 @@ def test_llama_trains_to_the_same_bits_at_tp_1_2_and_4(dtype):
     tp1 = _train(None, dtype)
     for tp in (2, 4):
         for rank, result in enumerate(get_world(tp).run(_train, dtype)):
+            assert _differences(tp1, result) == [], f"TP {tp}, rank {rank}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sequence_parallel_and_loss_parallel_train_to_the_same_bits(dtype):
+    """Sequence parallelism (the norms' weight gradients: leaves of the sequence) and loss_parallel (the softmax sums:
+    leaves of the vocabulary), together, at TP 1 / 2 / 4."""
+    pytest.importorskip("transformers")
+    options = dict(sequence_parallel=True, loss_parallel=True)
+    tp1 = _train(None, dtype, **options)
+    for tp in (2, 4):
+        for rank, result in enumerate(get_world(tp).run(_train, dtype, **options)):
+            assert _differences(tp1, result) == [], f"TP {tp}, rank {rank}"
+    if dtype == "float32":  # the last step's collectives at TP 4 (b, s, h = 2, 16, 64; 2 layers; 32 tokens)
+        full, chunk, vec = 2 * 16 * 64 * 4, 2 * 16 * 64 * 4 // 4, 64 * 4
+        assert result[4] == Counter({
+            ("forward", "reduce_scatter", full): 1,  # the embedding's sum into the sequence chunks (exact)
+            ("forward", "all_gather", full): 7,  # the attentions' inputs, gate / up (no siblings), the last norm
+            ("forward", "all_to_all", 3 * chunk): 4,  # o_proj, down_proj: the tree's chunks (a reduce-scatter's bytes)
+            ("forward", "all_reduce", 32 * 4): 1, ("forward", "all_gather", 4 * 32 * 2 * 4): 1,  # the loss: max, sums
+            ("backward", "all_gather", 4 * full): 7,  # q, k, v, the head: the whole input gradient's subtree sums
+            ("backward", "all_gather", full): 9,  # o / down output gradients, gate / up inputs again, the embedding
+            ("backward", "all_to_all", 3 * chunk): 4,  # gate / up input gradients: the tree's chunks
+            ("backward", "all_gather", 4 * vec): 5,  # each norm's leaf-summed weight gradient
+        }), result[4]
+
+
+def test_qwen3_q_k_norms_train_to_the_same_bits():
+    """Qwen3's per-head q / k norms after the column split: their weight gradients as leaves of the heads."""
+    pytest.importorskip("transformers")
+    tp1 = _train(None, "float32", "qwen3")
+    for tp in (2, 4):
+        for rank, result in enumerate(get_world(tp).run(_train, "float32", "qwen3")):
             assert _differences(tp1, result) == [], f"TP {tp}, rank {rank}"
 
 
@@ -101,8 +141,6 @@ def test_what_the_mode_does_not_take_yet_is_refused_before_the_model_changes():
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    with pytest.raises(ValueError, match="tp_invariant=True is not available with loss_parallel=True"):
-        tplayers.parallelize(_llama(torch.float32), "auto", group=None, tp_invariant=True, loss_parallel=True)
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=16))
     with pytest.raises(ValueError, match=r"module 'transformer.h.0.attn.c_attn' \(FusedColumnParallelConv1D\) sums"):
         tplayers.parallelize(gpt2, "auto", group=None, tp_invariant=True)
@@ -110,6 +148,19 @@ def test_what_the_mode_does_not_take_yet_is_refused_before_the_model_changes():
     with pytest.raises(ValueError, match=r"its split features \(36\) are not 8 whole leaves"):
         tplayers.parallelize(torch.nn.Sequential(torch.nn.Linear(8, 36), torch.nn.Linear(36, 8)),
                              {"0": "column", "1": "row"}, group=None, tp_invariant=True)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=4, head_dim=8))
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_norm' .* head counts \[4, 4\] are not multiples"):
+        tplayers.parallelize(qwen3, "auto", group=None, tp_invariant=True)
+    assert type(qwen3.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # untouched
+    model = tplayers.parallelize(_llama(torch.float32), "auto", group=None, tp_invariant=True, sequence_parallel=True)
+    ids = torch.zeros(1, 12, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"'model.layers.0.input_layernorm' .* the input \(1, 12, 64\) does not cut"):
+        model(input_ids=ids, labels=ids)
+    with torch.no_grad():  # no gradient (a decoding step): the norms run whole
+        assert model(input_ids=ids).logits.shape == (1, 12, 256)
 
 
 def test_a_switch_the_fixed_tree_would_ignore_is_refused():

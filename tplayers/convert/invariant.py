@@ -2,29 +2,29 @@
 and what this first version refuses, named, before the model runs."""
 from __future__ import annotations
 
-from typing import Iterable, Tuple
+import types
+from typing import Any, Callable, Iterable, Tuple
 
+import torch
 import torch.nn as nn
 
 from ..core.groups import TPGroup
-from ..core.invariant import check_invariant
-from ..layers.base import TensorParallelModule
+from ..core.invariant import LEAVES, check_invariant, leaf_copies
+from ..layers.base import TensorParallelModule, params_read_as
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
-__all__ = ["apply_tp_invariant"]
+__all__ = ["apply_tp_invariant", "run_in_leaves", "LEAF_FORWARD"]
+
+LEAF_FORWARD = "_tplayers_leaf_forward"  # marks the forward run_in_leaves gives a module (a dense twin drops it)
 
 
-def apply_tp_invariant(modules: Iterable[Tuple[str, nn.Module]], tp: TPGroup, sequence_parallel: bool,
-                       loss_parallel: bool) -> None:
+def apply_tp_invariant(modules: Iterable[Tuple[str, nn.Module]], tp: TPGroup) -> None:
     """Put the column / row layers and the LM head among the built ``(name, module)`` on the fixed-tree path,
     after checking them all; refuse what would still sum in a TP-dependent order. The embedding needs nothing:
-    a token's row is on one rank (the sum over ranks adds zeros)."""
-    if sequence_parallel or loss_parallel:
-        raise ValueError("parallelize: tp_invariant=True is not available with "
-                         f"{'sequence_parallel' if sequence_parallel else 'loss_parallel'}=True yet (the norms' partial "
-                         "gradients and the vocabulary-parallel softmax sums are not summed as the fixed tree); "
-                         "drop it, or tp_invariant")
+    a token's row is on one rank (the sum over ranks adds zeros); nor does its sequence-parallel reduce-scatter.
+    The norms with partial gradients run leaf by leaf (their styles: `run_in_leaves`), the vocabulary-parallel
+    loss sums as the tree (`tplayers.convert.loss_parallel`)."""
     check_invariant(tp.size, "parallelize")
     layers = [(n, m) for n, m in modules if isinstance(m, TensorParallelModule)
               and not isinstance(m, VocabParallelEmbedding)]
@@ -42,3 +42,40 @@ def apply_tp_invariant(modules: Iterable[Tuple[str, nn.Module]], tp: TPGroup, se
                         module.weight.shape[0] * tp.size)  # (the head: its vocabulary padded to the TP degree)
     for _, module in layers:
         module.tp_invariant = True
+
+
+def run_in_leaves(module: nn.Module, group: TPGroup, local_leaves: Callable[[], int], name: str) -> None:
+    """``module`` (replicated, run on this rank's part of an input split along dim -2: a norm on its chunk of the
+    sequence, a per-head norm on its heads) runs leaf by leaf: its first input cut into ``local_leaves()``
+    consecutive pieces along dim -2, each piece through the module's own forward reading its own copy of the
+    module's parameters (`tplayers.core.invariant.leaf_copies`: their gradients summed as the fixed tree), the
+    outputs concatenated. Each leaf is the same computation at every TP degree, so are its parameters' gradients."""
+    names = tuple(n for n, _ in module.named_parameters(recurse=False))
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        key = None if args else "hidden_states"
+        x = args[0] if args else kwargs.get(key)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"tp_invariant: module '{name}' ({type(self).__name__}) runs leaf by leaf on its input "
+                            "given first or as hidden_states=")
+        run = type(self).forward
+        leaves, params = local_leaves(), [self._parameters[n] for n in names]
+        grads = torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in params)
+        if x.dim() < 2 or x.shape[-2] % leaves:
+            if grads:
+                raise ValueError(f"tp_invariant: module '{name}' ({type(self).__name__}) sums its parameters' "
+                                 f"gradients over {LEAVES} leaves of dim -2 of its input, {leaves} on this rank; "
+                                 f"the input {tuple(x.shape)} does not cut into them (make the sequence length / "
+                                 f"head count a multiple of {LEAVES})")
+            return run(self, *args, **kwargs)  # no gradient (a decoding step): each token's output as a leaf's
+        copies = leaf_copies(params, leaves, group) if grads else [tuple(params)] * leaves
+        outs = []
+        for piece, read in zip(x.chunk(leaves, dim=-2), copies):
+            piece = piece.contiguous()
+            with params_read_as((self, n, p) for n, p in zip(names, read) if p is not None):
+                outs.append(run(self, piece, *args[1:], **kwargs) if key is None else
+                            run(self, *args, **{**kwargs, key: piece}))
+        return torch.cat(outs, dim=-2)
+
+    setattr(forward, LEAF_FORWARD, True)
+    module.forward = types.MethodType(forward, module)  # (a copy of the module gets it bound to the copy)

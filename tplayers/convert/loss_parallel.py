@@ -28,8 +28,9 @@ from ..models.loss import vocab_parallel_cross_entropy
 __all__ = ["apply_loss_parallel"]
 
 
-def apply_loss_parallel(model: nn.Module, tp: TPGroup) -> None:
-    """Make ``model`` (a parallelized HF causal LM) compute its loss from vocabulary-split logits."""
+def apply_loss_parallel(model: nn.Module, tp: TPGroup, tp_invariant: bool = False) -> None:
+    """Make ``model`` (a parallelized HF causal LM) compute its loss from vocabulary-split logits (``tp_invariant``:
+    its sums as the fixed tree, `vocab_parallel_cross_entropy`'s ``tp_invariant``)."""
     heads = [m for m in model.modules() if isinstance(m, ParallelLMHead) and m.gather_output]
     if not hasattr(type(model), "loss_function") or len(heads) != 1:
         raise ValueError("parallelize(loss_parallel=True) needs a Hugging Face causal LM (a model with a "
@@ -54,7 +55,7 @@ def apply_loss_parallel(model: nn.Module, tp: TPGroup) -> None:
         target = shift_labels.reshape(-1).to(logits.device)
         reduction = "sum" if num_items_in_batch is not None else "mean"
         loss = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target, group=tp, vocab_size=vocab,
-                                            ignore_index=ignore_index, reduction=reduction)
+                                            ignore_index=ignore_index, reduction=reduction, tp_invariant=tp_invariant)
         if reduction == "sum":
             loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                            else num_items_in_batch)

@@ -91,7 +91,7 @@ def _match(modules: Dict[str, nn.Module], styles: Dict[str, Style]) -> Tuple[Lis
 
 
 def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles: Dict[str, Style],
-           tp: TPGroup, column_inputs: ColumnInputs) -> Dict[str, Built]:
+           tp: TPGroup, column_inputs: ColumnInputs, tp_invariant: bool) -> Dict[str, Built]:
     """Every style's result, in model order; modules inside a replaced one are skipped."""
     built: Dict[str, Built] = {}
     replaced: List[str] = []
@@ -106,7 +106,8 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
             raise ValueError(f"parallelize: module '{name}' is already tensor-parallel "
                              f"({type(module).__name__}); parallelize each model once")
         ctx = BuildContext(name=name, group=tp, parent=modules[name.rpartition(".")[0]], switch=switch,
-                           partial_grads=partial_grads, replica_sums=replica_sums, column_inputs=column_inputs)
+                           partial_grads=partial_grads, replica_sums=replica_sums, column_inputs=column_inputs,
+                           tp_invariant=tp_invariant)
         try:
             built[name] = styles[pat].build(module, ctx)
         except (ValueError, TypeError, AttributeError) as e:
@@ -302,8 +303,9 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     ``tp_invariant``: every sum TP splits (the row layers' contraction, the column layers' input gradient) is one
     fixed tree over ``tplayers.core.invariant.LEAVES`` leaves, so logits, loss, gradients and the parameters after
     optimizer steps are the same bits at TP 1 (``group=None``), 2 and 4 (8: untested; :mod:`tplayers.core.invariant`);
-    this version takes column / row layers, the vocabulary-parallel embedding and head, without sequence parallelism or
-    ``loss_parallel``, and refuses the rest, named.
+    with ``sequence_parallel`` and per-head norms, the replicated modules with partial gradients run leaf by leaf
+    (:func:`~tplayers.convert.invariant.run_in_leaves`), with ``loss_parallel`` the softmax's sums are the tree too;
+    it takes column / row layers, the vocabulary-parallel embedding and head, and refuses the rest, named.
     """
     tp = resolve_group(group)
     if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) or check_inputs < 0:
@@ -320,7 +322,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
         refuse_unfitting_plan(model, p.name, styles, used)
     refuse_double_gather(p.name, {name: styles[pat] for name, pat in matched})
     column_inputs = ColumnInputs()  # one per call: what the model's forward has in flight for its column layers
-    built = _build(modules, matched, styles, tp, column_inputs)
+    built = _build(modules, matched, styles, tp, column_inputs, tp_invariant)
     check_sequence_region(p.name, {n: b.region for n, b in built.items()})
     chunked_experts = [n for n, b in built.items() if isinstance(b.module, ParallelExperts) and b.module.sequence_parallel]
     if chunked_experts:
@@ -331,11 +333,11 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     auditor = _auditor(model, built, styles, matched, tp, p.name, isinstance(plan, str))  # reads the dense modules' attributes
     if tp_invariant:  # (on the built layers: refused before the model changes)
         apply_tp_invariant([(f"{n}.{r}".rstrip("."), m) for n, b in built.items() for r, m in b.module.named_modules()],
-                           tp, sequence_parallel, loss_parallel)
+                           tp)
     _swap(model, modules, built, changes, retie, auditor, column_inputs)  # swap -> siblings -> hooks
     auditor.skip(audit_skip)
     object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict
-    _at_the_boundary(model, tp, built, loss_parallel)
+    _at_the_boundary(model, tp, built, loss_parallel, tp_invariant)
     _watch_ranks_in_step(model, tp, check_inputs, check_consistency)
     if chunked_experts:
         refuse_router_logits_argument(model, chunked_experts)
@@ -384,12 +386,14 @@ def _declare_siblings(model: nn.Module, regions: List[str], column_inputs: Colum
         declare_siblings(*members, inputs=column_inputs)
 
 
-def _at_the_boundary(model: nn.Module, tp: TPGroup, built: Dict[str, Built], loss_parallel: bool) -> None:
-    """What the model hands out: the loss on split logits, split outputs labelled, ``save_pretrained`` whole."""
+def _at_the_boundary(model: nn.Module, tp: TPGroup, built: Dict[str, Built], loss_parallel: bool,
+                     tp_invariant: bool) -> None:
+    """What the model hands out: the loss on split logits (at TP 1 too with ``tp_invariant``: its sums are the fixed
+    tree at every degree), split outputs labelled, ``save_pretrained`` whole."""
+    if loss_parallel and (tp.size > 1 or tp_invariant):
+        apply_loss_parallel(model, tp, tp_invariant)
     if tp.size == 1:
         return
-    if loss_parallel:
-        apply_loss_parallel(model, tp)
     if hasattr(model, "config"):  # a Hugging Face model: split hidden states / attentions labelled
         label_split_outputs(model, tp, sequence_parallel=any(b.region for b in built.values()))
     if callable(getattr(type(model), "save_pretrained", None)):

@@ -16,7 +16,9 @@ import torch
 import torch.nn as nn
 
 from ..core.comm import gather_sequence_for_columns, scatter_to_sequence
+from ..core.invariant import LEAVES
 from .gather_dtype import CastGather
+from .invariant import run_in_leaves
 from ..regions.partial_grads import PartialGradSum
 from ..regions.partial_sum import PartialSum
 from ..core.placement import Replicated, Sharded
@@ -58,6 +60,7 @@ class _SequenceStyle:
     """Shared check (not applied twice to one module) and marking of the sequence styles."""
 
     style_name = ""
+    runs_in_leaves = False  # a replicated module with partial parameter gradients: tp_invariant runs it leaf by leaf
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
         if self.style_name in getattr(module, _MARK, ()):
@@ -70,11 +73,23 @@ class _SequenceStyle:
 
     def _apply(self, module: nn.Module, ctx: BuildContext) -> None:
         setattr(module, _MARK, getattr(module, _MARK, ()) + (self.style_name,))
-        if ctx.group.size > 1:
+        if ctx.group.size > 1 or ctx.tp_invariant and self.runs_in_leaves:  # (the leaves at TP 1 too)
             self._attach(module, ctx)
 
     def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
         raise NotImplementedError
+
+
+def _sum_partial_grads(module: nn.Module, ctx: BuildContext, local_leaves: Callable[[], int]) -> None:
+    """The module's parameters' partial gradients summed over the group: by the call's ``PartialGradSum``, or with
+    ``tp_invariant`` as the fixed tree over leaves of dim -2 of its input (``local_leaves()`` on this rank:
+    `tplayers.convert.invariant.run_in_leaves`)."""
+    if not ctx.tp_invariant:
+        _reduce_param_grads(module, ctx)
+        return
+    run_in_leaves(module, ctx.group, local_leaves, ctx.name)
+    if ctx.group.size > 1:
+        setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n, _ in module.named_parameters(recurse=False)})
 
 
 def _reduce_param_grads(module: nn.Module, ctx: BuildContext, names: Optional[Tuple[str, ...]] = None,
@@ -96,9 +111,19 @@ class ReplicateReduceGrad(_SequenceStyle):
     parameter gradient covers only its heads, so the gradients are summed over the TP group."""
 
     style_name = "replicate_reduce_grad"
+    runs_in_leaves = True
+
+    def build(self, module: nn.Module, ctx: BuildContext) -> Built:
+        if ctx.tp_invariant:  # its leaves: whole heads of this rank's (dim -2 of its input)
+            heads = [n for n in attention_heads(ctx.parent) if n is not None] if ctx.parent is not None else []
+            if not heads or any(n % LEAVES for n in heads):
+                raise ValueError(f"parallelize: tp_invariant=True: module '{ctx.name}' (replicate_reduce_grad) sums "
+                                 f"its weight gradient over {LEAVES} leaves of the attention's heads; its head counts "
+                                 f"{heads or 'unknown'} are not multiples of {LEAVES}")
+        return super().build(module, ctx)
 
     def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
-        _reduce_param_grads(module, ctx)
+        _sum_partial_grads(module, ctx, lambda: LEAVES // ctx.group.size)
 
 
 @dataclass(frozen=True)
@@ -142,6 +167,7 @@ class SequenceParallelNorm(_SequenceStyle):
 
     gather_output: bool = False
     style_name = "sequence_parallel_norm"
+    runs_in_leaves = True
 
     def _region(self) -> Optional[str]:
         return "leave_sequence" if self.gather_output else None
@@ -149,8 +175,8 @@ class SequenceParallelNorm(_SequenceStyle):
     def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
         # (with the switch off no gradient is recorded, so the reduction above is never reached)
         tp, switch = ctx.group, ctx.switch
-        _reduce_param_grads(module, ctx)
-        if self.gather_output:
+        _sum_partial_grads(module, ctx, lambda: LEAVES // tp.size if switch.active else LEAVES)  # (off: whole)
+        if self.gather_output and tp.size > 1:
             # the head after it takes the sequence-parallel path on this rank's chunk (what else reads the
             # gathered output gets its gradient split)
             module.register_forward_hook(lambda m, args, out: gather_sequence_for_columns(out, group=tp, inputs=ctx.column_inputs)

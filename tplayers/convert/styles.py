@@ -61,6 +61,7 @@ class BuildContext:
     partial_grads: Optional[PartialGradSum] = None  # the call's replicated parameters with partial gradients
     replica_sums: Dict[Any, PartialGradSum] = field(default_factory=dict)  # (attention, holders) -> its k and v
     column_inputs: ColumnInputs = field(default_factory=ColumnInputs)  # the model's siblings' calls, gathers offered
+    tp_invariant: bool = False  # parallelize(..., tp_invariant=True): partial gradients summed as the fixed tree
 
 
 @dataclass

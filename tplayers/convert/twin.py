@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 from ..core.blocking import all_gather_tensor
 from ..core.groups import TPGroup
 from ..layers.base import PLACEMENTS_ATTR, TensorParallelModule, carry_hooks
+from .invariant import LEAF_FORWARD
 
 __all__ = ["within", "float32_copy", "copy_inputs", "gather_first", "first_float", "Quiet", "run_region", "random_like",
            "dense_twin", "relative_error", "scale_of"]
@@ -193,6 +194,8 @@ def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_ho
                 hooks.pop(hook_id, None)
         if PLACEMENTS_ATTR in vars(m):
             delattr(m, PLACEMENTS_ATTR)
+        if getattr(getattr(vars(m).get("forward"), "__func__", None), LEAF_FORWARD, False):
+            del m.forward  # (tp_invariant's leaf by leaf run: the twin runs the module whole)
         for attr, value in originals.get(rel, {}).items():
             if attr in vars(m) and not _same(vars(m)[attr], value):
                 setattr(m, attr, value)  # (an object the plan replaced: the original itself, read only)

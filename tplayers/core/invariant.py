@@ -17,18 +17,26 @@ computed in ``LEAVES`` blocks of fixed width the same way: on this build a GEMM'
 same bits when it computes 8 of them as when it computes 32 (benchmarks/tp_invariance_probe.py). Bias gradients
 are summed feature by feature (a column sum over fewer features is not the same either). The cross-rank step is
 an all-gather of each rank's subtree sum and the tree's top computed on every rank: the bytes of a ring
-all-reduce at TP 2, twice them at TP 4 (benchmarks/RESULTS.md). No overlap: the collective waits where it is issued.
+all-reduce at TP 2, twice them at TP 4 (benchmarks/RESULTS.md); under sequence parallelism, where each rank keeps
+its chunk of the sequence, an all-to-all of the subtree sums' chunks and the tree over the p received (the bytes of
+the reduce-scatter it replaces). No overlap: the collective waits where it is issued.
+
+Two more kinds of split sum use the same leaves: a replicated module's parameter gradient when each rank runs it on
+its part of a split input (`leaf_copies`: one copy of the parameters per leaf of the input, the leaves' gradients
+summed as the tree; `tplayers.convert.invariant.run_in_leaves` runs the module leaf by leaf), and the
+vocabulary-parallel loss's sums over the vocabulary (`tree_sums`).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .collectives import all_gather
+from .collectives import all_gather, all_to_all
 from .groups import TPGroup
 
-__all__ = ["LEAVES", "check_invariant", "invariant_column_linear", "invariant_row_linear"]
+__all__ = ["LEAVES", "check_invariant", "invariant_column_linear", "invariant_row_linear", "leaf_copies",
+           "tree_sums"]
 
 LEAVES = 8  # the contraction's leaves: TP degrees 1, 2, 4, 8 are invariant
 
@@ -50,17 +58,28 @@ def _tree(parts: torch.Tensor) -> torch.Tensor:
     return parts[0]
 
 
-def _contract(a: torch.Tensor, b: torch.Tensor, g: TPGroup) -> torch.Tensor:
+def _across(local: torch.Tensor, g: TPGroup, sequence_parallel: bool = False) -> torch.Tensor:
+    """The tree's top over the group, from this rank's subtree sum ``local`` (..., s, n): every rank's sums
+    all-gathered and summed in rank order (the same on every rank), or with ``sequence_parallel`` only this rank's
+    chunk of the sequence (dim -2) of it: an all-to-all of the chunks, the bytes of a reduce-scatter."""
+    if g.size == 1:
+        return local
+    if not sequence_parallel:
+        return _tree(all_gather(local.unsqueeze(0), 0, g).wait())  # every rank's subtree, in rank order
+    chunks = torch.stack(local.chunk(g.size, dim=-2))  # (p, ..., s/p, n): chunk j for rank j
+    return _tree(all_to_all(chunks, [1] * g.size, [1] * g.size, g).wait())  # (..., s/p, n)
+
+
+def _contract(a: torch.Tensor, b: torch.Tensor, g: TPGroup, sequence_parallel: bool = False) -> torch.Tensor:
     """``a @ b.T`` summed over the group, where ``a`` (..., k) and ``b`` (n, k) hold this rank's consecutive k of
-    the contraction: this rank's ``LEAVES / p`` leaves as one batched GEMM, their subtree, the tree's top."""
+    the contraction: this rank's ``LEAVES / p`` leaves as one batched GEMM, their subtree, the tree's top
+    (`_across`: whole, or this rank's chunk of the sequence)."""
     leaves = LEAVES // g.size
     rows = a.reshape(-1, a.shape[-1])  # (m, k)
     a_leaves = rows.view(rows.shape[0], leaves, -1).transpose(0, 1).contiguous()  # (leaves, m, k/leaves)
     b_leaves = b.reshape(b.shape[0], leaves, -1).transpose(0, 1).contiguous()  # (leaves, n, k/leaves)
     local = _tree(torch.bmm(a_leaves, b_leaves.transpose(1, 2)))  # (m, n)
-    if g.size > 1:
-        local = _tree(all_gather(local.unsqueeze(0), 0, g).wait())  # every rank's subtree, in rank order
-    return local.view(*a.shape[:-1], b.shape[0])
+    return _across(local.view(*a.shape[:-1], b.shape[0]), g, sequence_parallel)
 
 
 def _in_blocks(a: torch.Tensor, b: torch.Tensor, blocks: int, split_rows: bool) -> torch.Tensor:
@@ -82,67 +101,123 @@ def _bias_grad(flat: torch.Tensor) -> torch.Tensor:
     return flat.t().contiguous().sum(1)
 
 
+def _whole_sequence(x: torch.Tensor, g: TPGroup, sequence_parallel: bool) -> torch.Tensor:
+    """``x`` (..., s/p, n) all-gathered along the sequence with ``sequence_parallel``; else ``x``."""
+    return all_gather(x, -2, g).wait() if sequence_parallel and g.size > 1 else x
+
+
 class _InvariantColumnFn(torch.autograd.Function):
     """``x @ W_r^T + b_r`` in fixed blocks of output features; backward's input gradient summed as the fixed tree
-    over the output features."""
+    over the output features. ``sequence_parallel``: ``x`` is this rank's chunk of the sequence, all-gathered
+    (again in backward: only the chunk is kept), the input gradient this rank's chunk of the tree's top."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, g: TPGroup):
+    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool):
         ctx.save_for_backward(x, weight)
-        ctx.g, ctx.has_bias = g, bias is not None
+        ctx.g, ctx.sp, ctx.has_bias = g, sequence_parallel, bias is not None
+        x = _whole_sequence(x, g, sequence_parallel)  # (..., s, in)
         leaves = LEAVES // g.size
         out = _in_blocks(x.reshape(-1, x.shape[-1]).contiguous(), weight.t(), leaves, split_rows=False)
-        out = out.view(*x.shape[:-1], weight.shape[0])  # (..., out/p)
+        out = out.view(*x.shape[:-1], weight.shape[0])  # (..., s, out/p)
         return out if bias is None else out + bias
 
     @staticmethod
-    def backward(ctx, grad_out):  # (..., out/p)
+    def backward(ctx, grad_out):  # (..., s, out/p)
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         leaves = LEAVES // ctx.g.size
-        grad_x = _contract(grad_out, weight.t(), ctx.g) if need_x else None  # (..., in), the same on every rank
+        grad_x = _contract(grad_out, weight.t(), ctx.g, ctx.sp) if need_x else None  # (..., s[/p], in)
         flat = grad_out.reshape(-1, grad_out.shape[-1])
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        grad_w = _in_blocks(flat.t().contiguous(), rows, leaves, split_rows=True) if need_w else None  # (out/p, in)
+        grad_w = None
+        if need_w:  # (out/p, in)
+            rows = _whole_sequence(x, ctx.g, ctx.sp).reshape(-1, x.shape[-1]).contiguous()
+            grad_w = _in_blocks(flat.t().contiguous(), rows, leaves, split_rows=True)
         grad_b = _bias_grad(flat) if need_b and ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _InvariantRowFn(torch.autograd.Function):
     """``sum_r x_r @ W_r^T + b`` as the fixed tree over the input features; backward needs no collective, its
-    GEMMs in fixed blocks of the input features."""
+    GEMMs in fixed blocks of the input features. ``sequence_parallel``: the output is this rank's chunk of the
+    sequence; backward all-gathers its gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, g: TPGroup):
+    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool):
         ctx.save_for_backward(x, weight)
-        ctx.g, ctx.has_bias = g, bias is not None
-        out = _contract(x, weight, g)  # (..., out), the same on every rank
+        ctx.g, ctx.sp, ctx.has_bias = g, sequence_parallel, bias is not None
+        out = _contract(x, weight, g, sequence_parallel)  # (..., s[/p], out), the same on every rank
         return out if bias is None else out + bias
 
     @staticmethod
-    def backward(ctx, grad_out):  # (..., out)
+    def backward(ctx, grad_out):  # (..., s[/p], out)
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         leaves = LEAVES // ctx.g.size
+        grad_out = _whole_sequence(grad_out, ctx.g, ctx.sp)  # (..., s, out)
         flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
         grad_x = None
-        if need_x:  # (..., in/p): this rank's columns of the dense product
+        if need_x:  # (..., s, in/p): this rank's columns of the dense product
             grad_x = _in_blocks(flat, weight, leaves, split_rows=False).view(*x.shape[:-1], weight.shape[1])
         rows = x.reshape(-1, x.shape[-1])
         grad_w = _in_blocks(flat.t().contiguous(), rows, leaves, split_rows=False) if need_w else None  # (out, in/p)
         grad_b = _bias_grad(flat) if need_b and ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _LeafCopies(torch.autograd.Function):
+    """``leaves`` copies of the parameters, one per leaf of a split input a module runs on leaf by leaf; backward
+    sums each parameter's leaf gradients as the fixed tree (this rank's leaves, then `_across` the group)."""
+
+    @staticmethod
+    def forward(ctx, g: TPGroup, leaves: int, *params):
+        ctx.g, ctx.leaves = g, leaves
+        return tuple(p.clone() for _ in range(leaves) for p in params)  # leaf-major
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = len(grads) // ctx.leaves
+        subtrees = [_tree(torch.stack(grads[i::n])) for i in range(n)]  # each parameter's leaves, in order
+        if len({t.dtype for t in subtrees}) == 1:  # one collective for all of them
+            flat = _across(torch.cat([t.reshape(-1) for t in subtrees]), ctx.g)
+            summed = [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in subtrees]), subtrees)]
+        else:
+            summed = [_across(t, ctx.g) for t in subtrees]
+        return (None, None, *summed)
 
 
 def invariant_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                            g: TPGroup) -> torch.Tensor:
-    """The column layer of ``tp_invariant``: ``x`` (..., in) replicated, ``weight`` (out/p, in)."""
+                            g: TPGroup, sequence_parallel: bool = False) -> torch.Tensor:
+    """The column layer of ``tp_invariant``: ``x`` (..., s, in) replicated (``(..., s/p, in)`` with
+    ``sequence_parallel``), ``weight`` (out/p, in)."""
     check_invariant(g.size, "invariant_column_linear", weight.shape[0] * g.size)
-    return _InvariantColumnFn.apply(x, weight, bias, g)
+    return _InvariantColumnFn.apply(x, weight, bias, g, sequence_parallel)
 
 
 def invariant_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         g: TPGroup) -> torch.Tensor:
-    """The row layer of ``tp_invariant``: ``x`` (..., in/p) split, ``weight`` (out, in/p)."""
+                         g: TPGroup, sequence_parallel: bool = False) -> torch.Tensor:
+    """The row layer of ``tp_invariant``: ``x`` (..., s, in/p) split, ``weight`` (out, in/p); the output
+    ``(..., s, out)`` (``(..., s/p, out)`` with ``sequence_parallel``)."""
     check_invariant(g.size, "invariant_row_linear", weight.shape[1] * g.size)
-    return _InvariantRowFn.apply(x, weight, bias, g)
+    return _InvariantRowFn.apply(x, weight, bias, g, sequence_parallel)
+
+
+def leaf_copies(params: Sequence[torch.Tensor], leaves: int, g: TPGroup) -> List[Tuple[torch.Tensor, ...]]:
+    """For a replicated module run on ``leaves`` consecutive pieces of this rank's part of a split input (its
+    ``LEAVES / p`` leaves: a norm on this rank's chunk of the sequence, a per-head norm on its heads): one copy of
+    ``params`` per leaf, whose gradients are summed as the fixed tree over all ``LEAVES`` leaves of the group, so
+    the parameters' gradients are the same bits at every TP degree."""
+    copies = _LeafCopies.apply(g, leaves, *params)
+    return [tuple(copies[j * len(params):(j + 1) * len(params)]) for j in range(leaves)]
+
+
+def tree_sums(parts: torch.Tensor, g: TPGroup, exact: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``parts`` (N, k, V/p): k sums per row over this rank's consecutive V/p of a split dimension (a vocabulary
+    shard), each summed as the fixed tree over its ``LEAVES`` leaves of V/8 across the group: (N, k), the same on
+    every rank (the vocabulary-parallel softmax's sums). ``exact`` (N, j): values nonzero on one rank only (the
+    target logit), summed over the group in the same collective, first: (N, j + k)."""
+    leaves = LEAVES // g.size
+    n, k, width = parts.shape
+    check_invariant(g.size, "tree_sums", width * g.size)
+    leaf_sums = parts.reshape(n, k, leaves, width // leaves).sum(-1)  # (N, k, leaves)
+    local = _tree(leaf_sums.permute(2, 0, 1).contiguous())  # (N, k): this rank's subtree
+    return _across(local if exact is None else torch.cat([exact, local], dim=-1), g)

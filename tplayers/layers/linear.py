@@ -49,8 +49,7 @@ def mask_padding(x: torch.Tensor, real: int, width: int) -> torch.Tensor:
 
 def refuse_with_invariant(layer: nn.Module) -> None:
     """A ``tp_invariant`` layer computes its own fixed-tree path: a switch it would silently ignore is refused."""
-    on = [n for n in ("delay_wgrad", "accumulate_main_grad", "collective_matmul", "sequence_parallel")
-          if getattr(layer, n, False)]
+    on = [n for n in ("delay_wgrad", "accumulate_main_grad", "collective_matmul") if getattr(layer, n, False)]
     if on:
         raise RuntimeError(f"{type(layer).__name__}: parallelize(..., tp_invariant=True) computes the fixed tree's "
                            f"own path; {', '.join(on)} is not available with it (set_overlap / use_main_grad)")
@@ -127,7 +126,7 @@ class ColumnParallelLinear(TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_invariant:
             refuse_with_invariant(self)
-            out = invariant_column_linear(x, self.weight, self.bias, self.group)
+            out = invariant_column_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
             return gather_from_tp(out, group=self.group) if self.gather_output else out
         if self.group.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
             return F.linear(x, self.weight, self.bias)
@@ -212,7 +211,7 @@ class RowParallelLinear(TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_invariant:  # (input split: parallelize refuses input_is_parallel=False and uneven splits here)
             refuse_with_invariant(self)
-            return invariant_row_linear(x, self.weight, self.bias, self.group)
+            return invariant_row_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
         if self.group.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
             return F.linear(x, self.weight, self.bias)
         # the padding features of an uneven split reach neither the output nor the weights' gradient

@@ -332,7 +332,8 @@ class ParallelLMHead(_VocabParallelBase):
         # padding rows: zero weight and zero bias, so their logits are zero with or without a bias
         if self.tp_invariant:
             refuse_with_invariant(self)
-            logits = invariant_column_linear(x, self.weight, self.bias, self.group)  # (..., V'/p)
+            logits = invariant_column_linear(x, self.weight, self.bias, self.group,  # (..., V'/p)
+                                             sequence_parallel=self.sequence_parallel)
         else:
             logits = column_parallel_linear(x, self.weight, self.bias, group=self.group,  # (..., V'/p)
                                             sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,

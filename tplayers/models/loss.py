@@ -23,6 +23,7 @@ from ..core.blocking import all_reduce_tensor
 from ..core.digest import digests
 from ..core.carried import Shared, carrying
 from ..core.fingerprint import checks_enabled
+from ..core.invariant import check_invariant, tree_sums
 from ..core.placement import padded_size
 from ..core.validate import check_index_range
 from ..core.groups import GroupLike, TPGroup, resolve_group
@@ -34,12 +35,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss ``(N,)`` (float32 or wider) from logits shards ``(N, V'/p)`` and targets ``(N,)``."""
 
     @staticmethod
-    def forward(ctx, logits, target, g: TPGroup, vocab_size: int, ignore_index: int, smoothing: float):
+    def forward(ctx, logits, target, g: TPGroup, vocab_size: int, ignore_index: int, smoothing: float,
+                invariant: bool):
         with _targets_carried(g, target):  # its collectives prove every rank sums over the same targets
-            return _VocabParallelCrossEntropy._forward(ctx, logits, target, g, vocab_size, ignore_index, smoothing)
+            return _VocabParallelCrossEntropy._forward(ctx, logits, target, g, vocab_size, ignore_index, smoothing,
+                                                       invariant)
 
     @staticmethod
-    def _forward(ctx, logits, target, g: TPGroup, vocab_size: int, ignore_index: int, smoothing: float):
+    def _forward(ctx, logits, target, g: TPGroup, vocab_size: int, ignore_index: int, smoothing: float,
+                 invariant: bool):
         n_local = logits.shape[-1]
         start = g.rank * n_local
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
@@ -57,11 +61,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = (target - start).masked_fill(~in_shard, 0)
         z_target = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_shard, 0.0)  # (N,) on one rank
         stats = [z_target]
-        if smoothing > 0:
-            stats.append((z.masked_fill(~real, 0.0) if has_padding else z).sum(-1))  # sum_c z_c, real classes
+        if smoothing > 0:  # sum_c z_c, real classes (the tree's leaves kept: z is overwritten next)
+            real_z = z.masked_fill(~real, 0.0) if has_padding else z
+            stats.append(real_z.clone() if invariant else real_z.sum(-1))
         probs = z.exp_()  # (N, V'/p): exp(z), in place; padding columns are exp(-inf) = 0
-        stats.append(probs.sum(-1))
-        sums = all_reduce_tensor(torch.stack(stats, dim=-1), group=g)  # (N, 2 or 3), one collective
+        if invariant:  # (N, 2 or 3): the vocabulary's sums as the fixed tree (tplayers.core.invariant)
+            sums = tree_sums(torch.stack(stats[1:] + [probs], dim=1), g, exact=z_target.unsqueeze(-1))
+        else:
+            stats.append(probs.sum(-1))
+            sums = all_reduce_tensor(torch.stack(stats, dim=-1), group=g)  # (N, 2 or 3), one collective
         sum_exp = sums[:, -1]
         log_z = sum_exp.log()  # (N,) logsumexp - m
         loss = log_z - sums[:, 0]
@@ -78,7 +86,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         with torch.no_grad():
             grad = _VocabParallelCrossEntropy._grad_logits(ctx, grad_loss)
-        return _refuse_second_backward(grad), None, None, None, None, None
+        return _refuse_second_backward(grad), None, None, None, None, None, None
 
     @staticmethod
     def _grad_logits(ctx, grad_loss):
@@ -133,6 +141,7 @@ def vocab_parallel_cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    tp_invariant: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy(gathered_logits, target)`` computed from this rank's logits shard.
 
@@ -146,6 +155,10 @@ def vocab_parallel_cross_entropy(
     ``F.cross_entropy``; "mean" averages over non-ignored targets. Targets outside
     ``[0, vocab_size)`` other than ``ignore_index`` raise IndexError, as in ``F.cross_entropy``
     (checked locally on every rank: no collective; on CUDA a device-side assert, no host sync).
+    ``tp_invariant``: the sums over the vocabulary as one fixed tree over ``tplayers.core.invariant.LEAVES``
+    leaves (an all-gather of ``(N, 2 or 3)`` per rank instead of the all-reduce): the loss and the logits'
+    gradient are the same bits at every TP degree that divides the leaves (``parallelize(..., tp_invariant=True,
+    loss_parallel=True)`` passes it); the padded vocabulary must be whole leaves.
     """
     g = resolve_group(group)
     if reduction not in ("mean", "sum", "none"):
@@ -173,6 +186,8 @@ def vocab_parallel_cross_entropy(
             f"vocab_parallel_cross_entropy: vocab_size={vocab_size} padded to a multiple of the TP "
             f"degree {g.size} is {padded_size(vocab_size, g.size)}, but the logits shard has "
             f"{n_local} columns per rank ({n_local * g.size} in all)")
+    if tp_invariant:
+        check_invariant(g.size, "vocab_parallel_cross_entropy(tp_invariant=True)", n_local * g.size)
     if logits_shard.device != target.device:
         raise ValueError(f"vocab_parallel_cross_entropy: logits on {logits_shard.device}, target on {target.device}")
     # a target on a padding column (or past the vocabulary) would otherwise give a finite, wrong loss
@@ -181,7 +196,7 @@ def vocab_parallel_cross_entropy(
 
     loss = _VocabParallelCrossEntropy.apply(  # int64 ids: gather/scatter take no narrower index (uint8, int16)
         logits_shard.reshape(-1, n_local), target.reshape(-1).long(), g, vocab_size, ignore_index,
-        float(label_smoothing))
+        float(label_smoothing), bool(tp_invariant))
     if reduction == "none":
         loss = loss.reshape(target.shape)
     elif reduction == "sum":
