@@ -14,10 +14,14 @@ STEPS = 5
 
 
 def _llama(dtype: torch.dtype, family: str = "llama"):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """A tiny HF Llama, Qwen3 (per-head q / k norms) or GPT-2 (fused c_attn, LayerNorm, tied head; no dropout)."""
+    import transformers as hf
 
     torch.manual_seed(0)
-    config, cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    if family == "gpt2":
+        return hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=256, n_positions=64,
+                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).to(dtype)
+    config, cls = (hf.LlamaConfig, hf.LlamaForCausalLM) if family == "llama" else (hf.Qwen3Config, hf.Qwen3ForCausalLM)
     config = config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                     num_key_value_heads=8, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False)
     return cls(config).to(dtype)
@@ -30,7 +34,15 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 def _train(group, dtype_name: str, family: str = "llama", **options):
     """5 AdamW steps of a tiny HF Llama / Qwen3 ("auto", tp_invariant, ``options`` to parallelize): the first step's
     logits and dense gradients, every loss, the dense parameters after the steps."""
-    dtype = getattr(torch, dtype_name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank of a World: nn.LayerNorm's backward (CPU) sums per-thread partials
+    try:
+        return _steps(group, getattr(torch, dtype_name), family, **options)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _steps(group, dtype: torch.dtype, family: str, **options):
     model = tplayers.parallelize(_llama(dtype, family), "auto", group=group, tp_invariant=True, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -89,12 +101,14 @@ def test_sequence_parallel_and_loss_parallel_train_to_the_same_bits(dtype):
         }), result[4]
 
 
-def test_qwen3_q_k_norms_train_to_the_same_bits():
-    """Qwen3's per-head q / k norms after the column split: their weight gradients as leaves of the heads."""
+@pytest.mark.parametrize("family", ["qwen3", "gpt2"])
+def test_qwen3_and_gpt2_train_to_the_same_bits(family):
+    """Qwen3's per-head q / k norms after the column split (their weight gradients as leaves of the heads); GPT-2's
+    fused c_attn (each leaf its q, k and v blocks), Conv1D layers and tied head."""
     pytest.importorskip("transformers")
-    tp1 = _train(None, "float32", "qwen3")
+    tp1 = _train(None, "float32", family)
     for tp in (2, 4):
-        for rank, result in enumerate(get_world(tp).run(_train, "float32", "qwen3")):
+        for rank, result in enumerate(get_world(tp).run(_train, "float32", family)):
             assert _differences(tp1, result) == [], f"TP {tp}, rank {rank}"
 
 
@@ -141,10 +155,16 @@ def test_what_the_mode_does_not_take_yet_is_refused_before_the_model_changes():
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=16))
-    with pytest.raises(ValueError, match=r"module 'transformer.h.0.attn.c_attn' \(FusedColumnParallelConv1D\) sums"):
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=36, n_layer=1, n_head=4, vocab_size=64, n_positions=16))
+    with pytest.raises(ValueError, match=r"module 'transformer.h.0.attn.c_attn' \(FusedColumnParallelConv1D\): its "
+                                         r"split features \(36\) are not 8"):
         tplayers.parallelize(gpt2, "auto", group=None, tp_invariant=True)
     assert type(gpt2.transformer.h[0].attn.c_attn).__name__ == "Conv1D"  # untouched
+    model = tplayers.parallelize(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64)), "auto",
+                                 group=None, tp_invariant=True)  # GPT-2's default dropout (0.1)
+    with pytest.raises(RuntimeError, match="this training forward drew random numbers"):
+        model(torch.zeros(1, 8, dtype=torch.long))
+    assert model.eval()(torch.zeros(1, 8, dtype=torch.long)).logits.shape == (1, 8, 64)
     with pytest.raises(ValueError, match=r"its split features \(36\) are not 8 whole leaves"):
         tplayers.parallelize(torch.nn.Sequential(torch.nn.Linear(8, 36), torch.nn.Linear(36, 8)),
                              {"0": "column", "1": "row"}, group=None, tp_invariant=True)

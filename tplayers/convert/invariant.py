@@ -3,14 +3,16 @@ and what this first version refuses, named, before the model runs."""
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Iterable, Tuple
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.nn as nn
 
+from ..core.digest import generator_states
 from ..core.groups import TPGroup
 from ..core.invariant import LEAVES, check_invariant, leaf_copies
 from ..layers.base import TensorParallelModule, params_read_as
+from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -19,29 +21,51 @@ __all__ = ["apply_tp_invariant", "run_in_leaves", "LEAF_FORWARD"]
 LEAF_FORWARD = "_tplayers_leaf_forward"  # marks the forward run_in_leaves gives a module (a dense twin drops it)
 
 
-def apply_tp_invariant(modules: Iterable[Tuple[str, nn.Module]], tp: TPGroup) -> None:
-    """Put the column / row layers and the LM head among the built ``(name, module)`` on the fixed-tree path,
-    after checking them all; refuse what would still sum in a TP-dependent order. The embedding needs nothing:
-    a token's row is on one rank (the sum over ranks adds zeros); nor does its sequence-parallel reduce-scatter.
-    The norms with partial gradients run leaf by leaf (their styles: `run_in_leaves`), the vocabulary-parallel
-    loss sums as the tree (`tplayers.convert.loss_parallel`)."""
+def apply_tp_invariant(model: nn.Module, built: Dict[str, nn.Module], tp: TPGroup) -> None:
+    """Put the column / row layers and the LM head among the ``built`` modules (name -> what replaces it) on the
+    fixed-tree path, after checking them all; refuse what would still sum in a TP-dependent order. The embedding
+    needs nothing: a token's row is on one rank (the sum over ranks adds zeros); nor does its sequence-parallel
+    reduce-scatter. The norms with partial gradients run leaf by leaf (their styles: `run_in_leaves`), the
+    vocabulary-parallel loss sums as the tree (`tplayers.convert.loss_parallel`). A training forward that draws
+    random numbers (dropout masks) is refused after it (each rank draws its own shards' masks, TP 1 the whole
+    tensor's): the random generators' states compared before and after (a few KB copied on the host)."""
     check_invariant(tp.size, "parallelize")
+    modules = [(f"{n}.{r}".rstrip("."), m) for n, b in built.items() for r, m in b.named_modules()]
     layers = [(n, m) for n, m in modules if isinstance(m, TensorParallelModule)
               and not isinstance(m, VocabParallelEmbedding)]
     for name, module in layers:
         what = f"parallelize: tp_invariant=True: module '{name}' ({type(module).__name__})"
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-            raise ValueError(f"{what} sums over ranks in its own way; this version takes column / row layers, the "
-                             "vocabulary-parallel embedding and LM head (no fused projections, experts, mixers)")
-        split = getattr(module, "split", None)
-        if split is not None and split.is_uneven:
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead, FusedColumnParallelLinear)):
+            raise ValueError(f"{what} sums over ranks in its own way; this version takes column / row layers, fused "
+                             "projections, the vocabulary-parallel embedding and LM head (no experts, mixers)")
+        fused = isinstance(module, FusedColumnParallelLinear)
+        parts = module.placement.parts if fused else [getattr(module, "split", None)]
+        if any(part is not None and part.is_uneven for part in parts):
             raise ValueError(f"{what} is split unevenly; the fixed tree needs whole leaves on every rank")
+        if fused and module.has_replicas:
+            raise ValueError(f"{what} holds KV heads replicated over ranks (fewer KV heads than the TP degree); their "
+                             "gradients are summed over the replicas, not as the fixed tree")
         if isinstance(module, RowParallelLinear) and not module.input_is_parallel:
             raise ValueError(f"{what} takes a whole input (input_is_parallel=False); give it the column layer's shard")
-        check_invariant(tp.size, what, module.in_features if isinstance(module, RowParallelLinear) else
-                        module.weight.shape[0] * tp.size)  # (the head: its vocabulary padded to the TP degree)
+        for size in ([part.size for part in parts] if fused else [module.in_features] if
+                     isinstance(module, RowParallelLinear) else [module.weight.shape[0] * tp.size]):
+            check_invariant(tp.size, what, size)  # (the head: its vocabulary padded to the TP degree)
     for _, module in layers:
         module.tp_invariant = True
+    states: List[List[torch.Tensor]] = []  # the random generators' states at a training forward's start
+
+    def before(m: nn.Module, args: Any) -> None:
+        states[:] = [generator_states()] if m.training else []
+
+    def after(m: nn.Module, args: Any, out: Any) -> None:
+        if states and any(not torch.equal(a, b) for a, b in zip(states.pop(), generator_states())):
+            raise RuntimeError("tp_invariant=True: this training forward drew random numbers (dropout with p > 0: a "
+                               "dropout module, or a config value such as attn_pdrop / attention_dropout); each rank "
+                               "draws the masks of its own shards, TP 1 those of the whole tensors, so the bits differ "
+                               "between degrees. Set the dropout probabilities to 0 (as RL fine-tuning does), or call "
+                               "model.eval()")
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after)
 
 
 def run_in_leaves(module: nn.Module, group: TPGroup, local_leaves: Callable[[], int], name: str) -> None:

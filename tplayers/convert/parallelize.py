@@ -305,7 +305,8 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     optimizer steps are the same bits at TP 1 (``group=None``), 2 and 4 (8: untested; :mod:`tplayers.core.invariant`);
     with ``sequence_parallel`` and per-head norms, the replicated modules with partial gradients run leaf by leaf
     (:func:`~tplayers.convert.invariant.run_in_leaves`), with ``loss_parallel`` the softmax's sums are the tree too;
-    it takes column / row layers, the vocabulary-parallel embedding and head, and refuses the rest, named.
+    it takes column / row layers, fused projections, the vocabulary-parallel embedding and head, and refuses the
+    rest, named (and a training forward that draws dropout masks).
     """
     tp = resolve_group(group)
     if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) or check_inputs < 0:
@@ -332,8 +333,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     retie = _ties(model, modules, built)
     auditor = _auditor(model, built, styles, matched, tp, p.name, isinstance(plan, str))  # reads the dense modules' attributes
     if tp_invariant:  # (on the built layers: refused before the model changes)
-        apply_tp_invariant([(f"{n}.{r}".rstrip("."), m) for n, b in built.items() for r, m in b.module.named_modules()],
-                           tp)
+        apply_tp_invariant(model, {n: b.module for n, b in built.items()}, tp)
     _swap(model, modules, built, changes, retie, auditor, column_inputs)  # swap -> siblings -> hooks
     auditor.skip(audit_skip)
     object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict

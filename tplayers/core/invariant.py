@@ -70,16 +70,26 @@ def _across(local: torch.Tensor, g: TPGroup, sequence_parallel: bool = False) ->
     return _tree(all_to_all(chunks, [1] * g.size, [1] * g.size, g).wait())  # (..., s/p, n)
 
 
-def _contract(a: torch.Tensor, b: torch.Tensor, g: TPGroup, sequence_parallel: bool = False) -> torch.Tensor:
+def _contract(a: torch.Tensor, b: torch.Tensor, g: TPGroup, sequence_parallel: bool = False,
+              parts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """``a @ b.T`` summed over the group, where ``a`` (..., k) and ``b`` (n, k) hold this rank's consecutive k of
-    the contraction: this rank's ``LEAVES / p`` leaves as one batched GEMM, their subtree, the tree's top
-    (`_across`: whole, or this rank's chunk of the sequence)."""
+    the contraction (``parts``: the widths of its consecutive parts, default one): this rank's ``LEAVES / p``
+    leaves as one batched GEMM, their subtree, the tree's top (`_across`: whole, or this rank's chunk of the
+    sequence)."""
+    parts = parts or (a.shape[-1],)
     leaves = LEAVES // g.size
-    rows = a.reshape(-1, a.shape[-1])  # (m, k)
-    a_leaves = rows.view(rows.shape[0], leaves, -1).transpose(0, 1).contiguous()  # (leaves, m, k/leaves)
-    b_leaves = b.reshape(b.shape[0], leaves, -1).transpose(0, 1).contiguous()  # (leaves, n, k/leaves)
+    a_leaves = _leaf_major(a.reshape(-1, a.shape[-1]), leaves, parts)  # (leaves, m, k/leaves)
+    b_leaves = _leaf_major(b, leaves, parts)  # (leaves, n, k/leaves)
     local = _tree(torch.bmm(a_leaves, b_leaves.transpose(1, 2)))  # (m, n)
     return _across(local.view(*a.shape[:-1], b.shape[0]), g, sequence_parallel)
+
+
+def _leaf_major(t: torch.Tensor, leaves: int, parts: Sequence[int]) -> torch.Tensor:
+    """``t`` (m, k) as (leaves, m, k/leaves): leaf j holds the j-th of ``leaves`` consecutive blocks of each of k's
+    consecutive ``parts`` (their widths; a fused q/k/v's leaf is its q, k and v blocks), the same features at
+    every TP degree."""
+    pieces = t.split(list(parts), dim=1)
+    return torch.cat([piece.reshape(t.shape[0], leaves, -1) for piece in pieces], dim=2).transpose(0, 1).contiguous()
 
 
 def _in_blocks(a: torch.Tensor, b: torch.Tensor, blocks: int, split_rows: bool) -> torch.Tensor:
@@ -107,17 +117,17 @@ def _whole_sequence(x: torch.Tensor, g: TPGroup, sequence_parallel: bool) -> tor
 
 
 class _InvariantColumnFn(torch.autograd.Function):
-    """``x @ W_r^T + b_r`` in fixed blocks of output features; backward's input gradient summed as the fixed tree
-    over the output features. ``sequence_parallel``: ``x`` is this rank's chunk of the sequence, all-gathered
+    """``x @ W_r^T + b_r`` in fixed blocks of output features (of each of the fused ``parts``); backward's input
+    gradient summed as the fixed tree over the output features. ``sequence_parallel``: ``x`` is this rank's chunk of the sequence, all-gathered
     (again in backward: only the chunk is kept), the input gradient this rank's chunk of the tree's top."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool):
+    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, parts: Tuple[int, ...]):
         ctx.save_for_backward(x, weight)
-        ctx.g, ctx.sp, ctx.has_bias = g, sequence_parallel, bias is not None
+        ctx.g, ctx.sp, ctx.parts, ctx.has_bias = g, sequence_parallel, parts, bias is not None
         x = _whole_sequence(x, g, sequence_parallel)  # (..., s, in)
-        leaves = LEAVES // g.size
-        out = _in_blocks(x.reshape(-1, x.shape[-1]).contiguous(), weight.t(), leaves, split_rows=False)
+        rows, leaves = x.reshape(-1, x.shape[-1]).contiguous(), LEAVES // g.size
+        out = torch.cat([_in_blocks(rows, w.t(), leaves, split_rows=False) for w in weight.split(parts)], dim=1)
         out = out.view(*x.shape[:-1], weight.shape[0])  # (..., s, out/p)
         return out if bias is None else out + bias
 
@@ -126,14 +136,15 @@ class _InvariantColumnFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         leaves = LEAVES // ctx.g.size
-        grad_x = _contract(grad_out, weight.t(), ctx.g, ctx.sp) if need_x else None  # (..., s[/p], in)
+        grad_x = _contract(grad_out, weight.t(), ctx.g, ctx.sp, ctx.parts) if need_x else None  # (..., s[/p], in)
         flat = grad_out.reshape(-1, grad_out.shape[-1])
         grad_w = None
         if need_w:  # (out/p, in)
             rows = _whole_sequence(x, ctx.g, ctx.sp).reshape(-1, x.shape[-1]).contiguous()
-            grad_w = _in_blocks(flat.t().contiguous(), rows, leaves, split_rows=True)
+            grad_w = torch.cat([_in_blocks(f.t().contiguous(), rows, leaves, split_rows=True)
+                                for f in flat.split(ctx.parts, dim=1)], dim=0)
         grad_b = _bias_grad(flat) if need_b and ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class _InvariantRowFn(torch.autograd.Function):
@@ -186,11 +197,15 @@ class _LeafCopies(torch.autograd.Function):
 
 
 def invariant_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                            g: TPGroup, sequence_parallel: bool = False) -> torch.Tensor:
+                            g: TPGroup, sequence_parallel: bool = False,
+                            parts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """The column layer of ``tp_invariant``: ``x`` (..., s, in) replicated (``(..., s/p, in)`` with
-    ``sequence_parallel``), ``weight`` (out/p, in)."""
-    check_invariant(g.size, "invariant_column_linear", weight.shape[0] * g.size)
-    return _InvariantColumnFn.apply(x, weight, bias, g, sequence_parallel)
+    ``sequence_parallel``), ``weight`` (out/p, in); ``parts``: this rank's rows of each fused component (q, k, v),
+    each split evenly (default: one)."""
+    parts = tuple(int(n) for n in parts) if parts else (weight.shape[0],)
+    for n in parts:
+        check_invariant(g.size, "invariant_column_linear", n * g.size)
+    return _InvariantColumnFn.apply(x, weight, bias, g, sequence_parallel, parts)
 
 
 def invariant_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

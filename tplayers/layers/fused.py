@@ -19,11 +19,13 @@ from ..core.groups import GroupLike, replica_group, resolve_group
 from ..regions.partial_grads import PartialGradSum
 from ..core.comm import sum_over_replicas
 from ..core.functional import column_parallel_linear
+from ..core.invariant import invariant_column_linear
 from ..core.siblings import Siblings
 from ..core.wgrad import WeightGradStore
 from ..core.placement import Part, Placement, Sharded, require_positive
 from .base import TensorParallelModule
 from .from_dense import check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
+from .linear import refuse_with_invariant
 from .switches import grad_sinks
 
 __all__ = ["FusedColumnParallelLinear", "ReplicaRun", "with_replica_grads"]
@@ -53,6 +55,7 @@ class FusedColumnParallelLinear(TensorParallelModule):
     """
 
     siblings: Optional[Siblings] = None
+    tp_invariant = False  # as ColumnParallelLinear's (parallelize takes it with evenly split, unreplicated parts)
 
     def __init__(
         self,
@@ -130,6 +133,10 @@ class FusedColumnParallelLinear(TensorParallelModule):
         return with_replica_grads(t, self.replica_runs(), self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_invariant:
+            refuse_with_invariant(self)
+            return invariant_column_linear(x, self.weight, self.bias, self.group, self.sequence_parallel,
+                                           parts=self.local_parts)  # (..., [seq,] local_out)
         if self.replica_sum is not None and not (self.delay_wgrad or self.accumulate_main_grad):
             read = self.replica_sum.read  # (weight gradients into .grad now; the other sinks sum their own way)
         else:
