@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tplayers
-from tplayers.testing import dense_parameters, get_world
+from tplayers.testing import World, dense_parameters, get_world
 
 STEPS = 5
 
@@ -68,27 +68,28 @@ def _differences(a, b) -> list:
     return found + [f"param {n}" for n in params_a if not torch.equal(params_a[n], params_b[n])]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_llama_trains_to_the_same_bits_at_tp_1_2_and_4(dtype):
+SP_LP = dict(sequence_parallel=True, loss_parallel=True)  # the norms' gradients and the vocabulary's sums as leaves
+
+
+@pytest.mark.parametrize("family, dtype, options", [
+    ("llama", "float32", {}), ("llama", "bfloat16", {}), ("llama", "float32", SP_LP), ("llama", "bfloat16", SP_LP),
+    ("qwen3", "float32", {}), ("qwen3", "bfloat16", SP_LP),  # per-head q / k norms: their gradients as leaves of heads
+    ("gpt2", "float32", {}), ("gpt2", "bfloat16", SP_LP),  # fused c_attn (each leaf its q, k, v blocks), LayerNorm
+], ids=["llama-f32", "llama-bf16", "llama-sp-lp-f32", "llama-sp-lp-bf16", "qwen3-f32", "qwen3-sp-lp-bf16",
+        "gpt2-f32", "gpt2-sp-lp-bf16"])
+def test_hf_models_train_to_the_same_bits_at_tp_1_2_and_4(family, dtype, options):
     pytest.importorskip("transformers")
-    tp1 = _train(None, dtype)
+    tp1 = _train(None, dtype, family, **options)
     for tp in (2, 4):
-        for rank, result in enumerate(get_world(tp).run(_train, dtype)):
+        for rank, result in enumerate(get_world(tp).run(_train, dtype, family, **options)):
             assert _differences(tp1, result) == [], f"TP {tp}, rank {rank}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_sequence_parallel_and_loss_parallel_train_to_the_same_bits(dtype):
-    """Sequence parallelism (the norms' weight gradients: leaves of the sequence) and loss_parallel (the softmax sums:
-    leaves of the vocabulary), together, at TP 1 / 2 / 4."""
+def test_the_step_under_sequence_parallelism_and_loss_parallel_sends_what_it_should():
+    """The collectives of the Llama SP + loss_parallel step at TP 4 (b, s, h = 2, 16, 64; 2 layers; 32 tokens)."""
     pytest.importorskip("transformers")
-    options = dict(sequence_parallel=True, loss_parallel=True)
-    tp1 = _train(None, dtype, **options)
-    for tp in (2, 4):
-        for rank, result in enumerate(get_world(tp).run(_train, dtype, **options)):
-            assert _differences(tp1, result) == [], f"TP {tp}, rank {rank}"
-    if dtype == "float32":  # the last step's collectives at TP 4 (b, s, h = 2, 16, 64; 2 layers; 32 tokens)
-        full, chunk, vec = 2 * 16 * 64 * 4, 2 * 16 * 64 * 4 // 4, 64 * 4
+    full, chunk, vec = 2 * 16 * 64 * 4, 2 * 16 * 64 * 4 // 4, 64 * 4
+    for result in get_world(4).run(_train, "float32", **SP_LP):
         assert result[4] == Counter({
             ("forward", "reduce_scatter", full): 1,  # the embedding's sum into the sequence chunks (exact)
             ("forward", "all_gather", full): 7,  # the attentions' inputs, gate / up (no siblings), the last norm
@@ -101,15 +102,14 @@ def test_sequence_parallel_and_loss_parallel_train_to_the_same_bits(dtype):
         }), result[4]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt2"])
-def test_qwen3_and_gpt2_train_to_the_same_bits(family):
-    """Qwen3's per-head q / k norms after the column split (their weight gradients as leaves of the heads); GPT-2's
-    fused c_attn (each leaf its q, k and v blocks), Conv1D layers and tied head."""
+def test_eight_ranks_give_the_same_bits():
+    """TP 8: one leaf per rank (Llama with SP and loss_parallel in bf16; GPT-2's fused c_attn in float32)."""
     pytest.importorskip("transformers")
-    tp1 = _train(None, "float32", family)
-    for tp in (2, 4):
-        for rank, result in enumerate(get_world(tp).run(_train, "float32", family)):
-            assert _differences(tp1, result) == [], f"TP {tp}, rank {rank}"
+    with World(8) as world:
+        for family, dtype, options in (("llama", "bfloat16", SP_LP), ("gpt2", "float32", {})):
+            tp1 = _train(None, dtype, family, **options)
+            for rank, result in enumerate(world.run(_train, dtype, family, **options)):
+                assert _differences(tp1, result) == [], f"{family}, rank {rank}"
 
 
 class _Block(torch.nn.Module):
