@@ -88,17 +88,19 @@ def test_hf_models_train_to_the_same_bits_at_tp_1_2_and_4(family, dtype, options
 def test_the_step_under_sequence_parallelism_and_loss_parallel_sends_what_it_should():
     """The collectives of the Llama SP + loss_parallel step at TP 4 (b, s, h = 2, 16, 64; 2 layers; 32 tokens)."""
     pytest.importorskip("transformers")
-    full, chunk, vec = 2 * 16 * 64 * 4, 2 * 16 * 64 * 4 // 4, 64 * 4
+    full, chunk, vec, sums = 2 * 16 * 64 * 4, 2 * 16 * 64 * 4 // 4, 64 * 4, 32 * 2 * 4
+    # the tree's top over 4 ranks: an all-to-all of quarters (3 leave each rank), the tree, an all-gather of them
     for result in get_world(4).run(_train, "float32", **SP_LP):
         assert result[4] == Counter({
             ("forward", "reduce_scatter", full): 1,  # the embedding's sum into the sequence chunks (exact)
             ("forward", "all_gather", full): 7,  # the attentions' inputs, gate / up (no siblings), the last norm
             ("forward", "all_to_all", 3 * chunk): 4,  # o_proj, down_proj: the tree's chunks (a reduce-scatter's bytes)
-            ("forward", "all_reduce", 32 * 4): 1, ("forward", "all_gather", 4 * 32 * 2 * 4): 1,  # the loss: max, sums
-            ("backward", "all_gather", 4 * full): 7,  # q, k, v, the head: the whole input gradient's subtree sums
-            ("backward", "all_gather", full): 9,  # o / down output gradients, gate / up inputs again, the embedding
-            ("backward", "all_to_all", 3 * chunk): 4,  # gate / up input gradients: the tree's chunks
-            ("backward", "all_gather", 4 * vec): 5,  # each norm's leaf-summed weight gradient
+            ("forward", "all_reduce", 32 * 4): 1,  # the loss: the row maxima (exact)
+            ("forward", "all_to_all", 3 * sums // 4): 1, ("forward", "all_gather", sums): 1,  # the vocabulary's sums
+            ("backward", "all_to_all", 3 * chunk): 4 + 7,  # gate / up input gradients' chunks; q, k, v, the head's
+            ("backward", "all_gather", full): 9 + 7,  # o / down output gradients, gate / up inputs again, the
+            # embedding; q, k, v, the head: their input gradient's summed quarters
+            ("backward", "all_to_all", 3 * vec // 4): 5, ("backward", "all_gather", vec): 5,  # the norms' weights
         }), result[4]
 
 

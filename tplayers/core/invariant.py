@@ -9,15 +9,17 @@ the contraction is cut into ``LEAVES`` consecutive leaves, whatever the degree; 
 
     TP 1:  leaf 0 .. leaf 7 -> ((0+1)+(2+3)) + ((4+5)+(6+7))
     TP 2:  rank 0: (0+1)+(2+3)   rank 1: (4+5)+(6+7)   -> all-gather -> s0 + s1
-    TP 4:  rank r: leaves 2r, 2r+1 summed             -> all-gather -> (s0+s1) + (s2+s3)
+    TP 4:  rank r: leaves 2r, 2r+1 summed             -> all-to-all of quarters -> (s0+s1) + (s2+s3) on each
+                                                          quarter -> all-gather of the quarters
 
 Every leaf is one batch of one bmm, the same shape at every degree. The GEMMs whose split dimension changes
 with the degree (the column layer's forward and weight gradient, the row layer's input and weight gradients) are
 computed in ``LEAVES`` blocks of fixed width the same way: on this build a GEMM's output columns are not the
 same bits when it computes 8 of them as when it computes 32 (benchmarks/tp_invariance_probe.py). Bias gradients
 are summed feature by feature (a column sum over fewer features is not the same either). The cross-rank step is
-an all-gather of each rank's subtree sum and the tree's top computed on every rank: the bytes of a ring
-all-reduce at TP 2, twice them at TP 4 (benchmarks/RESULTS.md); under sequence parallelism, where each rank keeps
+an all-gather of each rank's subtree sum and the tree's top computed on every rank at TP 2 (a ring all-reduce's
+bytes); above, an all-to-all of 1/p chunks of the subtree sums, the tree on each, and an all-gather of the summed
+chunks (a ring all-reduce's bytes again; benchmarks/RESULTS.md); under sequence parallelism, where each rank keeps
 its chunk of the sequence, an all-to-all of the subtree sums' chunks and the tree over the p received (the bytes of
 the reduce-scatter it replaces). No overlap: the collective waits where it is issued.
 
@@ -58,16 +60,27 @@ def _tree(parts: torch.Tensor) -> torch.Tensor:
     return parts[0]
 
 
-def _across(local: torch.Tensor, g: TPGroup, sequence_parallel: bool = False) -> torch.Tensor:
-    """The tree's top over the group, from this rank's subtree sum ``local`` (..., s, n): every rank's sums
-    all-gathered and summed in rank order (the same on every rank), or with ``sequence_parallel`` only this rank's
-    chunk of the sequence (dim -2) of it: an all-to-all of the chunks, the bytes of a reduce-scatter."""
+def _across(local: torch.Tensor, g: TPGroup, sequence_parallel: bool = False, how: Optional[str] = None) -> torch.Tensor:
+    """The tree's top over the group, from this rank's subtree sum ``local`` (..., s, n): the same on every rank, or
+    with ``sequence_parallel`` only this rank's chunk of the sequence (dim -2) of it: an all-to-all of the chunks and
+    the tree over the p received, the bytes of a reduce-scatter. Whole, ``how``: ``"all_gather"`` (every rank's
+    subtree sum gathered, p - 1 times the tensor received per rank) or ``"all_to_all"`` (the tree on this rank's
+    1/p of the elements, then an all-gather of the sums: a ring all-reduce's bytes, two collectives); the same bits.
+    Default: the all-gather at TP 2 (the same bytes, one collective), the all-to-all above (half the bytes at TP 4;
+    0.50x the time on the emulated H100 link, 0.38x on gloo at 16 MB: benchmarks/tp_invariant_cross_rank.py)."""
     if g.size == 1:
         return local
-    if not sequence_parallel:
+    how = how or ("all_gather" if g.size == 2 else "all_to_all")
+    if sequence_parallel:
+        chunks = torch.stack(local.chunk(g.size, dim=-2))  # (p, ..., s/p, n): chunk j for rank j
+        return _tree(all_to_all(chunks, [1] * g.size, [1] * g.size, g).wait())  # (..., s/p, n)
+    if how == "all_gather":
         return _tree(all_gather(local.unsqueeze(0), 0, g).wait())  # every rank's subtree, in rank order
-    chunks = torch.stack(local.chunk(g.size, dim=-2))  # (p, ..., s/p, n): chunk j for rank j
-    return _tree(all_to_all(chunks, [1] * g.size, [1] * g.size, g).wait())  # (..., s/p, n)
+    flat = local.reshape(-1)
+    pad = -flat.numel() % g.size
+    chunks = torch.cat([flat, flat.new_zeros(pad)]).view(g.size, -1)  # (p, n/p): chunk j for rank j
+    mine = _tree(all_to_all(chunks, [1] * g.size, [1] * g.size, g).wait())  # (n/p,): its tree over the ranks
+    return all_gather(mine, 0, g).wait()[:flat.numel()].view_as(local)
 
 
 def _contract(a: torch.Tensor, b: torch.Tensor, g: TPGroup, sequence_parallel: bool = False,
