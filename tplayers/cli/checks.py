@@ -13,7 +13,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..convert.parallelize import parallelize
+from ..convert.styles import Column, Row
 from ..core.groups import TPGroup
+from ..core.invariant import LEAVES
 from ..core.dtypes import DTYPES
 from ..core.placement import Sharded
 from ..layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, set_overlap,
@@ -99,6 +102,32 @@ def _uneven_mlp(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
                        **_seq_shards(options.get("sequence_parallel", False)))
 
 
+def _invariant_mlp(g: TPGroup, cfg: VerifyConfig, sequence_parallel: bool) -> MatchReport:
+    """``parallelize(..., tp_invariant=True)`` of a dense MLP: within tolerance of the dense MLP, and exactly TP 1's
+    bits (the same parallelize at TP 1, run on every rank): output, input and every parameter gradient. At a TP
+    degree that does not divide the leaves, the refusal is what passes."""
+    d = _dims(g)
+
+    def build() -> nn.Module:
+        torch.manual_seed(cfg.seed)
+        return _dense(nn.Sequential(nn.Linear(d["hidden"], d["ffn"]), nn.GELU(), nn.Linear(d["ffn"], d["hidden"])), cfg)
+    plan = {"0": Column(sequence_parallel=sequence_parallel), "2": Row(sequence_parallel=sequence_parallel)}
+    if LEAVES % g.size:
+        try:
+            parallelize(build(), plan, group=g, tp_invariant=True, audit=False)
+        except ValueError as e:
+            if "does not divide them" in str(e):
+                return MatchReport()
+            raise
+        raise AssertionError(f"tp_invariant=True at TP {g.size} (not a divisor of {LEAVES} leaves) was not refused")
+    x, shards = _input(cfg, cfg.batch, d["seq"], d["hidden"]), _seq_shards(sequence_parallel)
+    tp = parallelize(build(), plan, group=g, tp_invariant=True, audit=False)
+    report = match_dense(tp, build(), x, g, cfg, **shards)
+    tp1 = parallelize(build(), plan, group=None, tp_invariant=True, audit=False, check_consistency=False)
+    assert_matches_dense(tp, tp1, x, group=g, rtol=0.0, atol=0.0, seed=cfg.seed, **shards)  # the same bits
+    return report
+
+
 variant("ColumnParallelLinear", "gather_output=False", _column)
 variant("ColumnParallelLinear", "gather_output=True", _column, gather_output=True)
 variant("ColumnParallelLinear", "overlap_comm=False", _column, overlap_comm=False)
@@ -111,6 +140,9 @@ variant("Column->GELU->Row MLP", "", _mlp_pair, tol_scale=2, act=True)
 variant("Column->GELU->Row MLP", "overlap_comm=False", _mlp_pair, tol_scale=2, act=True, overlap_comm=False)
 variant("Column->GELU->Row MLP", "sequence_parallel=True", _mlp_pair, tol_scale=2, act=True, sequence_parallel=True)
 variant("Column->Sigmoid->Row MLP", "ffn 32p+3, uneven split", _uneven_mlp, tol_scale=2)
+variant("Column->GELU->Row MLP", "tp_invariant=True: TP 1's bits", _invariant_mlp, tol_scale=2, sequence_parallel=False)
+variant("Column->GELU->Row MLP", "tp_invariant=True, sequence_parallel=True: TP 1's bits", _invariant_mlp, tol_scale=2,
+        sequence_parallel=True)
 
 
 # ---------------------------------------------------------------------------- the checks: vocab, blocks
