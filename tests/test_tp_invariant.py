@@ -31,21 +31,21 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # loss_parallel's logits: a DTensor at TP > 1
 
 
-def _train(group, dtype_name: str, family: str = "llama", **options):
+def _train(group, dtype_name: str, family: str = "llama", device: str = "cpu", **options):
     """5 AdamW steps of a tiny HF Llama / Qwen3 ("auto", tp_invariant, ``options`` to parallelize): the first step's
     logits and dense gradients, every loss, the dense parameters after the steps."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank of a World: nn.LayerNorm's backward (CPU) sums per-thread partials
     try:
-        return _steps(group, getattr(torch, dtype_name), family, **options)
+        return _steps(group, getattr(torch, dtype_name), family, torch.device(device), **options)
     finally:
         torch.set_num_threads(threads)
 
 
-def _steps(group, dtype: torch.dtype, family: str, **options):
-    model = tplayers.parallelize(_llama(dtype, family), "auto", group=group, tp_invariant=True, **options)
+def _steps(group, dtype: torch.dtype, family: str, device: torch.device, **options):
+    model = tplayers.parallelize(_llama(dtype, family).to(device), "auto", group=group, tp_invariant=True, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
     losses, logits, grads = [], None, None
     for step in range(STEPS):
         with tplayers.comm_accounting() as acc:
@@ -56,7 +56,9 @@ def _steps(group, dtype: torch.dtype, family: str, **options):
         losses.append(out.loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return losses, logits, grads, dense_parameters(model), Counter((r.phase, r.op, r.nbytes) for r in acc.records)
+    cpu = lambda ts: {n: t.cpu() for n, t in ts.items()}  # noqa: E731 (results leave the rank's process)
+    return ([t.cpu() for t in losses], logits.cpu(), cpu(grads), cpu(dense_parameters(model)),
+            Counter((r.phase, r.op, r.nbytes) for r in acc.records))
 
 
 def _differences(a, b) -> list:
@@ -102,6 +104,19 @@ def test_the_step_under_sequence_parallelism_and_loss_parallel_sends_what_it_sho
             # embedding; q, k, v, the head: their input gradient's summed quarters
             ("backward", "all_to_all", 3 * vec // 4): 5, ("backward", "all_gather", vec): 5,  # the norms' weights
         }), result[4]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family, dtype, options", [("llama", "float32", {}), ("llama", "bfloat16", SP_LP),
+                                                    ("gpt2", "bfloat16", {})])
+def test_on_a_gpu_the_hf_models_give_the_same_bits(family, dtype, options):
+    """The GPU route (docs/gpu.md): the same fixed-width blocks and tree on CUDA, ranks sharing one GPU over gloo.
+    CUDA GEMMs choose kernels by shape; every block and leaf has one shape at every degree, the batch counts differ."""
+    pytest.importorskip("transformers")
+    tp1 = _train(None, dtype, family, "cuda", **options)
+    for tp in (2, 4):
+        for rank, result in enumerate(get_world(tp).run(_train, dtype, family, "cuda", **options)):
+            assert _differences(tp1, result) == [], f"TP {tp}, rank {rank}"
 
 
 def test_eight_ranks_give_the_same_bits():
