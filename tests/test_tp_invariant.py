@@ -58,7 +58,7 @@ def _steps(group, dtype: torch.dtype, family: str, device: torch.device, **optio
         opt.zero_grad(set_to_none=True)
     cpu = lambda ts: {n: t.cpu() for n, t in ts.items()}  # noqa: E731 (results leave the rank's process)
     return ([t.cpu() for t in losses], logits.cpu(), cpu(grads), cpu(dense_parameters(model)),
-            Counter((r.phase, r.op, r.nbytes) for r in acc.records))
+            Counter((r.phase, r.op, r.nbytes) for r in acc.records), str(tplayers.coverage(model).audit))
 
 
 def _differences(a, b) -> list:
@@ -88,7 +88,8 @@ def test_hf_models_train_to_the_same_bits_at_tp_1_2_and_4(family, dtype, options
 
 
 def test_the_step_under_sequence_parallelism_and_loss_parallel_sends_what_it_should():
-    """The collectives of the Llama SP + loss_parallel step at TP 4 (b, s, h = 2, 16, 64; 2 layers; 32 tokens)."""
+    """The collectives of the Llama SP + loss_parallel step at TP 4 (b, s, h = 2, 16, 64; 2 layers; 32 tokens); the
+    first step's audit compared each region with its TP-1 twin on the fixed-tree path, exactly."""
     pytest.importorskip("transformers")
     full, chunk, vec, sums = 2 * 16 * 64 * 4, 2 * 16 * 64 * 4 // 4, 64 * 4, 32 * 2 * 4
     # the tree's top over 4 ranks: an all-to-all of quarters (3 leave each rank), the tree, an all-gather of them
@@ -104,6 +105,9 @@ def test_the_step_under_sequence_parallelism_and_loss_parallel_sends_what_it_sho
             # embedding; q, k, v, the head: their input gradient's summed quarters
             ("backward", "all_to_all", 3 * vec // 4): 5, ("backward", "all_gather", vec): 5,  # the norms' weights
         }), result[4]
+        for region in ("model.layers.0.self_attn (LlamaAttention, x2)", "model.layers.0.mlp (LlamaMLP, x2)",
+                       "lm_head (ParallelLMHead)"):
+            assert f"{region}: passed; worst output 0.0e+00 (tolerance 0: exact)" in result[5], result[5]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

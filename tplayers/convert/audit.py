@@ -17,7 +17,8 @@ runs, and trains wrong. So the first forward after ``parallelize`` checks it:
   of the region with every TP layer replaced by its ``to_dense()``, the attributes ``parallelize``
   or the user changed since restored, and the hooks ``parallelize`` added removed) runs the same; the
   output, every input gradient and every parameter gradient (sharded ones gathered) are compared,
-  relative to the dense tensor's scale, with a tolerance set by the dtype. Both run in eval mode
+  relative to the dense tensor's scale, with a tolerance set by the dtype (``tp_invariant=True``: the twin is
+  the region at TP 1 on the same fixed-tree path, the tolerance 0). Both run in eval mode
   (dropout off) under a forked RNG, so the training run's random stream is not changed.
 - Any mismatch (or a TP region that raises where the dense twin does not) raises
   :class:`AuditError` on every rank, before the optimizer can step, naming the region, the worst

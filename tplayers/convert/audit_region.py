@@ -19,6 +19,7 @@ from ..layers.base import model_placements
 from ..layers.dense_view import dense_tensors
 from .causes import likely_causes, name_pattern
 from ..core.digest import generator_states, set_generator_states
+from .invariant import is_invariant
 from .twin import (Quiet, copy_inputs, dense_twin, float32_copy, gather_first, random_like,
                    relative_error, run_region, scale_of)
 
@@ -179,7 +180,7 @@ def check_region(region: Region, result: RegionAudit, group: TPGroup, args: tupl
         module, cast = float32_copy(module), torch.float32
         region = replace(region, module=module)
         result.note = f"audited in float32 (the model is {str(dtype).replace('torch.', '')})"
-    result.tolerance = relative_tolerance(cast or dtype)
+    result.tolerance = 0.0 if is_invariant(module) else relative_tolerance(cast or dtype)  # (its twin: TP 1's bits)
     with Quiet(module):
         failure = _run_and_compare(region, result, group, args, kwargs, cast, plan_name)
     _verdict(region, result, group, failure, plan_name)
@@ -266,7 +267,7 @@ def _compare(region: Region, result: RegionAudit, tp: TPGroup, tol: float, tp_ru
     for i, (a, e) in enumerate(zip(tp_in_grads, dense_in_grads)):
         errors[f"input gradient {i}"] = relative_error(a, e)
     tp_dense = dense_tensors(module, lambda name, p: tp_grads.get(id(p)))  # sharded gathered: collective
-    twin_dense = {n: dense_grads.get(id(p)) for n, p in twin.named_parameters()}
+    twin_dense = dense_tensors(twin, lambda name, p: dense_grads.get(id(p)))  # (a tp_invariant twin's TP-1 layers)
     # A gradient that is zero in exact arithmetic (a key bias: the softmax cancels it) is rounding noise of about
     # eps x the region's largest gradient on both sides, and the two noises differ. Each gradient is compared
     # relative to at least sqrt(tol) x the largest: noise passes (float32: 1e-6 x the largest, ~10 eps), and a

@@ -9,14 +9,15 @@ import torch
 import torch.nn as nn
 
 from ..core.digest import generator_states
-from ..core.groups import TPGroup
+from ..core.groups import TPGroup, resolve_group
 from ..core.invariant import LEAVES, check_invariant, leaf_copies
 from ..layers.base import TensorParallelModule, params_read_as
+from ..layers.conv1d import conv1d_as_linear
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
-__all__ = ["apply_tp_invariant", "run_in_leaves", "LEAF_FORWARD"]
+__all__ = ["apply_tp_invariant", "run_in_leaves", "LEAF_FORWARD", "is_invariant", "tp1_twin", "leaves_at_tp1"]
 
 LEAF_FORWARD = "_tplayers_leaf_forward"  # marks the forward run_in_leaves gives a module (a dense twin drops it)
 
@@ -103,3 +104,27 @@ def run_in_leaves(module: nn.Module, group: TPGroup, local_leaves: Callable[[], 
 
     setattr(forward, LEAF_FORWARD, True)
     module.forward = types.MethodType(forward, module)  # (a copy of the module gets it bound to the copy)
+
+
+def is_invariant(module: nn.Module) -> bool:
+    """Whether ``module`` holds a layer on the fixed-tree path (``parallelize(..., tp_invariant=True)``)."""
+    return any(getattr(m, "tp_invariant", False) for m in module.modules())
+
+
+def tp1_twin(layer: TensorParallelModule) -> nn.Module:
+    """What ``layer`` (on the fixed-tree path) computes at TP 1: its dense weights (gathered: collective) in the
+    same class at TP 1, on the fixed-tree path; the audit's twin of a ``tp_invariant`` region, equal to the
+    bit."""
+    dense = layer.to_dense()
+    if getattr(layer, "dense_transposed", False):  # a GPT-2 Conv1D: the layer's from_dense takes the nn.Linear
+        dense = conv1d_as_linear(dense)
+    extra = {"parts": list(layer.parts)} if isinstance(layer, FusedColumnParallelLinear) else {}
+    twin = type(layer).from_dense(dense, group=None, **extra)
+    twin.tp_invariant = True
+    return twin
+
+
+def leaves_at_tp1(module: nn.Module, name: str) -> None:
+    """A copy of a module ``run_in_leaves`` made leaf by leaf (its forward bound to the copy, for the real group):
+    leaf by leaf as at TP 1 (all ``LEAVES`` leaves of its whole input, nothing across ranks)."""
+    run_in_leaves(module, resolve_group(None), lambda: LEAVES, name)

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from ..core.blocking import all_gather_tensor
 from ..core.groups import TPGroup
 from ..layers.base import PLACEMENTS_ATTR, TensorParallelModule, carry_hooks
-from .invariant import LEAF_FORWARD
+from .invariant import LEAF_FORWARD, leaves_at_tp1, tp1_twin
 
 __all__ = ["within", "float32_copy", "copy_inputs", "gather_first", "first_float", "Quiet", "run_region", "random_like",
            "dense_twin", "relative_error", "scale_of"]
@@ -170,13 +170,15 @@ def random_like(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
 def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_hooks: Dict[str, Set[int]]) -> nn.Module:
     """``region`` with every TP layer replaced by its ``to_dense()`` (collective, in module order), the
     attributes ``originals`` records (relative module path -> name -> value before ``parallelize``)
-    restored, and without the hooks ``parallelize`` added (``added_hooks``: relative path -> hook ids)."""
+    restored, and without the hooks ``parallelize`` added (``added_hooks``: relative path -> hook ids).
+    A ``tp_invariant`` region's twin is what it computes at TP 1: its TP layers at TP 1 on the fixed-tree path
+    (`tplayers.convert.invariant.tp1_twin`), its modules run leaf by leaf with TP 1's leaves."""
     memo: Dict[int, Any] = {}
     outer: List[str] = []
     for rel, m in region.named_modules():
         if isinstance(m, TensorParallelModule) and not any(within(rel, o) for o in outer):
             outer.append(rel)
-            memo[id(m)] = m.to_dense()
+            memo[id(m)] = tp1_twin(m) if getattr(m, "tp_invariant", False) else m.to_dense()
             carry_hooks(m, memo[id(m)], skip=added_hooks.get(rel, ()))  # the user's hooks run in the twin too
     if "" in outer:
         return memo[id(region)]
@@ -195,7 +197,7 @@ def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_ho
         if PLACEMENTS_ATTR in vars(m):
             delattr(m, PLACEMENTS_ATTR)
         if getattr(getattr(vars(m).get("forward"), "__func__", None), LEAF_FORWARD, False):
-            del m.forward  # (tp_invariant's leaf by leaf run: the twin runs the module whole)
+            leaves_at_tp1(m, rel)  # (tp_invariant's leaf by leaf run, as at TP 1)
         for attr, value in originals.get(rel, {}).items():
             if attr in vars(m) and not _same(vars(m)[attr], value):
                 setattr(m, attr, value)  # (an object the plan replaced: the original itself, read only)

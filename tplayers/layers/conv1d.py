@@ -16,7 +16,7 @@ from .fused import FusedColumnParallelLinear
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ColumnParallelConv1D", "RowParallelConv1D", "FusedColumnParallelConv1D", "is_conv1d",
-           "conv1d_to_linear_weight", "linear_to_conv1d_weight"]
+           "conv1d_to_linear_weight", "linear_to_conv1d_weight", "conv1d_as_linear"]
 
 
 def conv1d_to_linear_weight(w: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def is_conv1d(module: nn.Module) -> bool:
             and tuple(module.weight.shape) == (module.nx, module.nf))
 
 
-def _conv1d_as_linear(conv: nn.Module) -> nn.Linear:
+def conv1d_as_linear(conv: nn.Module) -> nn.Linear:
     """An ``nn.Linear`` with the same function as a ``Conv1D`` (weight transposed into a copy)."""
     lin = nn.Linear(conv.nx, conv.nf, bias=conv.bias is not None, device="meta")
     lin.weight = nn.Parameter(conv1d_to_linear_weight(conv.weight.detach()), requires_grad=conv.weight.requires_grad)
@@ -68,7 +68,7 @@ class _Conv1DDense:
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, *, group: GroupLike, **options: Any) -> Any:
-        layer = cls.from_dense(_conv1d_as_linear(conv), group=group, **options)  # type: ignore[attr-defined]
+        layer = cls.from_dense(conv1d_as_linear(conv), group=group, **options)  # type: ignore[attr-defined]
         layer.conv1d_cls = type(conv)
         return layer
 
