@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import tplayers
+from tplayers.convert.styles import Column, Row
+from tplayers.core.comm import gather_from_sequence
 from tplayers.testing import World, dense_parameters, get_world
 
 STEPS = 5
@@ -134,40 +136,59 @@ def test_eight_ranks_give_the_same_bits():
 
 
 class _Block(torch.nn.Module):
-    """An own model: q, k, v read one x, gelu MLP; a plan by patterns."""
+    """An own model: q, k, v read one x (``norm``: a LayerNorm of it), gelu MLP; a plan by patterns."""
 
-    def __init__(self, h: int = 32, f: int = 64):
+    def __init__(self, h: int = 32, f: int = 64, norm: bool = False):
         super().__init__()
+        self.ln = torch.nn.LayerNorm(h) if norm else torch.nn.Identity()
         self.q, self.k, self.v, self.o = (torch.nn.Linear(h, h) for _ in range(4))
         self.up, self.down = torch.nn.Linear(h, f), torch.nn.Linear(f, h)
 
-    def forward(self, x):
-        a = self.o(torch.tanh(self.q(x)) * self.k(x) + self.v(x)) + x  # (elementwise on the split features)
+    def forward(self, x):  # (b, s, h), or this rank's (b, s/p, h) under sequence parallelism
+        n = self.ln(x)
+        a = self.o(torch.tanh(self.q(n)) * self.k(n) + self.v(n)) + x  # (elementwise on the split features)
         return self.down(torch.nn.functional.gelu(self.up(a))) + a
 
 
 PLAN = {"q": "column", "k": "column", "v": "column", "o": "row", "up": "column", "down": "row"}
+SP_PLAN = {"ln": "sequence_parallel_norm", **{n: Column(sequence_parallel=True) for n in ("q", "k", "v", "up")},
+           **{n: Row(sequence_parallel=True) for n in ("o", "down")}}
 
 
-def _own(group):
-    torch.manual_seed(0)
-    model = tplayers.parallelize(_Block(), PLAN, group=group, tp_invariant=True)
-    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(x).square().mean()
-        loss.backward()
-        losses.append(loss.detach())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return losses, dense_parameters(model)
+def _own(group, dtype_name: str, sequence_parallel: bool):
+    """5 AdamW steps of the own block, its input this rank's chunk of the sequence under sequence parallelism and
+    its output gathered for the loss (1 thread: LayerNorm's CPU backward sums per-thread partials)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        dtype = getattr(torch, dtype_name)
+        tp = tplayers.resolve_group(group)
+        model = tplayers.parallelize(_Block(norm=True).to(dtype), SP_PLAN if sequence_parallel else PLAN, group=group,
+                                     tp_invariant=True, check_inputs=0 if sequence_parallel else 1000)  # (shards in)
+        x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(STEPS):
+            if sequence_parallel:
+                out = gather_from_sequence(model(tp.shard(x, -2)), group=group, grad_is_partial=False)
+            else:
+                out = model(x)
+            loss = out.float().square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return losses, dense_parameters(model)
+    finally:
+        torch.set_num_threads(threads)
 
 
-def test_an_own_plan_trains_to_the_same_bits_at_tp_1_2_and_4():
-    losses, params = _own(None)
+@pytest.mark.parametrize("dtype, sequence_parallel", [("float32", False), ("bfloat16", True)])
+def test_an_own_plan_trains_to_the_same_bits_at_tp_1_2_and_4(dtype, sequence_parallel):
+    losses, params = _own(None, dtype, sequence_parallel)
     for tp in (2, 4):
-        for got_losses, got_params in get_world(tp).run(_own):
+        for got_losses, got_params in get_world(tp).run(_own, dtype, sequence_parallel):
             assert all(torch.equal(a, b) for a, b in zip(losses, got_losses)), (tp, losses, got_losses)
             assert [n for n in params if not torch.equal(params[n], got_params[n])] == [], tp
 
