@@ -62,7 +62,8 @@ def main() -> None:
     q = quartiles(ratios)
     print(f"{'EMULATION (' + args.link + ')' if args.link else 'real gloo'}, TP {args.tp}, ({args.tokens}, "
           f"{args.hidden}) float32: all_gather {statistics.median(times['all_gather']):.3f} ms, all_to_all + "
-          f"all_gather {statistics.median(times['all_to_all']):.3f} ms (medians); paired ratio {statistics.median(ratios):.3f}x "
+          f"all_gather {statistics.median(times['all_to_all']):.3f} ms (medians); paired ratio "
+          f"{statistics.median(ratios):.3f}x "
           f"(quartiles {q[1]:.3f}-{q[2]:.3f}) over {len(ratios)} pairs; wire bytes "
           f"{nbytes['all_gather'] / 1e6:.3f} vs {nbytes['all_to_all'] / 1e6:.3f} MB; the same bits: {same}")
 

@@ -214,7 +214,7 @@ def test_what_the_mode_does_not_take_yet_is_refused_before_the_model_changes():
 
     qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=4, head_dim=8))
-    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_norm' .* head counts \[4, 4\] are not multiples"):
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_norm' .* head counts \[4, 4\] are not mult"):
         tplayers.parallelize(qwen3, "auto", group=None, tp_invariant=True)
     assert type(qwen3.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # untouched
     model = tplayers.parallelize(_llama(torch.float32), "auto", group=None, tp_invariant=True, sequence_parallel=True)

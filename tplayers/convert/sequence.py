@@ -89,7 +89,8 @@ def _sum_partial_grads(module: nn.Module, ctx: BuildContext, local_leaves: Calla
         return
     run_in_leaves(module, ctx.group, local_leaves, ctx.name)
     if ctx.group.size > 1:
-        setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n, _ in module.named_parameters(recurse=False)})
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n in names})
 
 
 def _reduce_param_grads(module: nn.Module, ctx: BuildContext, names: Optional[Tuple[str, ...]] = None,

@@ -60,7 +60,8 @@ def _tree(parts: torch.Tensor) -> torch.Tensor:
     return parts[0]
 
 
-def _across(local: torch.Tensor, g: TPGroup, sequence_parallel: bool = False, how: Optional[str] = None) -> torch.Tensor:
+def _across(local: torch.Tensor, g: TPGroup, sequence_parallel: bool = False,
+            how: Optional[str] = None) -> torch.Tensor:
     """The tree's top over the group, from this rank's subtree sum ``local`` (..., s, n): the same on every rank, or
     with ``sequence_parallel`` only this rank's chunk of the sequence (dim -2) of it: an all-to-all of the chunks and
     the tree over the p received, the bytes of a reduce-scatter. Whole, ``how``: ``"all_gather"`` (every rank's
@@ -131,8 +132,9 @@ def _whole_sequence(x: torch.Tensor, g: TPGroup, sequence_parallel: bool) -> tor
 
 class _InvariantColumnFn(torch.autograd.Function):
     """``x @ W_r^T + b_r`` in fixed blocks of output features (of each of the fused ``parts``); backward's input
-    gradient summed as the fixed tree over the output features. ``sequence_parallel``: ``x`` is this rank's chunk of the sequence, all-gathered
-    (again in backward: only the chunk is kept), the input gradient this rank's chunk of the tree's top."""
+    gradient summed as the fixed tree over the output features. ``sequence_parallel``: ``x`` is this rank's chunk
+    of the sequence, all-gathered (again in backward: only the chunk is kept), the input gradient this rank's chunk
+    of the tree's top."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, parts: Tuple[int, ...]):
