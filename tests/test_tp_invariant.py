@@ -98,13 +98,13 @@ def test_the_step_under_sequence_parallelism_and_loss_parallel_sends_what_it_sho
     for result in get_world(4).run(_train, "float32", **SP_LP):
         assert result[4] == Counter({
             ("forward", "reduce_scatter", full): 1,  # the embedding's sum into the sequence chunks (exact)
-            ("forward", "all_gather", full): 7,  # the attentions' inputs, gate / up (no siblings), the last norm
+            ("forward", "all_gather", full): 5,  # the attentions' inputs, gate / up (siblings: one), the last norm
             ("forward", "all_to_all", 3 * chunk): 4,  # o_proj, down_proj: the tree's chunks (a reduce-scatter's bytes)
             ("forward", "all_reduce", 32 * 4): 1,  # the loss: the row maxima (exact)
             ("forward", "all_to_all", 3 * sums // 4): 1, ("forward", "all_gather", sums): 1,  # the vocabulary's sums
-            ("backward", "all_to_all", 3 * chunk): 4 + 7,  # gate / up input gradients' chunks; q, k, v, the head's
-            ("backward", "all_gather", full): 9 + 7,  # o / down output gradients, gate / up inputs again, the
-            # embedding; q, k, v, the head: their input gradient's summed quarters
+            ("backward", "all_to_all", 3 * chunk): 2 + 3,  # gate / up's input gradient's chunks; q / k / v's, the head's
+            ("backward", "all_gather", full): 7 + 3,  # o / down output gradients, gate / up's input again, the
+            # embedding; q / k / v, the head: their input gradient's summed quarters
             ("backward", "all_to_all", 3 * vec // 4): 5, ("backward", "all_gather", vec): 5,  # the norms' weights
         }), result[4]
         for region in ("model.layers.0.self_attn (LlamaAttention, x2)", "model.layers.0.mlp (LlamaMLP, x2)",

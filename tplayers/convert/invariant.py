@@ -3,7 +3,7 @@ and what this first version refuses, named, before the model runs."""
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterable, List
 
 import torch
 import torch.nn as nn
@@ -15,9 +15,11 @@ from ..layers.base import TensorParallelModule, params_read_as
 from ..layers.conv1d import conv1d_as_linear
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.siblings import declare_siblings
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
-__all__ = ["apply_tp_invariant", "run_in_leaves", "LEAF_FORWARD", "is_invariant", "tp1_twin", "leaves_at_tp1"]
+__all__ = ["apply_tp_invariant", "run_in_leaves", "LEAF_FORWARD", "is_invariant", "tp1_twin", "declare_twins_alike",
+           "leaves_at_tp1"]
 
 LEAF_FORWARD = "_tplayers_leaf_forward"  # marks the forward run_in_leaves gives a module (a dense twin drops it)
 
@@ -122,6 +124,17 @@ def tp1_twin(layer: TensorParallelModule) -> nn.Module:
     twin = type(layer).from_dense(dense, group=None, **extra)
     twin.tp_invariant = True
     return twin
+
+
+def declare_twins_alike(twins: Dict[int, nn.Module], layers: Iterable[nn.Module]) -> None:
+    """The TP-1 twins (``twins``: id of a layer -> its `tp1_twin`) of ``layers`` declared siblings as the layers
+    are: their input gradient's sum has the structure of the region's (leaf by leaf over the set's members)."""
+    sets: Dict[int, List[nn.Module]] = {}
+    for layer in layers:
+        if getattr(layer, "tp_invariant", False) and getattr(layer, "siblings", None) is not None:
+            sets.setdefault(id(layer.siblings), []).append(twins[id(layer)])
+    for members in sets.values():
+        declare_siblings(*members)
 
 
 def leaves_at_tp1(module: nn.Module, name: str) -> None:

@@ -379,7 +379,7 @@ def _declare_siblings(model: nn.Module, regions: List[str], column_inputs: Colum
     column layer outside every region is a set alone (the LM head: it may take a gathered sequence's shard)."""
     sets: Dict[str, List[nn.Module]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, COLUMN_KINDS) and module.group.size > 1:
+        if isinstance(module, COLUMN_KINDS) and (module.group.size > 1 or module.tp_invariant):  # (its sum: TP 1's)
             inside = [r for r in regions if within(name, r)]
             sets.setdefault(max(inside, key=len) if inside else name, []).append(module)
     for members in sets.values():

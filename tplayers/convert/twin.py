@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from ..core.blocking import all_gather_tensor
 from ..core.groups import TPGroup
 from ..layers.base import PLACEMENTS_ATTR, TensorParallelModule, carry_hooks
-from .invariant import LEAF_FORWARD, leaves_at_tp1, tp1_twin
+from .invariant import LEAF_FORWARD, declare_twins_alike, leaves_at_tp1, tp1_twin
 
 __all__ = ["within", "float32_copy", "copy_inputs", "gather_first", "first_float", "Quiet", "run_region", "random_like",
            "dense_twin", "relative_error", "scale_of"]
@@ -180,6 +180,7 @@ def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_ho
             outer.append(rel)
             memo[id(m)] = tp1_twin(m) if getattr(m, "tp_invariant", False) else m.to_dense()
             carry_hooks(m, memo[id(m)], skip=added_hooks.get(rel, ()))  # the user's hooks run in the twin too
+    declare_twins_alike(memo, (m for rel, m in region.named_modules() if rel in outer))
     if "" in outer:
         return memo[id(region)]
     for m in region.modules():  # tensors computed from others (a KV cache) have no deepcopy: cloned, as values

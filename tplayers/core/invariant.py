@@ -30,12 +30,13 @@ vocabulary-parallel loss's sums over the vocabulary (`tree_sums`).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
 from .collectives import all_gather, all_to_all
 from .groups import TPGroup
+from .siblings import Siblings, joins_siblings
 
 __all__ = ["LEAVES", "check_invariant", "invariant_column_linear", "invariant_row_linear", "leaf_copies",
            "tree_sums"]
@@ -85,17 +86,23 @@ def _across(local: torch.Tensor, g: TPGroup, sequence_parallel: bool = False,
 
 
 def _contract(a: torch.Tensor, b: torch.Tensor, g: TPGroup, sequence_parallel: bool = False,
-              parts: Optional[Sequence[int]] = None) -> torch.Tensor:
+              parts: Optional[Sequence[int]] = None, call: Any = None) -> Optional[torch.Tensor]:
     """``a @ b.T`` summed over the group, where ``a`` (..., k) and ``b`` (n, k) hold this rank's consecutive k of
     the contraction (``parts``: the widths of its consecutive parts, default one): this rank's ``LEAVES / p``
     leaves as one batched GEMM, their subtree, the tree's top (`_across`: whole, or this rank's chunk of the
-    sequence)."""
+    sequence). ``call``: a column layer's call of its declared siblings: the members' leaf products are added
+    leaf by leaf and the last member returns the tree of the sum (one cross-rank step for the set); the others
+    None."""
     parts = parts or (a.shape[-1],)
     leaves = LEAVES // g.size
     a_leaves = _leaf_major(a.reshape(-1, a.shape[-1]), leaves, parts)  # (leaves, m, k/leaves)
     b_leaves = _leaf_major(b, leaves, parts)  # (leaves, n, k/leaves)
-    local = _tree(torch.bmm(a_leaves, b_leaves.transpose(1, 2)))  # (m, n)
-    return _across(local.view(*a.shape[:-1], b.shape[0]), g, sequence_parallel)
+    products = torch.bmm(a_leaves, b_leaves.transpose(1, 2))  # (leaves, m, n)
+    if call is not None:  # leaf by leaf with the other members' (their backward order); the last one sums
+        products = call.add(products)
+        if products is None:
+            return None
+    return _across(_tree(products).view(*a.shape[:-1], b.shape[0]), g, sequence_parallel)
 
 
 def _leaf_major(t: torch.Tensor, leaves: int, parts: Sequence[int]) -> torch.Tensor:
@@ -137,10 +144,13 @@ class _InvariantColumnFn(torch.autograd.Function):
     of the tree's top."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, parts: Tuple[int, ...]):
+    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, parts: Tuple[int, ...],
+                call: Any):
         ctx.save_for_backward(x, weight)
-        ctx.g, ctx.sp, ctx.parts, ctx.has_bias = g, sequence_parallel, parts, bias is not None
-        x = _whole_sequence(x, g, sequence_parallel)  # (..., s, in)
+        ctx.g, ctx.sp, ctx.parts, ctx.has_bias, ctx.call = g, sequence_parallel, parts, bias is not None, call
+        if call is not None:
+            call.register(ctx)
+        x = call.gather(x) if sequence_parallel and call is not None else _whole_sequence(x, g, sequence_parallel)
         rows, leaves = x.reshape(-1, x.shape[-1]).contiguous(), LEAVES // g.size
         out = torch.cat([_in_blocks(rows, w.t(), leaves, split_rows=False) for w in weight.split(parts)], dim=1)
         out = out.view(*x.shape[:-1], weight.shape[0])  # (..., s, out/p)
@@ -151,15 +161,21 @@ class _InvariantColumnFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         leaves = LEAVES // ctx.g.size
-        grad_x = _contract(grad_out, weight.t(), ctx.g, ctx.sp, ctx.parts) if need_x else None  # (..., s[/p], in)
+        if ctx.sp and ctx.call is not None and need_w:  # the call's one gather of x, for every member
+            x = ctx.call.gathered_input(x, overlap=False).wait()
+        else:
+            x = _whole_sequence(x, ctx.g, ctx.sp and need_w)
+        grad_x = None  # (..., s[/p], in); a member of a call but its last: in the sum the last returns
+        if need_x:
+            grad_x = _contract(grad_out, weight.t(), ctx.g, ctx.sp, ctx.parts, ctx.call)
         flat = grad_out.reshape(-1, grad_out.shape[-1])
         grad_w = None
         if need_w:  # (out/p, in)
-            rows = _whole_sequence(x, ctx.g, ctx.sp).reshape(-1, x.shape[-1]).contiguous()
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
             grad_w = torch.cat([_in_blocks(f.t().contiguous(), rows, leaves, split_rows=True)
                                 for f in flat.split(ctx.parts, dim=1)], dim=0)
         grad_b = _bias_grad(flat) if need_b and ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class _InvariantRowFn(torch.autograd.Function):
@@ -212,15 +228,18 @@ class _LeafCopies(torch.autograd.Function):
 
 
 def invariant_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                            g: TPGroup, sequence_parallel: bool = False,
-                            parts: Optional[Sequence[int]] = None) -> torch.Tensor:
+                            g: TPGroup, sequence_parallel: bool = False, parts: Optional[Sequence[int]] = None,
+                            siblings: Optional[Siblings] = None) -> torch.Tensor:
     """The column layer of ``tp_invariant``: ``x`` (..., s, in) replicated (``(..., s/p, in)`` with
     ``sequence_parallel``), ``weight`` (out/p, in); ``parts``: this rank's rows of each fused component (q, k, v),
-    each split evenly (default: one)."""
+    each split evenly (default: one). ``siblings``: the layer's declared set (at every degree, TP 1 included):
+    the members called on one input share one cross-rank step, their leaves added leaf by leaf."""
     parts = tuple(int(n) for n in parts) if parts else (weight.shape[0],)
     for n in parts:
         check_invariant(g.size, "invariant_column_linear", n * g.size)
-    return _InvariantColumnFn.apply(x, weight, bias, g, sequence_parallel, parts)
+    joins = joins_siblings(siblings, x, g, collective_matmul=False, invariant=True)
+    call = siblings.join(x, g, weight, sequence_parallel) if joins else None
+    return _InvariantColumnFn.apply(x, weight, bias, g, sequence_parallel, parts, call)
 
 
 def invariant_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -188,20 +188,28 @@ class _Call:
             state[2] = all_gather(x, SEQ_DIM, self.g, async_op=overlap)
         return state[2]
 
-    def add_partial(self, partial: torch.Tensor, overlap: bool) -> Optional[Pending]:
-        """Add this member's partial input gradient (a buffer it owns); the last member of this backward
-        gets the all-reduce (SP: reduce-scatter) of the sum, launched; the others None."""
+    def add(self, partial: torch.Tensor) -> Optional[torch.Tensor]:
+        """Add this member's part of the input gradient (a buffer it owns; `tplayers.core.invariant`: its leaves'
+        products); the last member of this backward gets the sum, in the members' backward order; the others None."""
         state = self._state()
         state[0] = partial if state[0] is None else state[0].add_(partial)
         state[1] -= 1
         if state[1] > 0:
             return None
         del self.tasks[torch._C._current_graph_task_id()]
-        return sum_partials(state[0], self.g, self.sp, async_op=overlap)
+        return state[0]
+
+    def add_partial(self, partial: torch.Tensor, overlap: bool) -> Optional[Pending]:
+        """Add this member's partial input gradient (a buffer it owns); the last member of this backward
+        gets the all-reduce (SP: reduce-scatter) of the sum, launched; the others None."""
+        total = self.add(partial)
+        return None if total is None else sum_partials(total, self.g, self.sp, async_op=overlap)
 
 
-def joins_siblings(siblings: Optional[Siblings], x: torch.Tensor, g: TPGroup, collective_matmul: bool) -> bool:
-    """Whether a column layer's call joins its declared set: a backward to come, at TP > 1, eager, not
-    as ring steps (collective matmul gathers chunk by chunk under its own GEMMs)."""
-    return (siblings is not None and g.size > 1 and not collective_matmul and x.requires_grad
+def joins_siblings(siblings: Optional[Siblings], x: torch.Tensor, g: TPGroup, collective_matmul: bool,
+                   invariant: bool = False) -> bool:
+    """Whether a column layer's call joins its declared set: a backward to come, at TP > 1 (``invariant``, the
+    fixed tree: at TP 1 too, whose sum has the same structure), eager, not as ring steps (collective matmul
+    gathers chunk by chunk under its own GEMMs)."""
+    return (siblings is not None and (g.size > 1 or invariant) and not collective_matmul and x.requires_grad
             and torch.is_grad_enabled() and not torch.compiler.is_compiling())

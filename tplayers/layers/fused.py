@@ -136,7 +136,7 @@ class FusedColumnParallelLinear(TensorParallelModule):
         if self.tp_invariant:
             refuse_with_invariant(self)
             return invariant_column_linear(x, self.weight, self.bias, self.group, self.sequence_parallel,
-                                           parts=self.local_parts)  # (..., [seq,] local_out)
+                                           parts=self.local_parts, siblings=self.siblings)  # (..., [seq,] local_out)
         if self.replica_sum is not None and not (self.delay_wgrad or self.accumulate_main_grad):
             read = self.replica_sum.read  # (weight gradients into .grad now; the other sinks sum their own way)
         else:

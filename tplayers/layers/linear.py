@@ -126,7 +126,8 @@ class ColumnParallelLinear(TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_invariant:
             refuse_with_invariant(self)
-            out = invariant_column_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+            out = invariant_column_linear(x, self.weight, self.bias, self.group, self.sequence_parallel,
+                                          siblings=self.siblings)
             return gather_from_tp(out, group=self.group) if self.gather_output else out
         if self.group.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
             return F.linear(x, self.weight, self.bias)

@@ -333,7 +333,7 @@ class ParallelLMHead(_VocabParallelBase):
         if self.tp_invariant:
             refuse_with_invariant(self)
             logits = invariant_column_linear(x, self.weight, self.bias, self.group,  # (..., V'/p)
-                                             sequence_parallel=self.sequence_parallel)
+                                             sequence_parallel=self.sequence_parallel, siblings=self.siblings)
         else:
             logits = column_parallel_linear(x, self.weight, self.bias, group=self.group,  # (..., V'/p)
                                             sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
