@@ -112,6 +112,32 @@ def test_the_step_under_sequence_parallelism_and_loss_parallel_sends_what_it_sho
             assert f"{region}: passed; worst output 0.0e+00 (tolerance 0: exact)" in result[5], result[5]
 
 
+def _generate(group, family: str, **options):
+    """Greedy generation with a KV cache (a prefill, then one-token steps under no_grad): the tokens and every step's
+    scores (1 thread, as every World rank)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tplayers.parallelize(_llama(torch.float32, family), "auto", group=group, tp_invariant=True, **options)
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            out = model.eval().generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
+                                        return_dict_in_generate=True)
+        return out.sequences, torch.stack([_whole(s) for s in out.scores])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_sampling_at_one_degree_and_scoring_at_another_agree():
+    """RL's two sides: a sampler's generation (prefill, then one-token decoding steps: the sequence-parallel region
+    switched off, the norms run whole) gives the same tokens and the same scores' bits at TP 1, 2 and 4."""
+    pytest.importorskip("transformers")
+    tokens, scores = _generate(None, "llama", **SP_LP)
+    for tp in (2, 4):
+        for got_tokens, got_scores in get_world(tp).run(_generate, "llama", **SP_LP):
+            assert torch.equal(tokens, got_tokens) and torch.equal(scores, got_scores), tp
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family, dtype, options", [("llama", "float32", {}), ("llama", "bfloat16", SP_LP),
                                                     ("gpt2", "bfloat16", {})])
