@@ -302,7 +302,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     whole (:mod:`tplayers.convert.loss_parallel`).
     ``tp_invariant``: every sum TP splits (the row layers' contraction, the column layers' input gradient) is one
     fixed tree over ``tplayers.core.invariant.LEAVES`` leaves, so logits, loss, gradients and the parameters after
-    optimizer steps are the same bits at TP 1 (``group=None``), 2 and 4 (8: untested; :mod:`tplayers.core.invariant`);
+    optimizer steps are the same bits at TP 1 (``group=None``), 2, 4 and 8 (:mod:`tplayers.core.invariant`);
     with ``sequence_parallel`` and per-head norms, the replicated modules with partial gradients run leaf by leaf
     (:func:`~tplayers.convert.invariant.run_in_leaves`), with ``loss_parallel`` the softmax's sums are the tree too;
     it takes column / row layers, fused projections, the vocabulary-parallel embedding and head, and refuses the
