@@ -53,8 +53,8 @@ def apply_tp_invariant(model: nn.Module, built: Dict[str, nn.Module], tp: TPGrou
         for size in ([part.size for part in parts] if fused else [module.in_features] if
                      isinstance(module, RowParallelLinear) else [module.weight.shape[0] * tp.size]):
             check_invariant(tp.size, what, size)  # (the head: its vocabulary padded to the TP degree)
-    for _, module in layers:
-        module.tp_invariant = True
+    for module in [m for _, m in layers] + [m for _, m in modules if isinstance(m, VocabParallelEmbedding)]:
+        module.tp_invariant = True  # (the embedding: nothing to change; its audit compares with TP 1 exactly too)
     states: List[List[torch.Tensor]] = []  # the random generators' states at a training forward's start
 
     def before(m: nn.Module, args: Any) -> None:

@@ -140,6 +140,9 @@ class VocabParallelEmbedding(_VocabParallelBase):
     Initialization draws the full ``nn.Embedding`` table (same RNG calls) and keeps this rank's rows.
     """
 
+    tp_invariant = False  # parallelize(..., tp_invariant=True) marks it: the same bits already (the other ranks add
+    # zeros); its audit then compares with TP 1's exactly
+
     def __init__(
         self,
         num_embeddings: int,
