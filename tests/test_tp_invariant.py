@@ -2,6 +2,7 @@
 after AdamW steps), float32 and bfloat16; what this version refuses."""
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -29,6 +30,17 @@ def _llama(dtype: torch.dtype, family: str = "llama"):
     return cls(config).to(dtype)
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """1 CPU thread, as every rank of a World: nn.LayerNorm's CPU backward sums per-thread partials (1 vs 2 differ)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # loss_parallel's logits: a DTensor at TP > 1
 
@@ -36,12 +48,8 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 def _train(group, dtype_name: str, family: str = "llama", device: str = "cpu", **options):
     """5 AdamW steps of a tiny HF Llama / Qwen3 ("auto", tp_invariant, ``options`` to parallelize): the first step's
     logits and dense gradients, every loss, the dense parameters after the steps."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as every rank of a World: nn.LayerNorm's backward (CPU) sums per-thread partials
-    try:
+    with _one_thread():
         return _steps(group, getattr(torch, dtype_name), family, torch.device(device), **options)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _steps(group, dtype: torch.dtype, family: str, device: torch.device, **options):
@@ -115,17 +123,13 @@ def test_the_step_under_sequence_parallelism_and_loss_parallel_sends_what_it_sho
 def _generate(group, family: str, **options):
     """Greedy generation with a KV cache (a prefill, then one-token steps under no_grad): the tokens and every step's
     scores (1 thread, as every World rank)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         model = tplayers.parallelize(_llama(torch.float32, family), "auto", group=group, tp_invariant=True, **options)
         ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             out = model.eval().generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
                                         return_dict_in_generate=True)
         return out.sequences, torch.stack([_whole(s) for s in out.scores])
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_sampling_at_one_degree_and_scoring_at_another_agree():
@@ -184,9 +188,7 @@ SP_PLAN = {"ln": "sequence_parallel_norm", **{n: Column(sequence_parallel=True) 
 def _own(group, dtype_name: str, sequence_parallel: bool):
     """5 AdamW steps of the own block, its input this rank's chunk of the sequence under sequence parallelism and
     its output gathered for the loss (1 thread: LayerNorm's CPU backward sums per-thread partials)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         torch.manual_seed(0)
         dtype = getattr(torch, dtype_name)
         tp = tplayers.resolve_group(group)
@@ -206,8 +208,6 @@ def _own(group, dtype_name: str, sequence_parallel: bool):
             opt.step()
             opt.zero_grad(set_to_none=True)
         return losses, dense_parameters(model)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype, sequence_parallel", [("float32", False), ("bfloat16", True)])
@@ -225,9 +225,7 @@ def _data_parallel(group, wrap: str, tp: int):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         mesh = tplayers.make_2d_mesh(dp=2, tp=tp)
         torch.manual_seed(0)
         model = tplayers.parallelize(_Block(norm=True), PLAN, group=mesh.mesh, tp_invariant=True)
@@ -249,8 +247,6 @@ def _data_parallel(group, wrap: str, tp: int):
         with torch.no_grad():
             out = trained(torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2)))
         return torch.stack(losses), out
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.filterwarnings("ignore:tplayers audit")  # (FSDP2's DTensor parameters: the audit steps aside)
@@ -305,8 +301,6 @@ def test_a_switch_the_fixed_tree_would_ignore_is_refused():
 
 def _own_collectives(group, autocast: bool):
     """The collectives of a step after the first (the audit's), float32 or under bf16 autocast."""
-    import contextlib
-
     torch.manual_seed(0)
     model = tplayers.parallelize(_Block(), PLAN, group=group, tp_invariant=True)
     x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))

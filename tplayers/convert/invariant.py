@@ -86,8 +86,10 @@ def run_in_leaves(module: nn.Module, group: TPGroup, local_leaves: Callable[[], 
             raise TypeError(f"tp_invariant: module '{name}' ({type(self).__name__}) runs leaf by leaf on its input "
                             "given first or as hidden_states=")
         run = type(self).forward
-        leaves, params = local_leaves(), [self._parameters[n] for n in names]
-        grads = torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in params)
+        leaves = local_leaves()
+        present = [(n, p) for n in names if (p := self._parameters.get(n)) is not None]
+        params = [p for _, p in present]
+        grads = torch.is_grad_enabled() and any(p.requires_grad for p in params)
         if x.dim() < 2 or x.shape[-2] % leaves:
             if grads:
                 raise ValueError(f"tp_invariant: module '{name}' ({type(self).__name__}) sums its parameters' "
@@ -99,7 +101,7 @@ def run_in_leaves(module: nn.Module, group: TPGroup, local_leaves: Callable[[], 
         outs = []
         for piece, read in zip(x.chunk(leaves, dim=-2), copies):
             piece = piece.contiguous()
-            with params_read_as((self, n, p) for n, p in zip(names, read) if p is not None):
+            with params_read_as((self, n, p) for (n, _), p in zip(present, read)):
                 outs.append(run(self, piece, *args[1:], **kwargs) if key is None else
                             run(self, *args, **{**kwargs, key: piece}))
         return torch.cat(outs, dim=-2)

@@ -89,8 +89,13 @@ def _sum_partial_grads(module: nn.Module, ctx: BuildContext, local_leaves: Calla
         return
     run_in_leaves(module, ctx.group, local_leaves, ctx.name)
     if ctx.group.size > 1:
-        names = [n for n, _ in module.named_parameters(recurse=False)]
-        setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n in names})
+        _mark_partial(module, tuple(n for n, _ in module.named_parameters(recurse=False)))
+
+
+def _mark_partial(module: nn.Module, names: Tuple[str, ...]) -> None:
+    """``names`` carry ``Replicated(partial_grad=True)``: each rank's gradient is a partial sum, completed in
+    autograd (the call's ``PartialGradSum``, or tp_invariant's leaf copies)."""
+    setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n in names})
 
 
 def _reduce_param_grads(module: nn.Module, ctx: BuildContext, names: Optional[Tuple[str, ...]] = None,
@@ -102,7 +107,7 @@ def _reduce_param_grads(module: nn.Module, ctx: BuildContext, names: Optional[Tu
     partial = ctx.partial_grads if ctx.partial_grads is not None else PartialGradSum(ctx.group)
     partial.register(module, names)
     route_params_through(module, names, lambda p: local(partial.read(p)))
-    setattr(module, PLACEMENTS_ATTR, {n: Replicated(partial_grad=True) for n in names})
+    _mark_partial(module, names)
 
 
 @dataclass(frozen=True)

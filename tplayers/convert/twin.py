@@ -175,12 +175,14 @@ def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_ho
     (`tplayers.convert.invariant.tp1_twin`), its modules run leaf by leaf with TP 1's leaves."""
     memo: Dict[int, Any] = {}
     outer: List[str] = []
+    layers: List[nn.Module] = []  # the TP layers replaced, in module order
     for rel, m in region.named_modules():
         if isinstance(m, TensorParallelModule) and not any(within(rel, o) for o in outer):
             outer.append(rel)
+            layers.append(m)
             memo[id(m)] = tp1_twin(m) if getattr(m, "tp_invariant", False) else m.to_dense()
             carry_hooks(m, memo[id(m)], skip=added_hooks.get(rel, ()))  # the user's hooks run in the twin too
-    declare_twins_alike(memo, (m for rel, m in region.named_modules() if rel in outer))
+    declare_twins_alike(memo, layers)
     if "" in outer:
         return memo[id(region)]
     for m in region.modules():  # tensors computed from others (a KV cache) have no deepcopy: cloned, as values

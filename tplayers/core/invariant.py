@@ -34,7 +34,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from .collectives import all_gather, all_to_all
+from .collectives import SEQ_DIM, all_gather, all_to_all
 from .groups import TPGroup
 from .siblings import Siblings, joins_siblings
 
@@ -74,15 +74,19 @@ def _across(local: torch.Tensor, g: TPGroup, sequence_parallel: bool = False,
         return local
     how = how or ("all_gather" if g.size == 2 else "all_to_all")
     if sequence_parallel:
-        chunks = torch.stack(local.chunk(g.size, dim=-2))  # (p, ..., s/p, n): chunk j for rank j
-        return _tree(all_to_all(chunks, [1] * g.size, [1] * g.size, g).wait())  # (..., s/p, n)
+        return _tree_of_mine(torch.stack(local.chunk(g.size, dim=SEQ_DIM)), g)  # (..., s/p, n)
     if how == "all_gather":
         return _tree(all_gather(local.unsqueeze(0), 0, g).wait())  # every rank's subtree, in rank order
     flat = local.reshape(-1)
     pad = -flat.numel() % g.size
-    chunks = torch.cat([flat, flat.new_zeros(pad)]).view(g.size, -1)  # (p, n/p): chunk j for rank j
-    mine = _tree(all_to_all(chunks, [1] * g.size, [1] * g.size, g).wait())  # (n/p,): its tree over the ranks
+    mine = _tree_of_mine(torch.cat([flat, flat.new_zeros(pad)]).view(g.size, -1), g)  # (n/p,)
     return all_gather(mine, 0, g).wait()[:flat.numel()].view_as(local)
+
+
+def _tree_of_mine(chunks: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    """``chunks`` (p, ...): chunk j of this rank's subtree sum for rank j; every rank's chunk of this rank's, summed
+    as the tree over the ranks (an all-to-all: the bytes of a reduce-scatter)."""
+    return _tree(all_to_all(chunks, [1] * g.size, [1] * g.size, g).wait())
 
 
 def _contract(a: torch.Tensor, b: torch.Tensor, g: TPGroup, sequence_parallel: bool = False,
@@ -134,7 +138,7 @@ def _bias_grad(flat: torch.Tensor) -> torch.Tensor:
 
 def _whole_sequence(x: torch.Tensor, g: TPGroup, sequence_parallel: bool) -> torch.Tensor:
     """``x`` (..., s/p, n) all-gathered along the sequence with ``sequence_parallel``; else ``x``."""
-    return all_gather(x, -2, g).wait() if sequence_parallel and g.size > 1 else x
+    return all_gather(x, SEQ_DIM, g).wait() if sequence_parallel and g.size > 1 else x
 
 
 class _InvariantColumnFn(torch.autograd.Function):
