@@ -25,7 +25,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import tplayers
-import tplayers.core.prepare as prepare
+import tplayers.core.functional as prepare  # (the linears' checks: the DDP look-up)
 import tplayers.layers.optimizers as optimizers
 from tplayers.bench.report import quartiles
 from tplayers.bench.timing import time_steps

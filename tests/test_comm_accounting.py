@@ -186,20 +186,20 @@ def test_cuda_link_runs_on_the_gpu_timeline_without_blocking_the_host(fake_world
 def test_core_is_observed_only_while_accounting_or_a_link_is_active():
     """Core's one observer hook is installed while anything of the bench floor watches (nested or
     not) and removed after, also when the body raises: outside, a collective costs one truth test."""
-    from tplayers.core import pending
+    from tplayers.core import collectives
 
-    assert pending._OBSERVER[0] is None
+    assert collectives._OBSERVER[0] is None
     with tplayers.comm_accounting():
-        observer = pending._OBSERVER[0]
+        observer = collectives._OBSERVER[0]
         assert observer is not None
         with tplayers.emulated_link("h100-nvlink"):
-            assert pending._OBSERVER[0] is observer  # one observer, several watchers
-        assert pending._OBSERVER[0] is observer
-    assert pending._OBSERVER[0] is None
+            assert collectives._OBSERVER[0] is observer  # one observer, several watchers
+        assert collectives._OBSERVER[0] is observer
+    assert collectives._OBSERVER[0] is None
     with pytest.raises(RuntimeError, match="boom"):
         with tplayers.emulated_link("h100-nvlink"):
             raise RuntimeError("boom")
-    assert pending._OBSERVER[0] is None
+    assert collectives._OBSERVER[0] is None
 
 
 class _Attention(torch.nn.Module):

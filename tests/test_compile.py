@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import tplayers
-from tplayers.core.pending import TRACE_COLLECTIVES
+from tplayers.core.collectives import TRACE_COLLECTIVES
 from tplayers.testing import get_world
 
 

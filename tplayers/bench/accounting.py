@@ -24,7 +24,7 @@ one block of one SM while it runs (NCCL's kernels take more). With ``CUDA_DEVICE
 happens but is counted as compute: measure exposure with the default (several queues).
 
 Both are context managers holding explicit objects. They watch core's collectives through core's
-one observer hook (`tplayers.core.pending.set_observer`), installed while any is active and
+one observer hook (`tplayers.core.collectives.set_observer`), installed while any is active and
 removed after: when none is, a collective costs core one truth test.
 
 ``acct.against(budget)`` holds the records against what a layout must communicate
@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
-from ..core import pending
+from ..core import collectives
 from ..core.fingerprint import set_collective_checks
 from ..core.groups import TPGroup
 from .budget import BudgetComparison, CommBudget
@@ -277,14 +277,14 @@ _OBSERVER = _Observer()
 
 def _activate(thing: Any) -> None:
     if not _ACTIVE:
-        pending.set_observer(_OBSERVER)
+        collectives.set_observer(_OBSERVER)
     _ACTIVE.append(thing)
 
 
 def _deactivate(thing: Any) -> None:
     _ACTIVE.remove(thing)
     if not _ACTIVE:
-        pending.set_observer(None)
+        collectives.set_observer(None)
 
 
 def launched(op: str, nbytes: int, group: Any, group_size: int, t0: float,

@@ -90,7 +90,7 @@ class Region:
 
 # Where tplayers refuses the input a user fed (ids out of range, a sequence length that does not divide):
 # the forward would raise the same error with its own message, so the audit lets it through as it is.
-# (A fused linear's input checks, in core/prepare.py, are not among them: a tplayers layer handed a
+# (A fused linear's input checks, in core/functional.py, are not among them: a tplayers layer handed a
 # tensor of the wrong width is a plan fault the audit explains.)
 _INPUT_CHECKS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), *f)
                       for f in (("core", "validate.py"), ("convert", "sequence.py"), ("layers", "same_inputs.py")))

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..regions.partial_sum import METADATA
-from ..core.prepare import autocast_dtype
+from ..core.functional import autocast_dtype
 
 __all__ = ["CastGather"]
 

@@ -9,31 +9,103 @@ coordination, checks) are :mod:`.blocking`'s.
 Ownership rule: a primitive that works in place only ever touches a buffer its caller allocated for
 it; the helpers copy (``all_reduce_`` is the one explicit in-place exception).
 
-Core knows nothing of benchmarks: every collective goes through :func:`.pending.launch`, the one hook
-an `Observer` on the bench floor may watch.
+Core knows nothing of benchmarks: every collective goes through :func:`launch`, the one hook an
+`Observer` on the bench floor may watch (with none installed that costs one truth test).
 
-Ranks in step (:mod:`.fingerprint`): all-reduce, all-gather and reduce-scatter carry each rank's
-fingerprint of the call in ``SLOT`` extra elements of their own buffer, checked when the collective
-completes. Each eager collective has one path: :mod:`.stamped` says what it sends and receives (the
-caller's own buffers when nothing is stamped); under torch.compile, torch's functional collectives.
+Ranks in step (:mod:`.fingerprint`, beside this path): with the checks on, all-reduce, all-gather and
+reduce-scatter carry each rank's fingerprint of the call in ``SLOT`` extra elements of their own buffer
+(:mod:`.stamped` lays them out), checked when the collective completes; with them off, the caller's own
+buffers travel and nothing of the checks runs. Under torch.compile: torch's functional collectives.
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol  # the compiled paths
 
+from . import fingerprint
 from .fingerprint import Stamp, bounded_wait, check_lagging, checks_enabled, stamp
 from .groups import GroupLike, TPGroup, is_fake, resolve_group
-from .pending import Pending, eager_on_old_torch, launch
 from .stamped import all_gather_buffers, all_reduce_buffers, reduce_scatter_buffers
 
-__all__ = ["REDUCE_OPS", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-           "ring_exchange", "split", "owned_copy",
-           "SEQ_DIM", "sum_partials", "wait_for_ranks", "broadcast"]
+__all__ = ["Pending", "Observer", "set_observer", "launch", "TRACE_COLLECTIVES", "eager_on_old_torch",
+           "REDUCE_OPS", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_exchange", "split",
+           "owned_copy", "SEQ_DIM", "sum_partials", "wait_for_ranks", "broadcast"]
+
+# Under torch.compile the primitives issue torch's functional collectives (``_c10d_functional``):
+# they trace into the graph with no break, run asynchronously until ``wait_tensor`` (which
+# ``Pending.wait`` calls), so the overlap the schedule asks for survives compilation. In-place
+# torch.distributed calls with ``async_op=True`` do not trace (torch 2.13 graph-breaks; torch 2.11's
+# dynamo rewrote them and returned a tensor where tplayers expected a Work: wrong numbers).
+# Verified on torch 2.13 (CPU/gloo: same results as eager). On torch 2.11 (the lent GPU machine)
+# dynamo mis-traced both forms (in-place: a tensor where a Work was due; functional: wrong outputs),
+# so older torch breaks the graph at each collective instead and runs it eagerly: correct, without
+# the collective inside the graph.
+TRACE_COLLECTIVES = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+eager_on_old_torch = (lambda f: f) if TRACE_COLLECTIVES else torch.compiler.disable
+
+
+class Pending:
+    """A collective in flight. ``wait()`` blocks until it is done and returns its result."""
+
+    __slots__ = ("_work", "_finish", "_result", "_observed", "_stamp")
+
+    def __init__(self, work: Optional[object], finish: Callable[[], torch.Tensor], observed: Any = None,
+                 stamp: Optional[Stamp] = None) -> None:
+        self._work = work
+        self._finish = finish  # for a fingerprinted collective: checks the fingerprints, strips them
+        self._result: Optional[torch.Tensor] = None
+        self._observed = observed  # (observer, its token) when an observer saw the launch
+        self._stamp = stamp  # its fingerprint (the wait is bounded on the CPU)
+
+    @eager_on_old_torch
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            started = time.perf_counter() if self._observed is not None else 0.0
+            if self._work is not None:  # (a fingerprinted one's wait is bounded on the CPU)
+                self._work.wait() if self._stamp is None else self._stamp.wait(self._work)
+                if self._observed is not None:
+                    self._observed[0].finished(self._observed[1], started)
+            self._result = self._finish()
+        return self._result
+
+
+class Observer(Protocol):
+    """What watches tplayers' collectives from a floor above (``tplayers.comm_accounting``, the
+    emulated link). Installed with :func:`set_observer`; core knows nothing else of it."""
+
+    def launch(self, op: str, nbytes: int, g: TPGroup, device: Optional[torch.device],
+               call: Callable[[], Any]) -> Tuple[Any, Any]:
+        """Run ``call()`` (the torch.distributed call) and return ``(its work or None, a token)``;
+        ``nbytes``: the full buffer (all-gather output, reduce-scatter input; all-to-all: the rows this
+        rank sends to the others)."""
+
+    def finished(self, token: Any, wait_started: float) -> None:
+        """The caller's ``wait()`` on that collective's work returned (``wait_started``: when it began)."""
+
+
+_OBSERVER: List[Optional[Observer]] = [None]  # the one hook; None: nothing watches
+
+
+def set_observer(observer: Optional[Observer]) -> Optional[Observer]:
+    """Install ``observer`` (None: remove it); returns the one it replaces."""
+    previous, _OBSERVER[0] = _OBSERVER[0], observer
+    return previous
+
+
+def launch(op: str, nbytes: int, g: TPGroup, call: Callable[[], Any],
+            device: Optional[torch.device] = None) -> Tuple[Any, Any]:
+    """Run the ``dist`` call, through the observer when one is installed: ``(work, observed)``."""
+    observer = _OBSERVER[0]
+    if observer is None:
+        return call(), None
+    work, token = observer.launch(op, nbytes, g, device, call)
+    return work, (observer, token)
+
 
 SEQ_DIM = -2  # batch-first activations (b, s, h): the sequence dim is the one before hidden
 
@@ -46,10 +118,8 @@ def _done(t: torch.Tensor) -> Pending:
 
 
 def _settled(pending: Pending, async_op: bool) -> Pending:
-    """``pending``, already waited on unless the caller asked for ``async_op``: a blocking collective
-    is complete when the call returns. (A fingerprinted collective is always launched async, its
-    fingerprints checked at the wait: without this, a caller of a blocking one would run on under
-    it, e.g. overlap_comm=False's weight-gradient GEMM.)"""
+    """``pending``, waited on unless ``async_op``: a blocking collective is complete when the call returns (a
+    fingerprinted one is launched async, its fingerprints checked at the wait)."""
     if not async_op:
         pending.wait()
     return pending
@@ -64,18 +134,14 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 REDUCE_OPS = tuple(_REDUCE_OPS)  # the reductions all_reduce takes
 
 
-def _functional_pg(g: TPGroup) -> Any:
-    return g.process_group if g.process_group is not None else dist.group.WORLD
-
-
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
-def _compiling() -> bool:
-    """Whether torch.compile is tracing; refuses torch.export (``torch.export.export``, and
-    ``torch.distributed.pipelining.pipeline()``, which traces with it): an exported program keeps a
-    collective of the forward but not the backward tplayers' autograd Functions give it (the input
-    gradient's all-reduce), so its gradients would be silently wrong."""
+def _functional(g: TPGroup) -> Any:
+    """The process group for torch's functional collectives (a graph being compiled); refuses torch.export
+    (``torch.export.export``, and ``torch.distributed.pipelining.pipeline()``, which traces with it): an exported
+    program keeps a collective of the forward but not the backward tplayers' autograd Functions give it (the
+    input gradient's all-reduce), so its gradients would be silently wrong."""
     if _is_exporting():
         raise RuntimeError(
             "tplayers: a tensor-parallel collective is being traced by torch.export (torch.export.export, or "
@@ -83,7 +149,14 @@ def _compiling() -> bool:
             "but lose the backward ones tplayers' autograd Functions issue, so its gradients would be wrong. "
             "For pipeline parallelism build each stage by hand with torch.distributed.pipelining.PipelineStage "
             "(docs/models.md, 'Pipeline parallelism'); export the dense model, or the TP model at TP 1 (group=None)")
-    return torch.compiler.is_compiling()
+    return g.process_group if g.process_group is not None else dist.group.WORLD
+
+
+def _stamp(op: str, nbytes: int, sent: torch.Tensor, g: TPGroup) -> Optional[Stamp]:
+    """The collective's fingerprint, or None: checks off (once the group's ranks agreed on that)."""
+    if not fingerprint.SETTINGS.enabled and g.process_group in fingerprint.AGREED:
+        return None
+    return stamp(op, nbytes, sent, g.process_group, g.rank, g.size)
 
 
 @eager_on_old_torch
@@ -94,19 +167,15 @@ def all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str
     if g.size == 1:
         return _done(buf)
     assert buf.is_contiguous(), "all-reduce needs an owned contiguous buffer"
-    if _compiling():
-        reduced = funcol.all_reduce(buf, op, _functional_pg(g))
+    if torch.compiler.is_compiling():
+        reduced = funcol.all_reduce(buf, op, _functional(g))
         return Pending(None, lambda: buf.copy_(funcol.wait_tensor(reduced)))
     nbytes = buf.numel() * buf.element_size()
-    s = _stamp("all_reduce", nbytes, buf, g)
-    send, _, finish = all_reduce_buffers(buf, s, check_finite)  # (a stamped one: async, checked at the wait)
+    s = _stamp("all_reduce", nbytes, buf, g)  # (a stamped one: async, checked at the wait)
+    send, finish = (buf, lambda: buf) if s is None else all_reduce_buffers(buf, s, check_finite)
     work, observed = launch("all_reduce", nbytes, g, lambda: dist.all_reduce(
         send, op=_REDUCE_OPS[op], group=g.process_group, async_op=async_op or s is not None), buf.device)
     return _settled(Pending(work, finish, observed, s), async_op)
-
-
-def _stamp(op: str, nbytes: int, sent: torch.Tensor, g: TPGroup) -> Optional[Stamp]:
-    return stamp(op, nbytes, sent, g.process_group, g.rank, g.size)
 
 
 @eager_on_old_torch
@@ -116,13 +185,18 @@ def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False)
         return _done(x)
     dim = dim % x.dim()
     src = x.contiguous()
-    if _compiling():
-        gathered = funcol.all_gather_tensor(src, 0, _functional_pg(g))  # (p*d0, ...)
+    full = (g.size * src.shape[0],) + tuple(src.shape[1:])
+    if torch.compiler.is_compiling():
+        gathered = funcol.all_gather_tensor(src, 0, _functional(g))  # (p*d0, ...)
         work, observed, stamped, result = None, None, None, lambda: funcol.wait_tensor(gathered)
     else:
         nbytes = src.numel() * g.size * src.element_size()
         stamped = _stamp("all_gather", nbytes, src, g)
-        send, receive, result = all_gather_buffers(src, g.size, stamped)
+        if stamped is None:
+            send, receive = src, torch.empty(full, dtype=src.dtype, device=src.device)
+            result = lambda: receive  # noqa: E731
+        else:
+            send, receive, result = all_gather_buffers(src, full, stamped)
         work, observed = launch("all_gather", nbytes, g, lambda: _all_gather_single(
             receive, send, group=g.process_group, async_op=async_op or stamped is not None), src.device)
     if dim == 0:
@@ -156,25 +230,26 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = Fa
     out_shape = list(x.shape)
     out_shape[dim] //= g.size
     nbytes = src.numel() * src.element_size()
-    if _compiling():  # src: (p*chunk0, ...), rank r's chunk is the r-th block of dim 0
+    if torch.compiler.is_compiling():  # src: (p*chunk0, ...), rank r's chunk is the r-th block of dim 0
         src = src.reshape([-1] + list(src.shape[2:])) if dim != 0 else src
-        scattered = funcol.reduce_scatter_tensor(src, "sum", 0, _functional_pg(g))
+        scattered = funcol.reduce_scatter_tensor(src, "sum", 0, _functional(g))
         return Pending(None, lambda: funcol.wait_tensor(scattered).reshape(out_shape))
     # src: p contiguous blocks, block r = rank r's chunk in out_shape's layout (for dim != 0 too)
     stamped = _stamp("reduce_scatter", nbytes, src, g)
-    send, receive, finish = reduce_scatter_buffers(src, g.size, out_shape, stamped, check_finite)
+    if stamped is None:
+        out = torch.empty(out_shape, dtype=src.dtype, device=src.device)
+        send, receive, finish = src.view(-1), out.view(-1), lambda: out
+    else:
+        send, receive, finish = reduce_scatter_buffers(src, g.size, out_shape, stamped, check_finite)
     work, observed = launch("reduce_scatter", nbytes, g, lambda: _reduce_scatter_single(
         receive, send, group=g.process_group, async_op=async_op or stamped is not None), x.device)
     return _settled(Pending(work, finish, observed, stamped), async_op)
 
 
 def sum_partials(partial: torch.Tensor, g: TPGroup, sequence_parallel: bool, *, async_op: bool = False) -> Pending:
-    """Every rank's ``partial`` summed (a buffer the caller owns): all-reduced, or under sequence
-    parallelism reduce-scattered along the sequence (each rank keeps its chunk of the sum).
-
-    In float16, forward: whether each rank's partial is finite travels with the collective's
-    fingerprint, so a split that overflows where the dense sum would not raises on every rank (in
-    backward, gradients overflow by design under loss scaling, and are left to the scaler)."""
+    """Every rank's ``partial`` summed (a buffer the caller owns): all-reduced, or under sequence parallelism
+    reduce-scattered along the sequence. A float16 forward's partials carry whether each is finite with the
+    fingerprint: a split that overflows where the dense sum would not raises on every rank (backward: the scaler's)."""
     check = partial.dtype == torch.float16 and torch._C._current_graph_task_id() == -1  # (read only when stamped)
     if sequence_parallel:
         return reduce_scatter(partial, SEQ_DIM, g, async_op=async_op, check_finite=check)
@@ -208,8 +283,8 @@ def all_to_all(x: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[in
     if g.size == 1:
         return _done(x)
     src = x.contiguous()
-    if _compiling():
-        moved = funcol.all_to_all_single(src, recv_rows, send_rows, _functional_pg(g))
+    if torch.compiler.is_compiling():
+        moved = funcol.all_to_all_single(src, recv_rows, send_rows, _functional(g))
         return Pending(None, lambda: funcol.wait_tensor(moved))
     real = not is_fake(g.process_group)
     if real:

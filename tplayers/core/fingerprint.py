@@ -53,8 +53,9 @@ import torch.distributed as dist
 
 from .carried import CARRIED, Shared, carried, diverged_message, entries_text
 
-__all__ = ["CollectivesOutOfStep", "RanksDiverged", "set_collective_checks", "Stamp", "stamp", "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "name_modules", "reading",
-           "exchange_text", "pack_text", "unpack_texts"]
+__all__ = ["CollectivesOutOfStep", "RanksDiverged", "set_collective_checks", "SETTINGS", "AGREED", "Stamp", "stamp",
+           "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "name_modules", "reading", "exchange_text",
+           "pack_text", "unpack_texts"]
 
 DIGEST = 8  # 8 bytes of fingerprint, one byte per element
 SLOT = DIGEST + 1 + CARRIED  # per rank: the digest, 1 where its float16 partial sum is not finite, the carried bytes
@@ -78,7 +79,7 @@ class _Settings:
     timeout: float
 
 
-_SETTINGS = _Settings(enabled=os.environ.get("TPLAYERS_COLLECTIVE_CHECKS", "1") != "0", timeout=600.0)
+SETTINGS = _Settings(enabled=os.environ.get("TPLAYERS_COLLECTIVE_CHECKS", "1") != "0", timeout=600.0)
 
 
 def set_collective_checks(enabled: bool = True, *, timeout: float = 600.0) -> Tuple[bool, float]:
@@ -87,8 +88,8 @@ def set_collective_checks(enabled: bool = True, *, timeout: float = 600.0) -> Tu
     call. Process-wide; returns the previous ``(enabled, timeout)``."""
     if timeout <= 0:
         raise ValueError(f"set_collective_checks: timeout={timeout} must be > 0 seconds")
-    previous = (_SETTINGS.enabled, _SETTINGS.timeout)
-    _SETTINGS.enabled, _SETTINGS.timeout = bool(enabled), float(timeout)
+    previous = (SETTINGS.enabled, SETTINGS.timeout)
+    SETTINGS.enabled, SETTINGS.timeout = bool(enabled), float(timeout)
     return previous
 
 
@@ -101,10 +102,10 @@ class _Group:
         self.task = -1  # the backward (graph task) the last collective ran in
         self.position = 0
         self.lagging: Optional[Tuple[torch.Tensor, Any, "Stamp"]] = None
-        self.agreed = False  # the ranks compared their collective-check settings (at the group's first collective)
 
 
 _GROUPS: "weakref.WeakKeyDictionary[Any, _Group]" = weakref.WeakKeyDictionary()
+AGREED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # groups whose ranks compared their settings (first collective)
 _LAG_ON_CPU = [False]  # tests: check CPU tables one collective late, as on a GPU
 
 
@@ -210,21 +211,21 @@ class Stamp:
         _group(self.pg).lagging = (host, event, self)
 
 
-def _agree_on_checks(pg: Any, size: int, state: _Group) -> None:
+def _agree_on_checks(pg: Any, size: int) -> None:
     """At a group's first collective, every rank's setting (one raw all-gather of one integer, once): a checked
     collective's buffer is ``SLOT`` elements per rank longer than an unchecked one's, so ranks that disagree
     would pair buffers of different sizes (gloo aborts a rank; NCCL may hang). Raised on every rank."""
-    state.agreed = True
+    AGREED.add(pg)
     if dist.get_backend(pg) == "fake":
         return
     from .groups import collective_device
 
     device = collective_device(pg)
     every = torch.empty(size, dtype=torch.int64, device=device)
-    _gather(every, torch.tensor([int(_SETTINGS.enabled)], dtype=torch.int64, device=device), pg)
+    _gather(every, torch.tensor([int(SETTINGS.enabled)], dtype=torch.int64, device=device), pg)
     on = every.cpu().tolist()
     if len(set(on)) > 1:
-        state.agreed = False  # (still unsettled: the next collective asks again)
+        AGREED.discard(pg)  # (still unsettled: the next collective asks again)
         raise CollectivesOutOfStep(
             f"tplayers: collective checks are on on rank(s) {[r for r, v in enumerate(on) if v]} and off on rank(s) "
             f"{[r for r, v in enumerate(on) if not v]} of this TP group: a checked collective carries {SLOT} more "
@@ -270,7 +271,7 @@ def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
 
 def checks_enabled() -> bool:
     """Whether collectives are checked (:func:`set_collective_checks`)."""
-    return _SETTINGS.enabled
+    return SETTINGS.enabled
 
 
 def bounded_wait(work: Any, text: str, cpu: bool) -> None:
@@ -281,16 +282,16 @@ def bounded_wait(work: Any, text: str, cpu: bool) -> None:
         return
     started = time.monotonic()
     try:
-        work.wait(timeout=timedelta(seconds=_SETTINGS.timeout))
+        work.wait(timeout=timedelta(seconds=SETTINGS.timeout))
     except RuntimeError as e:
         waited, cause = time.monotonic() - started, str(e).splitlines()[0]
-        if waited < 0.5 * _SETTINGS.timeout:  # cut short: a peer's connection closed, nobody waited the timeout out
+        if waited < 0.5 * SETTINGS.timeout:  # cut short: a peer's connection closed, nobody waited the timeout out
             raise CollectivesOutOfStep(
-                f"tplayers: this collective ({text}) failed after {waited:.1f} s (of the {_SETTINGS.timeout:g} s "
+                f"tplayers: this collective ({text}) failed after {waited:.1f} s (of the {SETTINGS.timeout:g} s "
                 "allowed): another rank of the TP group closed its connection (it exited, or stopped on an error of "
                 f"its own: look at that rank's output first). ({cause})") from None
         raise CollectivesOutOfStep(
-            f"tplayers: waited {_SETTINGS.timeout:g} s for the other ranks of the TP group at this collective "
+            f"tplayers: waited {SETTINGS.timeout:g} s for the other ranks of the TP group at this collective "
             f"({text}); not every rank issued it: a rank stopped issuing the model's collectives (it "
             "raised and went on, skipped a step, or is busy elsewhere). Set a longer wait with "
             f"tplayers.set_collective_checks(timeout=...). ({cause})") from None
@@ -315,12 +316,12 @@ def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: in
     table is still pending (GPU)."""
     if size == 1:
         return None
-    state = _group(pg)
-    if not state.agreed:
-        _agree_on_checks(pg, size, state)
-    if not _SETTINGS.enabled or sent.dtype in _UNSTAMPED or dist.get_backend(pg) == "fake":
+    if pg not in AGREED:
+        _agree_on_checks(pg, size)
+    if not SETTINGS.enabled or sent.dtype in _UNSTAMPED or dist.get_backend(pg) == "fake":
         return None
     check_lagging(pg)
+    state = _group(pg)
     task = torch._C._current_graph_task_id()
     backward = task != -1
     if backward:

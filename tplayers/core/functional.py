@@ -23,9 +23,11 @@ all-reducing it, and all-gathers its output gradient in backward.
 
 ``overlap_comm=False`` runs the same ops with blocking collectives, in the same order: bit-identical
 results, to measure what the overlap buys. ``collective_matmul`` cuts the sequence-parallel gather /
-scatter into ring steps under the GEMMs (:mod:`.ring`). Where the weight gradients go (``.grad``,
-float32 ``main_grad`` buffers, or later: delay_wgrad) is :mod:`.wgrad`'s `WgradSink`. The column ->
-core -> row region with both layers' backward ordered together is :mod:`tplayers.regions.region`.
+scatter into ring steps under the GEMMs (:mod:`.ring`). Weight gradients are returned to autograd
+(``.grad``); a layer with float32 ``main_grad`` buffers or delay_wgrad hands them to its `WgradSink`
+(:mod:`.wgrad`). The column -> core -> row region with both layers' backward ordered together is
+:mod:`tplayers.regions.region`. What a call does before its Function (the shape / dtype / device checks,
+autocast's cast: custom Functions do not get it) is at the end of this module.
 
 CUDA launch order: an async NCCL collective runs on its own stream. With several hardware queues
 (``CUDA_DEVICE_MAX_CONNECTIONS`` > 1, the default) the weight-gradient GEMM launched after it can be
@@ -34,65 +36,59 @@ full overlap. tplayers never sets it behind your back; it warns once when it is 
 """
 from __future__ import annotations
 
-from typing import Optional
+import os
+import warnings
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
-from .collectives import SEQ_DIM, all_gather, sum_partials
+from .collectives import SEQ_DIM, Pending, all_gather, sum_partials
 from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
-from .groups import GroupLike, TPGroup, resolve_group
+from .groups import GroupLike, TPGroup, refuse_replicating_wrapper, resolve_group
 from .ring import ring_gather_linear, ring_linear_scatter
 from .siblings import Siblings, joins_siblings
-from .prepare import autocast_dtype, autocast_inputs, check_linear_inputs, warn_cuda_connections_once
 from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads
 
-__all__ = ["column_parallel_linear", "row_parallel_linear", "differentiable_grads"]
+__all__ = ["column_parallel_linear", "row_parallel_linear", "differentiable_grads", "check_linear_inputs",
+           "autocast_inputs", "autocast_dtype", "warn_cuda_connections_once"]
+
+Grads = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
 
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
     """``x @ W_r^T + b_r``: forward gathers x under SP; backward hides the input-gradient collective."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, overlap_comm: bool, sink: WgradSink,
-                ring: bool, call=None):
+    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, overlap_comm: bool,
+                sink: Optional[WgradSink], ring: bool, call=None):
         ctx.save_for_backward(x, weight)  # under sequence parallelism x is only this rank's shard
         ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink = g, sequence_parallel, overlap_comm, sink
-        ctx.call = call  # this layer's call of its declared siblings: one all-reduce for all (core/siblings.py)
+        ctx.has_bias, ctx.call = bias is not None, call  # call: this layer's call of its siblings (core/siblings.py)
         if call is not None:
             call.register(ctx)
-        ctx.has_bias = bias is not None
         if sequence_parallel and ring:
             return ring_gather_linear(x, weight, bias, g)  # the gather in p ring steps under the GEMMs
         if sequence_parallel:  # (..., s, in): once for a set of siblings
-            x_full = call.gather(x) if call is not None else all_gather(x, SEQ_DIM, g).wait()
-        else:
-            x_full = x
-        return F.linear(x_full, weight, bias)  # (..., s, out/p)
+            x = call.gather(x) if call is not None else all_gather(x, SEQ_DIM, g).wait()
+        return F.linear(x, weight, bias)  # (..., s, out/p)
 
     @staticmethod
     def backward(ctx, grad_out):  # (..., s, out/p)
         if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
             return (*_column_graph_grads(ctx, grad_out), None, None, None, None, None, None)
         x, weight = ctx.saved_tensors
-        g, sp, overlap_comm, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink
+        g, sp, overlap, call = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.call
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if sp and ctx.call is not None and need_w and sink.now:  # one gather for the call's weight gradients
-            x_full = ctx.call.gathered_input(x, overlap_comm)
-        else:
-            x_full = sink.input(x, need_w, async_op=overlap_comm)  # SP: the gather of x, in flight under the next GEMM
-        grad_x = reducing = None
-        if need_x:
-            grad_x = grad_out @ weight  # (..., s, in): this rank's partial sum, a buffer we own
-            if ctx.call is not None:  # summed with the other members': the last one gets the all-reduce
-                reducing = ctx.call.add_partial(grad_x, overlap_comm)
-            else:
-                reducing = sum_partials(grad_x, g, sp, async_op=overlap_comm)  # f: all-reduce (SP: reduce-scatter)
-        grad_w, grad_b = sink.linear(grad_out, x_full, need_w, need_b and ctx.has_bias)  # under the collective
-        if reducing is not None:
-            grad_x = reducing.wait()
-        elif ctx.call is not None:
-            grad_x = None  # (in the call's sum, which its last member returns)
+        if sp and need_w and (ctx.sink is None or ctx.sink.now):  # SP: the gather of x, in flight under the next GEMM
+            x = call.gathered_input(x, overlap) if call is not None else all_gather(x, SEQ_DIM, g, async_op=overlap)
+        reducing = None
+        if need_x:  # f: all-reduce (SP: reduce-scatter) this rank's partial sum, a buffer we own; a sibling adds
+            grad_x = grad_out @ weight  # (..., s, in)  its partial to the set's sum, whose last member reduces it
+            reducing = sum_partials(grad_x, g, sp, async_op=overlap) if call is None else call.add_partial(grad_x, overlap)
+        grad_w, grad_b = _weight_grads(ctx.sink, grad_out, x, need_w, need_b and ctx.has_bias)  # under the collective
+        grad_x = None if reducing is None else reducing.wait()
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
@@ -100,7 +96,7 @@ class _RowParallelLinearFn(torch.autograd.Function):
     """``sum_r x_r @ W_r^T + b``: forward sums the partial products (g); the full bias once, after."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, sink: WgradSink, ring: bool):
+    def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, sink: Optional[WgradSink], ring: bool):
         if sequence_parallel and ring:
             out = ring_linear_scatter(x, weight, g)  # the reduce-scatter in p ring steps under the GEMMs
         else:
@@ -125,66 +121,69 @@ class _RowParallelLinearFn(torch.autograd.Function):
         else:  # SP: each rank holds its sequence chunk's gradient; the GEMMs need all of it
             grad_full = all_gather(grad_out, SEQ_DIM, g).wait() if sp else grad_out
             grad_x = grad_full @ weight if need_x else None  # (..., s, in/p)
-        grad_w, grad_b = ctx.sink.linear(grad_full, x, need_w, need_b and ctx.has_bias)
+        grad_w, grad_b = _weight_grads(ctx.sink, grad_full, x, need_w, need_b and ctx.has_bias)
         return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _weight_grads(sink: Optional[WgradSink], grad_out: torch.Tensor, x: Union[torch.Tensor, Pending], need_w: bool,
+                  need_b: bool) -> Grads:
+    """``(grad_W, grad_b)`` of ``y = x W^T + b`` over all leading dims, each only when needed (``x``: its gather,
+    waited for here); a layer's sink (main_grad buffers, delay_wgrad: :mod:`.wgrad`) takes them instead."""
+    if sink is not None:
+        return sink.linear(grad_out, x, need_w, need_b)
+    x = x.wait() if isinstance(x, Pending) else x
+    grad = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
+    return (grad.t() @ x.reshape(-1, x.shape[-1]) if need_w else None), (grad.sum(0) if need_b else None)
+
+
+def _sink(g: TPGroup, store: Optional[WeightGradStore], main_grads: MainGrads, weight: torch.Tensor,
+          bias: Optional[torch.Tensor], op: str, sequence_parallel: bool = False) -> Optional[WgradSink]:
+    """Where the layer's weight gradients go when not to autograd now: None, or its `WgradSink`."""
+    if store is None and main_grads is None:
+        return None
+    main = check_main_grads(main_grads, weight, bias, op, g.size)
+    return WgradSink(g, store, main, (weight, bias), gather_input=sequence_parallel)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                            group: GroupLike, sequence_parallel: bool = False, overlap_comm: bool = True,
                            wgrad_store: Optional[WeightGradStore] = None, main_grads: MainGrads = None,
                            collective_matmul: bool = False, siblings: Optional[Siblings] = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for this rank's output features; output is sharded on the last dim.
-
-    x: ``(..., in)`` replicated, or ``(..., seq/p, in)`` with ``sequence_parallel``.
-    weight: ``(out/p, in)``; bias: ``(out/p,)`` or None. Returns ``(..., [seq,] out/p)``.
-    ``wgrad_store``: backward computes only the input gradient and records the weight and bias
-    gradients there (:class:`~tplayers.core.wgrad.WeightGradStore`, run by its ``flush``).
-    ``main_grads``: ``(weight buffer, bias buffer or None)``, e.g. float32 ``main_grad`` buffers:
-    the weight-gradient GEMM accumulates into them (``addmm``; on CUDA in float32 from bfloat16
-    inputs) and returns no gradient for those parameters (Megatron's gradient_accumulation_fusion).
-    A buffer wrapped in `tplayers.core.wgrad.ReplicatedRows` has its replicated rows' contribution
-    summed over their replica ranks first (collective: every rank of the group runs the backward).
-    ``siblings``: the layer's declared set (:class:`~tplayers.core.siblings.Siblings`): the members called on
-    one input sum their partial input gradients and reduce them once; None: the layer reduces its own.
-    """
-    g = resolve_group(group)
-    joins = joins_siblings(siblings, x, g, collective_matmul)
+    """``x @ weight.T + bias`` for this rank's output features: x ``(..., in)`` replicated, or ``(..., seq/p,
+    in)`` with ``sequence_parallel``; weight ``(out/p, in)``; bias ``(out/p,)`` or None; returns ``(..., [seq,]
+    out/p)``. ``wgrad_store`` (record the weight gradients for later) and ``main_grads`` (buffers the
+    weight-gradient GEMM accumulates into, e.g. float32 ``main_grad``): :mod:`.wgrad`. ``siblings``: the layer's
+    declared set (:mod:`.siblings`): its members called on one input reduce their summed input gradient once."""
+    g = group if isinstance(group, TPGroup) else resolve_group(group)
+    joins = siblings is not None and joins_siblings(siblings, x, g, collective_matmul)
     offered = siblings.inputs.take(x, g) if joins and not sequence_parallel else None
     if offered is not None:  # x: a sequence its module gathered (gather_sequence_for_columns); work on its shard
         x, sequence_parallel = offered[0], True
     check_linear_inputs("column_parallel_linear", x, weight, bias, weight.shape[1], g, sequence_parallel,
                         collective_matmul)
-    # a call of the set is joined on the tensor the layers were called on, before autocast's cast: it casts once
-    call = siblings.join(x, g, weight, sequence_parallel) if joins else None
-    x_cast = x if call is None else call.cast(x, autocast_dtype(x))
-    x, weight, bias = autocast_inputs(x_cast, weight, bias)
+    call = None
+    if joins:  # the call of the set on this x (its one autocast cast, its gathered input)
+        call, x = siblings.join(x, g, weight, sequence_parallel, autocast_dtype(x), offered)
+    x, weight, bias = autocast_inputs(x, weight, bias)
     if g.size == 1 and wgrad_store is None and main_grads is None:
         return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear
-    warn_cuda_connections_once(x, g, overlap_comm)
-    main = check_main_grads(main_grads, weight, bias, "column_parallel_linear", g.size)
-    sink = WgradSink(g, wgrad_store, main, (weight, bias), gather_input=sequence_parallel)
-    if offered is not None and call.x_full is None:
-        call.x_full = offered[1].to(x.dtype)  # the call's forward gather, done already (cast as x under autocast)
+    if x.is_cuda:
+        warn_cuda_connections_once(x, g, overlap_comm)
+    sink = _sink(g, wgrad_store, main_grads, weight, bias, "column_parallel_linear", sequence_parallel)
     return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, sink, collective_matmul,
-                                         call)  # q/k/v, gate/up ... called on this same x
+                                         call)
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                         group: GroupLike, input_is_parallel: bool = True, sequence_parallel: bool = False,
                         wgrad_store: Optional[WeightGradStore] = None, main_grads: MainGrads = None,
                         collective_matmul: bool = False) -> torch.Tensor:
-    """Sum over ranks of ``x_shard @ weight_shard.T``, plus the full ``bias`` once.
-
-    x: ``(..., in/p)`` (``input_is_parallel``) or ``(..., in)`` replicated, which is split here.
-    weight: ``(out, in/p)``; bias: ``(out,)`` or None. Returns ``(..., out)`` replicated, or
-    ``(..., seq/p, out)`` with ``sequence_parallel``. The row backward has no collective that compute
-    could hide, so it takes no ``overlap_comm``. ``wgrad_store``, ``main_grads``: as
-    :func:`column_parallel_linear`'s. ``collective_matmul`` (with ``sequence_parallel``): the forward
-    reduce-scatter runs as p ring steps, each block's GEMM under the running sum's transfer, and the
-    backward all-gather of the output gradient as p ring steps, each chunk's input-gradient GEMM under
-    the next chunk's transfer.
-    """
-    g = resolve_group(group)
+    """Sum over ranks of ``x_shard @ weight_shard.T``, plus the full ``bias`` once: x ``(..., in/p)``
+    (``input_is_parallel``) or ``(..., in)`` replicated, split here; weight ``(out, in/p)``; bias ``(out,)`` or
+    None; returns ``(..., out)`` replicated, or ``(..., seq/p, out)`` with ``sequence_parallel``. No
+    ``overlap_comm``: the row backward has no collective compute could hide. ``collective_matmul`` (with SP): the
+    forward reduce-scatter and the backward gather of the output gradient as p ring steps under the GEMMs."""
+    g = group if isinstance(group, TPGroup) else resolve_group(group)
     expected_in = weight.shape[1] * (1 if input_is_parallel else g.size)
     check_linear_inputs("row_parallel_linear", x, weight, bias, expected_in, g, sequence_parallel, collective_matmul,
                         seq_divisible=True)
@@ -193,8 +192,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
         return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear
     if not input_is_parallel:
         x = scatter_to_tp(x, group=g)
-    main = check_main_grads(main_grads, weight, bias, "row_parallel_linear", g.size)
-    sink = WgradSink(g, wgrad_store, main, (weight, bias))
+    sink = _sink(g, wgrad_store, main_grads, weight, bias, "row_parallel_linear")
     return _RowParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, sink, collective_matmul)
 
 
@@ -243,3 +241,85 @@ def _row_graph_grads(ctx, grad_out):
         return out if b is None else out + (copy_to_tp(b, group=g) if sp else b)  # SP: every chunk's share summed
 
     return differentiable_grads(forward, _graph_inputs(ctx, grad_out), ctx.needs_input_grad[:3], grad_out)
+
+
+# ---------------------------------------------------------------------------- before the Function
+#
+# What a call does to its inputs before its autograd Function, locally (no communication). (Input values every
+# rank holds whole, such as token ids, are checked in :mod:`.validate`.)
+
+
+def check_linear_inputs(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        expected_in: int, g: TPGroup, sequence_parallel: bool, collective_matmul: bool = False,
+                        seq_divisible: bool = False) -> None:
+    """A ValueError / TypeError naming ``op`` unless ``x (..., expected_in)`` fits ``weight`` and ``bias``
+    (``seq_divisible``: the sequence dim must split over the group, as a reduce-scatter needs); inside DDP, that
+    its process group holds no two ranks of ``g`` (:func:`~.groups.refuse_replicating_wrapper`)."""
+    if g.size > 1 and not torch.compiler.is_compiling() and DistributedDataParallel._active_ddp_module is not None:
+        refuse_replicating_wrapper(op, g)
+    if x.dim() < 1:
+        raise ValueError(f"{op}: input is a 0-dim tensor, expected (..., {expected_in})")
+    if x.shape[-1] != expected_in:
+        raise ValueError(f"{op}: input's last dim is {x.shape[-1]} (shape {tuple(x.shape)}), expected {expected_in}")
+    if x.device != weight.device:
+        raise ValueError(f"{op}: input is on {x.device} but the weight is on {weight.device}")
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"{op}: input dtype {x.dtype} does not match the weight dtype {weight.dtype} "
+                        "(cast the input or the module, or run under torch.autocast)")
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"{op}: bias dtype {bias.dtype} does not match the weight dtype {weight.dtype}")
+    if sequence_parallel or collective_matmul:
+        _check_sequence(op, x, g, sequence_parallel, collective_matmul, seq_divisible)
+
+
+def _check_sequence(op: str, x: torch.Tensor, g: TPGroup, sequence_parallel: bool, collective_matmul: bool,
+                    seq_divisible: bool) -> None:
+    """:func:`check_linear_inputs`' checks of a sequence-parallel input."""
+    if sequence_parallel and x.dim() < 2:
+        raise ValueError(f"{op}: sequence parallelism needs a [..., seq, hidden] input, got {tuple(x.shape)}")
+    if collective_matmul and not sequence_parallel:
+        raise ValueError(f"{op}: collective_matmul decomposes the sequence-parallel all-gather / reduce-scatter; "
+                         "it needs sequence_parallel=True")
+    if seq_divisible and sequence_parallel and g.size > 1 and x.shape[SEQ_DIM] % g.size != 0:
+        raise ValueError(f"{op}: sequence length {x.shape[SEQ_DIM]} is not divisible by the TP degree {g.size} "
+                         "(sequence parallelism splits it across ranks)")
+
+
+# One cheap C call answering "is autocast on for any device?" (torch >= 2.4); it spares the
+# per-call device-type lookup on the common path.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
+
+
+def autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+                    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Autocast's cast, applied before a custom Function (which autocast does not see); unchanged
+    when autocast is off."""
+    dtype = autocast_dtype(x)
+    if dtype is None:
+        return x, weight, bias
+    cast = lambda t: None if t is None else (t if t.dtype == dtype else t.to(dtype))  # noqa: E731
+    return cast(x), cast(weight), cast(bias)
+
+
+def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast computes a linear layer on ``x`` in, or None when autocast is off."""
+    on = _any_autocast() and torch.is_autocast_enabled(x.device.type)
+    return torch.get_autocast_dtype(x.device.type) if on else None
+
+
+_warned_cuda_connections = [False]
+
+
+def warn_cuda_connections_once(x: torch.Tensor, g: TPGroup, overlap_comm: bool) -> None:
+    """Warn once when overlap on CUDA may be lost to launch order (see `tplayers.core.functional`)."""
+    if _warned_cuda_connections[0] or not overlap_comm or g.size == 1 or not x.is_cuda:
+        return
+    _warned_cuda_connections[0] = True
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        warnings.warn(
+            "tplayers: CUDA_DEVICE_MAX_CONNECTIONS is not 1, so the GPU may schedule the "
+            "weight-gradient GEMM ahead of the async input-gradient collective and serialize "
+            "them. Results are unaffected; for full overlap export CUDA_DEVICE_MAX_CONNECTIONS=1 "
+            "before CUDA initializes.",
+            stacklevel=3,
+        )

@@ -6,22 +6,28 @@ without consulting global state.
 
 ``group=None`` is an explicit "no tensor parallelism": a world of one that needs no process
 group at all (useful for TP=1 runs and single-process tests).
+
+A TP group must not share two ranks with the process group of a DistributedDataParallel around the
+model (:func:`refuse_replicating_wrapper`, which the linears call inside DDP's forward).
 """
 from __future__ import annotations
 
 import atexit
 import gc
+import sys
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from .placement import holder_slot
 
-__all__ = ["TPGroup", "GroupLike", "resolve_group", "collective_device", "replica_slot", "replica_group"]
+__all__ = ["TPGroup", "GroupLike", "resolve_group", "collective_device", "replica_slot", "replica_group",
+           "refuse_replicating_wrapper"]
 
 
 @dataclass(frozen=True)
@@ -233,3 +239,36 @@ def replica_group(g: TPGroup, holders: Sequence[int]) -> Optional[TPGroup]:
                                  use_local_synchronization=True)
             _REPLICA_GROUPS[key] = TPGroup(sub, g.rank - start, holders[slot])
     return _REPLICA_GROUPS[key]
+
+
+_WRAPPERS_SEEN: Dict[Tuple[int, int], Tuple[Any, Any]] = {}  # (DDP, TP process group) pairs found fine
+
+
+def refuse_replicating_wrapper(op: str, g: TPGroup) -> None:
+    """A RuntimeError naming the fix when this forward runs inside a ``DistributedDataParallel`` whose process
+    group holds two or more ranks of ``g``: DDP's constructor broadcast one rank's parameters to the others,
+    so TP peers now hold another rank's shards, and its gradient all-reduce would average different shards.
+    Raised on every rank (each runs the same forward), before any backward or step. Local: no collective."""
+    if g.size == 1 or torch.compiler.is_compiling():  # (DDP's forward, which sets it, runs outside the graph)
+        return
+    ddp_module = sys.modules.get("torch.nn.parallel.distributed")
+    active = None if ddp_module is None else ddp_module.DistributedDataParallel._active_ddp_module
+    if active is None:
+        return
+    key = (id(active), id(g.process_group))
+    seen = _WRAPPERS_SEEN.get(key)
+    if seen is not None and seen[0]() is active and seen[1] is g.process_group:
+        return
+    wrapper = dist.get_process_group_ranks(active.process_group)
+    shared = g.peers_among(wrapper)
+    if len(shared) < 2:
+        _WRAPPERS_SEEN[key] = (weakref.ref(active), g.process_group)
+        return
+    raise RuntimeError(
+        f"{op}: the model runs inside DistributedDataParallel over ranks {sorted(wrapper)}, which include TP peers "
+        f"{shared} (this layer's TP group: ranks {g.global_ranks()}). DDP's constructor copied rank {min(wrapper)}'s parameters to "
+        "every rank of its group, so these TP ranks now hold another rank's shards, and its gradient all-reduce would "
+        "average different shards. Wrap DDP over the data-parallel ranks only: mesh = tplayers.make_2d_mesh(dp=..., "
+        "tp=...); parallelize(model, plan, group=mesh.mesh); DDP(model, process_group=mesh.dp_group) (docs/models.md, "
+        "'2-D parallelism'). transformers.Trainer and accelerate wrap DDP over the whole world: they cannot train a "
+        "tplayers model (docs/models.md, 'Checkpoints and resuming at scale')")

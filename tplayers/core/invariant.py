@@ -242,7 +242,7 @@ def invariant_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
     for n in parts:
         check_invariant(g.size, "invariant_column_linear", n * g.size)
     joins = joins_siblings(siblings, x, g, collective_matmul=False, invariant=True)
-    call = siblings.join(x, g, weight, sequence_parallel) if joins else None
+    call = siblings.join(x, g, weight, sequence_parallel, dtype=None)[0] if joins else None  # (no autocast cast here)
     return _InvariantColumnFn.apply(x, weight, bias, g, sequence_parallel, parts, call)
 
 

@@ -44,8 +44,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .collectives import SEQ_DIM, all_gather, sum_partials
-from .pending import Pending
+from .collectives import SEQ_DIM, Pending, all_gather, sum_partials
 from .groups import TPGroup
 
 __all__ = ["Siblings", "ColumnInputs", "joins_siblings"]
@@ -121,9 +120,13 @@ class Siblings:
     def __init__(self, inputs: Optional[ColumnInputs] = None) -> None:
         self.inputs = ColumnInputs() if inputs is None else inputs
 
-    def join(self, x: torch.Tensor, g: TPGroup, weight: torch.Tensor, sequence_parallel: bool) -> "_Call":
-        """The call a member with ``weight`` joins on ``x``: the model's call in flight when it is this set's,
-        on ``x`` (or a cast of it: the same source), else a new one. Its autograd Function registers its node."""
+    def join(self, x: torch.Tensor, g: TPGroup, weight: torch.Tensor, sequence_parallel: bool,
+             dtype: Optional[torch.dtype], offered: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+             ) -> Tuple["_Call", torch.Tensor]:
+        """The call a member with ``weight`` joins on ``x`` (the model's call in flight when it is this set's, on
+        ``x`` or a cast of it: the same source; else a new one) and ``x`` as the call computes on it: cast once to
+        autocast's ``dtype`` (None: off). ``offered``: ``(shard, gathered)`` when ``x`` is the shard of a sequence
+        its module gathered (:meth:`ColumnInputs.take`): the gathered tensor is the call's forward gather."""
         call, source = self.inputs.call, _source(x)
         if (call is None or call.owner is not self or call.source != source or call.g != g
                 or call.sp != sequence_parallel or call.x.dtype != x.dtype or call.x.shape != x.shape
@@ -131,7 +134,10 @@ class Siblings:
             self.inputs.close()
             call = self.inputs.call = _Call(self, x, source, g, sequence_parallel)
         call.weights.append(id(weight))
-        return call
+        x = call.cast(x, dtype)
+        if offered is not None and call.x_full is None:
+            call.x_full = offered[1].to(x.dtype)  # (cast as x is under autocast)
+        return call, x
 
 
 class _Call:

@@ -1,13 +1,13 @@
-"""What a collective sends and receives: the caller's data, and with the ranks-in-step checks on, ``SLOT``
-elements per rank of fingerprint (:mod:`.fingerprint`) in the same buffer; how the result comes back (the slots
-checked and stripped). Without a stamp each is the caller's own buffer, and the finish returns it.
+"""What a checked collective sends and receives: the caller's data and ``SLOT`` elements per rank of fingerprint
+(:mod:`.fingerprint`) in the same buffer; how the result comes back (the slots checked and stripped). An
+unchecked collective sends the caller's own buffers (:mod:`.collectives`) and runs nothing here.
 
-Each ``*_buffers`` returns ``(send, receive, finish)``: the collective moves ``send`` into ``receive`` (an
-all-reduce: in place, ``send is receive``) and ``finish()`` is its result once complete.
+Each ``*_buffers`` returns the buffers the collective moves (an all-reduce's: one, summed in place) and
+``finish()``, its result once complete.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
@@ -15,7 +15,8 @@ from .fingerprint import SLOT, Stamp
 
 __all__ = ["all_reduce_buffers", "all_gather_buffers", "reduce_scatter_buffers"]
 
-Buffers = Tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]]
+Finish = Callable[[], torch.Tensor]
+Buffers = Tuple[torch.Tensor, torch.Tensor, Finish]
 
 # Fingerprinted all-reduces sum in a longer buffer than the caller's, then copy back. Reused: fresh
 # pages cost more than the copy (a 2 MB buffer on the CPU: +2.4 ms fresh, +0.8 ms reused, per all-reduce).
@@ -36,11 +37,9 @@ def _not_finite(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t).all()
 
 
-def all_reduce_buffers(buf: torch.Tensor, s: Optional[Stamp], check_finite: bool) -> Buffers:
-    """An all-reduce of ``buf`` (summed in place): with a stamp, ``buf``'s n elements then ``p * SLOT`` slots (this
-    rank's fingerprint, and whether ``buf`` is finite when ``check_finite``, in its own; zeros elsewhere)."""
-    if s is None:
-        return buf, buf, lambda: buf
+def all_reduce_buffers(buf: torch.Tensor, s: Stamp, check_finite: bool) -> Tuple[torch.Tensor, Finish]:
+    """An all-reduce of ``buf`` (summed in place): ``buf``'s n elements then ``p * SLOT`` slots (this rank's
+    fingerprint, and whether ``buf`` is finite when ``check_finite``, in its own; zeros elsewhere)."""
     n = buf.numel()
     flat = _scratch(n + s.size * SLOT, buf.dtype, buf.device)
     flat[:n].view(buf.shape).copy_(buf)
@@ -52,17 +51,13 @@ def all_reduce_buffers(buf: torch.Tensor, s: Optional[Stamp], check_finite: bool
             return buf.copy_(flat[:n].view(buf.shape))
         finally:
             _SCRATCH.append(flat)
-    return flat, flat, finish
+    return flat, finish
 
 
-def all_gather_buffers(src: torch.Tensor, size: int, s: Optional[Stamp]) -> Buffers:
-    """An all-gather of ``src`` (contiguous) along dim 0 into ``(size * d0, ...)``: with a stamp each rank sends its
+def all_gather_buffers(src: torch.Tensor, full: Sequence[int], s: Stamp) -> Buffers:
+    """An all-gather of ``src`` (contiguous) along dim 0 into ``full`` = ``(size * d0, ...)``: each rank sends its
     n elements then its ``SLOT`` fingerprint, and receives ``size`` such rows."""
-    full = (size * src.shape[0],) + tuple(src.shape[1:])
-    if s is None:
-        out = torch.empty(full, dtype=src.dtype, device=src.device)
-        return src, out, lambda: out
-    n = src.numel()
+    size, n = s.size, src.numel()
     ext = torch.cat([src.reshape(-1), s.mine(src.dtype, src.device)])
     rows = torch.empty((size, n + SLOT), dtype=src.dtype, device=src.device)
 
@@ -72,14 +67,11 @@ def all_gather_buffers(src: torch.Tensor, size: int, s: Optional[Stamp]) -> Buff
     return ext, rows.view(-1), finish
 
 
-def reduce_scatter_buffers(src: torch.Tensor, size: int, out_shape: Sequence[int], s: Optional[Stamp],
+def reduce_scatter_buffers(src: torch.Tensor, size: int, out_shape: Sequence[int], s: Stamp,
                            check_finite: bool) -> Buffers:
     """A reduce-scatter of ``src`` (``size`` contiguous blocks, block r rank r's chunk in ``out_shape``'s layout):
-    with a stamp every block carries the ``size * SLOT`` slots (this rank's in its own), so each rank's chunk of
-    the sum has all of them."""
-    if s is None:
-        out = torch.empty(out_shape, dtype=src.dtype, device=src.device)
-        return src.view(-1), out.view(-1), lambda: out
+    every block carries the ``size * SLOT`` slots (this rank's in its own), so each rank's chunk of the sum has
+    all of them."""
     m = src.numel() // size
     flag = _not_finite(src) if check_finite else None
     blocks = torch.cat([src.view(size, m), s.slots(src.dtype, src.device, flag).expand(size, -1)], dim=1)

@@ -26,8 +26,7 @@ from typing import Callable, Deque, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .collectives import SEQ_DIM, all_gather
-from .pending import Pending
+from .collectives import SEQ_DIM, Pending, all_gather
 from .blocking import sum_over_replica_ranks
 from .groups import TPGroup
 
@@ -147,7 +146,8 @@ class WgradSink:
     `WeightGradStore` and computed at its flush (``store``: delay_wgrad). ``targets``: the weights
     and biases exactly as the autograd Function received them (the store's flush sends each gradient
     through autograd from there). ``gather_input``: the layer's input is this rank's sequence chunk
-    (sequence parallelism): a recorded computation gathers it at flush."""
+    (sequence parallelism): a recorded computation gathers it at flush. (The column / row linears make one
+    only for buffers or a store: they return their gradients to autograd themselves.)"""
 
     __slots__ = ("g", "store", "main", "targets", "gather_input")
 

@@ -25,8 +25,7 @@ from ..core.wgrad import WeightGradStore
 from ..core.placement import Part, Placement, Sharded, require_positive
 from .base import TensorParallelModule
 from .from_dense import check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
-from .linear import refuse_with_invariant
-from .switches import grad_sinks
+from .linear import grad_sinks, refuse_with_invariant
 
 __all__ = ["FusedColumnParallelLinear", "ReplicaRun", "with_replica_grads"]
 

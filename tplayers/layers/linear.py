@@ -28,13 +28,12 @@ from ..core.functional import column_parallel_linear, row_parallel_linear
 from ..core.groups import GroupLike, resolve_group
 from ..core.invariant import invariant_column_linear, invariant_row_linear
 from ..core.siblings import Siblings
-from ..core.wgrad import WeightGradStore
+from ..core.wgrad import ReplicatedRows, WeightGradStore
 from ..core.placement import Part, Placement, Replicated, Sharded, require_positive
 from .base import TensorParallelModule
 from .from_dense import check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
-from .switches import grad_sinks
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "mask_padding", "refuse_with_invariant"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "mask_padding", "grad_sinks", "refuse_with_invariant"]
 
 
 def mask_padding(x: torch.Tensor, real: int, width: int) -> torch.Tensor:
@@ -45,6 +44,18 @@ def mask_padding(x: torch.Tensor, real: int, width: int) -> torch.Tensor:
     if real >= width:
         return x
     return x * (torch.arange(x.shape[-1], device=x.device) < real).to(x.dtype)  # (..., in_local)
+
+
+def grad_sinks(layer: nn.Module) -> Dict[str, Any]:
+    """The ``wgrad_store`` / ``main_grads`` / ``collective_matmul`` keyword arguments of a TP linear's fused op."""
+    main = None
+    if layer.accumulate_main_grad:
+        main = (layer.weight.main_grad, None if layer.bias is None else layer.bias.main_grad)
+        runs = layer.replica_runs() if getattr(layer, "has_replicas", False) else ()
+        if runs:  # KV heads shared by several ranks: each step's contribution summed over them first
+            main = tuple(None if buf is None else ReplicatedRows(buf, runs) for buf in main)
+    return {"wgrad_store": layer.wgrad_store if layer.delay_wgrad else None, "main_grads": main,
+            "collective_matmul": layer.collective_matmul}
 
 
 def refuse_with_invariant(layer: nn.Module) -> None:
@@ -215,8 +226,8 @@ class RowParallelLinear(TensorParallelModule):
             return invariant_row_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
         if self.group.size == 1 and not self.delay_wgrad and not self.accumulate_main_grad:  # nn.Linear exactly
             return F.linear(x, self.weight, self.bias)
-        # the padding features of an uneven split reach neither the output nor the weights' gradient
-        x = mask_padding(x, self.in_features_real, self.in_features_per_rank)
+        if self.in_features_real < self.in_features_per_rank:  # an uneven split's padding features reach neither
+            x = mask_padding(x, self.in_features_real, self.in_features_per_rank)  # the output nor the weights' grad
         return row_parallel_linear(x, self.weight, self.bias, group=self.group,  # (..., out)
                                    input_is_parallel=self.input_is_parallel,
                                    sequence_parallel=self.sequence_parallel, **grad_sinks(self))

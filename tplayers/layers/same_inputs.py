@@ -19,8 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from ..core.blocking import all_gather_text, bit_hash, bytes_hash, ranks_that_differ
 from ..core.fingerprint import CollectivesOutOfStep
 from ..core.digest import generator_states
-from ..core.groups import GroupLike, resolve_group
-from ..core.prepare import refuse_replicating_wrapper
+from ..core.groups import GroupLike, refuse_replicating_wrapper, resolve_group
 
 __all__ = ["named_arguments", "in_pipeline_shape_inference", "check_same_inputs", "SequenceShardInputs",
            "check_same_output_grads", "check_same_rng_once", "has_dropout"]

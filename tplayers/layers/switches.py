@@ -1,19 +1,18 @@
 """Model-wide switches: the overlap modes (:func:`set_overlap`), float32 ``main_grad`` accumulation
-(:func:`use_main_grad` and its hand-off), delayed weight gradients (:func:`backward_dw`), and what a
-TP linear passes to its fused op for them (:func:`grad_sinks`)."""
+(:func:`use_main_grad` and its hand-off), and delayed weight gradients (:func:`backward_dw`)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
-from ..core.prepare import require_chunks
-from ..core.wgrad import ReplicatedRows, WeightGradStore
+from ..regions.region import require_chunks
+from ..core.wgrad import WeightGradStore
 from .base import TensorParallelModule
 from .optimizers import MAIN_GRAD_IN_USE
 
-__all__ = ["set_overlap", "grad_sinks", "use_main_grad", "main_grads_to_grads", "zero_main_grads", "pending_wgrad",
+__all__ = ["set_overlap", "use_main_grad", "main_grads_to_grads", "zero_main_grads", "pending_wgrad",
            "backward_dw"]
 
 
@@ -52,18 +51,6 @@ def set_overlap(model: nn.Module, *, overlap_comm: Optional[bool] = None, split_
                 module.collective_matmul = bool(collective_matmul)
                 counts["collective_matmul"] += 1
     return counts
-
-
-def grad_sinks(layer: nn.Module) -> Dict[str, Any]:
-    """The ``wgrad_store`` / ``main_grads`` keyword arguments of a TP linear's fused op."""
-    main = None
-    if layer.accumulate_main_grad:
-        main = (layer.weight.main_grad, None if layer.bias is None else layer.bias.main_grad)
-        runs = layer.replica_runs() if getattr(layer, "has_replicas", False) else ()
-        if runs:  # KV heads shared by several ranks: each step's contribution summed over them first
-            main = tuple(None if buf is None else ReplicatedRows(buf, runs) for buf in main)
-    return {"wgrad_store": layer.wgrad_store if layer.delay_wgrad else None, "main_grads": main,
-            "collective_matmul": layer.collective_matmul}
 
 
 def use_main_grad(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:

@@ -25,15 +25,14 @@ from einops import rearrange
 from .cache import LayerKV
 from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, attention_core,
                     check_heads, normalize_attn_mask, refuse_mask_with_cache, rotate_and_cache)
-from ..regions.region import split_backward_region
-from ..core.prepare import autocast_enabled, require_chunks
+from ..regions.region import require_chunks, split_backward_region
+from ..core.functional import autocast_dtype
 from ..regions.interleave import ResidualRegion, interleaved_residual_regions
 from ..layers.fused import FusedColumnParallelLinear
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import kv_shards as placement_kv_shards, require_divisible, require_positive
 from ..layers.base import TensorParallelModule
-from ..layers.switches import grad_sinks
-from ..layers.linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear, grad_sinks
 from ..layers.norm import ParallelNorm
 from .rng import PARALLEL, RNGTracker, activation_dropout, dropout_context, require_rng
 
@@ -327,7 +326,7 @@ class ParallelTransformerBlock(TensorParallelModule):
                 and not self.sequence_parallel
                 and not (self.training and (c.dropout > 0 or c.attn_dropout > 0)) and self.group.size > 1
                 and attn.qkv.overlap_comm == mlp.fc1.overlap_comm and x.dim() == 3 and x.shape[-1] == c.hidden
-                and x.dtype == weight.dtype and x.device == weight.device and not autocast_enabled(x))
+                and x.dtype == weight.dtype and x.device == weight.device and autocast_dtype(x) is None)
 
     def _interleaved(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The block over batch chunks as one pipeline, or None if a sublayer must run as two layers."""

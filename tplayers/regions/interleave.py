@@ -25,13 +25,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..core.collectives import SEQ_DIM, all_gather, all_reduce, sum_partials
-from ..core.pending import Pending
+from ..core.collectives import SEQ_DIM, Pending, all_gather, all_reduce, sum_partials
 from ..core.comm import copy_to_tp
-from ..core.functional import column_parallel_linear, differentiable_grads, row_parallel_linear
+from ..core.functional import column_parallel_linear, differentiable_grads, row_parallel_linear, warn_cuda_connections_once
 from ..core.groups import TPGroup
 from .region import Core, batch_chunks, cat_rows, check_region_main_grads, core_graph
-from ..core.prepare import warn_cuda_connections_once
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, region_wgrads
 
 __all__ = ["ResidualRegion", "interleaved_residual_regions"]

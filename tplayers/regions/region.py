@@ -28,14 +28,21 @@ import torch
 import torch.nn.functional as F
 
 from ..core.collectives import SEQ_DIM, all_gather, sum_partials
-from ..core.functional import column_parallel_linear, differentiable_grads, row_parallel_linear
+from ..core.functional import (autocast_dtype, check_linear_inputs, column_parallel_linear, differentiable_grads,
+                               row_parallel_linear, warn_cuda_connections_once)
 from ..core.groups import GroupLike, TPGroup, resolve_group
-from ..core.prepare import autocast_enabled, check_linear_inputs, require_chunks, warn_cuda_connections_once
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, region_wgrads
 
-__all__ = ["split_backward_region", "parallel_mlp", "batch_chunks", "cat_rows", "core_graph", "Core"]
+__all__ = ["split_backward_region", "parallel_mlp", "batch_chunks", "cat_rows", "core_graph", "Core", "require_chunks"]
 
 Core = Callable[[torch.Tensor, slice], torch.Tensor]  # (this rank's (bc, s, width) columns, batch rows) -> row input
+
+
+def require_chunks(chunks: int, where: str) -> int:
+    """``chunks``, or a ValueError naming ``where`` unless it is an integer >= 1."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{where}: chunks must be an integer >= 1, got {chunks!r}")
+    return chunks
 
 
 def batch_chunks(batch: int, chunks: int) -> List[slice]:
@@ -145,7 +152,7 @@ def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.
     g = resolve_group(group)
     require_chunks(chunks, "split_backward_region")
     check_linear_inputs("split_backward_region", x, w1, b1, w1.shape[1], g, sequence_parallel)
-    if g.size == 1 or autocast_enabled(x):
+    if g.size == 1 or autocast_dtype(x) is not None:
         h = column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm,
                                    wgrad_store=wgrad_store, main_grads=None if main_grads is None else main_grads[:2])
         return row_parallel_linear(core(h, slice(None)), w2, b2, group=g, sequence_parallel=sequence_parallel,
