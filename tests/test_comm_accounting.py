@@ -370,6 +370,65 @@ def test_siblings_share_their_collectives_in_every_precision(precision, gathered
         assert records == want, records
 
 
+class _Timeline:
+    """The order of a backward's collectives (launched, waited for) and weight-gradient GEMMs (an ``mm`` whose
+    result has a column layer's weight shape): an observer of the launches and a dispatch mode together."""
+
+    def __init__(self, weight_shape):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.events, self.weight_shape = [], tuple(weight_shape)
+        timeline = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func is torch.ops.aten.mm.default and tuple(out.shape) == timeline.weight_shape:
+                    timeline.events.append("wgrad")
+                return out
+
+        self.mode = _Mode()
+
+    def launch(self, op, nbytes, g, device, call):
+        self.events.append(f"launch {op}")
+        return call(), op
+
+    def finished(self, token, wait_started):
+        self.events.append(f"wait {token}")
+
+
+def _member_gemms_under_the_collective(group, precision):
+    from tplayers.core import collectives
+
+    torch.manual_seed(0)
+    dtype, ctx = _precision(precision)
+    h, f = 8, 4 * group.size()
+    dense = _Attention(*[torch.nn.Linear(h, f) for _ in range(3)], torch.nn.Linear(f, h)).to(dtype)
+    col = lambda m: tplayers.ColumnParallelLinear.from_dense(m, group=group)  # noqa: E731
+    model = _Attention(col(dense.q), col(dense.k), col(dense.v), tplayers.RowParallelLinear.from_dense(dense.o, group=group))
+    tplayers.declare_siblings(model.q, model.k, model.v)
+    x = torch.randn(2, 6, h, dtype=dtype, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    timeline = _Timeline(model.q.weight.shape)
+    with ctx():
+        loss = model(x).float().square().sum()
+    previous = collectives.set_observer(timeline)
+    try:
+        with timeline.mode:
+            loss.backward()
+    finally:
+        collectives.set_observer(previous)
+    return timeline.events
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_members_weight_gradient_runs_under_the_sets_one_collective(precision):
+    """Issue 40: q, k and v's weight-gradient GEMMs all run while the set's one all-reduce is in flight (the call's
+    entry runs them), as Megatron's fused q/k/v GEMM does. Before: only the last member's (["wgrad", "wgrad",
+    "launch all_reduce", "wgrad", "wait all_reduce"])."""
+    for events in get_world(2).run(_member_gemms_under_the_collective, precision):
+        assert events == ["launch all_reduce", "wgrad", "wgrad", "wgrad", "wait all_reduce"], events
+
+
 class _CrossAttention(torch.nn.Module):
     """q reads x; k and v read y (a cross-attention reads the encoder's states): one region, two inputs."""
 

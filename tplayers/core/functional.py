@@ -25,7 +25,9 @@ all-reducing it, and all-gathers its output gradient in backward.
 results, to measure what the overlap buys. ``collective_matmul`` cuts the sequence-parallel gather /
 scatter into ring steps under the GEMMs (:mod:`.ring`). Weight gradients are returned to autograd
 (``.grad``); a layer with float32 ``main_grad`` buffers or delay_wgrad hands them to its `WgradSink`
-(:mod:`.wgrad`). The column -> core -> row region with both layers' backward ordered together is
+(:mod:`.wgrad`). Column layers declared siblings (q/k/v, gate/up: :mod:`.siblings`) take another route
+when called together: their call's entry (f, once for the set) and its members (``_SetEntry``,
+``_SetMemberFn``). The column -> core -> row region with both layers' backward ordered together is
 :mod:`tplayers.regions.region`. What a call does before its Function (the shape / dtype / device checks,
 autocast's cast: custom Functions do not get it) is at the end of this module.
 
@@ -45,13 +47,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from .collectives import SEQ_DIM, Pending, all_gather, sum_partials
-from .comm import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
+from .comm import copy_to_tp, gather_from_sequence, scatter_to_tp
+from .graph import column_graph_grads, differentiable_grads, graph_inputs, row_graph_grads
 from .groups import GroupLike, TPGroup, refuse_replicating_wrapper, resolve_group
 from .ring import ring_gather_linear, ring_linear_scatter
 from .siblings import Siblings, joins_siblings
-from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads
+from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, linear_wgrads
 
-__all__ = ["column_parallel_linear", "row_parallel_linear", "differentiable_grads", "check_linear_inputs",
+__all__ = ["column_parallel_linear", "row_parallel_linear", "check_linear_inputs",
            "autocast_inputs", "autocast_dtype", "warn_cuda_connections_once"]
 
 Grads = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
@@ -62,34 +65,31 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, overlap_comm: bool,
-                sink: Optional[WgradSink], ring: bool, call=None):
+                sink: Optional[WgradSink], ring: bool):
         ctx.save_for_backward(x, weight)  # under sequence parallelism x is only this rank's shard
         ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink = g, sequence_parallel, overlap_comm, sink
-        ctx.has_bias, ctx.call = bias is not None, call  # call: this layer's call of its siblings (core/siblings.py)
-        if call is not None:
-            call.register(ctx)
+        ctx.has_bias = bias is not None
         if sequence_parallel and ring:
             return ring_gather_linear(x, weight, bias, g)  # the gather in p ring steps under the GEMMs
-        if sequence_parallel:  # (..., s, in): once for a set of siblings
-            x = call.gather(x) if call is not None else all_gather(x, SEQ_DIM, g).wait()
+        if sequence_parallel:  # (..., s, in)
+            x = all_gather(x, SEQ_DIM, g).wait()
         return F.linear(x, weight, bias)  # (..., s, out/p)
 
     @staticmethod
     def backward(ctx, grad_out):  # (..., s, out/p)
         if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
-            return (*_column_graph_grads(ctx, grad_out), None, None, None, None, None, None)
+            return (*column_graph_grads(ctx, grad_out), None, None, None, None, None)
         x, weight = ctx.saved_tensors
-        g, sp, overlap, call = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.call
+        g, sp, overlap = ctx.g, ctx.sequence_parallel, ctx.overlap_comm
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if sp and need_w and (ctx.sink is None or ctx.sink.now):  # SP: the gather of x, in flight under the next GEMM
-            x = call.gathered_input(x, overlap) if call is not None else all_gather(x, SEQ_DIM, g, async_op=overlap)
+            x = all_gather(x, SEQ_DIM, g, async_op=overlap)
         reducing = None
-        if need_x:  # f: all-reduce (SP: reduce-scatter) this rank's partial sum, a buffer we own; a sibling adds
-            grad_x = grad_out @ weight  # (..., s, in)  its partial to the set's sum, whose last member reduces it
-            reducing = sum_partials(grad_x, g, sp, async_op=overlap) if call is None else call.add_partial(grad_x, overlap)
+        if need_x:  # f: all-reduce (SP: reduce-scatter) this rank's partial sum, a buffer we own
+            reducing = sum_partials(grad_out @ weight, g, sp, async_op=overlap)  # (..., s, in)
         grad_w, grad_b = _weight_grads(ctx.sink, grad_out, x, need_w, need_b and ctx.has_bias)  # under the collective
         grad_x = None if reducing is None else reducing.wait()
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class _RowParallelLinearFn(torch.autograd.Function):
@@ -111,7 +111,7 @@ class _RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # (..., s, out), (..., s/p, out) under SP
         if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
-            return (*_row_graph_grads(ctx, grad_out), None, None, None, None)
+            return (*row_graph_grads(ctx, grad_out), None, None, None, None)
         x, weight = ctx.saved_tensors
         g, sp = ctx.g, ctx.sequence_parallel
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -123,6 +123,88 @@ class _RowParallelLinearFn(torch.autograd.Function):
             grad_x = grad_full @ weight if need_x else None  # (..., s, in/p)
         grad_w, grad_b = _weight_grads(ctx.sink, grad_full, x, need_w, need_b and ctx.has_bias)
         return grad_x, grad_w, grad_b, None, None, None, None
+
+
+class _SetEntry(torch.autograd.Function):
+    """f for a call of declared siblings (:mod:`.siblings`): forward hands the members the input (SP: gathered
+    once) and views of the weights it took; the members compute on those, so autograd runs this backward once
+    every member this backward reaches has run, their partial input gradients summed. It launches the one
+    all-reduce (SP: reduce-scatter), computes the weight gradients the members left it under it, and waits."""
+
+    @staticmethod
+    def forward(ctx, call, x, *weights):
+        ctx.call, ctx.dtypes = call, [w.dtype for w in weights]
+        ctx.set_materialize_grads(False)  # (an output no member used: None, not zeros, for its weight's .grad)
+        ctx.save_for_backward(x)  # (SP: the shard) what the members' weight gradients multiply
+        token = (call.x_full.detach() if call.x_full is not None else call.gather(x)) if call.sp else x.view_as(x)
+        return (token, *(w.view_as(w) for w in weights))
+
+    @staticmethod
+    def backward(ctx, grad_x, *grad_views):  # grad_x: the members' partial sums, added by autograd (a buffer we own)
+        call = ctx.call
+        box = call.take_left()
+        if torch.is_grad_enabled():  # create_graph=True: f (SP: the gather) rebuilt from differentiable ops
+            grad = None if grad_x is None else differentiable_grads(
+                lambda t: gather_from_sequence(t, group=call.g, seq_dim=SEQ_DIM) if call.sp else copy_to_tp(t, group=call.g),
+                ctx.saved_tensors, (True,), grad_x)[0]
+            return (None, grad, *grad_views)
+        reducing = None if grad_x is None else sum_partials(grad_x.contiguous(), call.g, call.sp, async_op=call.overlap)
+        grads = list(grad_views)
+        if box["left"]:
+            (x,) = ctx.saved_tensors
+            x_full = (box["gather"] or all_gather(x, SEQ_DIM, call.g)).wait() if call.sp else x
+            for i, grad_out, main in box["left"]:  # every member's weight-gradient GEMM under the collective
+                grad_w = linear_wgrads(grad_out, x_full, True, False, main, call.g)[0]
+                if grad_w is not None:
+                    grad_w = grad_w.to(ctx.dtypes[i])
+                    grads[i] = grad_w if grads[i] is None else grads[i] + grad_w
+        return (None, None if reducing is None else reducing.wait(), *grads)
+
+
+class _SetMemberFn(torch.autograd.Function):
+    """A member of a call: ``token @ W^T + b`` on its entry's input; backward returns its partial input gradient
+    to the entry (which sums and reduces the set's once) and leaves the entry its weight-gradient GEMM when the
+    entry took its weight (``index``), computing it here otherwise."""
+
+    @staticmethod
+    def forward(ctx, token, weight, bias, call, sink: Optional[WgradSink], index: Optional[int], x: torch.Tensor):
+        ctx.save_for_backward(x, weight)  # x: the call's input (SP: its shard), for a weight gradient made here
+        ctx.call, ctx.sink, ctx.index, ctx.has_bias = call, sink, index, bias is not None
+        return F.linear(token, weight, bias)  # (..., s, out/p)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        call, sink = ctx.call, ctx.sink
+        x, weight = ctx.saved_tensors
+        call.began()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph=True: the member's own GEMMs, differentiable (the entry reduces)
+            x_full = all_gather(x, SEQ_DIM, call.g).wait() if call.sp else x
+            inputs = (x_full.detach().requires_grad_(), weight, *graph_inputs(ctx, grad_out)[2:])
+            return (*differentiable_grads(F.linear, inputs, ctx.needs_input_grad[:3], grad_out), None, None, None, None)
+        if need_w and call.sp and (sink is None or sink.now):  # SP: the gather of x (once), under the GEMMs to come
+            x = call.gathered_input(x, call.overlap)
+        grad_x = grad_out @ weight if need_x else None  # (..., s, in): its partial sum, summed at the entry
+        if need_w and ctx.index is not None:  # the entry runs its GEMM under the set's collective
+            call.leave(ctx.index, grad_out, None if sink is None else sink.main)
+            need_w = False
+        grad_w, grad_b = _weight_grads(sink, grad_out, x, need_w, need_b and ctx.has_bias)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _set_member(call, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], g: TPGroup,
+                overlap_comm: bool, store: Optional[WeightGradStore], main_grads: MainGrads) -> torch.Tensor:
+    """A member's linear on its call (``x``: the call's input as the call computes on it); the call's first member
+    applies its entry, which takes the set's weights."""
+    if call.token is None:
+        taken = call.owner.entry_weights()
+        call.enter(_SetEntry.apply(call, x, *taken), overlap_comm, taken)
+    index, weight_in = call.view_of(weight) if store is None else (None, weight)  # (delay_wgrad: records its own)
+    _, weight_in, bias = autocast_inputs(call.token, weight_in, bias)
+    if x.is_cuda:
+        warn_cuda_connections_once(x, g, overlap_comm)
+    sink = _sink(g, store, main_grads, weight_in, bias, "column_parallel_linear", call.sp)
+    return _SetMemberFn.apply(call.token, weight_in, bias, call, sink, index, x if call.sp else call.token)
 
 
 def _weight_grads(sink: Optional[WgradSink], grad_out: torch.Tensor, x: Union[torch.Tensor, Pending], need_w: bool,
@@ -161,17 +243,16 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
         x, sequence_parallel = offered[0], True
     check_linear_inputs("column_parallel_linear", x, weight, bias, weight.shape[1], g, sequence_parallel,
                         collective_matmul)
-    call = None
-    if joins:  # the call of the set on this x (its one autocast cast, its gathered input)
+    if joins:  # a member of its set's call on this x: the call's entry reduces the set's input gradient once
         call, x = siblings.join(x, g, weight, sequence_parallel, autocast_dtype(x), offered)
+        return _set_member(call, x, weight, bias, g, overlap_comm, wgrad_store, main_grads)
     x, weight, bias = autocast_inputs(x, weight, bias)
     if g.size == 1 and wgrad_store is None and main_grads is None:
         return F.linear(x, weight, bias)  # a world of one: exactly nn.Linear
     if x.is_cuda:
         warn_cuda_connections_once(x, g, overlap_comm)
     sink = _sink(g, wgrad_store, main_grads, weight, bias, "column_parallel_linear", sequence_parallel)
-    return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, sink, collective_matmul,
-                                         call)
+    return _ColumnParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, overlap_comm, sink, collective_matmul)
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -194,53 +275,6 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
         x = scatter_to_tp(x, group=g)
     sink = _sink(g, wgrad_store, main_grads, weight, bias, "row_parallel_linear")
     return _RowParallelLinearFn.apply(x, weight, bias, g, sequence_parallel, sink, collective_matmul)
-
-
-# ---------------------------------------------------------------------------- create_graph=True
-#
-# Under create_graph=True (a gradient penalty, a Hessian-vector product) a backward is built from the
-# differentiable collectives of `comm` instead: the same numbers, without the overlap, and a graph
-# that autograd can differentiate again. Plain training never takes these paths.
-
-
-def differentiable_grads(forward, inputs, needs, grad_out: torch.Tensor):
-    """The gradients of ``forward(*inputs)`` for the inputs that need one (None elsewhere), with
-    ``create_graph=True``: ``forward`` rebuilt from differentiable ops (the fused Functions' and the
-    schedules' backward under create_graph)."""
-    wanted = [i for i, (t, need) in enumerate(zip(inputs, needs)) if need and t is not None]
-    out = forward(*inputs)
-    grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad_out, create_graph=True)
-    result = [None] * len(inputs)
-    for i, grad in zip(wanted, grads):
-        result[i] = grad
-    return result
-
-
-def _graph_inputs(ctx, grad_out):
-    """``(x, weight, bias)`` for a differentiable rebuild; the bias (not saved: its gradient does not
-    depend on its value) as a zero stand-in of its shape."""
-    x, weight = ctx.saved_tensors
-    return x, weight, grad_out.new_zeros(grad_out.shape[-1]).requires_grad_() if ctx.has_bias else None
-
-
-def _column_graph_grads(ctx, grad_out):
-    g, sp = ctx.g, ctx.sequence_parallel
-
-    def forward(x, w, b):  # f (SP: the gather) into this rank's columns (each sibling its own, here)
-        return F.linear(gather_from_sequence(x, group=g, seq_dim=SEQ_DIM) if sp else copy_to_tp(x, group=g), w, b)
-
-    return differentiable_grads(forward, _graph_inputs(ctx, grad_out), ctx.needs_input_grad[:3], grad_out)
-
-
-def _row_graph_grads(ctx, grad_out):
-    g, sp = ctx.g, ctx.sequence_parallel
-
-    def forward(x, w, b):  # the partial sums through g (SP: the reduce-scatter), the replicated bias once
-        partial = F.linear(x, w)
-        out = reduce_scatter_to_sequence(partial, group=g, seq_dim=SEQ_DIM) if sp else reduce_from_tp(partial, group=g)
-        return out if b is None else out + (copy_to_tp(b, group=g) if sp else b)  # SP: every chunk's share summed
-
-    return differentiable_grads(forward, _graph_inputs(ctx, grad_out), ctx.needs_input_grad[:3], grad_out)
 
 
 # ---------------------------------------------------------------------------- before the Function

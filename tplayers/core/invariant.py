@@ -35,6 +35,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from .collectives import SEQ_DIM, all_gather, all_to_all
+from .functional import autocast_dtype
 from .groups import TPGroup
 from .siblings import Siblings, joins_siblings
 
@@ -90,23 +91,23 @@ def _tree_of_mine(chunks: torch.Tensor, g: TPGroup) -> torch.Tensor:
 
 
 def _contract(a: torch.Tensor, b: torch.Tensor, g: TPGroup, sequence_parallel: bool = False,
-              parts: Optional[Sequence[int]] = None, call: Any = None) -> Optional[torch.Tensor]:
+              parts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """``a @ b.T`` summed over the group, where ``a`` (..., k) and ``b`` (n, k) hold this rank's consecutive k of
     the contraction (``parts``: the widths of its consecutive parts, default one): this rank's ``LEAVES / p``
-    leaves as one batched GEMM, their subtree, the tree's top (`_across`: whole, or this rank's chunk of the
-    sequence). ``call``: a column layer's call of its declared siblings: the members' leaf products are added
-    leaf by leaf and the last member returns the tree of the sum (one cross-rank step for the set); the others
-    None."""
+    leaves as one batched GEMM (`_leaf_products`), their subtree, the tree's top (`_across`: whole, or this rank's
+    chunk of the sequence)."""
+    products = _leaf_products(a, b, g, parts)
+    return _across(_tree(products).view(*a.shape[:-1], b.shape[0]), g, sequence_parallel)
+
+
+def _leaf_products(a: torch.Tensor, b: torch.Tensor, g: TPGroup, parts: Optional[Sequence[int]] = None
+                   ) -> torch.Tensor:
+    """:func:`_contract`'s leaves: (leaves, m, n), leaf j ``a``'s j-th block of k times ``b``'s (m: ``a``'s rows)."""
     parts = parts or (a.shape[-1],)
     leaves = LEAVES // g.size
     a_leaves = _leaf_major(a.reshape(-1, a.shape[-1]), leaves, parts)  # (leaves, m, k/leaves)
     b_leaves = _leaf_major(b, leaves, parts)  # (leaves, n, k/leaves)
-    products = torch.bmm(a_leaves, b_leaves.transpose(1, 2))  # (leaves, m, n)
-    if call is not None:  # leaf by leaf with the other members' (their backward order); the last one sums
-        products = call.add(products)
-        if products is None:
-            return None
-    return _across(_tree(products).view(*a.shape[:-1], b.shape[0]), g, sequence_parallel)
+    return torch.bmm(a_leaves, b_leaves.transpose(1, 2))  # (leaves, m, n)
 
 
 def _leaf_major(t: torch.Tensor, leaves: int, parts: Sequence[int]) -> torch.Tensor:
@@ -141,20 +142,47 @@ def _whole_sequence(x: torch.Tensor, g: TPGroup, sequence_parallel: bool) -> tor
     return all_gather(x, SEQ_DIM, g).wait() if sequence_parallel and g.size > 1 else x
 
 
+class _InvariantEntry(torch.autograd.Function):
+    """A call's entry under ``tp_invariant`` (:mod:`.siblings`): forward hands the members x (SP: gathered once) and
+    a stand-in for x's leaves (one element, expanded: (leaves, m, in)); each member returns its leaf products as
+    that stand-in's gradient, so autograd adds them leaf by leaf in the members' backward order and runs this
+    backward after them: the fixed tree over the leaves, then one cross-rank step for the set."""
+
+    @staticmethod
+    def forward(ctx, call, x):
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        token = call.gather(x) if call.sp else x.view_as(x)  # (..., s, in)
+        ctx.shape = token.shape
+        dtype = autocast_dtype(x) or x.dtype  # the members' products' (autograd casts a gradient to its input's)
+        leaves = x.new_zeros((), dtype=dtype).expand(LEAVES // call.g.size, token.numel() // token.shape[-1],
+                                                     token.shape[-1])
+        return token, leaves
+
+    @staticmethod
+    def backward(ctx, grad_token, grad_leaves):
+        call = ctx.call
+        call.take_left()  # (the gather of x the members shared)
+        if grad_leaves is None:
+            return None, None
+        return None, _across(_tree(grad_leaves).view(ctx.shape), call.g, call.sp)
+
+
 class _InvariantColumnFn(torch.autograd.Function):
     """``x @ W_r^T + b_r`` in fixed blocks of output features (of each of the fused ``parts``); backward's input
     gradient summed as the fixed tree over the output features. ``sequence_parallel``: ``x`` is this rank's chunk
     of the sequence, all-gathered (again in backward: only the chunk is kept), the input gradient this rank's chunk
-    of the tree's top."""
+    of the tree's top. A member of a call (``call``): ``x`` is its entry's (gathered) input, ``leaves`` the entry's
+    stand-in, whose gradient is the member's leaf products (the entry sums the set's); ``kept``: what the weight
+    gradient multiplies (SP: the shard, gathered again once for the set)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, parts: Tuple[int, ...],
-                call: Any):
-        ctx.save_for_backward(x, weight)
+                call: Any = None, leaves_in: Optional[torch.Tensor] = None, kept: Optional[torch.Tensor] = None):
+        ctx.save_for_backward(x if call is None else kept, weight)
         ctx.g, ctx.sp, ctx.parts, ctx.has_bias, ctx.call = g, sequence_parallel, parts, bias is not None, call
-        if call is not None:
-            call.register(ctx)
-        x = call.gather(x) if sequence_parallel and call is not None else _whole_sequence(x, g, sequence_parallel)
+        if call is None:
+            x = _whole_sequence(x, g, sequence_parallel)
         rows, leaves = x.reshape(-1, x.shape[-1]).contiguous(), LEAVES // g.size
         out = torch.cat([_in_blocks(rows, w.t(), leaves, split_rows=False) for w in weight.split(parts)], dim=1)
         out = out.view(*x.shape[:-1], weight.shape[0])  # (..., s, out/p)
@@ -165,13 +193,17 @@ class _InvariantColumnFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         leaves = LEAVES // ctx.g.size
-        if ctx.sp and ctx.call is not None and need_w:  # the call's one gather of x, for every member
-            x = ctx.call.gathered_input(x, overlap=False).wait()
+        call = ctx.call
+        if ctx.sp and call is not None and need_w:  # the call's one gather of x, for every member
+            x = call.gathered_input(x, overlap=False).wait()
         else:
             x = _whole_sequence(x, ctx.g, ctx.sp and need_w)
-        grad_x = None  # (..., s[/p], in); a member of a call but its last: in the sum the last returns
-        if need_x:
-            grad_x = _contract(grad_out, weight.t(), ctx.g, ctx.sp, ctx.parts, ctx.call)
+        grad_x = grad_leaves = None  # (..., s[/p], in); a member: (leaves, m, in) for its entry to sum
+        if call is not None:
+            call.began()
+            grad_leaves = _leaf_products(grad_out, weight.t(), ctx.g, ctx.parts) if ctx.needs_input_grad[7] else None
+        elif need_x:
+            grad_x = _contract(grad_out, weight.t(), ctx.g, ctx.sp, ctx.parts)
         flat = grad_out.reshape(-1, grad_out.shape[-1])
         grad_w = None
         if need_w:  # (out/p, in)
@@ -179,7 +211,7 @@ class _InvariantColumnFn(torch.autograd.Function):
             grad_w = torch.cat([_in_blocks(f.t().contiguous(), rows, leaves, split_rows=True)
                                 for f in flat.split(ctx.parts, dim=1)], dim=0)
         grad_b = _bias_grad(flat) if need_b and ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, grad_leaves, None
 
 
 class _InvariantRowFn(torch.autograd.Function):
@@ -241,9 +273,13 @@ def invariant_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
     parts = tuple(int(n) for n in parts) if parts else (weight.shape[0],)
     for n in parts:
         check_invariant(g.size, "invariant_column_linear", n * g.size)
-    joins = joins_siblings(siblings, x, g, collective_matmul=False, invariant=True)
-    call = siblings.join(x, g, weight, sequence_parallel, dtype=None)[0] if joins else None  # (no autocast cast here)
-    return _InvariantColumnFn.apply(x, weight, bias, g, sequence_parallel, parts, call)
+    if not joins_siblings(siblings, x, g, collective_matmul=False, invariant=True):
+        return _InvariantColumnFn.apply(x, weight, bias, g, sequence_parallel, parts)
+    call, x = siblings.join(x, g, weight, sequence_parallel, dtype=None)  # (no autocast cast here)
+    if call.token is None:  # the call's first member: its entry
+        call.enter(_InvariantEntry.apply(call, x), overlap=False, taken=())
+    return _InvariantColumnFn.apply(call.token, weight, bias, g, sequence_parallel, parts, call, call.views[0],
+                                    x if sequence_parallel else call.token)
 
 
 def invariant_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

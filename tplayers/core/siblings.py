@@ -1,50 +1,56 @@
 """Siblings share one collective: column layers declared to read one tensor all-reduce their input
-gradient once.
+gradient once, with every member's weight-gradient GEMM under it.
 
 A Hugging Face attention calls ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` on the same ``x`` (an MLP:
 ``gate_proj(x)``, ``up_proj(x)``). Each column layer's input gradient is a partial sum over ranks; on
 its own each all-reduces it (3 collectives for q/k/v). Megatron fuses the weights so that one
-all-reduce follows the sum of the three partials. Here, without fusing::
+all-reduce follows the sum of the three partials, under one weight-gradient GEMM. Here, without fusing::
 
-    Before (one all-reduce per sibling)       Now (one for the set)
-    v: grad_x_v = grad_v @ Wv; all_reduce     v: acc  = grad_v @ Wv;  grad_Wv           (autograd runs v, k, q)
-       grad_Wv (under it); wait                k: acc += grad_k @ Wk;  grad_Wk
-    k: the same                               q: acc += grad_q @ Wq;  pending = all_reduce(acc)
-    q: the same                                  grad_Wq (under it); grad_x = pending.wait()
+    Before (one all-reduce per sibling)       Now (one for the set, at its entry)
+    v: grad_x_v = grad_v @ Wv; all_reduce     v: grad_v @ Wv  -> the entry's input gradient (autograd adds)
+       grad_Wv (under it); wait                k: grad_k @ Wk  -> added
+    k: the same                               q: grad_q @ Wq  -> added
+    q: the same                               entry: all_reduce(the sum); grad_Wv, grad_Wk, grad_Wq (under it); wait
 
-The set is declared: ``parallelize`` declares the column layers of each region (an attention, an MLP)
-as one :class:`Siblings` (a user's own code: :func:`tplayers.declare_siblings`); a column layer no set
-declares is the plain Megatron layer. In a forward, the members called on one input form a *call* of
-the set: the input is recognised by where its gradient goes (its autograd edge), looked through casts
-and FSDP2's post-backward hook, so autocast's cast, FSDP2's per-layer cast of x and a fresh tensor
-each layer is handed do not split the set; a member called on something else (a cross-attention's k
-and v read the encoder's states) starts a call of its own. In a backward, the call's members that this
-backward runs (autograd can say which) add their partials into one buffer; the last of them all-reduces
-it under its own weight-gradient GEMM and returns the sum as its input gradient, the others return
-none (autograd adds the gradients of every use of ``x``: a residual, a replicated branch, take theirs
-directly, so the sum is right whatever else reads ``x``). Weight gradients are each layer's own, returned
-as usual (``.grad``, hooks, DDP, ``torch.autograd.grad`` all see the ordinary path). Under sequence
-parallelism the call also gathers its input once in forward (kept only while the call lasts) and once in
-backward, and reduce-scatters the summed gradient once.
+The set is declared: ``parallelize`` declares the column layers of each region as one :class:`Siblings`
+(a user's own code: :func:`tplayers.declare_siblings`); a column layer no set declares is the plain Megatron
+layer. In a forward, the members called on one input form a *call* of the set: the input is recognised by
+where its gradient goes (its autograd edge), looked through casts and FSDP2's post-backward hook, so
+autocast's cast, FSDP2's per-layer cast of x and a fresh tensor each layer is handed do not split the set; a
+member called on something else (a cross-attention's k and v read the encoder's states) starts a call of its
+own. The call's first member applies its *entry* (f, `tplayers.core.functional`): an autograd Function that
+takes x (cast once under autocast; under sequence parallelism it gathers the sequence, once) and the members'
+weights, and hands the members x and views of those weights to compute on. Because every member computes on
+the entry's outputs, autograd runs the entry's backward once all members this backward reaches have run,
+with their partial input gradients already added (no counting): it launches the one all-reduce (SP:
+reduce-scatter), runs the weight-gradient GEMMs the members left it under it, waits, and returns the input
+gradient and the weights' gradients through autograd (``.grad``, hooks, DDP, FSDP2, ``main_grad`` buffers see
+the ordinary path). Whatever else reads ``x`` (a residual, a replicated branch) gets its gradient directly.
+A member whose weight the entry did not take computes its own weight gradient (an FSDP2 unit of its own, a
+weight read through a function, delay_wgrad's recorded GEMMs): :meth:`Siblings.entry_weights`.
 
 A module whose own code needs the whole sequence (HF attention views q/k/v with its input's (b, s); the
 LM head after the last norm) gathers its input itself (`tplayers.core.comm.gather_sequence_for_columns`)
 and offers the shard it came from through its model's :class:`ColumnInputs`. Members called on that very
-gathered tensor take the sequence-parallel path on the shard (the gathered tensor seeds the call's
-forward gather): they save the shard, gather it again in backward and reduce-scatter their summed input
+gathered tensor take the sequence-parallel path on the shard (the gathered tensor is the entry's forward
+gather): the entry saves the shard, gathers it again in backward and reduce-scatters the summed input
 gradient into it, as Megatron's layout does, instead of all-reducing a whole-sequence gradient and
 keeping the gathered input alive. Whatever else reads the gathered tensor gets its ordinary (complete)
 gradient, split back to the shard.
+
+Under ``tp_invariant`` (:mod:`.invariant`) the entry's backward receives the members' leaf products, added
+leaf by leaf by autograd, and sums them as the fixed tree (the members compute their own weight gradients).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
+from torch.distributed.tensor import DTensor
 
-from .collectives import SEQ_DIM, Pending, all_gather, sum_partials
+from .collectives import SEQ_DIM, Pending, all_gather
 from .groups import TPGroup
 
 __all__ = ["Siblings", "ColumnInputs", "joins_siblings"]
@@ -96,7 +102,8 @@ class ColumnInputs:
         """The call in flight takes no more members (its inputs are let go; a backward still runs it)."""
         call, self.call = self.call, None
         if call is not None:
-            call.x = call.x_full = call.x_cast = None
+            call.x = call.x_full = call.x_cast = call.token = None
+            call.taken, call.views = [], []
 
     def __getstate__(self) -> Dict[str, Any]:
         return {}
@@ -113,12 +120,14 @@ def _withdraw(slot: "weakref.ref[ColumnInputs]", offer: tuple) -> None:
 
 class Siblings:
     """A declared set of column layers that read one tensor (q/k/v, gate/up): their input gradient is
-    summed and reduced once per call. ``inputs``: the model's :class:`ColumnInputs` (its own if None)."""
+    summed and reduced once per call. ``inputs``: the model's :class:`ColumnInputs` (its own if None);
+    ``members``: the layers (their weights enter a call's entry, :meth:`entry_weights`)."""
 
-    __slots__ = ("inputs",)
+    __slots__ = ("inputs", "members")
 
-    def __init__(self, inputs: Optional[ColumnInputs] = None) -> None:
+    def __init__(self, inputs: Optional[ColumnInputs] = None, members: Sequence[torch.nn.Module] = ()) -> None:
         self.inputs = ColumnInputs() if inputs is None else inputs
+        self.members = tuple(members)
 
     def join(self, x: torch.Tensor, g: TPGroup, weight: torch.Tensor, sequence_parallel: bool,
              dtype: Optional[torch.dtype], offered: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
@@ -139,25 +148,47 @@ class Siblings:
             call.x_full = offered[1].to(x.dtype)  # (cast as x is under autocast)
         return call, x
 
+    def entry_weights(self) -> List[torch.Tensor]:
+        """The members' weights a call's entry takes at its start, so that their weight-gradient GEMMs run under
+        its collective: each member's ``weight`` now, unless the member is an FSDP2 unit of its own (its
+        post-backward hook, at its input, would reduce-scatter its gradient before the entry ran) or the weight
+        is a DTensor (FSDP2's sharded parameter, unsharded only in that member's own pre-forward). A member
+        that multiplies another tensor (a weight read through a function, a cast) computes its own."""
+        return [m.weight for m in self.members
+                if not any(c.__name__ == "FSDPModule" for c in type(m).__mro__) and isinstance(m.weight, torch.Tensor)
+                and not isinstance(m.weight, DTensor)]
+
 
 class _Call:
-    """One call of a set: the members called on one input, their autograd nodes, the gathered input they
-    share in forward (sequence parallelism), and per backward the partial sum so far."""
+    """One call of a set: the members called on one input; its entry's outputs (the input the members compute
+    on, views of the weights it took); the gathered input they share in forward (sequence parallelism); per
+    backward, the weight-gradient GEMMs the members left the entry and the gather of the input they share."""
 
-    __slots__ = ("owner", "x", "source", "g", "sp", "nodes", "weights", "tasks", "x_full", "x_cast")
+    __slots__ = ("owner", "x", "source", "g", "sp", "weights", "tasks", "x_full", "x_cast", "token", "taken",
+                 "views", "overlap")
 
     def __init__(self, owner: Siblings, x: torch.Tensor, source: Tuple[Any, int], g: TPGroup,
                  sequence_parallel: bool) -> None:
         self.owner, self.x, self.source, self.g, self.sp = owner, x, source, g, sequence_parallel
-        self.nodes: List[Any] = []  # weak references to the members' autograd nodes
         self.weights: List[int] = []  # ids of the members' weights: a layer joins a call once
-        self.tasks: Dict[int, List[Any]] = {}  # graph task -> [partial sum, members still to run, gathered x]
+        self.tasks: Dict[int, Dict[str, Any]] = {}  # graph task -> what its members left the entry (_mailbox)
         self.x_full: Optional[torch.Tensor] = None  # SP: the all-gathered x, shared by the forwards only
         self.x_cast: Optional[torch.Tensor] = None  # x as autocast casts it: one cast (one tensor) for the call
+        self.token: Optional[torch.Tensor] = None  # the entry's output: the input every member computes on
+        self.taken: List[torch.Tensor] = []  # the weights the entry took (for the forward only)
+        self.views: List[torch.Tensor] = []  # the entry's views of them, in that order (tp_invariant: its leaves)
+        self.overlap = True
 
-    def register(self, node: Any) -> None:
-        """A member's autograd node (its Function's ``ctx``), so a backward can count the members it runs."""
-        self.nodes.append(weakref.ref(node))
+    def enter(self, outputs: Sequence[torch.Tensor], overlap: bool, taken: Sequence[torch.Tensor]) -> None:
+        """The entry's outputs ``(token, *views of taken)``; ``overlap``: its collective async under the GEMMs."""
+        self.token, self.views, self.taken, self.overlap = outputs[0], list(outputs[1:]), list(taken), overlap
+
+    def view_of(self, weight: torch.Tensor) -> Tuple[Optional[int], torch.Tensor]:
+        """``(i, the entry's view)`` when the entry took ``weight`` (the i-th), else ``(None, weight)``."""
+        for i, taken in enumerate(self.taken):
+            if taken is weight:
+                return i, self.views[i]
+        return None, weight
 
     def cast(self, x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
         """``x`` cast to autocast's ``dtype`` (None: autocast off), once for the members called on the call's
@@ -176,40 +207,30 @@ class _Call:
             self.x_full = all_gather(x, SEQ_DIM, self.g).wait()
         return self.x_full
 
-    def _state(self) -> List[Any]:
+    def _mailbox(self) -> Dict[str, Any]:
         task = torch._C._current_graph_task_id()
-        state = self.tasks.get(task)
-        if state is None:
-            if self.owner.inputs.call is self:  # no member joins once its backward began
-                self.owner.inputs.close()
-            running = sum(1 for ref in self.nodes if (n := ref()) is not None and torch._C._will_engine_execute_node(n))
-            state = self.tasks[task] = [None, running, None]
-        return state
+        return self.tasks.setdefault(task, {"left": [], "gather": None})  # (dropped by the entry's backward)
 
     def gathered_input(self, x: torch.Tensor, overlap: bool) -> Pending:
-        """Backward, sequence parallelism: the gather of ``x`` the members' weight gradients multiply,
-        launched once per backward (in flight under the first member's input-gradient GEMM)."""
-        state = self._state()
-        if state[2] is None:
-            state[2] = all_gather(x, SEQ_DIM, self.g, async_op=overlap)
-        return state[2]
+        """Backward, sequence parallelism: the gather of ``x`` the weight gradients multiply, launched once per
+        backward by the first that needs it (in flight under the GEMMs that follow)."""
+        box = self._mailbox()
+        if box["gather"] is None:
+            box["gather"] = all_gather(x, SEQ_DIM, self.g, async_op=overlap)
+        return box["gather"]
 
-    def add(self, partial: torch.Tensor) -> Optional[torch.Tensor]:
-        """Add this member's part of the input gradient (a buffer it owns; `tplayers.core.invariant`: its leaves'
-        products); the last member of this backward gets the sum, in the members' backward order; the others None."""
-        state = self._state()
-        state[0] = partial if state[0] is None else state[0].add_(partial)
-        state[1] -= 1
-        if state[1] > 0:
-            return None
-        del self.tasks[torch._C._current_graph_task_id()]
-        return state[0]
+    def leave(self, index: int, grad_out: torch.Tensor, main: Optional[Any]) -> None:
+        """A member's weight-gradient GEMM for the entry's ``index``-th weight (``main``: its main_grad buffer)."""
+        self._mailbox()["left"].append((index, grad_out, main))
 
-    def add_partial(self, partial: torch.Tensor, overlap: bool) -> Optional[Pending]:
-        """Add this member's partial input gradient (a buffer it owns); the last member of this backward
-        gets the all-reduce (SP: reduce-scatter) of the sum, launched; the others None."""
-        total = self.add(partial)
-        return None if total is None else sum_partials(total, self.g, self.sp, async_op=overlap)
+    def take_left(self) -> Dict[str, Any]:
+        """The entry's backward: what the members this backward ran left it (and the shared gather)."""
+        return self.tasks.pop(torch._C._current_graph_task_id(), {"left": [], "gather": None})
+
+    def began(self) -> None:
+        """A backward through this call began: no member joins it any more."""
+        if self.owner.inputs.call is self:
+            self.owner.inputs.close()
 
 
 def joins_siblings(siblings: Optional[Siblings], x: torch.Tensor, g: TPGroup, collective_matmul: bool,

@@ -39,7 +39,7 @@ def declare_siblings(*layers: nn.Module, inputs: Optional[ColumnInputs] = None) 
     if len(groups) > 1:
         raise ValueError(f"declare_siblings: the layers are on different TP groups ({sorted(map(str, groups))}); "
                          "a set reduces over one")
-    siblings = Siblings(inputs)
+    siblings = Siblings(inputs, layers)
     for layer in layers:
         layer.siblings = siblings
     return siblings

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from ..core.collectives import SEQ_DIM, Pending, all_gather, all_reduce, sum_partials
 from ..core.comm import copy_to_tp
-from ..core.functional import column_parallel_linear, differentiable_grads, row_parallel_linear, warn_cuda_connections_once
+from ..core.functional import column_parallel_linear, row_parallel_linear, warn_cuda_connections_once
+from ..core.graph import differentiable_grads
 from ..core.groups import TPGroup
 from .region import Core, batch_chunks, cat_rows, check_region_main_grads, core_graph
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, region_wgrads

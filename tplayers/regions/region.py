@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from ..core.collectives import SEQ_DIM, all_gather, sum_partials
-from ..core.functional import (autocast_dtype, check_linear_inputs, column_parallel_linear, differentiable_grads,
-                               row_parallel_linear, warn_cuda_connections_once)
+from ..core.functional import (autocast_dtype, check_linear_inputs, column_parallel_linear, row_parallel_linear,
+                               warn_cuda_connections_once)
+from ..core.graph import differentiable_grads
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, region_wgrads
 

@@ -1,0 +1,139 @@
+"""A declared set's entry (core/siblings.py, core/functional.py's _SetEntry) against the dense model in every way
+a backward can run through it: plain, twice with retain_graph, a partial backward (x alone), create_graph (a
+gradient penalty), float32-style main_grad buffers, delay_wgrad's recorded GEMMs, activation checkpointing, and
+a member whose weight the entry did not take. float64, TP 2 and 4: each gradient within 1e-10 of dense's."""
+import copy
+
+import pytest
+import torch
+
+import tplayers
+from tplayers.testing import dense_parameters, get_world
+
+
+class _Attention(torch.nn.Module):
+    """q, k, v read the same x (as Hugging Face attentions do); x also feeds a residual."""
+
+    def __init__(self, q, k, v, o):
+        super().__init__()
+        self.q, self.k, self.v, self.o = q, k, v, o
+
+    def forward(self, x):
+        return self.o(self.q(x) * self.k(x) + self.v(x)) + x
+
+
+def _models(group):
+    torch.manual_seed(0)
+    h, f = 8, 4 * group.size()
+    dense = _Attention(*[torch.nn.Linear(h, f) for _ in range(3)], torch.nn.Linear(f, h)).double()
+    col = lambda m: tplayers.ColumnParallelLinear.from_dense(m, group=group)  # noqa: E731
+    model = _Attention(col(dense.q), col(dense.k), col(dense.v), tplayers.RowParallelLinear.from_dense(dense.o, group=group))
+    tplayers.declare_siblings(model.q, model.k, model.v)
+    x = torch.randn(2, 6, h, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    return dense, model, x
+
+
+def _loss(model, x):
+    return model(x).square().sum()
+
+
+def _grads(dense, model, x, run):
+    """``run(module, x)`` on both (it leaves ``.grad`` on the parameters and x); the worst difference."""
+    xd = x.detach().clone().requires_grad_()
+    run(model, x)
+    run(dense, xd)
+    worst = float((x.grad - xd.grad).abs().max())
+    got = dense_parameters(model, grads=True)
+    for name, param in dense.named_parameters():
+        worst = max(worst, float((got[name] - param.grad).abs().max()))
+    return worst
+
+
+def _twice(module, x):
+    loss = _loss(module, x)
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+def _partial(module, x):
+    (x.grad,) = torch.autograd.grad(_loss(module, x), [x])
+    for param in module.parameters():  # (a partial backward leaves the parameters alone: dense's zeros compared)
+        param.grad = torch.zeros_like(param)
+
+
+def _penalty(module, x):
+    (grad_x,) = torch.autograd.grad(_loss(module, x), [x], create_graph=True)
+    grad_x.square().sum().backward()
+
+
+def _checkpointed(module, x):
+    torch.utils.checkpoint.checkpoint(_loss, module, x, use_reentrant=False).backward()
+
+
+def _scenarios(group):
+    out = {}
+    for name, run in (("plain", lambda m, x: _loss(m, x).backward()), ("retain_graph twice", _twice),
+                      ("partial backward", _partial), ("create_graph", _penalty), ("checkpoint", _checkpointed)):
+        out[name] = _grads(*_models(group), run)
+    dense, model, x = _models(group)
+    tplayers.use_main_grad(model, dtype=torch.float64)
+    untouched = []  # .grad stays None under main_grad (the entry returns None, not zeros, for what it added)
+
+    def main_grad(m, x):
+        _loss(m, x).backward()
+        if m is model:
+            untouched.extend(p.grad is None for p in model.parameters() if p is not model.o.bias)
+            tplayers.main_grads_to_grads(model)
+    out["main_grad"] = _grads(dense, model, x, main_grad)
+    out["main_grad: a .grad written"] = float(not all(untouched))
+    dense, model, x = _models(group)
+    tplayers.set_overlap(model, delay_wgrad=True)
+    out["delay_wgrad"] = _grads(dense, model, x, lambda m, x: (_loss(m, x).backward(), m is model
+                                                                and tplayers.backward_dw(model)))
+    dense, model, x = _models(group)  # k's weight read through a function: a new tensor at each read
+    torch.nn.utils.parametrize.register_parametrization(model.k, "weight", _Scaled())
+    xd = x.detach().clone().requires_grad_()
+    _loss(model, x).backward()
+    _loss(dense, xd).backward()
+    mine = dense.k.weight.grad.chunk(group.size(), 0)[group.rank()]
+    out["a weight the entry did not take"] = max(float((x.grad - xd.grad).abs().max()), float(
+        (model.k.parametrizations.weight.original.grad - mine).abs().max()))
+    return out
+
+
+class _Scaled(torch.nn.Module):
+    def forward(self, w):
+        return w * 1.0
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_sets_entry_matches_dense_in_every_kind_of_backward(tp):
+    for worst in get_world(tp).run(_scenarios):
+        assert all(v < 1e-10 for v in worst.values()), worst
+
+
+def _entry_took(group):
+    """The weights a call's entry takes: not a member's that is an FSDP2 unit of its own."""
+    from torch.distributed.fsdp import fully_shard
+
+    _, model, _ = _models(group)
+    took = [w is m.weight for w, m in zip(model.q.siblings.entry_weights(), (model.q, model.k, model.v))]
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (group.size(),))
+    fully_shard(model.k, mesh=mesh)
+    return took, [id(w) for w in model.q.siblings.entry_weights()] == [id(model.q.weight), id(model.v.weight)]
+
+
+def test_an_fsdp2_unit_of_its_own_computes_its_own_weight_gradient():
+    for took, without_k in get_world(2).run(_entry_took):
+        assert took == [True, True, True] and without_k
+
+
+def test_copies_of_a_model_keep_their_own_sets():
+    """A deep copy (an EMA model, an audit's twin) holds its own set, whose members are the copy's layers."""
+    torch.manual_seed(0)
+    cols = [tplayers.ColumnParallelLinear(8, 4, group=None) for _ in range(3)]
+    model = _Attention(*cols, tplayers.RowParallelLinear(4, 8, group=None))
+    tplayers.declare_siblings(model.q, model.k, model.v)
+    other = copy.deepcopy(model)
+    assert other.q.siblings is not model.q.siblings
+    assert [m is n for m, n in zip(other.q.siblings.members, (other.q, other.k, other.v))] == [True] * 3
