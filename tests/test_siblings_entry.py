@@ -9,17 +9,7 @@ import torch
 
 import tplayers
 from tplayers.testing import dense_parameters, get_world
-
-
-class _Attention(torch.nn.Module):
-    """q, k, v read the same x (as Hugging Face attentions do); x also feeds a residual."""
-
-    def __init__(self, q, k, v, o):
-        super().__init__()
-        self.q, self.k, self.v, self.o = q, k, v, o
-
-    def forward(self, x):
-        return self.o(self.q(x) * self.k(x) + self.v(x)) + x
+from test_comm_accounting import _Attention  # q, k, v on one x, and a residual
 
 
 def _models(group):
