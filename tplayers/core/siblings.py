@@ -38,7 +38,8 @@ gradient into it, as Megatron's layout does, instead of all-reducing a whole-seq
 keeping the gathered input alive. Whatever else reads the gathered tensor gets its ordinary (complete)
 gradient, split back to the shard.
 
-Under ``tp_invariant`` (:mod:`.invariant`) the entry's backward receives the members' leaf products, added
+Inside a torch.compile graph the set does not share (each layer reduces its own: the entry keeps Python state
+per backward that a traced graph cannot). Under ``tp_invariant`` (:mod:`.invariant`) the entry's backward receives the members' leaf products, added
 leaf by leaf by autograd, and sums them as the fixed tree (the members compute their own weight gradients).
 """
 from __future__ import annotations
