@@ -268,10 +268,21 @@ def _siblings_under_data_parallel(group, wrap: str, precision: str):
                 fully_shard(getattr(model.block, name), mesh=mesh.dp_mesh, mp_policy=policy)
         fully_shard(model.block, mesh=mesh.dp_mesh, mp_policy=policy)
         trained = fully_shard(model, mesh=mesh.dp_mesh, mp_policy=policy)
-    with tplayers.comm_accounting() as acc, mixed:
-        loss = nn.functional.cross_entropy(trained(x.chunk(2)[mesh.dp_rank]).float().flatten(0, 1),
-                                           y.chunk(2)[mesh.dp_rank].flatten())
-        loss.backward()
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    post_backward, order = FSDPParamGroup.post_backward, []  # (FSDP2 unit, TP collectives of the backward so far)
+
+    def watched(self, *args):
+        order.append((self._module_fqn, sum(1 for r in acc.records if r.phase == "backward")))
+        return post_backward(self, *args)
+    FSDPParamGroup.post_backward = watched
+    try:
+        with tplayers.comm_accounting() as acc, mixed:
+            loss = nn.functional.cross_entropy(trained(x.chunk(2)[mesh.dp_rank]).float().flatten(0, 1),
+                                               y.chunk(2)[mesh.dp_rank].flatten())
+            loss.backward()
+    finally:
+        FSDPParamGroup.post_backward = post_backward
     with (torch.autocast("cpu", dtype=torch.bfloat16) if precision != "float32" else contextlib.nullcontext()):
         nn.functional.cross_entropy(dense(x).float().flatten(0, 1), y.flatten()).backward()
     want = shard_state_dict({n: p.grad for n, p in dense.named_parameters()}, model_layouts(model), mesh.tp.rank,
@@ -281,7 +292,7 @@ def _siblings_under_data_parallel(group, wrap: str, precision: str):
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         torch.testing.assert_close(g.float(), want[name], rtol=tol, atol=tol * float(want[name].abs().max()),
                                    msg=lambda m: f"{name}: {m}")
-    return [(r.op, r.nbytes) for r in acc.records if r.phase == "backward"]
+    return [(r.op, r.nbytes) for r in acc.records if r.phase == "backward"], order
 
 
 @pytest.mark.parametrize("wrap, precision", [("ddp", "float32"), ("ddp", "autocast"), ("fsdp2", "float32"),
@@ -292,5 +303,9 @@ def test_siblings_share_one_all_reduce_under_ddp_and_fsdp2(wrap, precision):
     before, the layers read three tensors and reduced three times."""
     elements = GLOBAL_BATCH // 2 * SEQ * HIDDEN
     size = 4 if precision == "float32" else 2
-    for backward in get_world(4).run(_siblings_under_data_parallel, wrap, precision):
+    for backward, order in get_world(4).run(_siblings_under_data_parallel, wrap, precision):
         assert backward == [("all_reduce", elements * size)], backward
+        if wrap == "fsdp2_per_linear":  # each member's unit reduce-scatters right after its backward: v and k before
+            # the set's all-reduce, q (the first called, whose weight the entry takes) after it
+            assert [(name.split(".")[-1], n) for name, n in order if name.startswith("block.")][:4] == \
+                [("o", 0), ("v", 0), ("k", 0), ("q", 1)], order

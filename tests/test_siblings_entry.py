@@ -103,7 +103,7 @@ def test_the_sets_entry_matches_dense_in_every_kind_of_backward(tp):
 
 
 def _entry_took(group):
-    """The weights a call's entry takes: not a member's that is an FSDP2 unit of its own."""
+    """The weights a call's entry takes: not one FSDP2 keeps sharded (a DTensor) until its member's pre-forward."""
     from torch.distributed.fsdp import fully_shard
 
     _, model, _ = _models(group)
@@ -113,7 +113,7 @@ def _entry_took(group):
     return took, [id(w) for w in model.q.siblings.entry_weights()] == [id(model.q.weight), id(model.v.weight)]
 
 
-def test_an_fsdp2_unit_of_its_own_computes_its_own_weight_gradient():
+def test_a_weight_fsdp2_keeps_sharded_is_left_to_its_member():
     for took, without_k in get_world(2).run(_entry_took):
         assert took == [True, True, True] and without_k
 

@@ -26,8 +26,11 @@ with their partial input gradients already added (no counting): it launches the 
 reduce-scatter), runs the weight-gradient GEMMs the members left it under it, waits, and returns the input
 gradient and the weights' gradients through autograd (``.grad``, hooks, DDP, FSDP2, ``main_grad`` buffers see
 the ordinary path). Whatever else reads ``x`` (a residual, a replicated branch) gets its gradient directly.
-A member whose weight the entry did not take computes its own weight gradient (an FSDP2 unit of its own, a
-weight read through a function, delay_wgrad's recorded GEMMs): :meth:`Siblings.entry_weights`.
+A member whose weight the entry did not take computes its own weight gradient (a weight FSDP2 keeps sharded
+until the member's own pre-forward, a weight read through a function, delay_wgrad's recorded GEMMs):
+:meth:`Siblings.entry_weights`. Each member also takes the tensor it was called on as an input (no gradient:
+the entry's carries it), so what hooks that tensor (FSDP2's post-backward of a member wrapped on its own) runs
+right after that member.
 
 A module whose own code needs the whole sequence (HF attention views q/k/v with its input's (b, s); the
 LM head after the last norm) gathers its input itself (`tplayers.core.comm.gather_sequence_for_columns`)
@@ -151,13 +154,11 @@ class Siblings:
 
     def entry_weights(self) -> List[torch.Tensor]:
         """The members' weights a call's entry takes at its start, so that their weight-gradient GEMMs run under
-        its collective: each member's ``weight`` now, unless the member is an FSDP2 unit of its own (its
-        post-backward hook, at its input, would reduce-scatter its gradient before the entry ran) or the weight
-        is a DTensor (FSDP2's sharded parameter, unsharded only in that member's own pre-forward). A member
-        that multiplies another tensor (a weight read through a function, a cast) computes its own."""
-        return [m.weight for m in self.members
-                if not any(c.__name__ == "FSDPModule" for c in type(m).__mro__) and isinstance(m.weight, torch.Tensor)
-                and not isinstance(m.weight, DTensor)]
+        its collective: each member's ``weight`` now, unless it is a DTensor (FSDP2 wrapping a member on its own
+        shards it until that member's pre-forward: only the first member called has its weight whole; that
+        member's post-backward hook, at the entry's input, runs after the entry). A member that multiplies
+        another tensor (a weight read through a function, a cast) computes its own."""
+        return [m.weight for m in self.members if isinstance(m.weight, torch.Tensor) and not isinstance(m.weight, DTensor)]
 
 
 class _Call:
