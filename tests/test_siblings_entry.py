@@ -9,7 +9,7 @@ import torch
 
 import tplayers
 from tplayers.testing import dense_parameters, get_world
-from test_comm_accounting import _Attention  # q, k, v on one x, and a residual
+from test_comm_accounting import _Attention, _GatheredAttention  # q, k, v on one x; the same under SP
 
 
 def _models(group):
@@ -100,6 +100,28 @@ class _Scaled(torch.nn.Module):
 def test_the_sets_entry_matches_dense_in_every_kind_of_backward(tp):
     for worst in get_world(tp).run(_scenarios):
         assert all(v < 1e-10 for v in worst.values()), worst
+
+
+def _sequence_parallel_create_graph(group):
+    """Under SP (the module gathers its sequence, the set takes the shard) with create_graph=True: the entry's
+    differentiable reduce-scatter gives this rank's chunk of dense's input gradient."""
+    torch.manual_seed(0)
+    p, h, f = group.size(), 8, 4 * group.size()
+    dense = _GatheredAttention(*[torch.nn.Linear(h, f) for _ in range(3)], torch.nn.Linear(f, h), None).double()
+    col = lambda m: tplayers.ColumnParallelLinear.from_dense(m, group=group)  # noqa: E731
+    row = tplayers.RowParallelLinear.from_dense(dense.o, group=group, sequence_parallel=True)
+    model = _GatheredAttention(col(dense.q), col(dense.k), col(dense.v), row, group)
+    xd = torch.randn(2, 2 * p, h, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = xd.detach().chunk(p, 1)[group.rank()].clone().requires_grad_()
+    (got,) = torch.autograd.grad(model(x).square().sum(), [x], create_graph=True)
+    (want,) = torch.autograd.grad(dense(xd).square().sum(), [xd])
+    return got.requires_grad, float((got - want.chunk(p, 1)[group.rank()]).abs().max())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_sequence_parallel_entry_under_create_graph(tp):
+    for differentiable, worst in get_world(tp).run(_sequence_parallel_create_graph):
+        assert differentiable and worst < 1e-10, worst
 
 
 def _entry_took(group):

@@ -144,9 +144,9 @@ class _SetEntry(torch.autograd.Function):
         call = ctx.call
         box = call.take_left()
         if torch.is_grad_enabled():  # create_graph=True: f (SP: the gather) rebuilt from differentiable ops
-            grad = None if grad_x is None else differentiable_grads(
-                lambda t: gather_from_sequence(t, group=call.g, seq_dim=SEQ_DIM) if call.sp else copy_to_tp(t, group=call.g),
-                ctx.saved_tensors, (True,), grad_x)[0]
+            f = (lambda t: gather_from_sequence(t, group=call.g, seq_dim=SEQ_DIM)) if call.sp else (
+                lambda t: copy_to_tp(t, group=call.g))
+            grad = None if grad_x is None else differentiable_grads(f, ctx.saved_tensors, (True,), grad_x)[0]
             return (None, grad, *grad_views)
         reducing = None if grad_x is None else sum_partials(grad_x.contiguous(), call.g, call.sp, async_op=call.overlap)
         grads = list(grad_views)

@@ -42,8 +42,9 @@ keeping the gathered input alive. Whatever else reads the gathered tensor gets i
 gradient, split back to the shard.
 
 Inside a torch.compile graph the set does not share (each layer reduces its own: the entry keeps Python state
-per backward that a traced graph cannot). Under ``tp_invariant`` (:mod:`.invariant`) the entry's backward receives the members' leaf products, added
-leaf by leaf by autograd, and sums them as the fixed tree (the members compute their own weight gradients).
+per backward that a traced graph cannot). Under ``tp_invariant`` (:mod:`.invariant`) the entry's backward
+receives the members' leaf products, added leaf by leaf by autograd, and sums them as the fixed tree (the
+members compute their own weight gradients).
 """
 from __future__ import annotations
 
