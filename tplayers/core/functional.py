@@ -167,11 +167,10 @@ class _SetMemberFn(torch.autograd.Function):
     entry took its weight (``index``), computing it here otherwise."""
 
     @staticmethod
-    def forward(ctx, token, weight, bias, call, sink: Optional[WgradSink], index: Optional[int], x: torch.Tensor,
-                own: torch.Tensor):
+    def forward(ctx, token, weight, bias, call, sink: Optional[WgradSink], index: Optional[int], own: torch.Tensor):
         # own: the tensor this member was called on, an input so that what hooks it (FSDP2's post-backward of a
         # member wrapped on its own) runs after this member's backward, given no gradient (the entry's carries it)
-        ctx.save_for_backward(x, weight)  # x: the call's input (SP: its shard), for a weight gradient made here
+        ctx.save_for_backward(own if call.sp else token, weight)  # for a weight gradient made here (SP: the shard)
         ctx.call, ctx.sink, ctx.index, ctx.has_bias = call, sink, index, bias is not None
         return F.linear(token, weight, bias)  # (..., s, out/p)
 
@@ -184,8 +183,7 @@ class _SetMemberFn(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: the member's own GEMMs, differentiable (the entry reduces)
             x_full = all_gather(x, SEQ_DIM, call.g).wait() if call.sp else x
             inputs = (x_full.detach().requires_grad_(), weight, *graph_inputs(ctx, grad_out)[2:])
-            return (*differentiable_grads(F.linear, inputs, ctx.needs_input_grad[:3], grad_out), None, None, None, None,
-                    None)
+            return (*differentiable_grads(F.linear, inputs, ctx.needs_input_grad[:3], grad_out), None, None, None, None)
         if need_w and call.sp and (sink is None or sink.now):  # SP: the gather of x (once), under the GEMMs to come
             x = call.gathered_input(x, call.overlap)
         grad_x = grad_out @ weight if need_x else None  # (..., s, in): its partial sum, summed at the entry
@@ -193,7 +191,7 @@ class _SetMemberFn(torch.autograd.Function):
             call.leave(ctx.index, grad_out, None if sink is None else sink.main)
             need_w = False
         grad_w, grad_b = _weight_grads(sink, grad_out, x, need_w, need_b and ctx.has_bias)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def _set_member(call, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], g: TPGroup,
@@ -208,7 +206,7 @@ def _set_member(call, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if x.is_cuda:
         warn_cuda_connections_once(x, g, overlap_comm)
     sink = _sink(g, store, main_grads, weight_in, bias, "column_parallel_linear", call.sp)
-    return _SetMemberFn.apply(call.token, weight_in, bias, call, sink, index, x if call.sp else call.token, x)
+    return _SetMemberFn.apply(call.token, weight_in, bias, call, sink, index, x)
 
 
 def _weight_grads(sink: Optional[WgradSink], grad_out: torch.Tensor, x: Union[torch.Tensor, Pending], need_w: bool,

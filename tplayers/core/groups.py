@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import sys
 import time
 import warnings
 import weakref
@@ -23,6 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from .placement import holder_slot
 
@@ -251,8 +251,7 @@ def refuse_replicating_wrapper(op: str, g: TPGroup) -> None:
     Raised on every rank (each runs the same forward), before any backward or step. Local: no collective."""
     if g.size == 1 or torch.compiler.is_compiling():  # (DDP's forward, which sets it, runs outside the graph)
         return
-    ddp_module = sys.modules.get("torch.nn.parallel.distributed")
-    active = None if ddp_module is None else ddp_module.DistributedDataParallel._active_ddp_module
+    active = DistributedDataParallel._active_ddp_module
     if active is None:
         return
     key = (id(active), id(g.process_group))
