@@ -20,6 +20,10 @@ with zero learning rate, before they read its state, so they always see the hook
   :class:`~tplayers.core.dtensors.UnlabelledShard` naming ``tplayers.save_checkpoint(..., optimizer=)``;
 - ``load_state_dict`` pre-hook: DTensors (and dense-shaped tensors) back to this rank's rows.
 
+An optimizer that loads a state before its first step (the per-rank resume: a fresh optimizer,
+``load_state_dict(torch.load(...))``) has no hooks yet: its first step, before it runs, turns the loaded
+labels back into this rank's rows (:func:`_unlabel_loaded`), or refuses a label of another TP size by name.
+
 Which parameter is a shard is read from the TP modules alive in the process when the state is
 read (``param_placements()``), so parameters replaced after the optimizer was built (``to_empty``,
 ``load_state_dict(assign=True)``) are still found.
@@ -82,6 +86,7 @@ def _attach(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         _OPTIMIZERS.add(optimizer)
         optimizer.register_state_dict_post_hook(_label_state)
         optimizer.register_load_state_dict_pre_hook(_unlabel_state)
+        _unlabel_loaded(optimizer)
     if WeightGradStore.pending_total or MAIN_GRAD_IN_USE[0]:  # two reads per step when neither is in use
         _require_gradients_handed_off(optimizer)
 
@@ -175,9 +180,53 @@ def _unlabel_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any])
         p = by_index.get(index)
         if p is None or id(p) not in shards or not isinstance(entry, dict):
             continue
-        name, placement, group = shards[id(p)]
-        convert = _from_dp_tp if is_dtensor(p) else local_rows
-        state[index] = {key: convert(value, placement, group, p.detach(), f"optimizer state '{key}' of '{name}'")
-                        if isinstance(value, torch.Tensor) and value.dim() > 0 else value
-                        for key, value in entry.items()}
+        state[index] = _local_entry(p, entry, shards[id(p)])
     return {**state_dict, "state": state}
+
+
+def _local_entry(p: torch.Tensor, entry: Dict[str, Any], shard: Tuple[str, Placement, TPGroup]) -> Dict[str, Any]:
+    """One parameter's optimizer state with its labelled (or dense-shaped) tensors back to this rank's rows."""
+    name, placement, group = shard
+    convert = _from_dp_tp if is_dtensor(p) else local_rows
+    return {key: convert(value, placement, group, p.detach(), f"optimizer state '{key}' of '{name}'")
+            if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+            for key, value in entry.items()}
+
+
+def _unlabel_loaded(optimizer: torch.optim.Optimizer) -> None:
+    """At an optimizer's first step, its state loaded before tplayers' hooks were attached (the per-rank resume:
+    ``torch.save(optimizer.state_dict())``, a fresh optimizer, ``load_state_dict(torch.load(...))``): the
+    labelled moments back to this rank's rows, as the load pre-hook does for an optimizer that has stepped.
+    A DTensor beside a parameter that is no TP shard (state saved at another TP size) is refused by name:
+    torch's own error ("mixed torch.Tensor and DTensor") would say nothing of the route."""
+    loaded = [p for p, entry in optimizer.state.items() if isinstance(entry, dict)
+              and any(is_dtensor(v) for v in entry.values())]
+    if not loaded:
+        return  # a fresh optimizer's state is empty: one scan of nothing
+    shards = shard_of(loaded)
+    index = {id(p): i for i, p in enumerate(_params(optimizer))}
+    for p in loaded:
+        entry = optimizer.state[p]
+        if id(p) in shards:
+            optimizer.state[p] = _local_entry(p, entry, shards[id(p)])
+        elif not is_dtensor(p):
+            key, value = next((k, v) for k, v in entry.items() if is_dtensor(v))
+            raise ValueError(
+                f"optimizer state '{key}' of parameter {index.get(id(p))} (shape {tuple(p.shape)}): a DTensor of "
+                f"shape {tuple(value.shape)} placed {tuple(value.placements)} over ranks "
+                f"{value.device_mesh.mesh.flatten().tolist()}, a TP shard's state; this parameter is "
+                f"{_what_holds(p)}. A per-rank optimizer state_dict() loads back at the TP size and rank that saved "
+                "it; at another TP size load it through torch.distributed.checkpoint (get_state_dict / "
+                "set_state_dict, which reshard) or tplayers.save_checkpoint / load_checkpoint(..., optimizer=...)")
+
+
+def _what_holds(p: torch.Tensor) -> str:
+    """How a parameter that is no TP shard is held, for the refusal above."""
+    for module in list(_MODULES):
+        for name, q in module._parameters.items():
+            if q is p:
+                placement = module.param_placements().get(name)
+                kind = "sharded" if placement is not None and placement.is_sharded else "replicated"
+                return (f"'{type(module).__name__}.{name}', {kind} at TP size {module.group.size} "
+                        f"(TP rank {module.group.rank})")
+    return "a plain tensor of no TP module"
