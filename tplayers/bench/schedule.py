@@ -2,7 +2,7 @@
 
 The schedule is not written down here: it is recorded from one real overlapped step of the TP model
 (`tplayers.comm_accounting`) and replayed on zero buffers of the same sizes: the activations' as
-``(b, s, h)`` (gathered and scattered along the sequence, as the layers do), any other (the
+``(b, s, h)`` buffer (flat: the layers gather and scatter in the order the buffer lands), any other (the
 parameter-gradient all-reduces of the block's norms under sequence parallelism and of replicated KV
 heads) as a flat buffer of its size. ``comm_bwd``, the backward collectives the overlap can hide:
 those the overlapped backward launched asynchronously and waited for later (a blocking
@@ -15,7 +15,6 @@ from typing import Callable, List, Tuple
 
 import torch
 
-from ..core.collectives import SEQ_DIM
 from ..core.blocking import all_gather_tensor, all_reduce_, reduce_scatter_tensor
 from ..core.groups import TPGroup
 from .accounting import CommRecord, comm_accounting
@@ -42,17 +41,18 @@ def _run_all(ops: List[Step]) -> None:
 
 
 def _replay(record: CommRecord, activation: torch.Tensor, g: TPGroup) -> Step:
-    """``record``'s collective on zeros (reducing them in place keeps them zeros: no overflow, no denormals)."""
-    dim = SEQ_DIM
-    full = activation  # (b, s, h)
+    """``record``'s collective on zeros (reducing them in place keeps them zeros: no overflow, no denormals), flat:
+    the bytes alone, no reordering copy (the layers gather and scatter rank-major, as the buffer lands)."""
+    dim = 0
+    full = activation.view(-1)  # (b * s * h,)
     if record.nbytes != activation.numel() * activation.element_size():
-        dim, full = 0, activation.new_zeros(-(-record.nbytes // activation.element_size()))  # flat
+        full = activation.new_zeros(-(-record.nbytes // activation.element_size()))  # flat
     if record.op == "all_reduce":
         return lambda: all_reduce_(full, group=g)
     if record.op == "reduce_scatter":
         return lambda: reduce_scatter_tensor(full, dim, group=g)
     if record.op == "all_gather":  # nbytes: the gathered buffer; this rank sends its 1/p
-        shard = full.narrow(dim, 0, full.shape[dim] // g.size).clone()  # (b, s/p, h) or flat
+        shard = full.narrow(dim, 0, full.shape[dim] // g.size).clone()  # flat
         return lambda: all_gather_tensor(shard, dim, group=g)
     raise ValueError(f"bench: cannot replay a {record.op} alone (modes comm, comm_bwd)")
 

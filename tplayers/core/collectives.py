@@ -34,7 +34,8 @@ from .stamped import all_gather_buffers, all_reduce_buffers, reduce_scatter_buff
 
 __all__ = ["Pending", "Observer", "set_observer", "launch", "TRACE_COLLECTIVES", "eager_on_old_torch",
            "REDUCE_OPS", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_exchange", "split",
-           "owned_copy", "SEQ_DIM", "sum_partials", "wait_for_ranks", "broadcast"]
+           "owned_copy", "SEQ_DIM", "sum_partials", "wait_for_ranks", "broadcast", "to_rank_major", "from_rank_major",
+           "gather_rank_major"]
 
 # Under torch.compile the primitives issue torch's functional collectives (``_c10d_functional``):
 # they trace into the graph with no break, run asynchronously until ``wait_tensor`` (which
@@ -108,6 +109,32 @@ def launch(op: str, nbytes: int, g: TPGroup, call: Callable[[], Any],
 
 
 SEQ_DIM = -2  # batch-first activations (b, s, h): the sequence dim is the one before hidden
+
+# Rank-major token order. Under sequence parallelism rank r holds tokens [r*s/p, (r+1)*s/p) of every sequence,
+# (b, s/p, h). Gathered along the sequence in batch-first order, (b, s, h), the p chunks interleave with the batch:
+# putting them there (or taking a reduce-scatter's blocks from there) copies the whole activation once per
+# collective whenever b > 1. Megatron avoids it by keeping activations sequence-first, (s, b, h). Here the
+# gathered side keeps the collective's own order, (p, b, s/p, h), "rank-major": the all-gather's buffer as it
+# lands and the reduce-scatter's input as it is sent, no copy. A linear is token-wise, so its GEMMs run on that
+# order as well as any other; the reordering moves to the layer's per-rank side (its out/p or in/p features
+# instead of the hidden size), and costs nothing when b = 1. Which order each pass takes: seq_order.py.
+
+
+def to_rank_major(t: torch.Tensor, p: int) -> torch.Tensor:
+    """``(..., s, f)`` in sequence order -> ``(p, ..., s/p, f)`` contiguous (a copy unless the leading dims are 1)."""
+    shape = t.shape[:-2] + (p, t.shape[-2] // p, t.shape[-1])
+    return t.reshape(shape).movedim(-3, 0).contiguous()
+
+
+def from_rank_major(t: torch.Tensor) -> torch.Tensor:
+    """``(p, ..., s/p, f)`` -> ``(..., s, f)`` in sequence order (a copy unless the leading dims are 1)."""
+    return t.movedim(0, -3).reshape(t.shape[1:-2] + (t.shape[0] * t.shape[-2], t.shape[-1]))
+
+
+def gather_rank_major(x: torch.Tensor, g: TPGroup, *, async_op: bool = False) -> Pending:
+    """Every rank's sequence chunk ``x`` ``(..., s/p, f)`` gathered as ``(p, ..., s/p, f)``: the collective's buffer."""
+    return all_gather(x.unsqueeze(0), 0, g, async_op=async_op)
+
 
 # torch 2.13 renamed the single-tensor collectives; 2.4-2.12 only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -246,13 +273,15 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = Fa
     return _settled(Pending(work, finish, observed, stamped), async_op)
 
 
-def sum_partials(partial: torch.Tensor, g: TPGroup, sequence_parallel: bool, *, async_op: bool = False) -> Pending:
-    """Every rank's ``partial`` summed (a buffer the caller owns): all-reduced, or under sequence parallelism
-    reduce-scattered along the sequence. A float16 forward's partials carry whether each is finite with the
-    fingerprint: a split that overflows where the dense sum would not raises on every rank (backward: the scaler's)."""
+def sum_partials(partial: torch.Tensor, g: TPGroup, sequence_parallel: bool, *, async_op: bool = False,
+                 rank_major: bool = False) -> Pending:
+    """Every rank's ``partial`` summed (a buffer the caller owns): all-reduced, or under SP reduce-scattered along the
+    sequence (``rank_major``: in :func:`to_rank_major`'s order). A float16 forward's partials carry whether each is
+    finite with the fingerprint: a split that overflows where the dense sum would not raises on every rank."""
     check = partial.dtype == torch.float16 and torch._C._current_graph_task_id() == -1  # (read only when stamped)
-    if sequence_parallel:
-        return reduce_scatter(partial, SEQ_DIM, g, async_op=async_op, check_finite=check)
+    if sequence_parallel:  # rank-major (p, ..., s/p, f) as (p * ..., s/p, f): rank r's block of dim 0 is partial[r]
+        return reduce_scatter(partial.flatten(0, 1) if rank_major else partial, 0 if rank_major else SEQ_DIM, g,
+                              async_op=async_op, check_finite=check)
     return all_reduce(partial, g, async_op=async_op, check_finite=check)
 
 
@@ -288,7 +317,7 @@ def all_to_all(x: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[in
         return Pending(None, lambda: funcol.wait_tensor(moved))
     real = not is_fake(g.process_group)
     if real:
-        check_lagging(g.process_group)  # (a GPU's lagging table: the split sizes' all-gather, checked now)
+        check_lagging(g.process_group, wait=True)  # (a GPU's lagging tables: the split sizes' all-gather, checked now)
     out = torch.empty((sum(recv_rows),) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
     row_bytes = src[0:1].numel() * src.element_size() if src.shape[0] else 0
     nbytes = (sum(send_rows) - send_rows[g.rank]) * row_bytes  # what leaves this rank (its own rows stay)

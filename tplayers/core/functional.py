@@ -46,11 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from .collectives import SEQ_DIM, Pending, all_gather, sum_partials
+from .collectives import SEQ_DIM, Pending, all_gather, from_rank_major, sum_partials, to_rank_major
 from .comm import copy_to_tp, gather_from_sequence, scatter_to_tp
 from .graph import column_graph_grads, differentiable_grads, graph_inputs, row_graph_grads
 from .groups import GroupLike, TPGroup, refuse_replicating_wrapper, resolve_group
 from .ring import ring_gather_linear, ring_linear_scatter
+from .seq_order import (column_backward_rank_major, column_grad_order, gather_sequence, gathered_linear,
+                        row_backward_rank_major, row_forward_rank_major)
 from .siblings import Siblings, joins_siblings
 from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, linear_wgrads
 
@@ -71,8 +73,8 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         ctx.has_bias = bias is not None
         if sequence_parallel and ring:
             return ring_gather_linear(x, weight, bias, g)  # the gather in p ring steps under the GEMMs
-        if sequence_parallel:  # (..., s, in)
-            x = all_gather(x, SEQ_DIM, g).wait()
+        if sequence_parallel:  # the gather in the token order that copies less (seq_order)
+            return gathered_linear(x, weight, bias, g)  # (..., s, out/p)
         return F.linear(x, weight, bias)  # (..., s, out/p)
 
     @staticmethod
@@ -80,14 +82,14 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
             return (*column_graph_grads(ctx, grad_out), None, None, None, None, None)
         x, weight = ctx.saved_tensors
-        g, sp, overlap = ctx.g, ctx.sequence_parallel, ctx.overlap_comm
+        g, sp, overlap, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.sink
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if sp and need_w and (ctx.sink is None or ctx.sink.now):  # SP: the gather of x, in flight under the next GEMM
-            x = all_gather(x, SEQ_DIM, g, async_op=overlap)
-        reducing = None
-        if need_x:  # f: all-reduce (SP: reduce-scatter) this rank's partial sum, a buffer we own
-            reducing = sum_partials(grad_out @ weight, g, sp, async_op=overlap)  # (..., s, in)
-        grad_w, grad_b = _weight_grads(ctx.sink, grad_out, x, need_w, need_b and ctx.has_bias)  # under the collective
+        rank_major, grad_out = column_grad_order(grad_out, weight, g) if sp else (False, grad_out)  # (seq_order)
+        if sp and need_w and (sink is None or sink.now):  # SP: the gather of x, in flight under the next GEMM
+            x = gather_sequence(x, g, rank_major, async_op=overlap)  # (delay_wgrad: gathered so at its flush)
+        # f: all-reduce (SP: reduce-scatter) this rank's partial sum, a buffer we own; (..., s[/p], in)
+        reducing = sum_partials(grad_out @ weight, g, sp, async_op=overlap, rank_major=rank_major) if need_x else None
+        grad_w, grad_b = _weight_grads(sink, grad_out, x, need_w, need_b and ctx.has_bias)  # under the collective
         grad_x = None if reducing is None else reducing.wait()
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
@@ -97,14 +99,16 @@ class _RowParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, g: TPGroup, sequence_parallel: bool, sink: Optional[WgradSink], ring: bool):
+        rank_major = sequence_parallel and (ring or row_forward_rank_major(weight))  # SP: seq_order's choice
+        x_in = to_rank_major(x, g.size) if rank_major else x
         if sequence_parallel and ring:
-            out = ring_linear_scatter(x, weight, g)  # the reduce-scatter in p ring steps under the GEMMs
+            out = ring_linear_scatter(x_in, weight, g)  # the reduce-scatter in p ring steps under the GEMMs
         else:
-            partial = F.linear(x, weight)  # (..., s, out): this rank's share of the sum, owned
-            out = sum_partials(partial, g, sequence_parallel).wait()  # g: all-reduce (SP: reduce-scatter)
+            partial = F.linear(x_in, weight)  # (..., s, out): this rank's share of the sum, owned
+            out = sum_partials(partial, g, sequence_parallel, rank_major=rank_major).wait()  # g: all-reduce (SP: r-s)
         if bias is not None:
             out = out.add_(bias)  # (out is a buffer we own)
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight)  # (x itself: create_graph differentiates through it; one copy of x kept)
         ctx.g, ctx.sequence_parallel, ctx.has_bias, ctx.ring, ctx.sink = g, sequence_parallel, bias is not None, ring, sink
         return out
 
@@ -115,12 +119,14 @@ class _RowParallelLinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g, sp = ctx.g, ctx.sequence_parallel
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        rank_major = sp and (ctx.ring or row_backward_rank_major(weight))  # SP: seq_order's choice
         if sp and ctx.ring and need_x:  # the gather in p ring steps, each chunk's GEMM under the next transfer
-            grad_full = grad_out.new_empty(x.shape[:-1] + grad_out.shape[-1:])  # (..., s, out), filled by the ring
+            grad_full = grad_out.new_empty((g.size,) + grad_out.shape)  # (p, ..., s/p, out), filled by the ring
             grad_x = ring_gather_linear(grad_out, weight.t(), None, g, gathered=grad_full)
-        else:  # SP: each rank holds its sequence chunk's gradient; the GEMMs need all of it
-            grad_full = all_gather(grad_out, SEQ_DIM, g).wait() if sp else grad_out
-            grad_x = grad_full @ weight if need_x else None  # (..., s, in/p)
+        else:  # SP: each rank holds its chunk's gradient; the GEMMs need all of it
+            grad_full = gather_sequence(grad_out, g, rank_major).wait() if sp else grad_out
+            grad_x = (from_rank_major(grad_full @ weight) if rank_major else grad_full @ weight) if need_x else None
+        x = to_rank_major(x, g.size) if rank_major and need_w else x  # (the weight gradient's tokens in grad's order)
         grad_w, grad_b = _weight_grads(ctx.sink, grad_full, x, need_w, need_b and ctx.has_bias)
         return grad_x, grad_w, grad_b, None, None, None, None
 
@@ -226,7 +232,8 @@ def _sink(g: TPGroup, store: Optional[WeightGradStore], main_grads: MainGrads, w
     if store is None and main_grads is None:
         return None
     main = check_main_grads(main_grads, weight, bias, op, g.size)
-    return WgradSink(g, store, main, (weight, bias), gather_input=sequence_parallel)
+    return WgradSink(g, store, main, (weight, bias), gather_input=sequence_parallel,
+                     rank_major=sequence_parallel and column_backward_rank_major(weight))
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,

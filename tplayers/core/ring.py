@@ -15,45 +15,51 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .collectives import SEQ_DIM, ring_exchange
+from .collectives import from_rank_major, ring_exchange
 from .groups import TPGroup
 
 __all__ = ["ring_gather_linear", "ring_linear_scatter"]
 
 
+def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """``out = F.linear(x, weight, bias)``, written into ``out`` (contiguous): one GEMM, no copy."""
+    x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+    if bias is None:
+        torch.mm(x2, weight.t(), out=out2)
+    else:
+        torch.addmm(bias, x2, weight.t(), out=out2)
+
+
 def ring_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], g: TPGroup,
                        gathered: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(all_gather(x, seq), weight, bias)``: x ``(..., s/p, in)`` -> ``(..., s, out_local)``;
-    the chunk of rank r - k is multiplied while the chunk of rank r - k - 1 arrives. ``gathered``
-    (``(..., s, in)``), when given, receives ``all_gather(x, seq)`` too (the row layer's backward
-    needs the whole output gradient for its weight gradient)."""
+    the chunk of rank r - k is multiplied while the chunk of rank r - k - 1 arrives. Each step's GEMM writes
+    its own block of a rank-major output (``(p, ..., s/p, out_local)``, see ``collectives.to_rank_major``),
+    reordered once at the end (the narrow side). ``gathered`` (``(p, ..., s/p, in)``), when given, receives
+    the rank-major gather of x too, each chunk landing there directly (the row layer's backward needs the
+    whole output gradient for its weight gradient)."""
     chunk = x.contiguous()
-    sl = chunk.shape[SEQ_DIM]
-    out = torch.empty(chunk.shape[:-2] + (sl * g.size, weight.shape[0]), dtype=chunk.dtype, device=chunk.device)
+    out = chunk.new_empty((g.size,) + chunk.shape[:-1] + (weight.shape[0],))  # (p, ..., s/p, out_local)
+    if gathered is not None:
+        gathered[g.rank].copy_(chunk)
     for k in range(g.size):
+        src = (g.rank - k) % g.size  # whose sequence chunk this is
         arriving = None
         if k < g.size - 1:
-            arriving = ring_exchange(chunk, torch.empty_like(chunk), g)
-        src = (g.rank - k) % g.size  # whose sequence chunk this is
-        out.narrow(SEQ_DIM, src * sl, sl).copy_(F.linear(chunk, weight, bias))
-        if gathered is not None:
-            gathered.narrow(SEQ_DIM, src * sl, sl).copy_(chunk)
+            landing = gathered[(src - 1) % g.size] if gathered is not None else torch.empty_like(chunk)
+            arriving = ring_exchange(chunk, landing, g)
+        _linear_into(out[src], chunk, weight, bias)
         if arriving is not None:
             chunk = arriving.wait()
-    return out
+    return from_rank_major(out)
 
 
 def ring_linear_scatter(x: torch.Tensor, weight: torch.Tensor, g: TPGroup) -> torch.Tensor:
-    """``reduce_scatter(F.linear(x, weight), seq)``: x ``(..., s, in_local)`` -> this rank's ``(..., s/p, out)``
-    block of the sum over ranks; each step adds this rank's partial for the block passing by, the next
-    block's GEMM running while the running sum travels."""
-    if x.shape[SEQ_DIM] % g.size:
-        raise ValueError(f"collective matmul: sequence length {x.shape[SEQ_DIM]} is not divisible by the TP "
-                         f"degree {g.size}")
-    sl = x.shape[SEQ_DIM] // g.size
-
+    """``reduce_scatter(F.linear(x, weight), seq)``: x rank-major ``(p, ..., s/p, in_local)`` -> this rank's
+    ``(..., s/p, out)`` block of the sum over ranks; each step adds this rank's partial for the block passing by,
+    the next block's GEMM running while the running sum travels."""
     def partial(block: int) -> torch.Tensor:
-        return F.linear(x.narrow(SEQ_DIM, block * sl, sl), weight).contiguous()  # (..., s/p, out)
+        return F.linear(x[block], weight)  # (..., s/p, out), contiguous
 
     running = partial((g.rank - 1) % g.size)
     for k in range(1, g.size):  # after step k the running sum of block (r - k - 1) holds k + 1 ranks

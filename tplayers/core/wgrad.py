@@ -26,7 +26,8 @@ from typing import Callable, Deque, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .collectives import SEQ_DIM, Pending, all_gather
+from .collectives import Pending
+from .seq_order import gather_sequence
 from .blocking import sum_over_replica_ranks
 from .groups import TPGroup
 
@@ -149,11 +150,13 @@ class WgradSink:
     (sequence parallelism): a recorded computation gathers it at flush. (The column / row linears make one
     only for buffers or a store: they return their gradients to autograd themselves.)"""
 
-    __slots__ = ("g", "store", "main", "targets", "gather_input")
+    __slots__ = ("g", "store", "main", "targets", "gather_input", "rank_major")
 
     def __init__(self, g: TPGroup, store: Optional[WeightGradStore] = None, main: MainGrads = None,
-                 targets: Sequence[Optional[torch.Tensor]] = (), gather_input: bool = False) -> None:
+                 targets: Sequence[Optional[torch.Tensor]] = (), gather_input: bool = False,
+                 rank_major: bool = False) -> None:
         self.g, self.store, self.main, self.gather_input = g, store, main, gather_input
+        self.rank_major = rank_major  # the gathered input's token order (seq_order: the layer's backward chooses)
         self.targets = tuple(targets) if store is not None else ()  # held only until recorded
 
     @property
@@ -164,7 +167,7 @@ class WgradSink:
         """What the weight gradient will multiply: ``x``, or under sequence parallelism (computed now)
         the gather of every rank's chunk, launched here so that it travels under the caller's next GEMM."""
         if self.gather_input and need_w and self.now:
-            return all_gather(x, SEQ_DIM, self.g, async_op=async_op)
+            return gather_sequence(x, self.g, self.rank_major, async_op=async_op)
         return x
 
     def linear(self, grad_out: torch.Tensor, x: Union[torch.Tensor, Pending], need_w: bool,
@@ -179,7 +182,7 @@ class WgradSink:
         the shard gathered then."""
         if isinstance(x, Pending):
             return x.wait()
-        return all_gather(x, SEQ_DIM, self.g).wait() if self.gather_input and not self.now else x
+        return gather_sequence(x, self.g, self.rank_major).wait() if self.gather_input and not self.now else x
 
     def route(self, needs: Sequence[bool], compute: Callable[[], Sequence[Optional[torch.Tensor]]]
               ) -> Tuple[Optional[torch.Tensor], ...]:

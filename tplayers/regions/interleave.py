@@ -25,7 +25,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..core.collectives import SEQ_DIM, Pending, all_gather, all_reduce, sum_partials
+from ..core.collectives import Pending, all_reduce, sum_partials
+from ..core.seq_order import (column_backward_rank_major, column_forward_rank_major, gather_sequence,
+                              row_backward_rank_major, row_forward_rank_major, to_order, to_sequence)
 from ..core.comm import copy_to_tp
 from ..core.functional import column_parallel_linear, row_parallel_linear, warn_cuda_connections_once
 from ..core.graph import differentiable_grads
@@ -104,14 +106,17 @@ class _InterleavedBlockFn(torch.autograd.Function):
                 y = y + _with_bias(pending[i][j - 1].wait(), params[j - 1][5])
                 pending[i][j - 1] = None
             n = region.norm(y, nw, nb)
-            n_full = all_gather(n, SEQ_DIM, g).wait() if sp else n  # (bc, s, hidden)
-            h = F.linear(n_full, w1, b1)  # (bc, s, local column width)
+            # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
+            rm1, rm2 = sp and column_forward_rank_major(w1), sp and row_forward_rank_major(w2)
+            n_full = gather_sequence(n, g, rm1).wait() if sp else n  # (bc, s, hidden) or (p, bc, s/p, hidden)
+            h = to_sequence(F.linear(n_full, w1, b1), rm1)  # (bc, s, local column width)
             if region.recompute:
                 a = region.core(h, rows[i])
             else:
                 h_in, a = graphs[i][j] = core_graph(region.core, h, rows[i])
                 a = a.detach()
-            pending[i][j] = sum_partials(F.linear(a, w2), g, sp, async_op=True)  # this rank's share, in flight
+            partial = F.linear(to_order(a, g, rm2), w2)  # this rank's share
+            pending[i][j] = sum_partials(partial, g, sp, async_op=True, rank_major=rm2)  # in flight
             ys[i][j], ns[i][j], hs[i][j], resid[i] = y, n, h, y
         last_bias = params[-1][5]
         out = cat_rows([resid[i] + _with_bias(pending[i][-1].wait(), last_bias) for i in range(k)])
@@ -155,13 +160,16 @@ class _BlockBackward:
             if j + 1 < n:
                 self.through_norm(i, j + 1)
             region, (_, _, w1, _, w2, _) = self.regions[j], self.params[j]
-            gf = all_gather(self.grad_resid[i], SEQ_DIM, g).wait() if sp else self.grad_resid[i]  # (bc, s, hidden)
+            # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
+            rm1, rm2 = self.rank_major(j)
+            gf = gather_sequence(self.grad_resid[i], g, rm2).wait() if sp else self.grad_resid[i]  # (bc, s, hidden)
             graph = None if self.graphs is None else self.graphs[i][j]  # None: the core recomputed with its graph
             h_in, a = core_graph(region.core, self.hs[i][j], self.rows[i]) if graph is None else graph
-            (grad_h,) = torch.autograd.grad(a, h_in, gf @ w2)  # (bc, s, local column width)
-            self.gfs[i][j], self.acts[i][j], self.grad_hs[i][j] = gf, a.detach(), grad_h
+            (grad_h,) = torch.autograd.grad(a, h_in, to_sequence(gf @ w2, rm2))  # (bc, s, local column width)
+            grad_h = to_order(grad_h, g, rm1)
+            self.gfs[i][j], self.acts[i][j], self.grad_hs[i][j] = gf, to_order(a.detach(), g, rm2), grad_h
             if j > 0 or chain_to_x:  # this chunk's partial input gradient (a buffer we own) travels at once
-                self.pending[i][j] = sum_partials(grad_h @ w1, g, sp, async_op=self.overlap_comm)
+                self.pending[i][j] = sum_partials(grad_h @ w1, g, sp, async_op=self.overlap_comm, rank_major=rm1)
             if i == k - 1:  # region j's last stage: its weight gradients now, under its last collectives
                 self.weight_grads(j)
         if chain_to_x:
@@ -175,6 +183,11 @@ class _BlockBackward:
                 self.grads[_PER_REGION * j + slot] = grad
         grad_x = cat_rows(self.grad_resid) if self.needs_x else None
         return (grad_x, None, *self.grads)
+
+    def rank_major(self, j: int) -> Tuple[bool, bool]:
+        """Region j's backward token orders under SP (column, row): core/seq_order.py's choices."""
+        w1, w2 = self.params[j][2], self.params[j][4]
+        return self.sp and column_backward_rank_major(w1), self.sp and row_backward_rank_major(w2)
 
     def through_norm(self, i: int, j: int) -> None:
         """Region j's input-gradient collective for chunk i has arrived: through its norm, into the residual."""
@@ -201,9 +214,12 @@ class _BlockBackward:
         region, (_, _, w1, b1, w2, b2) = self.regions[j], self.params[j]
         need_w1, need_b1, need_w2, need_b2 = self.needs[j][2:]
         needs = (need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None)
-        gf, act, grad_h, n_cat = (cat_rows([t[i][j] for i in range(self.k)])
-                                  for t in (self.gfs, self.acts, self.grad_hs, self.ns))
-        sink = WgradSink(self.g, region.wgrad_store, region.main_grads, (w1, b1, w2, b2), gather_input=self.sp)
+        rm1, rm2 = self.rank_major(j)  # rank-major tensors hold the batch in dim 1
+        gf, act = (cat_rows([t[i][j] for i in range(self.k)], int(rm2)) for t in (self.gfs, self.acts))
+        grad_h = cat_rows([self.grad_hs[i][j] for i in range(self.k)], int(rm1))
+        n_cat = cat_rows([self.ns[i][j] for i in range(self.k)])  # (b, s | s/p, hidden)
+        sink = WgradSink(self.g, region.wgrad_store, region.main_grads, (w1, b1, w2, b2), gather_input=self.sp,
+                         rank_major=rm1)
         n_full = sink.input(n_cat, need_w1, async_op=self.overlap_comm)  # SP: under the row layer's GEMM
         base = _PER_REGION * j
         self.grads[base + 2:base + 6] = sink.route(needs, lambda: region_wgrads(

@@ -27,7 +27,9 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..core.collectives import SEQ_DIM, all_gather, sum_partials
+from ..core.collectives import sum_partials
+from ..core.seq_order import (column_backward_rank_major, column_forward_rank_major, gather_sequence,
+                              row_backward_rank_major, row_forward_rank_major, to_order, to_sequence)
 from ..core.functional import (autocast_dtype, check_linear_inputs, column_parallel_linear, row_parallel_linear,
                                warn_cuda_connections_once)
 from ..core.graph import differentiable_grads
@@ -53,9 +55,9 @@ def batch_chunks(batch: int, chunks: int) -> List[slice]:
     return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
 
 
-def cat_rows(parts: List[torch.Tensor]) -> torch.Tensor:
-    """Batch chunks back into one tensor (dim 0)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+def cat_rows(parts: List[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """Batch chunks back into one tensor (the batch dim: 0, or 1 for rank-major ``(p, b, s/p, f)``)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def core_graph(core: Core, h: torch.Tensor, rows: slice) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -74,20 +76,23 @@ class _SplitBackwardFn(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, b2, core: Core, g: TPGroup, sequence_parallel: bool, overlap_comm: bool,
                 recompute: bool, rows: List[slice], sink: WgradSink):
         sp, chunked = sequence_parallel, len(rows) > 1
-        gathers = [all_gather(x[rows[0]], SEQ_DIM, g, async_op=chunked)] if sp else []
+        # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
+        rm1, rm2 = sp and column_forward_rank_major(w1), sp and row_forward_rank_major(w2)
+        gathers = [gather_sequence(x[rows[0]], g, rm1, async_op=chunked)] if sp else []
         hs, graphs, reducing = [], [], []
         for i, r in enumerate(rows):
             if sp and i + 1 < len(rows):  # the next chunk's input travels while this one computes
-                gathers.append(all_gather(x[rows[i + 1]], SEQ_DIM, g, async_op=True))
-            x_full = gathers[i].wait() if sp else x[r]  # (bc, s, hidden)
-            h = F.linear(x_full, w1, b1)  # (bc, s, local column width)
+                gathers.append(gather_sequence(x[rows[i + 1]], g, rm1, async_op=True))
+            x_full = gathers[i].wait() if sp else x[r]  # (bc, s, hidden) or rank-major (p, bc, s/p, hidden)
+            h = to_sequence(F.linear(x_full, w1, b1), rm1)  # (bc, s, local column width)
             if recompute:
                 a = core(h, r)
             else:
                 h_in, a = core_graph(core, h, r)
                 graphs.append((h_in, a))
                 a = a.detach()
-            reducing.append(sum_partials(F.linear(a, w2), g, sp, async_op=chunked))  # this rank's share, in flight
+            partial = F.linear(to_order(a, g, rm2), w2)  # this rank's share
+            reducing.append(sum_partials(partial, g, sp, async_op=chunked, rank_major=rm2))  # in flight
             hs.append(h)
         out = cat_rows([pending.wait() for pending in reducing])  # (b, s | s/p, hidden)
         if b2 is not None:
@@ -105,19 +110,24 @@ class _SplitBackwardFn(torch.autograd.Function):
         x, w1, b1, w2, b2, *hs = ctx.saved_tensors
         g, sp, overlap_comm, rows, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.rows, ctx.sink
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        grad_full = all_gather(grad_out, SEQ_DIM, g).wait() if sp else grad_out  # (b, s, hidden)
+        # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
+        rm1, rm2 = sp and column_backward_rank_major(w1), sp and row_backward_rank_major(w2)
+        grad_full = gather_sequence(grad_out, g, rm2).wait() if sp else grad_out  # (b, s, hidden) | (p, b, s/p, ...)
         x_full = sink.input(x, need_w1, async_op=overlap_comm)  # SP: in flight under the chain below
+        grad_a_full = grad_full @ w2 if rm2 else None  # rank-major: one GEMM for every chunk
         graphs, ctx.graphs = ctx.graphs, None
         grad_hs, acts, reducing = [], [], []
         for i, (r, h) in enumerate(zip(rows, hs)):  # the input-gradient chain, chunk by chunk
             h_in, a = core_graph(ctx.core, h, r) if graphs is None else graphs[i]
-            (grad_h,) = torch.autograd.grad(a, h_in, grad_full[r] @ w2)  # (bc, s, local column width)
+            grad_a = to_sequence(grad_a_full[:, r], True) if rm2 else grad_full[r] @ w2
+            (grad_h,) = torch.autograd.grad(a, h_in, grad_a)  # (bc, s, local column width)
+            grad_h = to_order(grad_h, g, rm1)
             grad_hs.append(grad_h)
-            acts.append(a.detach())
+            acts.append(to_order(a.detach(), g, rm2))
             if need_x:  # this chunk's partial input gradient (a buffer we own) travels at once
-                reducing.append(sum_partials(grad_h @ w1, g, sp, async_op=overlap_comm))
+                reducing.append(sum_partials(grad_h @ w1, g, sp, async_op=overlap_comm, rank_major=rm1))
         needs = (need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None)
-        act, grad_h = cat_rows(acts), cat_rows(grad_hs)
+        act, grad_h = cat_rows(acts, int(rm2)), cat_rows(grad_hs, int(rm1))
         grads = sink.route(needs, lambda: region_wgrads(  # under the collectives (or recorded: delay_wgrad)
             grad_full, act, grad_h, lambda: sink.whole(x_full), needs, sink.main, g))
         grad_x = cat_rows([pending.wait() for pending in reducing]) if need_x else None
@@ -164,7 +174,8 @@ def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.
     warn_cuda_connections_once(x, g, overlap_comm)
     rows = batch_chunks(x.shape[0], chunks) if x.dim() >= 3 else [slice(None)]
     sink = WgradSink(g, wgrad_store, check_region_main_grads(main_grads, w1, b1, w2, b2, "split_backward_region", g),
-                     (w1, b1, w2, b2), gather_input=sequence_parallel)
+                     (w1, b1, w2, b2), gather_input=sequence_parallel,
+                     rank_major=sequence_parallel and column_backward_rank_major(w1))
     return _SplitBackwardFn.apply(x, w1, b1, w2, b2, core, g, sequence_parallel, overlap_comm, recompute, rows, sink)
 
 

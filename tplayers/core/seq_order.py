@@ -1,0 +1,87 @@
+"""Under sequence parallelism, which token order each GEMM of a column / row linear runs in: the sequence's, or
+rank-major (``collectives.to_rank_major``): whichever copies fewer bytes.
+
+Batch-first activations gathered along the sequence interleave the p ranks' chunks with the batch: every
+all-gather's result reordered into ``(b, s, h)``, every reduce-scatter's input reordered out of it, is a copy of
+the whole activation (b > 1). Rank-major order ``(p, b, s/p, ·)`` is the collective's own (the buffer as it lands
+and as it is sent); a linear is token-wise, so its GEMMs can run there, and the reordering moves to the layer's
+per-rank side: its ``out/p`` (column) or ``in/p`` (row) features. That is cheaper when that side is the narrower,
+as at TP 8 (Llama-3-8B: q/k/v 768 and the MLP 3584 wide per rank against a hidden size of 4096), and dearer at
+TP 2 with a wide MLP (14336 per rank), so each direction of each layer picks by its widths, counting the copies
+each order makes (one per collective; in rank-major order, one per reordered tensor):
+
+============================  =====================================  =============================================
+pass                          sequence order copies                  rank-major copies
+============================  =====================================  =============================================
+column forward                the gathered input (in)                the output (out/p)
+column backward               the re-gathered input, the input       the output gradient (out/p)
+                              gradient's partial sum (2 in)
+row forward                   the partial sum (out)                  the input (in/p)
+row backward                  the gathered output gradient (out)     the input (for the weight gradient) and the
+                                                                     input gradient (2 in/p)
+============================  =====================================  =============================================
+
+A layer's forward and backward choose independently (each backward's pairs of GEMM operands only have to agree
+with each other). The split-backward region and the block pipeline make the same choices from the same weights,
+so they stay bit-identical to the two layers. With b = 1 both orders are the same memory and nothing is copied.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .collectives import SEQ_DIM, Pending, all_gather, from_rank_major, gather_rank_major, to_rank_major
+from .groups import TPGroup
+
+__all__ = ["column_forward_rank_major", "column_backward_rank_major", "row_forward_rank_major",
+           "row_backward_rank_major", "gather_sequence", "to_order", "to_sequence", "gathered_linear", "column_grad_order"]
+
+
+def column_forward_rank_major(weight: torch.Tensor) -> bool:
+    """A column layer's forward (``weight``: ``(out/p, in)``) runs rank-major: its output is narrower than its input."""
+    return weight.shape[0] < weight.shape[1]
+
+
+def column_backward_rank_major(weight: torch.Tensor) -> bool:
+    """A column layer's backward runs rank-major: one ``out/p`` reorder against two ``in`` ones."""
+    return weight.shape[0] < 2 * weight.shape[1]
+
+
+def row_forward_rank_major(weight: torch.Tensor) -> bool:
+    """A row layer's forward (``weight``: ``(out, in/p)``) runs rank-major: its input is narrower than its output."""
+    return weight.shape[1] < weight.shape[0]
+
+
+def row_backward_rank_major(weight: torch.Tensor) -> bool:
+    """A row layer's backward runs rank-major: two ``in/p`` reorders against one ``out`` one."""
+    return 2 * weight.shape[1] < weight.shape[0]
+
+
+def gather_sequence(x: torch.Tensor, g: TPGroup, rank_major: bool, *, async_op: bool = False) -> Pending:
+    """Every rank's sequence chunk ``x`` ``(..., s/p, f)``: ``(..., s, f)``, or rank-major ``(p, ..., s/p, f)``."""
+    return gather_rank_major(x, g, async_op=async_op) if rank_major else all_gather(x, SEQ_DIM, g, async_op=async_op)
+
+
+def to_order(t: torch.Tensor, g: TPGroup, rank_major: bool) -> torch.Tensor:
+    """A whole sequence ``(..., s, f)`` in the order chosen (rank-major: reordered)."""
+    return to_rank_major(t, g.size) if rank_major else t
+
+
+def to_sequence(t: torch.Tensor, rank_major: bool) -> torch.Tensor:
+    """A whole sequence in the order chosen, back to ``(..., s, f)``."""
+    return from_rank_major(t) if rank_major else t
+
+
+
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], g: TPGroup) -> torch.Tensor:
+    """A column layer's forward under SP: ``F.linear`` of every rank's chunk of ``x`` gathered, ``(..., s, out/p)``."""
+    rank_major = column_forward_rank_major(weight)
+    return to_sequence(F.linear(gather_sequence(x, g, rank_major).wait(), weight, bias), rank_major)
+
+
+def column_grad_order(grad_out: torch.Tensor, weight: torch.Tensor, g: TPGroup) -> Tuple[bool, torch.Tensor]:
+    """A column layer's backward under SP: its order (rank-major?) and its output gradient in that order."""
+    rank_major = column_backward_rank_major(weight)
+    return rank_major, to_order(grad_out, g, rank_major)
