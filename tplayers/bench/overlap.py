@@ -30,6 +30,7 @@ from ..core.groups import GroupLike, TPGroup, collective_device, is_fake, resolv
 from ..layers import set_overlap
 from .accounting import emulated_link
 from .config import MODES, BenchConfig
+from .counts import count_step
 from .link import calibration
 from .measure import ACCOUNTING_COLUMNS, Accounted, profile, resolve_link, slowest_tflops, step_timeline
 from .modules import MODULES, naive_step, tp_model
@@ -202,6 +203,7 @@ def run_overlap_bench(group: GroupLike, cfg: BenchConfig) -> Dict[str, Any]:
     report = summarize(cfg, g.size, timings, skipped, backend=backend_name(g, device), accounting=accounting,
                        link=link, calibration=calib)
     report["timeline"] = timeline
+    report["counts"] = {name: count_step(raw[name]) for name in raw}  # what a GPU pays per step (steady state)
     if cfg.trace_dir:
         traced = {MODE_LABELS[name]: raw[name] for name in ("tp", "tp_blocking") if name in raw}
         report["trace"] = profile(traced, cfg, g, device)

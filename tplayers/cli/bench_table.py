@@ -15,7 +15,28 @@ def _ms(x: float) -> str:
 def format_report(report: Dict[str, Any]) -> str:
     """The human-readable table of a bench report (as returned by run_overlap_bench)."""
     return "\n".join(_timings_lines(report) + _headline_lines(report) + _schedule_lines(report)
-                     + _comparison_lines(report))
+                     + _counts_lines(report) + _comparison_lines(report))
+
+
+def _counts_lines(report: Dict[str, Any]) -> List[str]:
+    """What a GPU pays per step beside the collectives (tplayers.bench.counts), each mode against the matmuls alone."""
+    counts = report.get("counts") or {}
+    if not counts:
+        return []
+    base = counts.get("compute")
+    w = max(40, *(len(MODE_LABELS.get(m, m)) for m in counts))
+    lines = [f"{'per step (one steady-state step, this rank)':<{w}} {'kernels':>8} {'moved MB':>9} {'GEMM GFLOP':>10} "
+             f"{'host syncs':>10} {'collectives':>11}",
+             f"{'-' * w} {'-' * 8} {'-' * 9} {'-' * 10} {'-' * 10} {'-' * 11}"]
+    for mode, c in counts.items():
+        lines.append(f"{MODE_LABELS.get(mode, mode):<{w}} {c['kernels']:>8} {c['moved_bytes'] / 1e6:>9.2f} "
+                     f"{c['gemm_flops'] / 1e9:>10.3f} {c['host_syncs']:>10} {sum(c['collectives'].values()):>11}")
+    if base is not None:
+        lines.append(f"kernels: ops that launch work (views and allocations excluded); moved: bytes written by copies, "
+                     f"concatenations, casts, fills; the matmuls alone launch {base['kernels']} kernels and move "
+                     f"{base['moved_bytes'] / 1e6:.2f} MB")
+    lines.append("")
+    return lines
 
 
 def _link_lines(report: Dict[str, Any]) -> List[str]:

@@ -1,0 +1,91 @@
+"""What a GPU pays per step, counted on the CPU (tplayers.bench.counts): kernels, bytes moved by copies, GEMM
+FLOPs, host syncs. Deterministic, so asserted here: no schedule's steady-state step syncs the host, and under
+sequence parallelism the schedules reorder only each layer's per-rank side (core/seq_order.py), never the
+whole activation once per collective as they did (10 activations of copies per block step at TP 8)."""
+import json
+
+import pytest
+import torch
+
+import tplayers
+from tplayers.bench.config import BenchConfig
+from tplayers.bench.counts import StepCounts, count_step
+from tplayers.bench.overlap import MODE_TABLE, BenchInputs
+from tplayers.cli import main
+from tplayers.core.groups import resolve_group
+from tplayers.testing import get_world
+
+
+def test_counts_of_known_ops():
+    a, b = torch.randn(4, 8), torch.randn(8, 16)
+    with StepCounts() as c:
+        y = a @ b  # one GEMM: 2 * 4 * 16 * 8 FLOPs
+        z = y.t().contiguous()  # a copy of 64 float32
+        _ = z.view(-1)  # a view: no kernel
+        _ = float(z.sum())  # a host read: one sync
+    d = c.as_dict()
+    assert d["gemm_flops"] == 2 * 4 * 16 * 8
+    assert d["moved_bytes"] == 64 * 4 and d["moved_bytes_by_op"] == {"clone": 256}
+    assert d["host_syncs"] == 1 and d["host_syncs_by_op"] == {"_local_scalar_dense": 1}
+    assert d["kernels"] == 3  # mm, clone, sum
+
+
+BLOCK = dict(module="block", batch=2, seq=16, hidden=64, ffn=96, heads=8, kv_heads=4, activation="swiglu",
+             norm="rmsnorm", chunks=2)
+
+
+def _counts(group, sequence_parallel: bool, modes, checks: bool = True):
+    """Each mode's steady-state step counted; ``checks``: the collective checks on (the default) or off (the
+    schedule's own copies alone: a checked collective copies its buffer into one with the fingerprint slots)."""
+    g = resolve_group(group)
+    inputs = BenchInputs.create(g, BenchConfig(**BLOCK, sequence_parallel=sequence_parallel))
+    previous = tplayers.set_collective_checks(checks)  # (on every rank alike)
+    try:
+        out = {}
+        for name in modes:
+            if MODE_TABLE[name].skip(inputs) is not None:
+                continue
+            step = MODE_TABLE[name].build(inputs)
+            step()
+            step()  # steady state: caches warm, every lazy set-up done
+            out[name] = count_step(step)
+        return out
+    finally:
+        tplayers.set_collective_checks(previous[0], timeout=previous[1])
+
+
+SCHEDULES = ("tp", "tp_blocking", "tp_split", "tp_chunked", "tp_cm", "compute")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_no_schedule_syncs_the_host(sequence_parallel):
+    """With the collective checks on (the default): a host read would stall a GPU's launch queue every step."""
+    for rank, counts in enumerate(get_world(2).run(_counts, sequence_parallel, SCHEDULES)):
+        assert set(counts) >= {"tp", "tp_split", "tp_chunked", "compute"}
+        for mode, c in counts.items():
+            assert c["host_syncs"] == 0, f"rank {rank}, {mode}: {c['host_syncs_by_op']}"
+
+
+def test_sequence_parallel_reorders_only_the_per_rank_side(capsys):
+    """`tplayers bench --simulate` (one rank of TP 8, the fake process group) counts each mode's step in its JSON.
+    Under sequence parallelism, batch 2, each pass of each layer copies its per-rank side only (core/seq_order.py's
+    table: q/k/v 24 and fc1 16 features out of 64; o_proj 8 and fc2 16 in) beside the matmuls alone's copies; before,
+    every all-gather's result and every reduce-scatter's input were copied whole: 10 activations per step."""
+    rc = main(["bench", "--simulate", "--tp", "8", "--module", "block", "--batch", "2", "--seq", "16", "--hidden",
+               "64", "--ffn", "128", "--heads", "8", "--sequence-parallel", "--modes", "tp,tp_split,compute",
+               "--iters", "1", "--warmup", "1", "--json", "--no-progress", "--link", "1/5"])
+    assert rc == 0
+    counts = json.loads(capsys.readouterr().out)["counts"]
+    b, s, h, itemsize = 2, 16, 64, 4
+    columns, rows = 24 + 16, 8 + 16  # per-rank widths: q/k/v + fc1 outputs; o_proj + fc2 inputs
+    widths = columns + columns + rows + 2 * rows  # column fwd, column bwd, row fwd, row bwd (its input and grad_x)
+    norms = 2 * 2 * h * itemsize  # the two LayerNorms' weight and bias gradients, copied to be all-reduced (SP)
+    for mode in ("tp", "tp_split"):
+        extra = counts[mode]["moved_bytes"] - counts["compute"]["moved_bytes"]
+        assert extra == b * s * widths * itemsize + norms, (
+            f"{mode}: {extra / (b * s * h * itemsize):.2f} activations moved beyond the matmuls alone's, expected "
+            f"{widths / h:.2f}: {counts[mode]['moved_bytes_by_op']}")
+        assert counts[mode]["host_syncs"] == 0 and counts[mode]["gemm_flops"] == counts["compute"]["gemm_flops"]
+        # per layer one gather forward, two backward (the output gradient, the input re-gathered), one reduce-scatter
+        # each way; the norms' four parameter gradients all-reduced
+        assert counts[mode]["collectives"] == {"_allgather_base_": 6, "_reduce_scatter_base_": 4, "allreduce_": 4}

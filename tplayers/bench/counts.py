@@ -1,0 +1,126 @@
+"""What a GPU pays for one step, counted on any machine: kernels launched, bytes written by data movement, GEMM
+FLOPs and host synchronizations, read off the ATen ops one step dispatches (a ``TorchDispatchMode``).
+
+A CPU's emulated link charges a schedule for its collectives only; a GPU also charges for every kernel launched
+(a few microseconds of host time each), every byte a copy, a concatenation or a cast writes (at its memory
+bandwidth), and every time the host waits for the device. None of these depends on the device, so they are
+counted here on whatever runs the step (``tplayers bench`` counts each mode's steady-state step this way; under
+``--simulate``, one rank of any TP size on the fake process group).
+
+- **kernels**: ops that launch work (every op but the views, the metadata ops and the allocations of
+  :data:`FREE`; a collective is counted apart, in ``collectives``);
+- **moved_bytes**: bytes written by the data-movement ops of :data:`MOVES` (``copy_``, ``cat``, ``clone``, casts,
+  scatters, fills), by op;
+- **gemm_flops**: 2 * m * n * k of every matmul (``mm``, ``addmm``, ``bmm``, ``baddbmm``; attention kernels
+  apart, in ``attention_flops``, the four matmuls of the forward and backward of scaled dot-product attention);
+- **host_syncs**: ops whose result the host reads from the device (``.item()``, ``torch.equal``, ``nonzero``,
+  ``masked_select``, ``unique``...): on a GPU each one stalls the host until the device catches up. Stream and
+  event synchronizes are not ATen ops and are not seen here (``torch.cuda.set_sync_debug_mode`` sees them).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any, Callable, Dict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["StepCounts", "count_step", "FREE", "MOVES", "HOST_SYNCS"]
+
+#: Ops that launch no kernel: views, metadata, allocations (an empty tensor is a pointer from the caching allocator).
+FREE = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "expand", "as_strided",
+    "detach", "alias", "slice", "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind",
+    "narrow", "movedim", "view_as", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
+    "lift_fresh", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size",
+    "set_", "resize_", "_has_compatible_shallow_copy_type", "record_stream", "wait_tensor",
+})
+#: Ops whose writes are data movement (no arithmetic): their output bytes are counted as moved.
+MOVES = frozenset({
+    "copy_", "copy", "cat", "clone", "_to_copy", "contiguous", "index_put_", "index_put", "scatter", "scatter_",
+    "slice_scatter", "select_scatter", "stack", "zero_", "fill_", "zeros_like", "new_zeros", "zeros", "ones",
+    "full", "new_full", "index_select", "gather", "index_copy_", "masked_scatter", "constant_pad_nd",
+})
+#: Ops the host must wait on the device for (their result is read on the host).
+HOST_SYNCS = frozenset({
+    "_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+    "unique_consecutive", "unique_dim", "allclose", "repeat_interleave", "bincount", "histc",
+})
+_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm"})
+_ATTENTION = "scaled_dot_product"
+
+
+def _nbytes(out: Any) -> int:
+    if isinstance(out, torch.Tensor):
+        return out.numel() * out.element_size()
+    if isinstance(out, (list, tuple)):
+        return sum(_nbytes(o) for o in out)
+    return 0
+
+
+def _gemm_flops(name: str, args: tuple) -> int:
+    """2 m n k (times the batch) of a matmul op from its operand shapes."""
+    a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return 0
+    k = a.shape[-1]
+    return 2 * math.prod(a.shape[:-1]) * b.shape[-1] * k
+
+
+def _attention_flops(name: str, args: tuple) -> int:
+    """QK^T and PV of scaled dot-product attention: 4 b h s_q s_k d forward, twice that backward."""
+    q, k = args[0], args[1]
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() < 3:
+        return 0
+    flops = 4 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+    return 2 * flops if name.endswith("backward") else flops
+
+
+class StepCounts(TorchDispatchMode):
+    """The counts of the ops dispatched while active (see the module docstring). ``as_dict()`` for a report."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+        self.ops: Counter = Counter()
+        self.moved: Counter = Counter()
+        self.gemm_flops = 0
+        self.attention_flops = 0
+        self.host_syncs: Counter = Counter()
+        self.collectives: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        namespace = func.namespace
+        if namespace in ("c10d", "_c10d_functional"):
+            if name not in ("wait_tensor",):
+                self.collectives[name] += 1
+            return out
+        if name in HOST_SYNCS:
+            self.host_syncs[name] += 1
+        if name in FREE:
+            return out
+        self.kernels += 1
+        self.ops[name] += 1
+        if name in MOVES:
+            self.moved[name] += _nbytes(out)
+        if name in _GEMMS:
+            self.gemm_flops += _gemm_flops(name, args)
+        elif _ATTENTION in name:
+            self.attention_flops += _attention_flops(name, args)
+        return out
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"kernels": self.kernels, "moved_bytes": sum(self.moved.values()), "moved_bytes_by_op": dict(self.moved),
+                "gemm_flops": self.gemm_flops, "attention_flops": self.attention_flops,
+                "host_syncs": sum(self.host_syncs.values()), "host_syncs_by_op": dict(self.host_syncs),
+                "collectives": dict(self.collectives), "top_ops": dict(self.ops.most_common(12))}
+
+
+def count_step(step: Callable[[], None]) -> Dict[str, Any]:
+    """One run of ``step`` (call it after its warm-up: a steady-state step) counted; :meth:`StepCounts.as_dict`."""
+    with StepCounts() as counts:
+        step()
+    return counts.as_dict()
