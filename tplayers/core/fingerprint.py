@@ -26,8 +26,10 @@ copy of the buffer into a slightly longer one (and back), measured in benchmarks
 
 On the CPU a rank waits at most ``timeout`` seconds at a checked collective, then raises naming the
 call (a rank that raised and went on, instead of the process group's 30 minutes in silence). On a
-GPU the fingerprints are copied to the host without a synchronization and checked when the group's
-next collective launches (so on the same call on every rank, one collective late).
+GPU the fingerprints are copied to the host without a synchronization and checked at a later launch of
+the group's collectives, once the GPU has written them (an event queried, never waited for: the host
+keeps running ahead of the device); a group lets at most ``MAX_LAGGING`` tables wait, then waits for
+its oldest (the same call on every rank: each rank's checks run at the same collectives).
 
 Not covered: point-to-point ring steps (``collective_matmul``) and broadcasts, all-to-alls (token dispatch:
 their split sizes travel first in a checked all-gather, whose table an all-to-all checks before it launches,
@@ -46,7 +48,8 @@ import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Tuple
+from collections import deque
+from typing import Any, Deque, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -101,12 +104,13 @@ class _Group:
         self.seq = 0
         self.task = -1  # the backward (graph task) the last collective ran in
         self.position = 0
-        self.lagging: Optional[Tuple[torch.Tensor, Any, "Stamp"]] = None
+        self.lagging: Deque[Tuple[torch.Tensor, Any, "Stamp"]] = deque()  # oldest first
 
 
 _GROUPS: "weakref.WeakKeyDictionary[Any, _Group]" = weakref.WeakKeyDictionary()
 AGREED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # groups whose ranks compared their settings (first collective)
 _LAG_ON_CPU = [False]  # tests: check CPU tables one collective late, as on a GPU
+MAX_LAGGING = 64  # a GPU's fingerprint tables a group lets wait for the device before it waits for the oldest
 
 
 def _crc(text: str) -> int:
@@ -162,6 +166,14 @@ def _forward_site(frame: Any) -> Tuple[str, bool, bool]:
     return inner.__dict__["_tplayers_path"], inner.training, tracked
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a synchronization: a copy from pageable memory would wait for the
+    device's stream (torch synchronizes it); from pinned memory it is queued like a kernel."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Stamp:
     """One collective's fingerprint on this rank: what it writes into the buffer, and the check of
     the table every rank's slots come back as."""
@@ -175,7 +187,7 @@ class Stamp:
 
     def mine(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``SLOT`` elements (its flag 0)."""
-        out = torch.tensor(self.digest + [0] * (1 + CARRIED), dtype=dtype).to(device)
+        out = _to_device(torch.tensor(self.digest + [0] * (1 + CARRIED), dtype=dtype), device)
         if self.carried is not None:
             out[DIGEST + 1:] = self.carried
         return out
@@ -185,7 +197,7 @@ class Stamp:
         partial sum is not finite) in its slot, zeros elsewhere: summed over the group, every rank's."""
         out = torch.zeros(self.size * SLOT, dtype=dtype)
         out[self.rank * SLOT:self.rank * SLOT + DIGEST] = torch.tensor(self.digest, dtype=dtype)
-        out = out.to(device)
+        out = _to_device(out, device)
         if overflow is not None:  # stays on the device: no synchronization
             out[self.rank * SLOT + DIGEST] = overflow.to(dtype)
         if self.carried is not None:  # (a device copy: no synchronization either)
@@ -208,7 +220,7 @@ class Stamp:
         if table.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        _group(self.pg).lagging = (host, event, self)
+        _group(self.pg).lagging.append((host, event, self))
 
 
 def _agree_on_checks(pg: Any, size: int) -> None:
@@ -242,10 +254,10 @@ def _group(pg: Any) -> _Group:
 
 
 def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
-    rows = table.reshape(s.size, SLOT).to(torch.int64)
-    overflowed = rows[:, DIGEST].nonzero()[:, 0].tolist()
-    rows = rows[:, :DIGEST]
-    if bool((rows != torch.tensor(s.digest, dtype=torch.int64)).any()):
+    """Compare every rank's fingerprint in ``table`` (in host memory: read once, as Python integers)."""
+    rows = table.reshape(s.size, SLOT).to(torch.int64).tolist()
+    overflowed = [rank for rank, row in enumerate(rows) if row[DIGEST]]
+    if any(row[:DIGEST] != s.digest for row in rows):
         sides = exchange_text(s.text, s.pg, s.size)
         fate = ("It was checked when the group's next collective launched (a GPU's fingerprints reach the host "
                 "without a synchronization): its result may have been used." if late else
@@ -255,8 +267,8 @@ def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
             "rank's data with another layer's or phase's and compute wrong numbers. Every rank must run the same "
             "forward and backward calls on the model (evaluation on every rank, not on rank 0 only; no rank skipping "
             "or retrying a step alone). " + fate + "\n  " + "\n  ".join(sides))
-    carried = table.reshape(s.size, SLOT)[:, DIGEST + 1:].to(torch.int64)
-    if bool((carried != carried[:1]).any()):
+    carried = [row[DIGEST + 1:] for row in rows]
+    if any(c != carried[0] for c in carried):
         texts = exchange_text(entries_text(s.shared), s.pg, s.size, limit=None)
         raise RanksDiverged(diverged_message(s.shared, texts, s.text, late))
     if overflowed:
@@ -297,17 +309,22 @@ def bounded_wait(work: Any, text: str, cpu: bool) -> None:
             f"tplayers.set_collective_checks(timeout=...). ({cause})") from None
 
 
-def check_lagging(pg: Any) -> None:
-    """Check the group's previous fingerprinted collective now if its table is still pending (a GPU's,
-    checked when the group's next collective launches: this is that launch)."""
+def check_lagging(pg: Any, wait: bool = False) -> None:
+    """Check the group's earlier fingerprinted collectives whose tables have reached the host (a GPU's, checked
+    at a later launch of the group's collectives: this is one). Never waits for the device unless ``wait`` (every
+    table checked now) or more than ``MAX_LAGGING`` tables wait (the oldest is waited for). Each rank's device
+    finishes the same collectives, but not at the same moment: a table not yet written on one rank may be checked
+    later there, so a mismatch raises on every rank within the group's next ``MAX_LAGGING`` collectives."""
     state = _GROUPS.get(pg)
-    if state is None or state.lagging is None:
-        return
-    host, event, previous = state.lagging
-    state.lagging = None
-    if event is not None:
-        event.synchronize()
-    _verify(host, previous, late=True)
+    lagging = None if state is None else state.lagging
+    while lagging:
+        host, event, previous = lagging[0]
+        if event is not None and not event.query():
+            if not wait and len(lagging) <= MAX_LAGGING:
+                return
+            event.synchronize()
+        lagging.popleft()
+        _verify(host, previous, late=True)
 
 
 def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: int) -> Optional[Stamp]:
