@@ -105,11 +105,10 @@ def _ema_update(ema: dict, model: nn.Module) -> None:
         ema[k].lerp_(v, 0.25)
 
 
-def _deepcopy_and_ema(group):
+def _idioms(model: nn.Module, whole) -> tuple:
     """``copy.deepcopy(model.state_dict())`` restored later, and an EMA kept as ``{k: v.clone()}`` of
-    ``state_dict()`` and updated in place each step (the way timm / many loops write it), loaded into the
-    model: both equal the same idioms on the dense model, gathered."""
-    model = _model(group, seed=3)
+    ``state_dict()`` and updated in place each step (the way timm / many loops write it), loaded into the model;
+    ``whole(model)``: the model's state as dense tensors, copied."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, optimizer, 0, 2)
     snapshot = copy.deepcopy(model.state_dict())
@@ -117,12 +116,15 @@ def _deepcopy_and_ema(group):
     for step in range(2, 5):
         _train(model, optimizer, step, 1)
         _ema_update(ema, model)
-    after = _dense_copy(model)
+    after = whole(model)
     model.load_state_dict(snapshot)
-    restored = _dense_copy(model)
+    restored = whole(model)
     model.load_state_dict(ema)
-    averaged = _dense_copy(model)
-    return after, restored, averaged
+    return after, restored, whole(model)
+
+
+def _deepcopy_and_ema(group):
+    return _idioms(_model(group, seed=3), _dense_copy)
 
 
 def _dense_copy(model) -> dict:
@@ -133,14 +135,7 @@ def _dense_copy(model) -> dict:
 def _dense_deepcopy_and_ema():
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN)).double()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _train(model, optimizer, 0, 2)
-    snapshot = copy.deepcopy(model.state_dict())
-    ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for step in range(2, 5):
-        _train(model, optimizer, step, 1)
-        _ema_update(ema, model)
-    return {k: v.clone() for k, v in model.state_dict().items()}, snapshot, ema
+    return _idioms(model, lambda m: {k: v.clone() for k, v in m.state_dict().items()})
 
 
 def test_deepcopy_of_state_dict_and_an_in_place_ema_equal_the_dense_idioms():

@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["StepCounts", "count_step", "FREE", "MOVES", "HOST_SYNCS"]
+__all__ = ["StepCounts", "count_step", "FREE", "MOVES", "HOST_SYNCS", "GEMM_OPS", "ATTENTION_MARK", "gemm_op_flops",
+           "attention_op_flops"]
 
 #: Ops that launch no kernel: views, metadata, allocations (an empty tensor is a pointer from the caching allocator).
 FREE = frozenset({
@@ -47,8 +48,8 @@ HOST_SYNCS = frozenset({
     "_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "_unique", "_unique2",
     "unique_consecutive", "unique_dim", "allclose", "repeat_interleave", "bincount", "histc",
 })
-_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm"})
-_ATTENTION = "scaled_dot_product"
+GEMM_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "linear", "_scaled_mm"})
+ATTENTION_MARK = "scaled_dot_product"  # in the name of every attention op
 
 
 def _nbytes(out: Any) -> int:
@@ -59,16 +60,16 @@ def _nbytes(out: Any) -> int:
     return 0
 
 
-def _gemm_flops(name: str, args: tuple) -> int:
+def gemm_op_flops(name: str, args: tuple) -> int:
     """2 m n k (times the batch) of a matmul op from its operand shapes."""
-    a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
+    a, b = (args[1], args[2]) if name.startswith(("addmm", "baddbmm")) else (args[0], args[1])
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return 0
     k = a.shape[-1]
     return 2 * math.prod(a.shape[:-1]) * b.shape[-1] * k
 
 
-def _attention_flops(name: str, args: tuple) -> int:
+def attention_op_flops(name: str, args: tuple) -> int:
     """QK^T and PV of scaled dot-product attention: 4 b h s_q s_k d forward, twice that backward."""
     q, k = args[0], args[1]
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() < 3:
@@ -106,10 +107,10 @@ class StepCounts(TorchDispatchMode):
         self.ops[name] += 1
         if name in MOVES:
             self.moved[name] += _nbytes(out)
-        if name in _GEMMS:
-            self.gemm_flops += _gemm_flops(name, args)
-        elif _ATTENTION in name:
-            self.attention_flops += _attention_flops(name, args)
+        if name in GEMM_OPS:
+            self.gemm_flops += gemm_op_flops(name, args)
+        elif ATTENTION_MARK in name:
+            self.attention_flops += attention_op_flops(name, args)
         return out
 
     def as_dict(self) -> Dict[str, Any]:

@@ -63,9 +63,10 @@ class BenchInputs:
     @classmethod
     def create(cls, g: TPGroup, cfg: BenchConfig) -> "BenchInputs":
         dtype = DTYPES[cfg.dtype]
-        device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device(cfg.device)
         torch.manual_seed(cfg.seed)
-        dense = MODULES[cfg.module].dense(cfg).to(device, dtype)
+        with torch.device("meta") if device.type == "meta" else contextlib.nullcontext():  # (meta: shapes only)
+            dense = MODULES[cfg.module].dense(cfg).to(device, dtype)
         x_full = torch.randn(cfg.batch, cfg.seq, cfg.hidden, dtype=dtype, device=device)  # (b, s, h)
         out_dim = cfg.ffn if cfg.module == "column" else cfg.hidden
         grad_full = torch.randn(cfg.batch, cfg.seq, out_dim, dtype=dtype, device=device)  # (b, s, h|ffn)

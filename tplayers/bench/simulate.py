@@ -23,9 +23,10 @@ from ..core.dtypes import DTYPES
 from ..core.groups import resolve_group
 from .modules import MODULES, tp_model
 from .config import BenchConfig
-from .overlap import run_overlap_bench
+from .overlap import MODE_TABLE, BenchInputs, run_overlap_bench
+from .predict import gpu_model, predict_modes, prediction_link
 
-__all__ = ["simulate", "rank_memory"]
+__all__ = ["simulate", "rank_memory", "predict"]
 
 
 def rank_memory(model: nn.Module, x: torch.Tensor) -> Dict[str, int]:
@@ -86,3 +87,36 @@ def simulate(cfg: BenchConfig, tp: int) -> Dict[str, Any]:
                             "note": "one rank's real compute; collectives timed by the link model"}
     report["environment"]["backend"] = "fake (simulated)"
     return report
+
+
+def predict(cfg: BenchConfig, tp: int, gpu_name: str) -> Dict[str, Any]:
+    """A PREDICTION of each mode's step for one rank of TP ``tp`` on the GPU ``gpu_name`` (``tplayers bench --simulate
+    --predict GPU``): every mode's step recorded on the meta device (shapes only: a real layer's step at any size
+    in a second, no compute) on the fake process group, replayed on a model of the GPU and ``cfg.link``
+    (:mod:`.predict`), with each mode's counts (:mod:`.counts`). Nothing is timed."""
+    gpu = gpu_model(gpu_name)
+    if cfg.link is None:
+        raise ValueError("bench --predict needs --link (the collectives' times come from the link model)")
+    link = prediction_link(cfg.link)
+    if dist.is_initialized():
+        raise RuntimeError("bench --simulate creates its own one-process group: run it outside torchrun")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cfg.check_tp(tp)
+    cfg = replace(cfg, device="meta", modes=tuple(m for m in cfg.modes if m not in ("naive", "dense")))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        inputs = BenchInputs.create(resolve_group(dist.group.WORLD), cfg)
+        steps, skipped = {}, {}
+        for name in cfg.modes:
+            why = MODE_TABLE[name].skip(inputs)
+            if why is not None:
+                skipped[name] = why
+                continue
+            steps[name] = MODE_TABLE[name].build(inputs)
+        prediction = predict_modes(steps, gpu, link)
+    finally:
+        dist.destroy_process_group()
+    return {"schema": "tplayers-bench-predict/1", "config": {**vars(cfg), "modes": list(cfg.modes)}, "tp": tp,
+            "prediction": prediction, "counts": prediction.pop("counts"), "skipped": skipped}

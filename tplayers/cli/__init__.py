@@ -14,6 +14,7 @@ import signal
 import sys
 from typing import Any, List, Optional, Sequence
 
+from ..bench.predict import GPUS
 from ..core.dtypes import DTYPES
 from .._version import __version__
 from ._launch import finish_torchrun
@@ -131,6 +132,9 @@ def _add_bench(sub: Any) -> None:
     b.add_argument("--simulate", action="store_true",
                    help="one rank of TP --tp (default 8) in this process: real compute, collectives timed by "
                         "--link (default match:h100-nvlink; with --device cuda: h100-nvlink); any TP size on one machine")
+    b.add_argument("--predict", metavar="GPU", choices=sorted(GPUS),
+                   help="with --simulate: PREDICT each mode's step on this GPU (h100, h200) from one step recorded "
+                        "on the meta device (shapes only, any size in seconds) and --link's model; nothing is timed")
     b.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     b.add_argument("--save", metavar="PATH", help="also write the JSON report to PATH")
     b.add_argument("--plot", metavar="PNG", help="bar chart of the timings (needs matplotlib: tplayers[plot])")

@@ -14,7 +14,7 @@ from ..bench.config import LAYER_SHAPES, SHAPES, BenchConfig
 from ..bench.overlap import run_overlap_bench
 from ..testing import FORKSERVER_PRELOAD
 from ._launch import run_on_ranks, under_torchrun
-from .bench_table import format_report, plot_report
+from .bench_table import format_prediction, format_report, plot_report
 from .output import print_out
 
 __all__ = ["bench_command", "bench_config", "hf_budget_config", "output_problem"]
@@ -146,6 +146,28 @@ def _hf_budget_command(args: argparse.Namespace, tp: int) -> int:
     return 0
 
 
+def _predict_command(args: argparse.Namespace, cfg: BenchConfig, tp: int) -> int:
+    """``tplayers bench --simulate --predict GPU``: each mode's step predicted (tplayers.bench.predict), printed."""
+    refused = [flag for flag, given in (("--plot", args.plot), ("--trace", args.trace)) if given]
+    if not args.simulate or refused:
+        why = "goes with --simulate" if not args.simulate else f"times nothing: drop {', '.join(refused)}"
+        print(f"tplayers bench: --predict {why} (one rank of --tp recorded on the meta device, predicted on the GPU "
+              "named)", file=sys.stderr)
+        return 2
+    from ..bench.simulate import predict
+
+    report = predict(cfg, tp, args.predict)
+    print_out(json.dumps(report, indent=2) if args.json else format_prediction(report))
+    if args.save:
+        try:
+            with open(args.save, "w") as f:
+                json.dump(report, f, indent=2)
+        except OSError as e:
+            print(f"tplayers bench: could not write the result (printed above): {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def bench_command(args: argparse.Namespace) -> int:
     """``tplayers bench`` with parsed arguments: run, print (table or JSON), save, plot; the exit status."""
     tp = args.tp or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else (8 if args.simulate else 2))
@@ -162,6 +184,8 @@ def bench_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tplayers {e}", file=sys.stderr)
         return 2
+    if args.predict:
+        return _predict_command(args, cfg, tp)
     if args.simulate:
         from ..bench.simulate import simulate
 

@@ -5,7 +5,7 @@ from typing import Any, Dict, List
 
 from ..bench.overlap import MODE_LABELS
 
-__all__ = ["format_report", "plot_report"]
+__all__ = ["format_report", "format_prediction", "plot_report"]
 
 
 def _ms(x: float) -> str:
@@ -16,6 +16,32 @@ def format_report(report: Dict[str, Any]) -> str:
     """The human-readable table of a bench report (as returned by run_overlap_bench)."""
     return "\n".join(_timings_lines(report) + _headline_lines(report) + _schedule_lines(report)
                      + _counts_lines(report) + _comparison_lines(report))
+
+
+def format_prediction(report: Dict[str, Any]) -> str:
+    """``--simulate --predict``'s table: each mode's PREDICTED step and where its time goes (tplayers.bench.predict)."""
+    p, c = report["prediction"], report["config"]
+    gpu, link = p["gpu"], p["link"]
+    lines = [f"PREDICTION, not a measurement: one rank of TP {report['tp']} on an {gpu['name'].upper()} (GEMMs "
+             f"{gpu['gemm_tflops']:g} TFLOP/s, attention {gpu['attention_tflops']:g}, memory {gpu['memory_gbps']:g} GB/s, "
+             f"{gpu['kernel_us']:g} us a kernel; the host {gpu['host_us']:g} us an op, {gpu['collective_host_us']:g} us a "
+             f"collective), link {link['bandwidth_gbps']:g} GB/s + {link['latency_us']:g} us a step",
+             f"{c['module']} (b, s, h) = ({c['batch']}, {c['seq']}, {c['hidden']}), ffn {c['ffn']}, {c['dtype']}"
+             f"{', sequence parallel' if c['sequence_parallel'] else ''}; the step recorded on the meta device", ""]
+    w = max(40, *(len(MODE_LABELS.get(m, m)) for m in p["modes"]))
+    cols = ("gemm_ms", "attention_ms", "memory_ms", "overhead_ms", "stream_waits_ms", "host_bound_ms", "host_ms")
+    names = ("GEMM", "attn", "memory", "launch", "waits", "host-bnd", "host")
+    lines.append(f"{'mode':<{w}} {'step ms':>8} {'x limit':>7} " + " ".join(f"{n:>8}" for n in names))
+    lines.append(f"{'-' * w} {'-' * 8} {'-' * 7} " + " ".join("-" * 8 for _ in names))
+    for mode, m in p["modes"].items():
+        ratio = f"{m['vs_limit']:.2f}x" if "vs_limit" in m else "-"
+        lines.append(f"{MODE_LABELS.get(mode, mode):<{w}} {m['step_ms']:8.3f} {ratio:>7} "
+                     + " ".join(f"{m[k]:8.3f}" for k in cols))
+    lines.append("the compute stream's time: GEMM, attention, memory-bound kernels, per-kernel launch floors, held by "
+                 "collective waits, idle for want of issued work (host-bnd); host: the host's time issuing the step")
+    for mode, why in report.get("skipped", {}).items():
+        lines.append(f"{mode}: skipped ({why})")
+    return "\n".join(lines) + "\n"
 
 
 def _counts_lines(report: Dict[str, Any]) -> List[str]:

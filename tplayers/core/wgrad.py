@@ -32,7 +32,7 @@ from .blocking import sum_over_replica_ranks
 from .groups import TPGroup
 
 __all__ = ["WeightGradStore", "WgradSink", "ReplicatedRows", "accumulate_matmul", "check_main_grads",
-           "linear_wgrads", "region_wgrads"]
+           "linear_wgrads", "chunked_wgrads", "region_wgrads"]
 
 
 class ReplicatedRows(NamedTuple):
@@ -221,16 +221,36 @@ def linear_wgrads(grad_out: torch.Tensor, x: torch.Tensor, need_w: bool, need_b:
     return grad_w, grad_b
 
 
-def region_wgrads(grad_full: torch.Tensor, act: torch.Tensor, grad_h: torch.Tensor,
-                  x_full: Callable[[], torch.Tensor], needs: Sequence[bool], main: MainGrads,
-                  g: TPGroup) -> Tuple[Optional[torch.Tensor], ...]:
-    """A column -> core -> row region's weight gradients ``(w1, b1, w2, b2)``: the row layer's first,
-    then the column layer's; ``x_full()`` (the column layer's whole input) is asked for only between
-    the two, so a gather of it still in flight travels under the row layer's GEMM (``needs`` in the
-    order w1, b1, w2, b2; ``main``: the four main_grad buffers, or None)."""
+def chunked_wgrads(grads: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], need_w: bool, need_b: bool,
+                   main: MainGrads, g: TPGroup) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """:func:`linear_wgrads` over batch chunks, ``grads[i]`` paired with ``xs[i]``: one GEMM per chunk accumulated into
+    the first's result, no concatenation (a chunk's GEMM costs what its share of one GEMM does; a concatenation
+    copies both operands). ``main`` buffers take the chunks joined (a buffer of replicated rows sums over its
+    ranks once per call)."""
+    if len(grads) == 1 or main is not None:
+        join = lambda ts: ts[0] if len(ts) == 1 else torch.cat(list(ts), 0)  # noqa: E731
+        return linear_wgrads(join(grads), join(xs), need_w, need_b, main, g)
+    grad_w = grad_b = None
+    for grad, x in zip(grads, xs):
+        grad_flat = _flat(grad)  # (tokens of this chunk, out)
+        if need_w:
+            grad_w = grad_flat.t() @ _flat(x) if grad_w is None else grad_w.addmm_(grad_flat.t(), _flat(x))
+        if need_b:
+            grad_b = grad_flat.sum(0) if grad_b is None else grad_b.add_(grad_flat.sum(0))
+    return grad_w, grad_b
+
+
+def region_wgrads(row: Tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
+                  column: Callable[[], Tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]], needs: Sequence[bool],
+                  main: MainGrads, g: TPGroup) -> Tuple[Optional[torch.Tensor], ...]:
+    """A column -> core -> row region's weight gradients ``(w1, b1, w2, b2)``: the row layer's first (``row``: its
+    output gradients and inputs, chunk by chunk), then the column layer's; ``column()`` (its input gradients and
+    whole inputs, chunk by chunk) is asked for only between the two, so a gather of the input still in flight
+    travels under the row layer's GEMMs (``needs`` in the order w1, b1, w2, b2; ``main``: the four main_grad
+    buffers, or None). Chunks: :func:`chunked_wgrads`."""
     need_w1, need_b1, need_w2, need_b2 = needs
-    grad_w2, grad_b2 = linear_wgrads(grad_full, act, need_w2, need_b2, None if main is None else main[2:], g)
-    grad_w1, grad_b1 = linear_wgrads(grad_h, x_full(), need_w1, need_b1, None if main is None else main[:2], g)
+    grad_w2, grad_b2 = chunked_wgrads(*row, need_w2, need_b2, None if main is None else main[2:], g)
+    grad_w1, grad_b1 = chunked_wgrads(*column(), need_w1, need_b1, None if main is None else main[:2], g)
     return grad_w1, grad_b1, grad_w2, grad_b2
 
 

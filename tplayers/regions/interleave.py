@@ -32,7 +32,7 @@ from ..core.comm import copy_to_tp
 from ..core.functional import column_parallel_linear, row_parallel_linear, warn_cuda_connections_once
 from ..core.graph import differentiable_grads
 from ..core.groups import TPGroup
-from .region import Core, batch_chunks, cat_rows, check_region_main_grads, core_graph
+from .region import Core, batch_chunks, cat_rows, check_region_main_grads, chunk_pairs, core_graph
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, region_wgrads
 
 __all__ = ["ResidualRegion", "interleaved_residual_regions"]
@@ -119,7 +119,9 @@ class _InterleavedBlockFn(torch.autograd.Function):
             pending[i][j] = sum_partials(partial, g, sp, async_op=True, rank_major=rm2)  # in flight
             ys[i][j], ns[i][j], hs[i][j], resid[i] = y, n, h, y
         last_bias = params[-1][5]
-        out = cat_rows([resid[i] + _with_bias(pending[i][-1].wait(), last_bias) for i in range(k)])
+        out = x.new_empty(x.shape)  # each chunk's rows written in place: no concatenation
+        for i, r in enumerate(rows):
+            torch.add(resid[i], _with_bias(pending[i][-1].wait(), last_bias), out=out[r])
         kept = [t for stage in (ys, ns, hs) for chunk in stage for t in chunk]  # (3, k, regions), flattened
         ctx.save_for_backward(x, *tensors, *kept)
         ctx.schedule, ctx.graphs = schedule, graphs  # graphs: autograd's (their tensors saved through it)
@@ -146,6 +148,7 @@ class _BlockBackward:
         self.params = [tensors[_PER_REGION * j:_PER_REGION * (j + 1)] for j in range(n)]
         self.needs = [ctx.needs_input_grad[2 + _PER_REGION * j:2 + _PER_REGION * (j + 1)] for j in range(n)]
         self.grad_resid = [grad_out[r] for r in self.rows]  # the gradient of region j's output, chunk i
+        self.grad_x = grad_out.new_empty(grad_out.shape) if self.needs_x else None  # filled chunk by chunk
         self.gfs, self.acts, self.grad_hs = ([[None] * n for _ in range(k)] for _ in range(3))
         self.pending: List[List[Optional[Pending]]] = [[None] * n for _ in range(k)]
         self.norm_grads: List[List[Optional[torch.Tensor]]] = [[None, None] for _ in range(n)]
@@ -181,8 +184,7 @@ class _BlockBackward:
                 if grad is not None and sp:
                     grad = all_reduce(grad.contiguous(), g).wait()
                 self.grads[_PER_REGION * j + slot] = grad
-        grad_x = cat_rows(self.grad_resid) if self.needs_x else None
-        return (grad_x, None, *self.grads)
+        return (self.grad_x, None, *self.grads)
 
     def rank_major(self, j: int) -> Tuple[bool, bool]:
         """Region j's backward token orders under SP (column, row): core/seq_order.py's choices."""
@@ -201,7 +203,9 @@ class _BlockBackward:
             n = self.regions[j].norm(y_in, *(t if leaf is None else leaf for t, leaf in zip((nw, nb), leaves)))
             wanted = [y_in] + [leaf for leaf in leaves if leaf is not None]
             grad_y, *grad_norm = torch.autograd.grad(n, wanted, grad_n)
-        self.grad_resid[i] = self.grad_resid[i] + grad_y  # y feeds both the norm and the skip connection
+        # y feeds both the norm and the skip connection; region 0's sum is x's gradient, written in its rows
+        out = self.grad_x[self.rows[i]] if j == 0 and self.grad_x is not None else None
+        self.grad_resid[i] = torch.add(self.grad_resid[i], grad_y, out=out)
         got, sums = iter(grad_norm), self.norm_grads[j]
         for slot, leaf in enumerate(leaves):
             if leaf is not None:
@@ -214,16 +218,23 @@ class _BlockBackward:
         region, (_, _, w1, b1, w2, b2) = self.regions[j], self.params[j]
         need_w1, need_b1, need_w2, need_b2 = self.needs[j][2:]
         needs = (need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None)
-        rm1, rm2 = self.rank_major(j)  # rank-major tensors hold the batch in dim 1
-        gf, act = (cat_rows([t[i][j] for i in range(self.k)], int(rm2)) for t in (self.gfs, self.acts))
-        grad_h = cat_rows([self.grad_hs[i][j] for i in range(self.k)], int(rm1))
-        n_cat = cat_rows([self.ns[i][j] for i in range(self.k)])  # (b, s | s/p, hidden)
+        rm1, rm2 = self.rank_major(j)
+        # chunk by chunk (chunked_wgrads: no concatenation), each chunk's row-layer pair in one order
+        gfs, acts = ([t[i][j] for i in range(self.k)] for t in (self.gfs, self.acts))
+        grad_hs, ns = ([t[i][j] for i in range(self.k)] for t in (self.grad_hs, self.ns))
         sink = WgradSink(self.g, region.wgrad_store, region.main_grads, (w1, b1, w2, b2), gather_input=self.sp,
                          rank_major=rm1)
-        n_full = sink.input(n_cat, need_w1, async_op=self.overlap_comm)  # SP: under the row layer's GEMM
+        # SP: the norm's output shards gathered once for every chunk (under the row layer's GEMMs)
+        n_full = sink.input(cat_rows(ns), need_w1, async_op=self.overlap_comm) if self.sp else None
+
+        def column():  # the column layer's gradients and whole inputs, chunk by chunk
+            if not self.sp:
+                return grad_hs, ns
+            xs, grads_h = chunk_pairs(sink.whole(n_full), grad_hs, list(self.rows), rm1)
+            return grads_h, xs
         base = _PER_REGION * j
         self.grads[base + 2:base + 6] = sink.route(needs, lambda: region_wgrads(
-            gf, act, grad_h, lambda: sink.whole(n_full), needs, region.main_grads, self.g))
+            (gfs, acts), column, needs, region.main_grads, self.g))
 
 
 def _unpack(saved, n_regions: int, k: int):

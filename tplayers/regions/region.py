@@ -36,7 +36,8 @@ from ..core.graph import differentiable_grads
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, region_wgrads
 
-__all__ = ["split_backward_region", "parallel_mlp", "batch_chunks", "cat_rows", "core_graph", "Core", "require_chunks"]
+__all__ = ["split_backward_region", "parallel_mlp", "batch_chunks", "cat_rows", "into_rows", "chunk_pairs", "core_graph",
+           "Core", "require_chunks"]
 
 Core = Callable[[torch.Tensor, slice], torch.Tensor]  # (this rank's (bc, s, width) columns, batch rows) -> row input
 
@@ -60,6 +61,22 @@ def cat_rows(parts: List[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
+def into_rows(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` written into ``rows`` (contiguous batch rows of a whole tensor): a chunk's result in place, so the
+    chunks need no concatenation."""
+    return torch.matmul(a, b, out=rows)
+
+
+def chunk_pairs(whole: torch.Tensor, chunks: List[torch.Tensor], rows: List[slice], rank_major: bool
+                ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """``whole`` and ``chunks`` (its batch chunks' partners) as pieces paired chunk by chunk for the weight
+    gradients (`chunked_wgrads`): ``whole``'s batch rows are views; rank-major (the batch in dim 1) they are not,
+    so the (per-rank, narrower) chunks are joined instead."""
+    if rank_major:
+        return [whole], [cat_rows(chunks, 1)]
+    return [whole[r] for r in rows], chunks
+
+
 def core_graph(core: Core, h: torch.Tensor, rows: slice) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(h_in, core(h_in, rows))`` with the core's autograd graph from a detached copy ``h_in`` of
     ``h``, for ``torch.autograd.grad`` in a hand-ordered backward (kept from forward: no second SDPA)."""
@@ -79,6 +96,7 @@ class _SplitBackwardFn(torch.autograd.Function):
         # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
         rm1, rm2 = sp and column_forward_rank_major(w1), sp and row_forward_rank_major(w2)
         gathers = [gather_sequence(x[rows[0]], g, rm1, async_op=chunked)] if sp else []
+        summed = x.new_empty(x.shape[:-1] + w2.shape[:1]) if chunked and not sp else None  # each chunk's rows of it
         hs, graphs, reducing = [], [], []
         for i, r in enumerate(rows):
             if sp and i + 1 < len(rows):  # the next chunk's input travels while this one computes
@@ -91,10 +109,11 @@ class _SplitBackwardFn(torch.autograd.Function):
                 h_in, a = core_graph(core, h, r)
                 graphs.append((h_in, a))
                 a = a.detach()
-            partial = F.linear(to_order(a, g, rm2), w2)  # this rank's share
-            reducing.append(sum_partials(partial, g, sp, async_op=chunked, rank_major=rm2))  # in flight
+            partial = F.linear(to_order(a, g, rm2), w2) if summed is None else into_rows(a, w2.t(), summed[r])
+            reducing.append(sum_partials(partial, g, sp, async_op=chunked, rank_major=rm2))  # this rank's share
             hs.append(h)
-        out = cat_rows([pending.wait() for pending in reducing])  # (b, s | s/p, hidden)
+        sums = [pending.wait() for pending in reducing]
+        out = cat_rows(sums) if summed is None else summed  # (b, s | s/p, hidden)
         if b2 is not None:
             out = out.add_(b2)
         ctx.save_for_backward(x, w1, b1, w2, b2, *hs)
@@ -116,6 +135,7 @@ class _SplitBackwardFn(torch.autograd.Function):
         x_full = sink.input(x, need_w1, async_op=overlap_comm)  # SP: in flight under the chain below
         grad_a_full = grad_full @ w2 if rm2 else None  # rank-major: one GEMM for every chunk
         graphs, ctx.graphs = ctx.graphs, None
+        grad_x = grad_out.new_empty(x.shape) if need_x and len(rows) > 1 and not sp else None  # chunks' rows of it
         grad_hs, acts, reducing = [], [], []
         for i, (r, h) in enumerate(zip(rows, hs)):  # the input-gradient chain, chunk by chunk
             h_in, a = core_graph(ctx.core, h, r) if graphs is None else graphs[i]
@@ -125,12 +145,17 @@ class _SplitBackwardFn(torch.autograd.Function):
             grad_hs.append(grad_h)
             acts.append(to_order(a.detach(), g, rm2))
             if need_x:  # this chunk's partial input gradient (a buffer we own) travels at once
-                reducing.append(sum_partials(grad_h @ w1, g, sp, async_op=overlap_comm, rank_major=rm1))
+                partial = grad_h @ w1 if grad_x is None else into_rows(grad_h, w1, grad_x[r])
+                reducing.append(sum_partials(partial, g, sp, async_op=overlap_comm, rank_major=rm1))
         needs = (need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None)
-        act, grad_h = cat_rows(acts, int(rm2)), cat_rows(grad_hs, int(rm1))
-        grads = sink.route(needs, lambda: region_wgrads(  # under the collectives (or recorded: delay_wgrad)
-            grad_full, act, grad_h, lambda: sink.whole(x_full), needs, sink.main, g))
-        grad_x = cat_rows([pending.wait() for pending in reducing]) if need_x else None
+        grad_fulls, acts = chunk_pairs(grad_full, acts, rows, rm2)
+
+        def column():  # the column layer's input, asked for once the row layer's GEMMs are queued
+            xs, grads_h = chunk_pairs(sink.whole(x_full), grad_hs, rows, rm1)
+            return grads_h, xs
+        grads = sink.route(needs, lambda: region_wgrads((grad_fulls, acts), column, needs, sink.main, g))
+        sums = [pending.wait() for pending in reducing]
+        grad_x = (cat_rows(sums) if grad_x is None else grad_x) if need_x else None
         return (grad_x, *grads, None, None, None, None, None, None, None)
 
 
