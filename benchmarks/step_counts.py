@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 
-import torch
 import torch.distributed as dist
 
 from tplayers.bench.config import BenchConfig

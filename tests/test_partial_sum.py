@@ -93,7 +93,7 @@ def _read_on_rank_zero_only(group):
         torch.manual_seed(0)
         dense = torch.nn.Embedding(VOCAB, DIM).double()
         emb = tplayers.VocabParallelEmbedding.from_dense(dense, group=group, partial_output=True)
-        tplayers.core.fingerprint.name_modules(torch.nn.ModuleDict({"embed_tokens": emb}))
+        tplayers.core.sites.name_modules(torch.nn.ModuleDict({"embed_tokens": emb}))
         ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(1))
         out = emb(ids)
         if torch.distributed.get_rank() != 0:  # (later it reads it too, so nothing stays in flight)

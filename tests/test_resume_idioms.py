@@ -11,7 +11,6 @@ import io
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import tplayers
 from tplayers.testing import get_world

@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 import torch.nn as nn
 
 from ..core.collectives import wait_for_ranks
-from ..core.fingerprint import name_modules
+from ..core.sites import name_modules
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..regions.partial_grads import PartialGradSum
 from ..core.siblings import ColumnInputs

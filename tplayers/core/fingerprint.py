@@ -47,17 +47,17 @@ import weakref
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from contextlib import contextmanager
 from collections import deque
-from typing import Any, Deque, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from .carried import CARRIED, Shared, carried, diverged_message, entries_text
+from .sites import forward_site
 
 __all__ = ["CollectivesOutOfStep", "RanksDiverged", "set_collective_checks", "SETTINGS", "AGREED", "Stamp", "stamp",
-           "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "name_modules", "reading", "exchange_text",
+           "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "exchange_text",
            "pack_text", "unpack_texts"]
 
 DIGEST = 8  # 8 bytes of fingerprint, one byte per element
@@ -105,6 +105,7 @@ class _Group:
         self.task = -1  # the backward (graph task) the last collective ran in
         self.position = 0
         self.lagging: Deque[Tuple[torch.Tensor, Any, "Stamp"]] = deque()  # oldest first
+        self.fake: Optional[bool] = None  # a simulated group (the fake backend): not checked
 
 
 _GROUPS: "weakref.WeakKeyDictionary[Any, _Group]" = weakref.WeakKeyDictionary()
@@ -117,53 +118,18 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode("utf-8"))
 
 
-def name_modules(root: torch.nn.Module) -> None:
-    """Record every submodule's path under ``root`` (a module keeps the first path it is given; the same on
-    every rank of a SPMD program): what fingerprints and checks call it."""
-    for name, module in root.named_modules():
-        module.__dict__.setdefault("_tplayers_path", name or type(root).__name__)
+# A call site's slots on its device, made once (its digest is the same every step): no host tensor, no copy to the
+# device per collective. Bounded: a program whose sites keep changing (shapes that vary) is cleared now and then.
+_SLOT_TENSORS: Dict[Tuple[Any, ...], torch.Tensor] = {}
 
 
-_READING: List[Optional[str]] = [None]  # what a collective issued outside any module's forward is for
-
-
-@contextmanager
-def reading(what: str) -> Iterator[None]:
-    """Name the collectives issued in the block by what they compute (``what``) rather than by the module
-    running: a read of a deferred value (a :class:`~tplayers.regions.partial_sum.PartialSum`) happens wherever user code
-    reads it, often outside any forward ("(no module)" said nothing)."""
-    before, _READING[0] = _READING[0], what
-    try:
-        yield
-    finally:
-        _READING[0] = before
-
-
-def _forward_site(frame: Any) -> Tuple[str, bool, bool]:
-    """The innermost module whose ``forward`` is running above ``frame``: its path, its training flag,
-    and whether autograd tracks its inputs (grad mode itself is off inside an autograd Function's
-    forward, where most collectives run: a non-parameter tensor among that forward's locals that
-    requires grad tells a training forward from one under ``torch.no_grad``)."""
-    inner, outer, tracked = None, None, torch.is_grad_enabled()
-    while frame is not None:
-        if frame.f_code.co_name == "forward":
-            local = frame.f_locals
-            module = local.get("self")
-            if isinstance(module, torch.nn.Module):
-                if inner is None:
-                    inner = module
-                    tracked = tracked or any(isinstance(v, torch.Tensor) and v.requires_grad
-                                             and not isinstance(v, torch.nn.Parameter) for v in local.values())
-                    if "_tplayers_path" in module.__dict__:
-                        break
-                outer = module
-        frame = frame.f_back
-    if inner is None:
-        return "(no module)", False, tracked
-    if "_tplayers_path" not in inner.__dict__:
-        name_modules(outer)  # (a module run by one that does not hold it, e.g. an audit's copy: its class name)
-        inner.__dict__.setdefault("_tplayers_path", type(inner).__name__)
-    return inner.__dict__["_tplayers_path"], inner.training, tracked
+def _cached(key: Tuple[Any, ...], build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    out = _SLOT_TENSORS.get(key)
+    if out is None:
+        if len(_SLOT_TENSORS) >= 4096:
+            _SLOT_TENSORS.clear()
+        out = _SLOT_TENSORS[key] = _to_device(build(), key[-1])
+    return out
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -178,26 +144,43 @@ class Stamp:
     """One collective's fingerprint on this rank: what it writes into the buffer, and the check of
     the table every rank's slots come back as."""
 
-    __slots__ = ("digest", "rank", "size", "pg", "text", "site", "cpu", "shared", "carried")
+    __slots__ = ("digest", "rank", "size", "pg", "_text", "site", "cpu", "shared", "carried")
 
-    def __init__(self, digest: List[int], rank: int, size: int, pg: Any, text: str, site: str, cpu: bool,
-                 shared: Tuple[Shared, ...] = (), carried: Optional[torch.Tensor] = None) -> None:
-        self.digest, self.rank, self.size, self.pg, self.text, self.site, self.cpu = digest, rank, size, pg, text, site, cpu
+    def __init__(self, digest: List[int], rank: int, size: int, pg: Any, text: Union[str, Callable[[], str]],
+                 site: str, cpu: bool, shared: Tuple[Shared, ...] = (), carried: Optional[torch.Tensor] = None) -> None:
+        self.digest, self.rank, self.size, self.pg, self.site, self.cpu = digest, rank, size, pg, site, cpu
+        self._text = text  # (or how to write it: only an error or a timeout reads it)
         self.shared, self.carried = shared, carried  # what this rank carries: its state, its CARRIED bytes
+
+    @property
+    def text(self) -> str:
+        """This collective on this rank, in words (for the messages)."""
+        if callable(self._text):
+            self._text = self._text()
+        return self._text
 
     def mine(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``SLOT`` elements (its flag 0)."""
-        out = _to_device(torch.tensor(self.digest + [0] * (1 + CARRIED), dtype=dtype), device)
-        if self.carried is not None:
-            out[DIGEST + 1:] = self.carried
+        base = _cached(("mine", tuple(self.digest), dtype, device),
+                       lambda: torch.tensor(self.digest + [0] * (1 + CARRIED), dtype=dtype))
+        if self.carried is None:
+            return base
+        out = base.clone()
+        out[DIGEST + 1:] = self.carried
         return out
 
     def slots(self, dtype: torch.dtype, device: torch.device, overflow: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``size * SLOT`` elements: this rank's digest (and ``overflow``, a 0-d bool: its float16
-        partial sum is not finite) in its slot, zeros elsewhere: summed over the group, every rank's."""
-        out = torch.zeros(self.size * SLOT, dtype=dtype)
-        out[self.rank * SLOT:self.rank * SLOT + DIGEST] = torch.tensor(self.digest, dtype=dtype)
-        out = _to_device(out, device)
+        partial sum is not finite) in its slot, zeros elsewhere: summed over the group, every rank's.
+        (Read only: the same tensor may be handed out again, for the same call site.)"""
+        def build() -> torch.Tensor:
+            out = torch.zeros(self.size * SLOT, dtype=dtype)
+            out[self.rank * SLOT:self.rank * SLOT + DIGEST] = torch.tensor(self.digest, dtype=dtype)
+            return out
+        out = _cached(("slots", tuple(self.digest), self.rank, self.size, dtype, device), build)
+        if overflow is None and self.carried is None:
+            return out
+        out = out.clone()
         if overflow is not None:  # stays on the device: no synchronization
             out[self.rank * SLOT + DIGEST] = overflow.to(dtype)
         if self.carried is not None:  # (a device copy: no synchronization either)
@@ -206,7 +189,7 @@ class Stamp:
 
     def wait(self, work: Any) -> None:
         """Wait for ``work``: on the CPU at most the configured timeout, then raise naming this call."""
-        bounded_wait(work, self.text, self.cpu)
+        bounded_wait(work, lambda: self.text, self.cpu)
 
     def check(self, table: torch.Tensor) -> None:
         """``table``: the ``size * SLOT`` fingerprint elements every rank received. On the CPU checked
@@ -286,9 +269,9 @@ def checks_enabled() -> bool:
     return SETTINGS.enabled
 
 
-def bounded_wait(work: Any, text: str, cpu: bool) -> None:
-    """Wait for ``work`` (the collective ``text`` describes): on the CPU at most the configured timeout, then
-    raise naming it; elsewhere as the backend waits."""
+def bounded_wait(work: Any, text: Union[str, Callable[[], str]], cpu: bool) -> None:
+    """Wait for ``work`` (the collective ``text`` describes, or ``text()``: written only if it is needed): on the
+    CPU at most the configured timeout, then raise naming it; elsewhere as the backend waits."""
     if not cpu:
         work.wait()
         return
@@ -297,6 +280,7 @@ def bounded_wait(work: Any, text: str, cpu: bool) -> None:
         work.wait(timeout=timedelta(seconds=SETTINGS.timeout))
     except RuntimeError as e:
         waited, cause = time.monotonic() - started, str(e).splitlines()[0]
+        text = text() if callable(text) else text
         if waited < 0.5 * SETTINGS.timeout:  # cut short: a peer's connection closed, nobody waited the timeout out
             raise CollectivesOutOfStep(
                 f"tplayers: this collective ({text}) failed after {waited:.1f} s (of the {SETTINGS.timeout:g} s "
@@ -335,10 +319,14 @@ def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: in
         return None
     if pg not in AGREED:
         _agree_on_checks(pg, size)
-    if not SETTINGS.enabled or sent.dtype in _UNSTAMPED or dist.get_backend(pg) == "fake":
+    if not SETTINGS.enabled or sent.dtype in _UNSTAMPED:
+        return None
+    state = _group(pg)
+    if state.fake is None:
+        state.fake = dist.get_backend(pg) == "fake"
+    if state.fake:
         return None
     check_lagging(pg)
-    state = _group(pg)
     task = torch._C._current_graph_task_id()
     backward = task != -1
     if backward:
@@ -349,15 +337,17 @@ def stamp(op: str, nbytes: int, sent: torch.Tensor, pg: Any, rank: int, size: in
         node = torch._C._current_autograd_node()
         site, training, tracked = (node.name() if node is not None else "(autograd)"), True, True
     else:
-        site, training, tracked = _forward_site(sys._getframe(2))
-        site = _READING[0] or site
+        site, training, tracked = forward_site(sys._getframe(2))
     state.seq += 1
     shape, dtype = tuple(sent.shape), str(sent.dtype).replace("torch.", "")
     what = f"{op}|{nbytes}|{dtype}|{shape}|{int(backward)}|{int(training)}{int(tracked)}|{state.position if backward else -1}"
     digest = list((_crc(what).to_bytes(4, "little") + _crc(site).to_bytes(4, "little")))
-    where = (f"in {site}, collective {state.position + 1} of this backward" if backward
-             else f"at {site} ({'training' if training else 'eval'} mode, autograd {'on' if tracked else 'off'})")
-    text = f"rank {dist.get_rank()}: {'backward' if backward else 'forward'} {op} #{state.seq} of {shape} {dtype} {where}"
+    seq, position = state.seq, state.position
+
+    def text() -> str:  # (written only when a message needs it)
+        where = (f"in {site}, collective {position + 1} of this backward" if backward
+                 else f"at {site} ({'training' if training else 'eval'} mode, autograd {'on' if tracked else 'off'})")
+        return f"rank {dist.get_rank()}: {'backward' if backward else 'forward'} {op} #{seq} of {shape} {dtype} {where}"
     shared, carried_bytes = carried(pg, sent.dtype, sent.device)
     return Stamp(digest, rank, size, pg, text, site, sent.device.type == "cpu", shared, carried_bytes)
 

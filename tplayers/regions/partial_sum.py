@@ -27,7 +27,7 @@ import torch
 
 from ..core.collectives import all_gather, reduce_scatter, split
 from ..core.comm import reduce_from_tp, reduce_scatter_to_sequence, scatter_to_sequence
-from ..core.fingerprint import reading
+from ..core.sites import reading
 from ..core.groups import TPGroup
 
 __all__ = ["METADATA", "PartialSum", "partial_sum"]
