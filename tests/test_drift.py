@@ -39,11 +39,14 @@ def _train(group, case, lag=False, device="cpu", **options):
                 torch.manual_seed(1000 + rank)  # a per-rank reseed (seed + rank) at step 2
             if case == "seeds_without_dropout":
                 torch.manual_seed(1000 + rank)  # harmless: this model draws no random numbers
+            if case == "dtype" and step == 1 and rank == 1:
+                ids = ids.to(torch.int32)  # the same ids, another dtype (a tokenizer's or a collate's choice)
             if case == "replica" and step == 1 and rank == 1:
                 with torch.no_grad():  # as a scaler that stepped on one rank only leaves it
                     model.model.norm.weight.add_(1e-3)
+            labels = None if case == "labels" and step == 1 and rank == 1 else ids  # labels= on rank 0 only
             try:
-                model(ids, labels=ids).loss.backward()
+                model(ids, labels=labels).loss.backward()
                 opt.step()
                 opt.zero_grad()
             except tplayers.RanksDiverged as e:
@@ -63,6 +66,21 @@ def test_batches_that_diverge_at_step_two_are_caught_at_step_two():
         assert step == 1, message
         assert "inputs of LlamaForCausalLM forward" in message and "argument 0" in message, message
         assert "rank(s) [1]" in message and "same batch" in message, message
+
+
+def test_ids_of_another_dtype_on_one_rank_are_named_with_their_dtypes():
+    """Before: "argument 0 differs between rank 0 and rank(s) [1]", the same values shown nothing of why (issue 53)."""
+    for step, message in get_world(2).run(_train, "dtype"):
+        assert step == 1, message
+        assert "argument 0 differs between rank 0 and rank(s) [1] (rank 0: int64 (2, 6); rank 1: int32 (2, 6))" \
+            in message, message
+
+
+def test_labels_on_one_rank_only_are_named_on_every_rank():
+    """Before: the rank without them read only "the ranks carry different pieces of state" (issue 53)."""
+    for step, message in get_world(2).run(_train, "labels"):
+        assert step == 1, message
+        assert "argument 'labels' is given on rank(s) [0] only" in message, message
 
 
 def test_a_per_rank_reseed_of_a_model_with_dropout_is_caught_where_it_begins():

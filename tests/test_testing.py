@@ -64,8 +64,27 @@ def test_hung_rank_times_out_and_world_recovers():
 
 def test_crashed_rank_fails_the_call():
     world = get_world(2)
-    with pytest.raises(RankFailed, match=r"rank 1 died \(exit code 3\)|rank 1 closed its pipe"):
+    with pytest.raises(RankFailed, match=r"rank 1 died \(exit code 3\)"):
         world.run(_crash_on_rank, 1, timeout=60)
+    assert world.run(_rank_and_size) == [(0, 2), (1, 2)]
+
+
+def _abort_on_rank(group, bad_rank):
+    if dist.get_rank(group) == bad_rank:
+        os.write(2, b"terminate called after throwing an instance of 'gloo::EnforceNotMet'\n")  # as C++ writes it
+        os.abort()
+    dist.barrier(group=group)
+    return True
+
+
+def test_a_rank_that_dies_says_how_and_what_it_wrote_last():
+    """Before: "rank 1 closed its pipe (exit code None)", nothing of why (issue 53)."""
+    world = get_world(2)
+    with pytest.raises(RankFailed) as info:
+        world.run(_abort_on_rank, 1, timeout=60)
+    message = str(info.value)
+    assert info.value.rank == 1 and "rank 1 died (signal SIGABRT)" in message, message
+    assert "gloo::EnforceNotMet" in message.split("its last lines on stderr:")[1], message
     assert world.run(_rank_and_size) == [(0, 2), (1, 2)]
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-__all__ = ["CARRIED", "Shared", "carry", "carrying", "carried", "entries_text", "diverged_message"]
+__all__ = ["CARRIED", "Shared", "carry", "carrying", "carried", "entries_text", "diverged_message", "kind_of"]
 
 CARRIED = 4  # bytes per rank, one per element (values 0..255: exact in every stamped dtype)
 
@@ -23,16 +23,30 @@ class Shared:
     """One piece of state every rank of a group must share: ``digests`` (``(k,)`` int64, one per name in
     ``names``, on any device; :mod:`.digest`), a ``label`` and ``advice`` for the error, and ``detail``
     (optional, called on the error path only: finer ``(name, digest)`` pairs, e.g. one per parameter where
-    ``digests`` holds one for them all)."""
+    ``digests`` holds one for them all), ``kinds`` (optional, the error path only: each name's dtype and shape,
+    said beside a difference the values alone would not explain)."""
 
-    __slots__ = ("label", "names", "digests", "advice", "detail")
+    __slots__ = ("label", "names", "digests", "advice", "detail", "kinds")
 
     def __init__(self, label: str, names: Sequence[str], digests: torch.Tensor, advice: str = "",
-                 detail: Optional[Callable[[], List[Tuple[str, int]]]] = None) -> None:
+                 detail: Optional[Callable[[], List[Tuple[str, int]]]] = None,
+                 kinds: Optional[Callable[[], List[str]]] = None) -> None:
         self.label, self.names, self.digests, self.advice, self.detail = label, list(names), digests, advice, detail
+        self.kinds = kinds
 
     def entries(self) -> List[Tuple[str, int]]:
         return self.detail() if self.detail is not None else list(zip(self.names, self.digests.tolist()))
+
+    def described(self) -> List[Tuple[str, int, str]]:
+        """:meth:`entries` with each one's kind ("" where none is known)."""
+        entries = self.entries()
+        kinds = self.kinds() if self.kinds is not None and self.detail is None else []
+        return [(name, value, kinds[i] if i < len(kinds) else "") for i, (name, value) in enumerate(entries)]
+
+
+def kind_of(t: torch.Tensor) -> str:
+    """A tensor's dtype and shape as a :class:`Shared` entry's kind says them: ``int64 (2, 16)``."""
+    return f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)}"
 
 
 class _State:
@@ -105,8 +119,9 @@ def carried(pg: Any, dtype: torch.dtype, device: torch.device) -> Tuple[Tuple[Sh
 
 
 def entries_text(shared: Tuple[Shared, ...]) -> str:
-    """This rank's entries (``piece index, name, digest`` per line): what ranks exchange on the error path."""
-    return "\n".join(f"{i}\t{name}\t{value}" for i, part in enumerate(shared) for name, value in part.entries())
+    """This rank's entries (``piece index, name, digest, kind`` per line): what ranks exchange on the error path."""
+    return "\n".join(f"{i}\t{name}\t{value}\t{kind}" for i, part in enumerate(shared)
+                     for name, value, kind in part.described())
 
 
 def diverged_message(shared: Tuple[Shared, ...], texts: Sequence[str], collective: str, late: bool) -> str:
@@ -114,15 +129,23 @@ def diverged_message(shared: Tuple[Shared, ...], texts: Sequence[str], collectiv
     :func:`entries_text` (``texts``, in rank order): which state, which entries (an argument, a generator,
     a parameter), which ranks."""
     size = len(texts)
-    every = [dict(((int(i), name), value) for i, name, value in (line.split("\t") for line in text.splitlines() if line))
-             for text in texts]
+    every = [dict(((int(i), name), (value, kind)) for i, name, value, kind in
+                  (line.split("\t") for line in text.splitlines() if line)) for text in texts]
     lines, advice = [], []
     for i, part in enumerate(shared):
         found = []
-        for name, _ in part.entries():
+        names = list(dict.fromkeys(name for entries in every for (j, name) in entries if j == i))  # every rank's
+        for name in names:
+            present = [r for r in range(size) if (i, name) in every[r]]
+            if len(present) < size:  # (an argument passed on some ranks only: labels=, a mask)
+                found.append(f"{name} is given on rank(s) {present} only")
+                continue
             ranks = [r for r in range(1, size) if every[r].get((i, name)) != every[0].get((i, name))]
             if ranks:
-                found.append(f"{name} differs between rank 0 and rank(s) {ranks}")
+                kinds = {r: every[r].get((i, name), ("", ""))[1] for r in [0] + ranks}
+                said = (" (" + "; ".join(f"rank {r}: {k}" for r, k in kinds.items()) + ")"
+                        if len(set(kinds.values())) > 1 else "")  # (a dtype or a shape of its own on some rank)
+                found.append(f"{name} differs between rank 0 and rank(s) {ranks}{said}")
         if found:
             lines.append(f"{part.label}: " + "; ".join(found))
             if part.advice and part.advice not in advice:

@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..core.digest import digests, generators_digest, joint_digest
 from ..core.dtensors import is_dtensor
-from ..core.carried import Shared, carry
+from ..core.carried import Shared, carry, kind_of
 from ..core.fingerprint import checks_enabled
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from .base import model_placements
@@ -129,9 +129,10 @@ class _Carrier:
         if self.sequence_shards is not None:
             skipped = self.sequence_shards.skipped()
             named = [(n, t) for n, t in named if n not in skipped]
+        tensors = [t for _, t in named]
         carry(self.tp.process_group, self.keys[0],
-              Shared(f"the inputs of {self.label} forward #{self.calls}", [n for n, _ in named],
-                     digests([t for _, t in named]), INPUTS_ADVICE) if named else None)
+              Shared(f"the inputs of {self.label} forward #{self.calls}", [n for n, _ in named], digests(tensors),
+                     INPUTS_ADVICE, kinds=lambda: [kind_of(t) for t in tensors]) if named else None)
 
     def post_forward(self, module: nn.Module, *_: Any) -> None:  # (also when the forward raised: nothing stale left)
         if module is not self.model or torch.compiler.is_compiling():

@@ -21,7 +21,7 @@ from torch._C import _functions as _autograd_functions
 
 from ..core.blocking import all_reduce_tensor
 from ..core.digest import digests
-from ..core.carried import Shared, carrying
+from ..core.carried import Shared, carrying, kind_of
 from ..core.fingerprint import checks_enabled
 from ..core.invariant import check_invariant, tree_sums
 from ..core.placement import padded_size
@@ -111,7 +111,8 @@ def _targets_carried(g: TPGroup, target: torch.Tensor) -> ContextManager[None]:
     return carrying(g.process_group, _TARGETS, Shared(
         "the targets of vocab_parallel_cross_entropy", ["targets"], digests([target]),
         advice="Every TP rank must compute the loss on the same targets (a distributed sampler over the TP ranks "
-               "splits them; give each TP rank of a replica the same batch)."))
+               "splits them; give each TP rank of a replica the same batch).",
+        kinds=lambda: [kind_of(target)]))
 
 
 _TARGETS = "vocab_parallel_cross_entropy targets"

@@ -18,10 +18,12 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
+import socket
 import tempfile
 import threading
 import time
 import traceback
+from collections import deque
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -87,7 +89,9 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _worker_main(rank: int, size: int, backend: str, init_file: str, conn: Any,
-                 collective_timeout_s: float, threads: int, parent_pid: int) -> None:
+                 collective_timeout_s: float, threads: int, parent_pid: int, stderr: Any) -> None:
+    os.dup2(stderr.fileno(), 2)  # this rank's standard error goes through the world's owner (_StderrTail)
+    stderr.close()
     torch.set_num_threads(threads)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True, name="tplayers-orphan-watch").start()
     try:
@@ -134,6 +138,58 @@ FORKSERVER_PRELOAD: List[str] = [
 ]
 
 
+class _StderrTail:
+    """A rank's standard error, read by the process that owns the world: forwarded to its own standard error as it
+    comes, the last lines kept, so that a rank that dies (a C++ abort, a fatal signal) is reported with what it
+    wrote last. (The rank's end closes when it exits, whatever the cause: nothing it wrote is lost.)"""
+
+    def __init__(self, sock: socket.socket, rank: int) -> None:
+        self.sock, self.lines, self.partial = sock, deque(maxlen=_TAIL_LINES), b""
+        self.thread = threading.Thread(target=self._pump, daemon=True, name=f"tplayers-rank{rank}-stderr")
+        self.thread.start()
+
+    def _pump(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except OSError:
+                break
+            if not data:
+                break
+            try:
+                os.write(2, data)
+            except OSError:
+                pass
+            *done, self.partial = (self.partial + data).split(b"\n")
+            self.lines.extend(done)
+
+    def tail(self, wait: float) -> str:
+        """The last lines the rank wrote (waiting up to ``wait`` seconds for the rest of them to arrive)."""
+        self.thread.join(timeout=wait)
+        lines = list(self.lines) + ([self.partial] if self.partial else [])
+        return "\n".join(line.decode("utf-8", errors="replace").rstrip() for line in lines if line.strip())
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+_TAIL_LINES = 12
+
+
+def _how_it_ended(exitcode: Optional[int]) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
 def _context() -> Any:
     """Fork ranks from a server that has already imported torch (a rank starts in well under a
     second, so rebuilding a world after a failure is cheap); spawn where forkserver is missing."""
@@ -160,6 +216,7 @@ class World:
         self.collective_timeout, self.start_timeout, self.threads = collective_timeout, start_timeout, threads
         self._procs: List[Any] = []
         self._conns: List[Any] = []
+        self._stderr: List[_StderrTail] = []
         self._tmpdir: Optional[tempfile.TemporaryDirectory] = None
         self.starts = 0  # how many times the ranks were (re)started
 
@@ -178,14 +235,17 @@ class World:
         try:
             for rank in range(self.size):
                 parent, child = ctx.Pipe()
+                err_mine, err_rank = socket.socketpair()
                 p = ctx.Process(target=_worker_main, daemon=True, name=f"tplayers-rank{rank}",
                                 args=(rank, self.size, self.backend, init_file, child,
-                                      self.collective_timeout, self.threads, os.getpid()))
+                                      self.collective_timeout, self.threads, os.getpid(), err_rank))
                 with _interrupts_deferred():  # a started rank is always one close() knows of
                     p.start()
                     self._procs.append(p)
                     self._conns.append(parent)
+                    self._stderr.append(_StderrTail(err_mine, rank))
                 child.close()
+                err_rank.close()
             self.starts += 1
             self._collect(self.start_timeout, what="start")
         except BaseException:  # Ctrl-C / SIGTERM mid-start: no rank may wait out its rendezvous alone
@@ -209,7 +269,9 @@ class World:
                 p.join(timeout=5)
         for c in self._conns:
             c.close()
-        self._procs, self._conns = [], []
+        for tail in self._stderr:
+            tail.close()
+        self._procs, self._conns, self._stderr = [], [], []
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
             self._tmpdir = None
@@ -235,6 +297,15 @@ class World:
             c.send_bytes(data)
         return self._collect(self.timeout if timeout is None else timeout, what=getattr(fn, "__qualname__", "call"))
 
+    def _death(self, r: int, what: str) -> str:
+        """What a rank that stopped answering came to: how it ended and the last lines it wrote to stderr."""
+        proc = self._procs[r]
+        proc.join(timeout=2)
+        tail = self._stderr[r].tail(wait=1.0) if r < len(self._stderr) else ""
+        said = ("; its last lines on stderr:\n    " + tail.replace("\n", "\n    ") if tail
+                else "; it wrote nothing to stderr")
+        return f"rank {r} died ({_how_it_ended(proc.exitcode)}) during {what}{said}"
+
     def _collect(self, timeout: float, what: str) -> List[Any]:
         results: List[Any] = [None] * self.size
         errors: Dict[int, str] = {}
@@ -253,11 +324,10 @@ class World:
                 if conn in ready or conn.poll():
                     try:
                         status, value = pickle.loads(conn.recv_bytes())
-                    except (EOFError, OSError):
-                        status, value = "error", f"rank {r} closed its pipe (exit code {proc.exitcode})"
+                    except (EOFError, OSError):  # its end closed: the rank is gone, or going
+                        status, value = "error", self._death(r, what)
                 elif proc.sentinel in ready or not proc.is_alive():
-                    proc.join(timeout=1)
-                    status, value = "error", f"rank {r} died (exit code {proc.exitcode}) during {what}"
+                    status, value = "error", self._death(r, what)
                 else:
                     continue
                 pending.discard(r)
