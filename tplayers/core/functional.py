@@ -19,7 +19,8 @@ Under sequence parallelism (``sequence_parallel=True``) activations between the 
 split along the sequence: the column layer all-gathers its input (keeping only its shard for
 backward, re-gathered in backward under the input-gradient GEMM) and reduce-scatters its input
 gradient under the weight-gradient GEMM; the row layer reduce-scatters its output instead of
-all-reducing it, and all-gathers its output gradient in backward.
+all-reducing it, and all-gathers its output gradient in backward. Each pass runs its GEMMs on the gathered
+tokens in the order that copies less: the sequence's, or the collective's own (rank-major, :mod:`.seq_order`).
 
 ``overlap_comm=False`` runs the same ops with blocking collectives, in the same order: bit-identical
 results, to measure what the overlap buys. ``collective_matmul`` cuts the sequence-parallel gather /
