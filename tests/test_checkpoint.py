@@ -705,3 +705,31 @@ def test_a_write_failing_on_one_rank_raises_on_every_rank_and_leaves_nothing(tmp
     for error, left in get_world(2).run(_one_rank_fails_to_write, str(tmp_path / "ckpt")):
         assert "save_checkpoint" in error and "File too large" in error, error
         assert left == [], left
+
+
+def _save_past_a_file_size_limit(group, path):
+    import resource
+
+    torch.manual_seed(0)
+    model = tplayers.parallelize(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)),
+                                 {"0": "column", "2": "row"}, group=group, audit=False)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if torch.distributed.get_rank() == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # ulimit -f on one node
+    try:
+        tplayers.save_checkpoint(model, path)
+        return "no error", os.path.exists(path)
+    except tplayers.io.CheckpointError as e:
+        return str(e), os.path.exists(path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_file_size_limit_hit_mid_save_is_named_on_every_rank(tmp_path):
+    """Before: the limit was a hint at the end of DCP's traceback ("unexpected pos"), on no rank its value."""
+    for rank, (message, published) in enumerate(get_world(2).run(_save_past_a_file_size_limit, str(tmp_path / "ck"))):
+        assert message.startswith("save_checkpoint: rank(s) [1] could not write their part of the checkpoint: a "
+                                  "write stopped short"), message
+        assert "file-size limit" in message and "nothing was published" in message, message
+        assert ("This rank's file-size limit (ulimit -f) is 4096 bytes" in message) == (rank == 1), message
+        assert not published

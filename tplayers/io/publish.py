@@ -31,10 +31,31 @@ def dcp_errors(caller: str, path: str) -> Iterator[None]:
     except Exception:
         raise
     except BaseException as e:  # noqa: BLE001
-        hint = (" (torch.save reports a write that stopped short, such as a full disk or a file-size limit "
-                "(ulimit -f) on that rank, as 'unexpected pos')" if "unexpected pos" in str(e) else "")
-        raise CheckpointError(f"{caller}: torch.distributed.checkpoint failed for {path}: "
-                              f"{type(e).__name__}: {e}{hint}") from e
+        raise CheckpointError(_stopped_short(caller, e) + f"{caller}: torch.distributed.checkpoint failed for "
+                              f"{path}: {type(e).__name__}: {e}") from e
+
+
+# How a write that stopped short reads in DCP's failures: torch.save's zip writer ("unexpected pos"), the OS.
+_SHORT_WRITES = ("unexpected pos", "File too large", "No space left on device", "Disk quota exceeded")
+
+
+def _stopped_short(caller: str, e: BaseException) -> str:
+    """The lead of a save's error when a rank's write stopped short (a full disk, a file-size limit): which
+    ranks, the likely causes, and on such a rank its own file-size limit; "" for any other failure. (DCP raises
+    the same exception on every rank, carrying every failed rank's.)"""
+    if not any(mark in str(e) for mark in _SHORT_WRITES):
+        return ""
+    failed = sorted(getattr(e, "failures", None) or [])
+    limit = ""
+    if dist.is_initialized() and dist.get_rank() in failed:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if soft != resource.RLIM_INFINITY:
+            limit = f" This rank's file-size limit (ulimit -f) is {soft} bytes."
+    return (f"{caller}: rank(s) {failed or '?'} could not write their part of the checkpoint: a write stopped short "
+            f"(a full disk, a disk quota, or a file-size limit, ulimit -f, on that node); nothing was published and "
+            f"the checkpoint that was there is kept.{limit}\n")
 
 
 @contextlib.contextmanager
