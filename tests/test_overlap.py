@@ -13,11 +13,14 @@ from _helpers import F64, MULTI_RANK
 
 
 def _region_module(module, seed):
-    """A dense MLP (activation ``module``) or attention (4 heads, 2 KV heads: replicated at TP 4) of
-    hidden 16, and its TP class."""
+    """A dense MLP (activation ``module``; "narrow": gelu with ffn 16, whose per-rank sides at TP 4 are narrow
+    enough for the sequence-parallel region to stay rank-major from one GEMM to the other) or attention (4 heads,
+    2 KV heads: replicated at TP 4) of hidden 16, and its TP class."""
     torch.manual_seed(seed)
     if module == "attention":
         return DenseAttention(16, 4, 2, None, True, True, True, dtype=F64), ParallelAttention
+    if module == "narrow":
+        return DenseMLP(16, 16, "gelu", True, dtype=F64), ParallelMLP
     return DenseMLP(16, 32, module, True, dtype=F64), ParallelMLP
 
 
@@ -41,7 +44,7 @@ def _split_equals_megatron(group, module, sequence_parallel):
 
 @pytest.mark.parametrize("tp", MULTI_RANK)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("module", ["gelu", "swiglu", "attention"])  # MLP activations, and attention
+@pytest.mark.parametrize("module", ["gelu", "swiglu", "narrow", "attention"])  # MLP activations, and attention
 def test_split_backward_is_bit_identical_to_the_two_layer_schedule(tp, module, sequence_parallel):
     assert all(get_world(tp).run(_split_equals_megatron, module, sequence_parallel))
 

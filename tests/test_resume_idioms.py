@@ -147,23 +147,26 @@ def test_deepcopy_of_state_dict_and_an_in_place_ema_equal_the_dense_idioms():
                                            msg=lambda m, k=k, what=what: f"rank {rank}, {what}, {k}: {m}")
 
 
-def _averaged_model(group):
-    """``AveragedModel`` (SWA's mean and an EMA ``multi_avg_fn``) of a TP model: its forward, its
-    ``state_dict()`` loaded back into the TP model, equal to the dense model's averages."""
+def _averaging(model: nn.Module) -> tuple:
+    """``AveragedModel`` (SWA's mean and an EMA ``multi_avg_fn``) kept over 3 steps of ``model``: the averaged
+    models (their forward, their ``state_dict()``)."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-    model = _model(group, seed=4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    swa = AveragedModel(model)
-    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+    swa, ema = AveragedModel(model), AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.8))
     for step in range(3):
         _train(model, optimizer, step, 1)
         swa.update_parameters(model)
         ema.update_parameters(model)
     x = _batch(99)
-    outputs = [swa(x).detach(), ema(x).detach()]
+    return [swa(x).detach(), ema(x).detach()], (swa, ema)
+
+
+def _averaged_model(group):
+    """The averages of a TP model: their outputs, and their ``state_dict()`` loaded back into a TP model, dense."""
+    outputs, averaged = _averaging(_model(group, seed=4))
     averages = []
-    for avg in (swa, ema):
+    for avg in averaged:
         target = _model(group, seed=5)
         target.load_state_dict({k.removeprefix("module."): v for k, v in avg.state_dict().items()
                                 if k.startswith("module.")})
@@ -172,19 +175,9 @@ def _averaged_model(group):
 
 
 def test_averaged_model_of_a_tp_model_equals_the_dense_average():
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
     torch.manual_seed(4)
-    dense = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN)).double()
-    optimizer = torch.optim.AdamW(dense.parameters(), lr=1e-2)
-    swa, ema = AveragedModel(dense), AveragedModel(dense, multi_avg_fn=get_ema_multi_avg_fn(0.8))
-    for step in range(3):
-        _train(dense, optimizer, step, 1)
-        swa.update_parameters(dense)
-        ema.update_parameters(dense)
-    x = _batch(99)
-    want_out = [swa(x).detach(), ema(x).detach()]
-    want_avg = [avg.module.state_dict() for avg in (swa, ema)]
+    want_out, averaged = _averaging(nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN)).double())
+    want_avg = [avg.module.state_dict() for avg in averaged]
     for rank, (outputs, averages) in enumerate(get_world(2).run(_averaged_model)):
         for got, want in zip(outputs, want_out):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

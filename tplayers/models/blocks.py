@@ -105,7 +105,7 @@ class ParallelMLP(TensorParallelModule):
         if sinks is None:
             return None
         return dict(w1=self.fc1.weight, b1=self.fc1.bias, w2=self.fc2.weight, b2=self.fc2.bias,
-                    core=lambda h, rows: self._act(h), recompute=True, **sinks)
+                    core=lambda h, rows: self._act(h), recompute=True, token_wise=True, **sinks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         overlap = self.fc1.overlap_comm

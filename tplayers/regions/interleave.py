@@ -32,7 +32,7 @@ from ..core.comm import copy_to_tp
 from ..core.functional import column_parallel_linear, row_parallel_linear, warn_cuda_connections_once
 from ..core.graph import differentiable_grads
 from ..core.groups import TPGroup
-from .region import Core, batch_chunks, cat_rows, check_region_main_grads, chunk_pairs, core_graph
+from .region import Core, batch_chunks, cat_rows, check_region_main_grads, chunk_pairs, core_graph, stays_rank_major
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, region_wgrads
 
 __all__ = ["ResidualRegion", "interleaved_residual_regions"]
@@ -56,6 +56,7 @@ class ResidualRegion:
     b2: Optional[torch.Tensor]
     core: Core
     recompute: bool = False
+    token_wise: bool = False  # core acts on each token alone (an MLP's activation): see region.stays_rank_major
     wgrad_store: Optional[WeightGradStore] = None
     main_grads: MainGrads = None
 
@@ -108,14 +109,16 @@ class _InterleavedBlockFn(torch.autograd.Function):
             n = region.norm(y, nw, nb)
             # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
             rm1, rm2 = sp and column_forward_rank_major(w1), sp and row_forward_rank_major(w2)
+            stay = stays_rank_major(sp, region.token_wise, w1, w2)
             n_full = gather_sequence(n, g, rm1).wait() if sp else n  # (bc, s, hidden) or (p, bc, s/p, hidden)
-            h = to_sequence(F.linear(n_full, w1, b1), rm1)  # (bc, s, local column width)
+            h = F.linear(n_full, w1, b1)  # (bc, s, local column width), or rank-major
+            h = h if stay else to_sequence(h, rm1)
             if region.recompute:
                 a = region.core(h, rows[i])
             else:
                 h_in, a = graphs[i][j] = core_graph(region.core, h, rows[i])
                 a = a.detach()
-            partial = F.linear(to_order(a, g, rm2), w2)  # this rank's share
+            partial = F.linear(a if stay else to_order(a, g, rm2), w2)  # this rank's share
             pending[i][j] = sum_partials(partial, g, sp, async_op=True, rank_major=rm2)  # in flight
             ys[i][j], ns[i][j], hs[i][j], resid[i] = y, n, h, y
         last_bias = params[-1][5]
@@ -168,9 +171,11 @@ class _BlockBackward:
             gf = gather_sequence(self.grad_resid[i], g, rm2).wait() if sp else self.grad_resid[i]  # (bc, s, hidden)
             graph = None if self.graphs is None else self.graphs[i][j]  # None: the core recomputed with its graph
             h_in, a = core_graph(region.core, self.hs[i][j], self.rows[i]) if graph is None else graph
-            (grad_h,) = torch.autograd.grad(a, h_in, to_sequence(gf @ w2, rm2))  # (bc, s, local column width)
-            grad_h = to_order(grad_h, g, rm1)
-            self.gfs[i][j], self.acts[i][j], self.grad_hs[i][j] = gf, to_order(a.detach(), g, rm2), grad_h
+            stay = stays_rank_major(sp, region.token_wise, w1, w2)
+            (grad_h,) = torch.autograd.grad(a, h_in, gf @ w2 if stay else to_sequence(gf @ w2, rm2))  # (bc, s, width)
+            grad_h = grad_h if stay else to_order(grad_h, g, rm1)
+            a = a.detach() if stay else to_order(a.detach(), g, rm2)
+            self.gfs[i][j], self.acts[i][j], self.grad_hs[i][j] = gf, a, grad_h
             if j > 0 or chain_to_x:  # this chunk's partial input gradient (a buffer we own) travels at once
                 self.pending[i][j] = sum_partials(grad_h @ w1, g, sp, async_op=self.overlap_comm, rank_major=rm1)
             if i == k - 1:  # region j's last stage: its weight gradients now, under its last collectives

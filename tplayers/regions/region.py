@@ -37,7 +37,7 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, region_wgrads
 
 __all__ = ["split_backward_region", "parallel_mlp", "batch_chunks", "cat_rows", "into_rows", "chunk_pairs", "core_graph",
-           "Core", "require_chunks"]
+           "Core", "require_chunks", "stays_rank_major"]
 
 Core = Callable[[torch.Tensor, slice], torch.Tensor]  # (this rank's (bc, s, width) columns, batch rows) -> row input
 
@@ -59,6 +59,15 @@ def batch_chunks(batch: int, chunks: int) -> List[slice]:
 def cat_rows(parts: List[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """Batch chunks back into one tensor (the batch dim: 0, or 1 for rank-major ``(p, b, s/p, f)``)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def stays_rank_major(sequence_parallel: bool, token_wise: bool, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether a column -> core -> row region keeps its tokens in rank-major order from the column layer's GEMM to the
+    row layer's, both ways, never reordering them: under sequence parallelism, with a token-wise core (an MLP's
+    activation), when each of the two layers' four passes would choose that order anyway (core/seq_order.py). Then
+    every GEMM sees the same operands in the same order as the two layers do (the same bits), and the per-rank side
+    is never copied (at TP 8 on a Llama-3 MLP: three activations' worth per step)."""
+    return sequence_parallel and token_wise and column_forward_rank_major(w1) and row_backward_rank_major(w2)
 
 
 def into_rows(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -91,10 +100,11 @@ class _SplitBackwardFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, core: Core, g: TPGroup, sequence_parallel: bool, overlap_comm: bool,
-                recompute: bool, rows: List[slice], sink: WgradSink):
+                recompute: bool, rows: List[slice], sink: WgradSink, token_wise: bool):
         sp, chunked = sequence_parallel, len(rows) > 1
         # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
         rm1, rm2 = sp and column_forward_rank_major(w1), sp and row_forward_rank_major(w2)
+        stay = stays_rank_major(sp, token_wise, w1, w2)
         gathers = [gather_sequence(x[rows[0]], g, rm1, async_op=chunked)] if sp else []
         summed = x.new_empty(x.shape[:-1] + w2.shape[:1]) if chunked and not sp else None  # each chunk's rows of it
         hs, graphs, reducing = [], [], []
@@ -102,14 +112,16 @@ class _SplitBackwardFn(torch.autograd.Function):
             if sp and i + 1 < len(rows):  # the next chunk's input travels while this one computes
                 gathers.append(gather_sequence(x[rows[i + 1]], g, rm1, async_op=True))
             x_full = gathers[i].wait() if sp else x[r]  # (bc, s, hidden) or rank-major (p, bc, s/p, hidden)
-            h = to_sequence(F.linear(x_full, w1, b1), rm1)  # (bc, s, local column width)
+            h = F.linear(x_full, w1, b1)  # (bc, s, local column width), or rank-major
+            h = h if stay else to_sequence(h, rm1)
             if recompute:
                 a = core(h, r)
             else:
                 h_in, a = core_graph(core, h, r)
                 graphs.append((h_in, a))
                 a = a.detach()
-            partial = F.linear(to_order(a, g, rm2), w2) if summed is None else into_rows(a, w2.t(), summed[r])
+            a = a if stay else to_order(a, g, rm2)
+            partial = F.linear(a, w2) if summed is None else into_rows(a, w2.t(), summed[r])
             reducing.append(sum_partials(partial, g, sp, async_op=chunked, rank_major=rm2))  # this rank's share
             hs.append(h)
         sums = [pending.wait() for pending in reducing]
@@ -119,13 +131,14 @@ class _SplitBackwardFn(torch.autograd.Function):
         ctx.save_for_backward(x, w1, b1, w2, b2, *hs)
         ctx.graphs = graphs or None  # autograd graphs (their tensors saved through autograd), not tensors
         ctx.core, ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.rows, ctx.sink = core, g, sp, overlap_comm, rows, sink
+        ctx.stay = stay
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         if torch.is_grad_enabled():  # create_graph=True: rebuilt from the differentiable layers
             ctx.graphs = None
-            return (*_split_graph_grads(ctx, grad_out), None, None, None, None, None, None, None)
+            return (*_split_graph_grads(ctx, grad_out), None, None, None, None, None, None, None, None)
         x, w1, b1, w2, b2, *hs = ctx.saved_tensors
         g, sp, overlap_comm, rows, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.rows, ctx.sink
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
@@ -139,11 +152,11 @@ class _SplitBackwardFn(torch.autograd.Function):
         grad_hs, acts, reducing = [], [], []
         for i, (r, h) in enumerate(zip(rows, hs)):  # the input-gradient chain, chunk by chunk
             h_in, a = core_graph(ctx.core, h, r) if graphs is None else graphs[i]
-            grad_a = to_sequence(grad_a_full[:, r], True) if rm2 else grad_full[r] @ w2
-            (grad_h,) = torch.autograd.grad(a, h_in, grad_a)  # (bc, s, local column width)
-            grad_h = to_order(grad_h, g, rm1)
+            grad_a = grad_full[r] @ w2 if not rm2 else grad_a_full[:, r] if ctx.stay else to_sequence(grad_a_full[:, r], True)
+            (grad_h,) = torch.autograd.grad(a, h_in, grad_a)  # (bc, s, local column width), or rank-major
+            grad_h = grad_h if ctx.stay else to_order(grad_h, g, rm1)
             grad_hs.append(grad_h)
-            acts.append(to_order(a.detach(), g, rm2))
+            acts.append(a.detach() if ctx.stay else to_order(a.detach(), g, rm2))
             if need_x:  # this chunk's partial input gradient (a buffer we own) travels at once
                 partial = grad_h @ w1 if grad_x is None else into_rows(grad_h, w1, grad_x[r])
                 reducing.append(sum_partials(partial, g, sp, async_op=overlap_comm, rank_major=rm1))
@@ -156,7 +169,7 @@ class _SplitBackwardFn(torch.autograd.Function):
         grads = sink.route(needs, lambda: region_wgrads((grad_fulls, acts), column, needs, sink.main, g))
         sums = [pending.wait() for pending in reducing]
         grad_x = (cat_rows(sums) if grad_x is None else grad_x) if need_x else None
-        return (grad_x, *grads, None, None, None, None, None, None, None)
+        return (grad_x, *grads, None, None, None, None, None, None, None, None)
 
 
 def _split_graph_grads(ctx, grad_out):
@@ -174,7 +187,8 @@ def _split_graph_grads(ctx, grad_out):
 def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
                           b2: Optional[torch.Tensor], core: Core, *, group: GroupLike, sequence_parallel: bool = False,
                           overlap_comm: bool = True, recompute: bool = False, chunks: int = 1,
-                          wgrad_store: Optional[WeightGradStore] = None, main_grads: MainGrads = None) -> torch.Tensor:
+                          wgrad_store: Optional[WeightGradStore] = None, main_grads: MainGrads = None,
+                          token_wise: bool = False) -> torch.Tensor:
     """``row(core(column(x)))`` with the split backward of the module docstring. ``core(h, rows)``
     maps this rank's ``(bc, s, local width)`` columns of the batch rows ``rows`` (a slice of dim 0) to
     the row layer's ``(bc, s, local width)`` input; it must not mix ranks nor draw random numbers.
@@ -183,8 +197,9 @@ def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.
     :func:`row_parallel_linear` (``w2``); ``x`` is ``(b, s, hidden)`` (``(b, s/p, hidden)`` with
     ``sequence_parallel``). ``wgrad_store``: backward computes the input-gradient chain only and records
     the four weight and bias gradients there; ``main_grads``: the four buffers for w1, b1, w2, b2 (as
-    :func:`column_parallel_linear`'s). Under autocast, or in a world of one, it composes the two
-    layers instead."""
+    :func:`column_parallel_linear`'s). ``token_wise``: ``core`` acts on each token alone (an MLP's activation):
+    under sequence parallelism the tokens may then stay in rank-major order from one GEMM to the other
+    (:func:`stays_rank_major`). Under autocast, or in a world of one, it composes the two layers instead."""
     g = resolve_group(group)
     require_chunks(chunks, "split_backward_region")
     check_linear_inputs("split_backward_region", x, w1, b1, w1.shape[1], g, sequence_parallel)
@@ -201,7 +216,8 @@ def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.
     sink = WgradSink(g, wgrad_store, check_region_main_grads(main_grads, w1, b1, w2, b2, "split_backward_region", g),
                      (w1, b1, w2, b2), gather_input=sequence_parallel,
                      rank_major=sequence_parallel and column_backward_rank_major(w1))
-    return _SplitBackwardFn.apply(x, w1, b1, w2, b2, core, g, sequence_parallel, overlap_comm, recompute, rows, sink)
+    return _SplitBackwardFn.apply(x, w1, b1, w2, b2, core, g, sequence_parallel, overlap_comm, recompute, rows, sink,
+                                  token_wise)
 
 
 def check_region_main_grads(main_grads: MainGrads, w1, b1, w2, b2, op: str, g: TPGroup) -> MainGrads:
@@ -222,4 +238,4 @@ def parallel_mlp(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], 
     accumulation buffers; all as in :func:`split_backward_region`."""
     return split_backward_region(x, w1, b1, w2, b2, lambda h, rows: act(h), group=group,
                                  sequence_parallel=sequence_parallel, overlap_comm=overlap_comm, recompute=True,
-                                 chunks=chunks, wgrad_store=wgrad_store, main_grads=main_grads)
+                                 chunks=chunks, wgrad_store=wgrad_store, main_grads=main_grads, token_wise=True)
