@@ -50,8 +50,9 @@ def _counts_lines(report: Dict[str, Any]) -> List[str]:
     if not counts:
         return []
     base = counts.get("compute")
-    w = max(40, *(len(MODE_LABELS.get(m, m)) for m in counts))
-    lines = [f"{'per step (one steady-state step, this rank)':<{w}} {'kernels':>8} {'moved MB':>9} {'GEMM GFLOP':>10} "
+    title = "per step (one steady-state step, this rank)"
+    w = max(len(title), *(len(MODE_LABELS.get(m, m)) for m in counts))
+    lines = [f"{title:<{w}} {'kernels':>8} {'moved MB':>9} {'GEMM GFLOP':>10} "
              f"{'host syncs':>10} {'collectives':>11}",
              f"{'-' * w} {'-' * 8} {'-' * 9} {'-' * 10} {'-' * 10} {'-' * 11}"]
     for mode, c in counts.items():
