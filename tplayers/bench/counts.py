@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["StepCounts", "count_step", "FREE", "MOVES", "HOST_SYNCS", "GEMM_OPS", "ATTENTION_MARK", "gemm_op_flops",
-           "attention_op_flops"]
+           "attention_op_flops", "tensor_bytes"]
 
 #: Ops that launch no kernel: views, metadata, allocations (an empty tensor is a pointer from the caching allocator).
 FREE = frozenset({
@@ -52,11 +52,12 @@ GEMM_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "ma
 ATTENTION_MARK = "scaled_dot_product"  # in the name of every attention op
 
 
-def _nbytes(out: Any) -> int:
-    if isinstance(out, torch.Tensor):
-        return out.numel() * out.element_size()
-    if isinstance(out, (list, tuple)):
-        return sum(_nbytes(o) for o in out)
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (a tensor, or a list / tuple of them, nested); 0 for anything else."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(o) for o in obj)
     return 0
 
 
@@ -92,26 +93,35 @@ class StepCounts(TorchDispatchMode):
         self.collectives: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Optional[Tuple[str, int, Optional[str]]]:
+        """Count one dispatched op. A kernel: ``(its name, its FLOPs, "gemm" | "attention" | None)``; a collective,
+        a view or an allocation: None."""
         name = func.overloadpacket.__name__
-        namespace = func.namespace
-        if namespace in ("c10d", "_c10d_functional"):
-            if name not in ("wait_tensor",):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            if name != "wait_tensor":
                 self.collectives[name] += 1
-            return out
+            return None
         if name in HOST_SYNCS:
             self.host_syncs[name] += 1
         if name in FREE:
-            return out
+            return None
         self.kernels += 1
         self.ops[name] += 1
         if name in MOVES:
-            self.moved[name] += _nbytes(out)
+            self.moved[name] += tensor_bytes(out)
+        flops, rate = 0, None
         if name in GEMM_OPS:
-            self.gemm_flops += gemm_op_flops(name, args)
+            flops, rate = gemm_op_flops(name, args), "gemm"
+            self.gemm_flops += flops
         elif ATTENTION_MARK in name:
-            self.attention_flops += attention_op_flops(name, args)
-        return out
+            flops, rate = attention_op_flops(name, args), "attention"
+            self.attention_flops += flops
+        return name, flops, rate
 
     def as_dict(self) -> Dict[str, Any]:
         return {"kernels": self.kernels, "moved_bytes": sum(self.moved.values()), "moved_bytes_by_op": dict(self.moved),

@@ -25,15 +25,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core import collectives
 from ..core.groups import TPGroup
-from .counts import ATTENTION_MARK, FREE, GEMM_OPS, HOST_SYNCS, StepCounts, attention_op_flops, gemm_op_flops
+from .counts import HOST_SYNCS, StepCounts, attention_op_flops, tensor_bytes
 from .link import PRESETS, LinkModel, parse_link
 
 __all__ = ["GPUModel", "GPUS", "StepTrace", "trace_step", "replay", "gpu_model", "prediction_link", "predict_modes"]
@@ -66,14 +64,6 @@ GPUS: Dict[str, GPUModel] = {
 }
 
 
-def _tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(o) for o in obj)
-    return 0
-
-
 def _causal(name: str, args: tuple, kwargs: dict) -> bool:
     """Whether an attention op skips the masked half (CPU's flash op: ``is_causal`` is argument 4, 7 in backward)."""
     if "is_causal" in kwargs:
@@ -82,33 +72,26 @@ def _causal(name: str, args: tuple, kwargs: dict) -> bool:
     return len(args) > index and isinstance(args[index], bool) and args[index]
 
 
-class StepTrace(TorchDispatchMode):
-    """The events of one step in issue order: ``("kernel", name, flops, bytes, rate)`` (rate: "gemm",
-    "attention" or None), ``("launch", id, op, nbytes, group_size)``, ``("wait", id)``, ``("sync",)``."""
+class StepTrace(StepCounts):
+    """A step's counts (:class:`.counts.StepCounts`) and its events in issue order: ``("kernel", name, flops, bytes,
+    rate)`` (rate: "gemm", "attention" or None; bytes read and written), ``("launch", id, op, nbytes,
+    group_size)``, ``("wait", id)`` (both from the collectives' observer), ``("sync",)``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.events: List[Tuple[Any, ...]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        if func.namespace in ("c10d", "_c10d_functional"):
-            return out  # (recorded by the observer, with its bytes and its wait)
-        if name in HOST_SYNCS:
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Optional[Tuple[str, int, Optional[str]]]:
+        kernel = super().record(func, args, kwargs, out)
+        if func.overloadpacket.__name__ in HOST_SYNCS:
             self.events.append(("sync",))
-        if name in FREE:
-            return out
-        nbytes = _tensor_bytes(args) + _tensor_bytes(list(kwargs.values())) + _tensor_bytes(out)
-        if name in GEMM_OPS:
-            self.events.append(("kernel", name, gemm_op_flops(name, args), nbytes, "gemm"))
-        elif ATTENTION_MARK in name:
-            flops = attention_op_flops(name, args) // (2 if _causal(name, args, kwargs) else 1)
-            self.events.append(("kernel", name, flops, nbytes, "attention"))
-        else:
-            self.events.append(("kernel", name, 0, nbytes, None))
-        return out
+        if kernel is not None:
+            name, flops, rate = kernel
+            if rate == "attention" and _causal(name, args, kwargs):
+                flops //= 2
+            nbytes = tensor_bytes(args) + tensor_bytes(list(kwargs.values())) + tensor_bytes(out)
+            self.events.append(("kernel", name, flops, nbytes, rate))
+        return kernel
 
 
 class _Observer:
@@ -138,8 +121,8 @@ class _MetaAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, events: List[Tuple[Any, ...]]):
-        flops = 4 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1] // (2 if causal else 1)
-        nbytes = sum(_tensor_bytes(t) for t in (q, k, v)) + _tensor_bytes(q)  # (out: q's size, d_v = d)
+        flops = attention_op_flops("flash_attention", (q, k)) // (2 if causal else 1)
+        nbytes = tensor_bytes((q, k, v, q))  # (out: q's size, d_v = d)
         events.append(("kernel", "flash_attention", flops, nbytes, "attention"))
         ctx.flops, ctx.nbytes, ctx.events = flops, nbytes, events
         return q.new_empty(q.shape[:-1] + v.shape[-1:])
@@ -157,8 +140,8 @@ class _MetaRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, events: List[Tuple[Any, ...]]):
-        ctx.nbytes, ctx.events, ctx.has_weight = _tensor_bytes(x), events, weight is not None
-        events.append(("kernel", "fused_rms_norm", 0, 2 * ctx.nbytes + _tensor_bytes(weight), None))
+        ctx.nbytes, ctx.events, ctx.has_weight = tensor_bytes(x), events, weight is not None
+        events.append(("kernel", "fused_rms_norm", 0, 2 * ctx.nbytes + tensor_bytes(weight), None))
         return x.new_empty(x.shape)
 
     @staticmethod
@@ -195,14 +178,14 @@ def _fused_on_meta(events: List[Tuple[Any, ...]]) -> Iterator[None]:
 def trace_step(step: Callable[[], None]) -> Tuple[List[Tuple[Any, ...]], Dict[str, Any]]:
     """One run of ``step`` (after its warm-up) recorded: its :class:`StepTrace` events and its counts
     (:class:`.counts.StepCounts`, of the same run)."""
-    trace, counts = StepTrace(), StepCounts()
+    trace = StepTrace()
     previous = collectives.set_observer(_Observer(trace))
     try:
-        with _fused_on_meta(trace.events), trace, counts:
+        with _fused_on_meta(trace.events), trace:
             step()
     finally:
         collectives.set_observer(previous)
-    return trace.events, counts.as_dict()
+    return trace.events, trace.as_dict()
 
 
 def replay(events: List[Tuple[Any, ...]], gpu: GPUModel, link: LinkModel) -> Dict[str, float]:

@@ -74,7 +74,6 @@ def to_sequence(t: torch.Tensor, rank_major: bool) -> torch.Tensor:
     return from_rank_major(t) if rank_major else t
 
 
-
 def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], g: TPGroup) -> torch.Tensor:
     """A column layer's forward under SP: ``F.linear`` of every rank's chunk of ``x`` gathered, ``(..., s, out/p)``."""
     rank_major = column_forward_rank_major(weight)
