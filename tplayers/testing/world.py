@@ -179,9 +179,7 @@ class _StderrTail:
 _TAIL_LINES = 12
 
 
-def _how_it_ended(exitcode: Optional[int]) -> str:
-    if exitcode is None:
-        return "still running"
+def _how_it_ended(exitcode: int) -> str:
     if exitcode < 0:
         try:
             return f"signal {signal.Signals(-exitcode).name}"
@@ -304,6 +302,8 @@ class World:
         tail = self._stderr[r].tail(wait=1.0) if r < len(self._stderr) else ""
         said = ("; its last lines on stderr:\n    " + tail.replace("\n", "\n    ") if tail
                 else "; it wrote nothing to stderr")
+        if proc.exitcode is None:  # (its pipe closed, the process not gone yet)
+            return f"rank {r} closed its pipe during {what} and has not exited{said}"
         return f"rank {r} died ({_how_it_ended(proc.exitcode)}) during {what}{said}"
 
     def _collect(self, timeout: float, what: str) -> List[Any]:
