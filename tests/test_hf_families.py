@@ -177,7 +177,7 @@ testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f 
                                   if f != "llama_mha")
 
 
-def _build(family: str, seed: int = 0):
+def _build(family: str, seed: int = 0, ffn_plan: bool = True):
     if family in OWN_CONFIG:
         config_name, model_name, kwargs = OWN_CONFIG[family]
     else:
@@ -188,7 +188,8 @@ def _build(family: str, seed: int = 0):
         pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).double().eval()
-    _skip_where_this_transformers_has_no_plan(family, model)
+    if ffn_plan:  # (whole experts read the expert-parallel plan too)
+        _skip_where_this_transformers_has_no_plan(family, model)
     if family == "gpt_oss":  # zero at init: a bias added p times (or sinks read for the wrong heads) would not show
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -387,7 +388,7 @@ def test_moe_with_sequence_parallelism_matches_dense(family, tp):
 
 
 def _moe_sequence_parallel_collectives(group):
-    dense = _build("mixtral")
+    dense = _build("mixtral", ffn_plan=False)  # (transformers >= 5.25 names Mixtral's experts in its EP plan only)
     model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, sequence_parallel=True,
                                  experts="all_to_all", audit=False, check_inputs=0)
     ids = torch.randint(0, VOCAB, (2, 4 * group.size()), generator=torch.Generator().manual_seed(0))

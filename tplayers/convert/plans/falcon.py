@@ -45,10 +45,14 @@ class FalconQKV:
 
 
 def _local_heads(attn: nn.Module, tp_size: int) -> Dict[str, Any]:
-    """Falcon's attention reads ``num_heads`` (and, multi-head, ``num_kv_heads``) to split the qkv output."""
-    out: Dict[str, Any] = {"num_heads": attn.num_heads // tp_size}
+    """Falcon's attention reads ``num_heads`` (and, multi-head, ``num_kv_heads``) to split the qkv output, and
+    (transformers >= 5.25) ``num_key_value_groups`` to repeat its KV heads: local heads / local KV heads."""
+    heads, kv_heads = attn.num_heads // tp_size, getattr(attn, "num_kv_heads", 1)
+    out: Dict[str, Any] = {"num_heads": heads}
     if attn.new_decoder_architecture or not attn.multi_query:
-        out["num_kv_heads"] = attn.num_kv_heads // tp_size
+        kv_heads = out["num_kv_heads"] = attn.num_kv_heads // tp_size
+    if hasattr(attn, "num_key_value_groups"):
+        out["num_key_value_groups"] = heads // kv_heads
     return out
 
 
