@@ -24,6 +24,8 @@ style name through :data:`HF_STYLES`. What we chose where transformers differs:
 - ``mla_kv_a_proj`` (multi-head latent attention) keeps the latent projections whole on every rank
   (:class:`~tplayers.convert.styles_whole.LatentKV`: the shared rotary key's gradient summed), the ``q_a_proj``
   beside it too; DeepSeek-V3's plan, which names no attention, gets DeepSeek-V2's;
+- a composite model without a base plan (a vision-language model) is read through the plan transformers
+  composes per instance from its sub-configs (``model._tp_plan``: the text tower's, the head's);
 - a model without a plan of its own (GPT-2, OPT, Falcon) gets tplayers' shipped plan for its
   ``config.model_type`` (:data:`~tplayers.convert.plans.MODEL_TYPES`);
 - ``sequence_parallel`` entries (norms inside a sequence-parallel region) are not applied: "auto"
@@ -90,11 +92,29 @@ def _hf_plan(model: nn.Module, whole_experts: bool = False) -> Dict[str, str]:
         base.update(_ep_experts(dict(getattr(config, "base_model_ep_plan", None) or {}), base))
     head = dict(getattr(type(model), "_tp_plan", None) or {})
     if not base:  # a head plan alone would shard the head and nothing else
-        return {}
+        return _instance_plan(model)
     prefix = _base_prefix(model, base)
     if prefix:  # a model with a head around the base model
         base = {f"{prefix}.{k}": v for k, v in base.items()}
     return {**base, **head}
+
+
+def _instance_plan(model: nn.Module) -> Dict[str, str]:
+    """The plan transformers (>= 5) composes per instance from a composite model's sub-configs (a vision-language
+    model: its text tower's plan under the tower's path, the head), keys under the model root; with the additions
+    of each sub-model's family under its path. Empty when it names only the head."""
+    plan = dict(vars(model).get("_tp_plan") or {})
+    if not any("." in key for key in plan):
+        return {}
+    seen = {id(getattr(model, "config", None))}
+    for path, sub in model.named_modules():  # (parents first: a config is read where it first appears)
+        config = getattr(sub, "config", None)
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        added = FAMILY_ADDITIONS.get(getattr(config, "model_type", ""), {})
+        plan.update({f"{path}.{k}": v for k, v in added.items() if f"{path}.{k}" not in plan})
+    return plan
 
 
 def _ep_experts(ep: Dict[str, str], base: Dict[str, str]) -> Dict[str, str]:

@@ -47,7 +47,7 @@ from ..core.sites import name_modules
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..regions.partial_grads import PartialGradSum
 from ..core.siblings import ColumnInputs
-from ..layers.base import TensorParallelModule, carry_hooks, placements_of
+from ..layers.base import TensorParallelModule, carry_hooks
 from ..layers.experts import ParallelExperts
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.outside_reads import refuse_outside_reads
@@ -67,6 +67,7 @@ from .plan import Plan, resolve_style
 from .plans import get_plan
 from .refusals import (check_same_dense_model, refuse_lonely_columns, refuse_lonely_rows, refuse_no_match,
                        refuse_router_logits_argument, refuse_router_logits_in_config, refuse_unfitting_plan)
+from .ties import keep_parameter_objects, ties_kept
 from .twin import within
 from .sequence import ReplicateReduceGrad, check_sequence_region, refuse_double_gather, takes_sequence_shards
 from .styles import BuildContext, Built, Column, FusedQKV, KVColumn, Row, SequenceSwitch, Style
@@ -118,34 +119,6 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
     return built
 
 
-def _ties(model: nn.Module, modules: Dict[str, nn.Module],
-          built: Dict[str, Built]) -> List[Tuple[nn.Module, str, nn.Module, str]]:
-    """Tied parameters (one tensor, several names): both sides replaced with the same placement and
-    shape (re-tied after the swap), or an error."""
-    by_id: Dict[int, List[str]] = {}
-    for pname, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(pname)
-    new = {n: b.module for n, b in built.items() if b.module is not modules[n]}  # the replaced modules
-    retie = []
-    for names in (ns for ns in by_id.values() if len(ns) > 1):
-        owners = [(n.rpartition(".")[0], n.rpartition(".")[2]) for n in names]
-        swapped = [o for o in owners if o[0] in new]
-        if not swapped:
-            continue
-        if len(swapped) != len(owners):
-            raise ValueError(f"parallelize: parameters {names} are tied (one tensor) but the plan swaps only "
-                             f"{[m + '.' + a for m, a in swapped]}: swap all of them or none")
-        (m0, a0), rest = owners[0], owners[1:]
-        p0 = placements_of(new[m0]).get(a0)
-        for m, a in rest:
-            pm = placements_of(new[m]).get(a)
-            if pm != p0 or getattr(new[m], a).shape != getattr(new[m0], a0).shape:
-                raise ValueError(f"parallelize: tied parameters '{m0}.{a0}' and '{m}.{a}' get different TP placements "
-                                 f"({p0} vs {pm}); they cannot stay tied")
-            retie.append((new[m], a, new[m0], a0))
-    return retie
-
-
 def _io(style: Style, module: nn.Module) -> Union[None, Tuple[bool, bool]]:
     """(input split, output split) of a converted module, or None for a module the style keeps as it is."""
     if isinstance(style, (Column, KVColumn, FusedQKV)):
@@ -180,32 +153,6 @@ def _auditor(model: nn.Module, built: Dict[str, Built], styles: Dict[str, Style]
     refuse_lonely_columns(model, [n for n in regions if n in columns and io[n] == (False, True)], built, plan_name, tp)
     marks = {n: b.region for n, b in built.items() if b.region is not None}  # where sequence parallelism starts, ends
     return Auditor(model, regions, tp, plan_name, io, marks)
-
-
-def _keep_parameter_objects(model: nn.Module, modules: Dict[str, nn.Module], built: Dict[str, Built]) -> None:
-    """Each swapped module's direct parameters move into the dense Parameter objects of the same name
-    they were built from (``param.data`` = this rank's shard), so whatever already holds the dense
-    model's parameters (an optimizer built before ``parallelize``, a hook, a parameter list) holds the
-    TP ones: an optimizer built first steps the TP model instead of orphaned dense tensors. Tied
-    parameters stay tied (every reference to a replaced parameter is replaced)."""
-    kept: Dict[int, nn.Parameter] = {}  # id(the TP layer's new parameter) -> the dense Parameter now holding it
-    claimed: set = set()
-    for name, b in built.items():
-        old, new = modules[name], b.module
-        if new is old:
-            continue
-        for pname, p_new in new.named_parameters(recurse=False):
-            p_old = old._parameters.get(pname)
-            if (p_old is None or id(p_new) in kept or id(p_old) in claimed or type(p_old) is not nn.Parameter
-                    or p_old.requires_grad != p_new.requires_grad or p_old.device != p_new.device):
-                continue
-            p_old.data = p_new.data
-            kept[id(p_new)] = p_old
-            claimed.add(id(p_old))
-    for module in model.modules():
-        for pname, param in list(module._parameters.items()):
-            if param is not None and id(param) in kept:
-                module._parameters[pname] = kept[id(param)]
 
 
 def _resolve_plan(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]],
@@ -330,7 +277,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
         refuse_router_logits_in_config(model, chunked_experts)
     refuse_no_match(model, modules, built, styles, p)
     changes = attr_changes(modules, p, tp)
-    retie = _ties(model, modules, built)
+    retie = ties_kept(model, modules, built)  # tied inside: re-tied; held outside: refused
     auditor = _auditor(model, built, styles, matched, tp, p.name, isinstance(plan, str))  # reads the dense modules' attributes
     if tp_invariant:  # (on the built layers: refused before the model changes)
         apply_tp_invariant(model, {n: b.module for n, b in built.items()}, tp)
@@ -364,7 +311,7 @@ def _swap(model: nn.Module, modules: Dict[str, nn.Module], built: Dict[str, Buil
         setattr(module, attr, value)
     for dst, a, src, a0 in retie:
         setattr(dst, a, getattr(src, a0))
-    _keep_parameter_objects(model, modules, built)
+    keep_parameter_objects(model, modules, built)
     _declare_siblings(model, [r.name for r in auditor.regions], column_inputs)
     auditor.before_hooks(model)
     for b in built.values():
