@@ -24,8 +24,12 @@ _SCRATCH: List[torch.Tensor] = []
 
 
 def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer of the pool (or a new one). One made under ``torch.inference_mode()`` (an evaluation) is an
+    inference tensor, which may not be written in place outside it (the training after): each is reused only in
+    the mode it was made in."""
+    inference = torch.is_inference_mode_enabled()
     for i, t in enumerate(_SCRATCH):
-        if t.numel() == numel and t.dtype == dtype and t.device == device:
+        if t.numel() == numel and t.dtype == dtype and t.device == device and t.is_inference() == inference:
             return _SCRATCH.pop(i)
     if len(_SCRATCH) >= 8:
         _SCRATCH.pop(0)
