@@ -491,3 +491,39 @@ def test_a_norm_over_a_split_projections_whole_width_is_named():
     for message in get_world(2).run(_olmo_first_step, "norm over the whole q"):
         assert "'q_norm' (LayerNorm over 32 features) got 16 = 32 / 2" in message, message
         assert "leave this region whole" in message, message
+
+
+class ScaledLinear(nn.Linear):
+    """DeepSeek-V3 reference style: a Linear carrying ``scale`` (its fp8 block scales; None outside fp8), which
+    the model's own code reads."""
+
+    def __init__(self, i, o):
+        super().__init__(i, o, bias=False)
+        self.scale = None
+        self.block_size = 128
+
+
+class ReadsScale(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.wq, self.wo = ScaledLinear(dim, dim), ScaledLinear(dim, dim)
+
+    def forward(self, x):
+        if self.wq.scale is not None or self.wo.block_size != 128:  # (fp8 weights: dequantized here)
+            raise NotImplementedError
+        return self.wo(F.gelu(self.wq(x)))
+
+
+def _keeps_attributes(group):
+    torch.manual_seed(0)
+    dense = ReadsScale().double()
+    model = tplayers.parallelize(copy.deepcopy(dense), {"wq": "column", "wo": "row"}, group=group)
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    return float((model(x) - dense(x)).abs().max()), model.wq.scale, model.wo.block_size
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_the_swap_keeps_the_plain_attributes_the_model_reads(tp):
+    """Before: 'ColumnParallelLinear' object has no attribute 'scale'."""
+    for err, scale, block in get_world(tp).run(_keeps_attributes):
+        assert err < 1e-12 and scale is None and block == 128

@@ -20,7 +20,7 @@ from ..layers.dense_view import dense_tensors
 from .causes import likely_causes, name_pattern
 from ..core.digest import generator_states, set_generator_states
 from .invariant import is_invariant
-from .twin import (Quiet, copy_inputs, dense_twin, float32_copy, gather_first, random_like,
+from .twin import (Kept, Quiet, copy_inputs, dense_twin, float32_copy, gather_first, random_like,
                    relative_error, run_region, scale_of)
 
 __all__ = ["AuditError", "RegionAudit", "Region", "check_region", "relative_tolerance"]
@@ -194,7 +194,8 @@ def _run_and_compare(region: Region, result: RegionAudit, group: TPGroup, args: 
     sides, tp_error = _Sides(region, group), None
     drawn_from = generator_states()  # the twin draws the random numbers the sharded run draws (torch.rand* in forward)
     try:
-        tp_out, tp_in_grads, tp_grads = run_region(region.module, a1, k1, diff1, sides.tp_grad)
+        with Kept(region.module):  # (the model's caches and counters as they were: the twin copies them next)
+            tp_out, tp_in_grads, tp_grads = run_region(region.module, a1, k1, diff1, sides.tp_grad)
     except Exception as e:  # noqa: BLE001 - re-raised below with the dense twin's verdict
         if _refused_by_tplayers(e):  # a check of tplayers' own refused this input: its message says why
             raise
@@ -206,7 +207,7 @@ def _run_and_compare(region: Region, result: RegionAudit, group: TPGroup, args: 
     if in_dim is not None:  # the dense twin takes the whole input
         a2, k2, diff2 = gather_first(a2, k2, group, in_dim)
     try:
-        twin = dense_twin(region.module, region.originals, region.added_hooks)
+        twin = dense_twin(region.module, region.originals, region.added_hooks, group)
         with Quiet(twin):
             set_generator_states(drawn_from)
             dense_out, dense_in_grads, dense_grads = run_region(twin, a2, k2, diff2, sides.dense_grad)

@@ -47,7 +47,7 @@ from ..core.sites import name_modules
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..regions.partial_grads import PartialGradSum
 from ..core.siblings import ColumnInputs
-from ..layers.base import TensorParallelModule, carry_hooks
+from ..layers.base import TensorParallelModule, carry_attributes, carry_hooks
 from ..layers.experts import ParallelExperts
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.outside_reads import refuse_outside_reads
@@ -306,7 +306,9 @@ def _swap(model: nn.Module, modules: Dict[str, nn.Module], built: Dict[str, Buil
             parent_name, _, child = name.rpartition(".")
             setattr(modules[parent_name] if parent_name else model, child, b.module)
             carry_hooks(modules[name], b.module)  # hooks user code put on the dense module stay (the audit checks them)
-    auditor.record_originals([(m, attr, vars(m)[attr]) for m, attr, _ in changes if attr in vars(m)])
+            carry_attributes(modules[name], b.module)  # and the plain attributes the model's code may read
+    auditor.record_originals([(m, attr, m._buffers[attr] if attr in m._buffers else vars(m)[attr])  # (buffers too)
+                              for m, attr, _ in changes if attr in vars(m) or attr in m._buffers])
     for module, attr, value in changes:
         setattr(module, attr, value)
     for dst, a, src, a0 in retie:

@@ -18,10 +18,11 @@ from torch.utils import _pytree as pytree
 
 from ..core.blocking import all_gather_tensor
 from ..core.groups import TPGroup
-from ..layers.base import PLACEMENTS_ATTR, TensorParallelModule, carry_hooks
+from ..layers.base import CARRIED_ATTR, PLACEMENTS_ATTR, TensorParallelModule, carry_attributes, carry_hooks
 from .invariant import LEAF_FORWARD, declare_twins_alike, leaves_at_tp1, tp1_twin
 
-__all__ = ["within", "float32_copy", "copy_inputs", "gather_first", "first_float", "Quiet", "run_region", "random_like",
+__all__ = ["within", "float32_copy", "copy_inputs", "gather_first", "first_float", "Quiet", "Kept", "run_region",
+           "random_like",
            "dense_twin", "relative_error", "scale_of"]
 
 
@@ -148,6 +149,51 @@ class Quiet:
             setattr(m, attr, value)
 
 
+_MODULE_STATE = ("_parameters", "_buffers", "_modules")
+
+
+class Kept:
+    """The state a run may write, put back after it: each module's buffers and tensor attributes are replaced by
+    copies for the run (a KV cache written in place in forward: the run writes to its copy, the model's own is
+    neither changed nor given the run's graph), its plain attributes (a position counter) restored, attributes
+    the run added removed. The originals are never written to (their version counters, saved by a forward not yet
+    backpropagated, stay)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __enter__(self) -> "Kept":
+        self.saved = []
+        for m in self.module.modules():
+            buffers = dict(m._buffers)
+            m._buffers.update({k: _copy(v) for k, v in buffers.items() if v is not None})
+            state = {k: v for k, v in vars(m).items() if not k.startswith("_")}
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) or isinstance(v, (list, dict)):
+                    vars(m)[k] = _copy(v)
+            self.saved.append((m, buffers, state))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for m, buffers, state in self.saved:
+            m._buffers.clear()
+            m._buffers.update(buffers)
+            for k in [k for k in vars(m) if not k.startswith("_") and k not in state]:
+                del vars(m)[k]
+            vars(m).update(state)
+
+
+def _copy(v: Any) -> Any:
+    """A tensor cloned (detached), a list or dict of tensors copied with them, anything else as it is."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, list):
+        return [_copy(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _copy(x) for k, x in v.items()}
+    return v
+
+
 def run_region(module: nn.Module, args: tuple, kwargs: dict, diff: List[torch.Tensor], grad_for: Any
                ) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]], Dict[int, Optional[torch.Tensor]]]:
     """Forward, then backward of ``grad_for(output)``: (output, input grads, {id(param): grad})."""
@@ -167,10 +213,12 @@ def random_like(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     return torch.randn(tuple(shape), generator=gen, dtype=like.dtype).to(like.device)
 
 
-def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_hooks: Dict[str, Set[int]]) -> nn.Module:
+def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_hooks: Dict[str, Set[int]],
+               group: Optional[TPGroup] = None) -> nn.Module:
     """``region`` with every TP layer replaced by its ``to_dense()`` (collective, in module order), the
     attributes ``originals`` records (relative module path -> name -> value before ``parallelize``)
-    restored, and without the hooks ``parallelize`` added (``added_hooks``: relative path -> hook ids).
+    restored (a tensor the plan cut, a KV cache: this rank's part now, all-gathered over ``group``), and without the
+    hooks ``parallelize`` added (``added_hooks``: relative path -> hook ids).
     A ``tp_invariant`` region's twin is what it computes at TP 1: its TP layers at TP 1 on the fixed-tree path
     (`tplayers.convert.invariant.tp1_twin`), its modules run leaf by leaf with TP 1's leaves."""
     memo: Dict[int, Any] = {}
@@ -182,6 +230,7 @@ def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_ho
             layers.append(m)
             memo[id(m)] = tp1_twin(m) if getattr(m, "tp_invariant", False) else m.to_dense()
             carry_hooks(m, memo[id(m)], skip=added_hooks.get(rel, ()))  # the user's hooks run in the twin too
+            carry_attributes(m, memo[id(m)], vars(m).get(CARRIED_ATTR, ()))  # (those the swap carried)
     declare_twins_alike(memo, layers)
     if "" in outer:
         return memo[id(region)]
@@ -202,11 +251,25 @@ def dense_twin(region: nn.Module, originals: Dict[str, Dict[str, Any]], added_ho
         if getattr(getattr(vars(m).get("forward"), "__func__", None), LEAF_FORWARD, False):
             leaves_at_tp1(m, rel)  # (tp_invariant's leaf by leaf run, as at TP 1)
         for attr, value in originals.get(rel, {}).items():
-            if attr in vars(m) and not _same(vars(m)[attr], value):
+            now = m._buffers[attr] if attr in m._buffers else vars(m).get(attr, value)
+            if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor):
+                setattr(m, attr, _whole(now, value, group))  # (a cut cache: its whole value now, not at parallelize)
+            elif not _same(now, value):
                 setattr(m, attr, value)  # (an object the plan replaced: the original itself, read only)
     for p in twin.parameters():
         p.grad = None
     return twin
+
+
+def _whole(now: torch.Tensor, original: torch.Tensor, group: Optional[TPGroup]) -> torch.Tensor:
+    """The dense value of a tensor attribute or buffer the plan changed: where it was cut along one dim (``'k_cache:1'``),
+    every rank's part as it is now, gathered (what forwards since wrote in it included); else a copy of the
+    original (the twin writes to its own)."""
+    if group is not None and now.dim() == original.dim():
+        cut = [d for d in range(now.dim()) if now.shape[d] != original.shape[d]]
+        if len(cut) == 1 and now.shape[cut[0]] * group.size == original.shape[cut[0]]:
+            return all_gather_tensor(now.detach().contiguous(), cut[0], group=group)
+    return original.detach().clone()
 
 
 def _same(a: Any, b: Any) -> bool:

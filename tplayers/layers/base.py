@@ -238,6 +238,27 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
                "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
 
 
+CARRIED_ATTR = "_tplayers_carried_attributes"  # the names carry_attributes gave a swapped-in module
+
+
+def carry_attributes(src: nn.Module, dst: nn.Module, names: Optional[Iterable[str]] = None) -> List[str]:
+    """Give ``dst`` the plain attributes of ``src`` it does not have (a reference-style Linear's ``scale``, None
+    outside fp8; a block size): the model's code that reads them from the swapped module reads the same values.
+    Modules and parameters are not carried (the TP layer holds its own). ``names``: only those (default: all).
+    Returns the names carried, also kept on ``dst`` (``CARRIED_ATTR``: a region's dense twin carries them on to
+    the layer's ``to_dense()``)."""
+    carried = []
+    for name in list(vars(src)) if names is None else [n for n in names if n in vars(src)]:
+        value = vars(src)[name]
+        if name.startswith("_") or isinstance(value, (nn.Module, nn.Parameter)) or hasattr(dst, name):
+            continue
+        setattr(dst, name, value)
+        carried.append(name)
+    if carried:
+        vars(dst)[CARRIED_ATTR] = carried
+    return carried
+
+
 def carry_hooks(src: nn.Module, dst: nn.Module, skip: Iterable[int] = ()) -> int:
     """Give ``dst`` the forward and backward hooks registered on ``src`` (same ids, same order; the hook
     functions receive ``dst`` from now on), except the ids in ``skip``. A module swapped for its TP layer
