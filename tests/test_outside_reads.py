@@ -1,6 +1,7 @@
 """A TP layer's sharded parameter read by the model's own code (a head tied by reading the embedding's weight,
 as OLMo and gemma_pytorch do) is refused at the first forward, naming the parameter and the line. Before: the
 logits came out vocab / p wide on each rank, with no error."""
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -42,10 +43,59 @@ def _run(group, read_shape_only, **options):
 def test_a_head_tied_by_reading_the_embeddings_weight_is_refused():
     for message in get_world(2).run(_run, False):
         assert isinstance(message, str), message
-        assert "read 'wte.weight' ((8, 8): this rank's shard" in message and "linear" in message, message
+        assert "read 'wte.weight' (shape (8, 8); a tensor-parallel layer's parameter, which holds this rank's shard" in message and "linear" in message, message
         assert "test_outside_reads.py" in message and "vocab / p" in message, message
 
 
 def test_metadata_reads_and_the_off_switch_pass():
     assert get_world(2).run(_run, True) == [[(2, 5, H)] * 2] * 2
     assert get_world(2).run(_run, False, check_consistency=False) == [[(2, 5, V // 2)] * 2] * 2  # the fault itself
+
+
+class _Sampler(nn.Module):
+    """gemma_pytorch style: a head in another module, given the embedding's table (transposed)."""
+
+    def __init__(self, table_t=None):
+        super().__init__()
+        self.table_t = table_t  # a view of the embedding's table made at construction (None: given per call)
+
+    def forward(self, hidden, table_t=None):
+        return hidden @ (self.table_t if table_t is None else table_t)  # (b, s, V)
+
+
+class _HeadThroughAView(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.embedder = nn.Embedding(V, H)
+        self.mlp = nn.Sequential(nn.Linear(H, 2 * H), nn.ReLU(), nn.Linear(2 * H, H))
+        self.sampler = _Sampler(self.embedder.weight.t() if how == "made_first" else None)
+
+    def forward(self, ids, table_t=None):
+        x = self.embedder(ids)
+        x = x + self.mlp(x)
+        return self.sampler(x, table_t)
+
+
+def _through_a_view(group, how):
+    torch.manual_seed(0)
+    plan = {"embedder": "vocab_embedding", "mlp.0": "column", "mlp.2": "row"}
+    model = tplayers.parallelize(_HeadThroughAView(how).double(), plan, group=group)
+    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(0))
+    table = model.embedder.weight
+    given = {"made_first": None, "passed_view": table.t(), "passed_alias": table.detach().t()}[how]
+    try:
+        return tuple(model(ids, given).shape)
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("how", ["made_first", "passed_view", "passed_alias"])
+def test_a_view_of_a_shard_read_elsewhere_is_refused(how):
+    """Before: a head reading a view of the embedding's table made outside the forward (at construction, as
+    gemma_pytorch's sampler is handed one; or passed in) computed logits from the dense table as it was before
+    parallelize (made_first) or vocab / p wide (passed), with no error."""
+    for message in get_world(2).run(_through_a_view, how):
+        assert isinstance(message, str), f"no error: logits {message}"
+        assert "a view of 'embedder.weight'" in message and "this rank's shard" in message, message
+        assert ("test_outside_reads.py" in message) == (how == "made_first"), message  # (passed in: the argument named)

@@ -238,6 +238,34 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
                "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
 
 
+class ShardIndex:
+    """The sharded parameters of a model's TP layers, to tell whether a tensor is one of them: the parameter itself,
+    a view of it (``_base``: made at any time, before ``parallelize`` too, when it still shows the dense values)
+    or a tensor sharing its storage (``.detach()``, ``.data``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        placements = model_placements(model)
+        self.by_id = {id(p): (n, p) for n, p in model.named_parameters() if n in placements and placements[n].is_sharded}
+        self.by_storage = {p.untyped_storage().data_ptr(): (n, p) for n, p in self.by_id.values() if p.numel()}
+
+    def __bool__(self) -> bool:
+        return bool(self.by_id)
+
+    def find(self, t: torch.Tensor) -> Optional[Tuple[str, torch.Tensor]]:
+        """(how ``t`` holds a shard: "'name'" or "a view of 'name'", the parameter), or None."""
+        hit = self.by_id.get(id(t))
+        if hit is not None:
+            return f"'{hit[0]}'", hit[1]
+        hit = self.by_id.get(id(t._base)) if t._base is not None else None
+        if hit is None and t.numel():
+            hit = self.by_storage.get(t.untyped_storage().data_ptr())
+        if hit is None:
+            return None
+        stale = t.untyped_storage().data_ptr() != hit[1].untyped_storage().data_ptr()
+        return (f"a view of '{hit[0]}' made before parallelize (it shows the dense values of then: never trained)"
+                if stale else f"a view of '{hit[0]}'"), hit[1]
+
+
 CARRIED_ATTR = "_tplayers_carried_attributes"  # the names carry_attributes gave a swapped-in module
 
 

@@ -23,14 +23,14 @@ from __future__ import annotations
 import sys
 import sysconfig
 from itertools import chain
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from ..regions.partial_sum import METADATA
-from .base import TensorParallelModule, model_placements
+from .base import ShardIndex, TensorParallelModule
 from .same_inputs import in_pipeline_shape_inference
 
 __all__ = ["refuse_outside_reads"]
@@ -74,26 +74,26 @@ def _reader(frame: Any, p: torch.Tensor) -> Optional[str]:
 class _Watch(TorchFunctionMode):
     """Refuses a torch call, made by code outside tplayers, that takes a watched (sharded) parameter."""
 
-    def __init__(self, watched: Dict[int, str], model: str) -> None:
+    def __init__(self, shards: ShardIndex, model: str) -> None:
         super().__init__()
-        self.watched, self.model = watched, model
+        self.shards, self.model = shards, model
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func not in METADATA:
             for a in chain(args, kwargs.values()):
-                name = self.watched.get(id(a)) if isinstance(a, torch.Tensor) else None
-                if name is not None:
-                    where = _reader(sys._getframe(1), a)
+                hit = self.shards.find(a) if isinstance(a, torch.Tensor) else None
+                if hit is not None:
+                    where = _reader(sys._getframe(1), hit[1])
                     if where is not None:
-                        raise ValueError(_message(name, a, func, where, self.model))
+                        raise ValueError(_message(hit[0], a, func, where, self.model))
         return func(*args, **kwargs)
 
 
 def _message(name: str, p: torch.Tensor, func: Any, where: str, model: str) -> str:
     what = getattr(func, "__name__", str(func))
-    return (f"tplayers: {model}'s forward read '{name}' ({tuple(p.shape)}: this rank's shard of a tensor-parallel "
-            f"layer's parameter) with {what} at {where}, outside that layer: code that reads a TP layer's weight "
+    return (f"tplayers: {model}'s forward read {name} (shape {tuple(p.shape)}; a tensor-parallel layer's parameter, "
+            f"which holds this rank's shard) with {what} at {where}, outside that layer: code that reads a TP layer's weight "
             "as if it were whole computes on this rank's rows only, with no error (a head tied by reading the "
             "embedding's weight, F.linear(x, wte.weight) as OLMo and gemma_pytorch do, gives logits vocab / p wide). "
             "Read it through its module instead (a head as an nn.Linear module sharing the embedding's weight, "
@@ -111,12 +111,11 @@ def refuse_outside_reads(model: nn.Module) -> None:
     def start(module: nn.Module, args: Any) -> None:
         if module is not model or torch.compiler.is_compiling() or in_pipeline_shape_inference():
             return  # (a copy of the model made with its hooks, as the audit's float32 copy, is not watched)
-        placements = model_placements(model)
-        watched = {id(p): n for n, p in model.named_parameters() if n in placements and placements[n].is_sharded}
+        shards = ShardIndex(model)
         for h in handles:
             h.remove()
-        if watched:
-            active.append(_Watch(watched, type(model).__name__))
+        if shards:
+            active.append(_Watch(shards, type(model).__name__))
             active[0].__enter__()
             handles.append(model.register_forward_hook(stop, always_call=True))
 

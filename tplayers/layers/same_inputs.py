@@ -20,6 +20,7 @@ from ..core.blocking import all_gather_text, bit_hash, bytes_hash, ranks_that_di
 from ..core.fingerprint import CollectivesOutOfStep
 from ..core.digest import generator_states
 from ..core.groups import GroupLike, refuse_replicating_wrapper, resolve_group
+from .base import ShardIndex
 
 __all__ = ["named_arguments", "in_pipeline_shape_inference", "check_same_inputs", "SequenceShardInputs",
            "check_same_output_grads", "check_same_rng_once", "has_dropout"]
@@ -158,10 +159,16 @@ def check_same_inputs(module: nn.Module, *, group: GroupLike, every: int = 1,
         differ = ranks_that_differ(hashes, group=tp)  # (p, n)
         if differ.any():
             ranks, index = differ.nonzero()[0].tolist()
+            shard = ShardIndex(module).find(named[index][1])  # (the error path: every rank is here)
             error = (f"check_same_inputs: {type(module).__name__} forward #{calls[0]}: {named[index][0]} "
-                     f"differs between rank 0 and rank {ranks} of the TP group: every TP rank must see the "
-                     "same batch (a distributed sampler over the TP ranks splits it; in Lightning pass "
-                     "use_distributed_sampler=False when data_parallel_size=1)")
+                     f"differs between rank 0 and rank {ranks} of the TP group: " + (
+                         f"it is {shard[0]}, a tensor-parallel layer's parameter that holds this rank's shard: code "
+                         "that reads it as if it were whole computes on this rank's rows only (a head tied by reading "
+                         "the embedding's table gives logits vocab / p wide); read it through its module (a head as "
+                         "an nn.Linear sharing the weight, 'vocab_head' in the plan) or leave that layer whole"
+                         if shard is not None else
+                         "every TP rank must see the same batch (a distributed sampler over the TP ranks splits it; "
+                         "in Lightning pass use_distributed_sampler=False when data_parallel_size=1)"))
             if sequence_shards is None:
                 raise ValueError(error)
             error += (". (A chunk of the sequence fed to each rank by design is accepted when the model hands that "
