@@ -46,7 +46,12 @@ def _train(group, case, lag=False, device="cpu", **options):
                     model.model.norm.weight.add_(1e-3)
             labels = None if case == "labels" and step == 1 and rank == 1 else ids  # labels= on rank 0 only
             try:
-                model(ids, labels=labels).loss.backward()
+                if case == "outside_targets":  # the loss outside the model (a pipeline schedule's loss_fn)
+                    targets = ids.roll(1 + rank if step == 1 else 1, dims=1)  # rank 1's own targets at step 2
+                    logits = model(ids).logits  # (b, s, V): gathered, whole on every rank
+                    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+                else:
+                    model(ids, labels=labels).loss.backward()
                 opt.step()
                 opt.zero_grad()
             except tplayers.RanksDiverged as e:
@@ -81,6 +86,15 @@ def test_labels_on_one_rank_only_are_named_on_every_rank():
     for step, message in get_world(2).run(_train, "labels"):
         assert step == 1, message
         assert "argument 'labels' is given on rank(s) [0] only" in message, message
+
+
+def test_targets_of_a_loss_outside_the_model_that_differ_at_step_two_are_caught_there():
+    """Issue 57. Before: the gathered logits' gradient was compared at the first step only (then every
+    check_inputs-th): each rank's vocabulary shard trained on its own rank's targets from step 2, no error."""
+    for step, message in get_world(2).run(_train, "outside_targets"):
+        assert step == 1, message
+        assert "gradient of lm_head's output" in message and "rank(s) [1]" in message, message
+        assert "same labels / targets" in message, message
 
 
 def test_a_per_rank_reseed_of_a_model_with_dropout_is_caught_where_it_begins():

@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-__all__ = ["CARRIED", "Shared", "carry", "carrying", "carried", "entries_text", "diverged_message", "kind_of"]
+__all__ = ["CARRIED", "Shared", "carry", "carrying", "carried", "entries_text", "diverged_message", "forget",
+           "kind_of"]
 
 CARRIED = 4  # bytes per rank, one per element (values 0..255: exact in every stamped dtype)
 
@@ -81,6 +82,12 @@ def carry(pg: Any, key: Any, shared: Optional[Shared]) -> None:
     else:
         state.shared[key] = shared
     state.combined, state.bytes = None, {}
+
+
+def forget(pg: Any) -> None:
+    """Stop carrying everything on ``pg``: after ``RanksDiverged`` the step is abandoned, and a piece carried until
+    the end of a backward that raised (which never ends) must not ride in the collectives of what runs next."""
+    _STATES.pop(pg, None)
 
 
 @contextmanager

@@ -53,7 +53,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .carried import CARRIED, Shared, carried, diverged_message, entries_text
+from .carried import CARRIED, Shared, carried, diverged_message, entries_text, forget
 from .sites import forward_site
 
 __all__ = ["CollectivesOutOfStep", "RanksDiverged", "set_collective_checks", "SETTINGS", "AGREED", "Stamp", "stamp",
@@ -253,6 +253,7 @@ def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
     carried = [row[DIGEST + 1:] for row in rows]
     if any(c != carried[0] for c in carried):
         texts = exchange_text(entries_text(s.shared), s.pg, s.size, limit=None)
+        forget(s.pg)  # (nothing of the abandoned step rides on)
         raise RanksDiverged(diverged_message(s.shared, texts, s.text, late))
     if overflowed:
         raise FloatingPointError(

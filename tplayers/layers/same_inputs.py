@@ -17,8 +17,9 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ..core.blocking import all_gather_text, bit_hash, bytes_hash, ranks_that_differ
-from ..core.fingerprint import CollectivesOutOfStep
-from ..core.digest import generator_states
+from ..core.carried import Shared, carry, kind_of
+from ..core.fingerprint import CollectivesOutOfStep, checks_enabled
+from ..core.digest import digests, generator_states
 from ..core.groups import GroupLike, refuse_replicating_wrapper, resolve_group
 from .base import ShardIndex
 
@@ -223,6 +224,11 @@ def check_same_rng_once(module: nn.Module, *, group: GroupLike) -> RemovableHand
     return handle[0]
 
 
+OUTPUT_GRAD_ADVICE = ("Every TP rank must compute the loss on the same labels / targets (labels given to a loss outside "
+                      "the model's forward, such as a pipeline schedule's loss_fn, are not checked with the inputs; a "
+                      "distributed sampler over the TP ranks splits them)")
+
+
 def check_same_output_grads(module: nn.Module, *, group: GroupLike, every: int = 1,
                             counting: Optional[nn.Module] = None) -> List[RemovableHandle]:
     """Check, in the backward of the first and then every ``every``-th forward of ``module`` (of
@@ -234,7 +240,10 @@ def check_same_output_grads(module: nn.Module, *, group: GroupLike, every: int =
     model's forward) would train each shard on another rank's loss, silently.
 
     Cost per checked backward: the gradient hashed (read once; on CUDA one sync) and one all-gather of
-    four int64 per output tensor. ``parallelize`` registers it on every layer that gathers its output,
+    four int64 per output tensor. Between the checks (collective checks on), every backward carries the gradient's
+    digest (read once on its device, no sync, no collective) in the collectives that follow it
+    (:func:`~tplayers.core.carried.carry`): ranks whose losses begin to differ are stopped at that step with
+    :class:`~tplayers.RanksDiverged`. ``parallelize`` registers it on every layer that gathers its output,
     counting the model's forwards with its ``check_inputs`` schedule (the audit's extra call of a
     layer at the first step is then checked too); inside ``torch.compile`` it does not run. Returns
     the hook handles.
@@ -252,9 +261,7 @@ def check_same_output_grads(module: nn.Module, *, group: GroupLike, every: int =
             ranks = differ[:, 0].nonzero()[:, 0].tolist()
             raise ValueError(f"check_same_output_grads: the gradient of {name}'s output (every TP rank holds it whole) "
                              f"differs between rank 0 and rank(s) {ranks} of the TP group, in the backward of forward "
-                             f"#{calls[0]}: the ranks' losses differ. Every TP rank must compute the loss on the same "
-                             "labels / targets (labels given to a loss outside the model's forward are not checked "
-                             "with the inputs; a distributed sampler over the TP ranks splits them)")
+                             f"#{calls[0]}: the ranks' losses differ. {OUTPUT_GRAD_ADVICE}")
 
     def count(*_: Any) -> None:
         if tp.size > 1 and calls[0] % every == 0 and not torch.compiler.is_compiling() and \
@@ -262,20 +269,32 @@ def check_same_output_grads(module: nn.Module, *, group: GroupLike, every: int =
             return  # the next forward is the one checked
         calls[0] += 1
 
+    def carry_digest(grad: torch.Tensor) -> None:
+        """Between the checks: the gradient's digest rides in this backward's collectives (the head's own input-gradient
+        collective comes next), cleared when the backward ends."""
+        name = module.__dict__.get("_tplayers_path") or type(module).__name__
+        key = (id(module), "output gradient")
+        carry(tp.process_group, key, Shared(f"the gradient of {name}'s output (every TP rank holds it whole: it comes "
+                                            "from the loss)", ["output gradient"], digests([grad]), OUTPUT_GRAD_ADVICE,
+                                            kinds=lambda: [kind_of(grad)]))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: carry(tp.process_group, key, None))
+
     def hook(_: nn.Module, args: Tuple[Any, ...], out: Any) -> None:
         if counting is None:
             count()
-        if torch.compiler.is_compiling() or tp.size == 1 or (calls[0] - 1) % every:
+        if torch.compiler.is_compiling() or tp.size == 1 or in_pipeline_shape_inference():
             return
-        if in_pipeline_shape_inference():
-            return
+        carry(tp.process_group, (id(module), "output gradient"), None)  # (a backward that raised left it)
         if getattr(module, "gather_output", True) is False:  # this call keeps its output split (loss_parallel)
+            return
+        scheduled = not (calls[0] - 1) % every
+        if not scheduled and not checks_enabled():
             return
         named: List[Tuple[str, torch.Tensor]] = []
         _tensors(out, "output", named)
         for _, t in named:
             if t.requires_grad:
-                t.register_hook(check)
+                t.register_hook(check if scheduled else carry_digest)
 
     handles = [module.register_forward_hook(hook)]
     if counting is not None:
