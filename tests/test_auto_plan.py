@@ -232,3 +232,24 @@ def test_an_embedding_with_its_own_forward_stays_whole_and_the_report_says_why()
     auto = auto_plan(model)
     assert "model.embed_tokens" not in auto.plan.layers and "lm_head" in auto.plan.layers
     assert "_NormedEmbedding has a forward of its own" in auto.skipped["model.embed_tokens"], auto.skipped
+
+
+def test_experts_named_only_by_the_expert_parallel_plan_are_split_by_ffn(monkeypatch):
+    """transformers >= 5.25 names routed experts in base_model_ep_plan only: "auto" (experts="ffn") splits each
+    expert's ffn with the styles 5.24's plans gave them; a layout those styles would misread stays replicated,
+    named (here: Mixtral's (experts, out, in) parameters read as Aria's (experts, in, out))."""
+    transformers = pytest.importorskip("transformers")
+    from tplayers.convert.plans import hf_additions
+    from tplayers.convert.styles_whole import Experts
+
+    config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    model = transformers.MixtralForCausalLM(config)
+    if "layers.*.mlp.experts" in (config.base_model_tp_plan or {}):
+        pytest.skip(f"transformers {transformers.__version__} names Mixtral's experts in its tensor-parallel plan")
+    style = auto_plan(model).plan.layers["model.layers.0.mlp.experts"]
+    assert isinstance(style, Experts) and sorted(style.splits) == [("down_proj", 2, 1), ("gate_up_proj", 1, 2)]
+    monkeypatch.setitem(hf_additions.FFN_STYLES_BY_FAMILY, "mixtral", hf_additions.FFN_STYLES_BY_FAMILY["aria"])
+    translated = auto_plan(model)
+    assert "model.layers.0.mlp.experts" not in translated.plan.layers
+    assert "do not fit the styles" in translated.skipped["model.layers.0.mlp.experts"]

@@ -46,7 +46,7 @@ import torch.nn as nn
 from ..layers.vocab import embedding_scale
 from .plan import Plan, local_attention_attrs
 from .plans import MODEL_TYPES, PLANS
-from .plans.hf_additions import ADDED_ONCE, FAMILY_ADDITIONS, NO_WHOLE_EXPERTS
+from .plans.hf_additions import ADDED_ONCE, FAMILY_ADDITIONS, NO_WHOLE_EXPERTS, ffn_split_from_ep_plan
 from .sequence import PerHeadParams
 from .heads import attention_heads
 from .hf_styles import EXPERTS_REPLICATED, REPLICATED_EXPERTS, SKIPPED_STYLES, translate_style
@@ -88,8 +88,9 @@ def _hf_plan(model: nn.Module, whole_experts: bool = False) -> Dict[str, str]:
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     if base:
         base.update(FAMILY_ADDITIONS.get(getattr(config, "model_type", ""), {}))
-    if whole_experts:
-        base.update(_ep_experts(dict(getattr(config, "base_model_ep_plan", None) or {}), base))
+    ep = dict(getattr(config, "base_model_ep_plan", None) or {})
+    base.update(_ep_experts(ep, base) if whole_experts else
+                ffn_split_from_ep_plan(ep, base, getattr(config, "model_type", "")) if base else {})
     head = dict(getattr(type(model), "_tp_plan", None) or {})
     if not base:  # a head plan alone would shard the head and nothing else
         return _instance_plan(model)
@@ -347,14 +348,24 @@ def _split_experts(modules: Dict[str, nn.Module], hf: Dict[str, str], matches: D
                                     if st == "moe_identity_expert" and isinstance(modules[n], nn.Identity)
                                     and "." not in n[len(name) + 1:]))
             inside = sorted(n for n in styled if n[len(name) + 1:] not in identity)
-            if missing or inside or not splits or (identity and whole):
+            misfit = not whole and not _ffn_layout_fits(module, splits)
+            if missing or inside or not splits or (identity and whole) or misfit:
                 why = (f"parameters {missing} have no split the plan gives" if missing else f"it holds {inside}" if inside
-                       else "identity experts with whole experts per rank" if identity else "nothing to split")
+                       else "identity experts with whole experts per rank" if identity else
+                       f"its parameters' shapes do not fit the styles {splits} (one hidden size)" if misfit
+                       else "nothing to split")
                 out[name] = f"{REPLICATED_EXPERTS}: {why} (exact, but no memory saved)"
             else:
                 out[name] = Experts(splits=tuple(splits), identity_experts=identity, added_once=tuple(added),
                                     dispatch=dispatch)
     return out
+
+
+def _ffn_layout_fits(module: nn.Module, splits: List[Tuple[str, int, int]]) -> bool:
+    """Each expert's ffn cut where the styles say: every 3-D parameter keeps one size, the hidden, on its uncut dim
+    (a layout the styles misread cuts the hidden size of one and the ffn of another)."""
+    params = dict(module.named_parameters())
+    return len({params[n].shape[3 - d] for n, d, _ in splits if params[n].dim() == 3 and d in (1, 2)}) <= 1
 
 
 def _vocab_parallel_ends(model: nn.Module, layers: Dict[str, Union[str, Style]], skipped: Dict[str, str]) -> None:

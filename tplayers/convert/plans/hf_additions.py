@@ -10,7 +10,7 @@ from ..sequence import PerHeadParams
 from ..styles import Style
 from ..styles_whole import MambaMixer
 
-__all__ = ["ADDED_ONCE", "FAMILY_ADDITIONS", "NO_WHOLE_EXPERTS"]
+__all__ = ["ADDED_ONCE", "FAMILY_ADDITIONS", "NO_WHOLE_EXPERTS", "ffn_split_from_ep_plan"]
 
 # tplayers' own (no transformers plan names it): a parameter of the experts added after their down projection,
 # kept whole and added by one rank (ParallelExperts' added_once)
@@ -93,3 +93,28 @@ NO_WHOLE_EXPERTS: Dict[str, str] = {
     "nemotron_h": "transformers' Nemotron-H experts one-hot the routed expert ids with room for another rank's "
                   "expert (the id num_experts), then run that id as one of their own experts (there is none)",
 }
+
+
+# transformers >= 5.25 names the routed experts in the expert-parallel plan only (``ep_dispatch_experts`` over
+# ``grouped_gemm`` parameters). Split by each expert's ffn ("auto"'s default) they take the styles the tensor-
+# parallel plans of 5.24 gave them, by parameter name (a layout that does not fit is left replicated: see
+# tplayers.convert.auto._split_experts).
+FFN_STYLES = {"gate_up_proj": "packed_colwise", "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+FFN_STYLES_BY_FAMILY = {  # (laid out (experts, in, out); Inkling's gate and up interleaved feature by feature)
+    "aria": {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"},
+    **{f: {"gate_up_proj": "colwise"} for f in ("inkling", "inkling2", "inkling2_loop")},
+}
+
+
+def ffn_split_from_ep_plan(ep: Dict[str, str], base: Dict[str, str], model_type: str) -> Dict[str, str]:
+    """The experts ``ep`` (the expert-parallel plan) names that ``base`` (the tensor-parallel plan) does not, as
+    tensor-parallel entries splitting each expert's ffn (``moe_tp_experts`` and a style per parameter)."""
+    styles = {**FFN_STYLES, **FFN_STYLES_BY_FAMILY.get(model_type, {})}
+    out: Dict[str, str] = {}
+    for key, style in ep.items():
+        if style != "ep_dispatch_experts" or key in base or any(k.startswith(key + ".") for k in base):
+            continue
+        out[key] = "moe_tp_experts"
+        out.update({k: styles[k.rpartition(".")[2]] for k, st in ep.items()
+                    if st == "grouped_gemm" and k.startswith(key + ".") and k.rpartition(".")[2] in styles})
+    return out
