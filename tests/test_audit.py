@@ -675,3 +675,25 @@ def test_a_key_bias_whose_gradient_is_zero_in_exact_arithmetic_is_no_false_alarm
     for dtype in (torch.float32, torch.bfloat16):
         for worst, k_bias in get_world(tp).run(_key_bias_margins, dtype):
             assert worst < 0.25 and k_bias < 0.25, (dtype, worst, k_bias)
+
+
+def _vocab_split_head(group):
+    """VocabHead(gather_output=False) and the user's own vocab_parallel_cross_entropy (docs/models.md)."""
+    torch.manual_seed(0)
+    model = TinyGPT().double()
+    dense = copy.deepcopy(model)
+    plan = {**RIGHT, "lm_head": tplayers.convert.VocabHead(gather_output=False)}
+    tplayers.parallelize(model, tplayers.Plan(name="split_head", layers=plan, divide_attrs=HEADS), group=group)
+    idx = torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(1))
+    loss = tplayers.vocab_parallel_cross_entropy(model(idx).flatten(0, 1), idx.flatten(), group=group, vocab_size=50)
+    loss.backward()
+    expected = F.cross_entropy(dense(idx).flatten(0, 1), idx.flatten())
+    report = tplayers.coverage(model).audit
+    return float((loss - expected).abs()), report.passed, str(report)
+
+
+def test_a_vocabulary_split_head_is_audited_as_a_shard():
+    """Issues 54 / 57. Before: the audit took the whole model as one region and compared this rank's vocabulary
+    shard with the dense logits ("output inf"), listing unrelated causes; with audit=False the plan equals dense."""
+    for err, passed, report in get_world(2).run(_vocab_split_head):
+        assert passed and err < 1e-12, (err, report)

@@ -79,17 +79,18 @@ def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def find_regions(io: Dict[str, Tuple[bool, bool]], reduce_grad: Sequence[str]) -> List[str]:
+def find_regions(io: Dict[str, Tuple[bool, bool]], reduce_grad: Sequence[str], alone: Sequence[str] = ()) -> List[str]:
     """Region module names from each converted module's ``(input split, output split)``.
 
     A row layer (split input) belongs to its closest ancestor that also holds a column layer (split
     output), and a column layer to its closest ancestor holding a row layer. A layer with no partner
-    (whole on both sides, or a column whose split output the user consumes, e.g. vocab-parallel logits
-    for the loss) is a region alone; a module whose replicated parameters see split activations
-    (``reduce_grad``) is inside one of those or its parent is. Regions inside another are dropped."""
+    (whole on both sides) and the layers in ``alone`` (a vocabulary-split head, whose logits shard the user's
+    loss consumes: its output compared as a shard) are regions alone; a module whose replicated parameters
+    see split activations (``reduce_grad``) is inside one of those or its parent is. Regions inside another
+    are dropped."""
     split_in = [n for n, (i, _) in io.items() if i]
-    split_out = [n for n, (_, o) in io.items() if o]
-    found: Set[str] = set()
+    split_out = [n for n, (_, o) in io.items() if o and n not in alone]
+    found: Set[str] = set(alone)
 
     def climb(start: str, targets: List[str]) -> str:
         a = _parent(start)

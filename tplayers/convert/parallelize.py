@@ -147,7 +147,8 @@ def _auditor(model: nn.Module, built: Dict[str, Built], styles: Dict[str, Style]
             reduce_grad.append(name)
         elif (kind := _io(style, b.module)) is not None:
             io[name] = kind
-    regions = find_regions(io, reduce_grad)
+    heads = [n for n in io if isinstance(styles[style_of[n]], VocabHead) and io[n][1]]  # (logits shards: a loss's)
+    regions = find_regions(io, reduce_grad, alone=heads)
     refuse_lonely_rows(model, io, regions, plan_name, named, tp)
     columns = {n for n in io if isinstance(styles[style_of[n]], (Column, KVColumn, FusedQKV))}
     refuse_lonely_columns(model, [n for n in regions if n in columns and io[n] == (False, True)], built, plan_name, tp)
