@@ -205,3 +205,31 @@ def test_a_forward_that_draws_with_torch_rand_is_watched_from_its_second_step():
     for step, message in get_world(2).run(_noisy):
         assert step == 1, message
         assert "the random generators of _Noisy" in message and "torch.rand" in message, message
+
+
+def _drift_in_the_second_tp_group(group):
+    """A (dp 2, tp 2) mesh of 4 ranks: global rank 3 (rank 1 of the second TP group) gets its own batch."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = tplayers.parallelize(_llama(), "auto", group=mesh)
+    for step in range(2):  # each dp replica its batch; at step 2 rank 3 one of its own
+        seed = 10 * step + (3 if step == 1 and dist.get_rank() == 3 else dist.get_rank() // 2)
+        ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
+        try:
+            model(ids, labels=ids).loss.backward()
+        except tplayers.RanksDiverged as e:
+            return str(e), socket.gethostname()
+    return None, socket.gethostname()
+
+
+def test_ranks_that_diverge_are_named_by_their_global_rank_and_host():
+    """Issue 57. Before: "rank(s) [1]" only, the position in the TP group, for global rank 3."""
+    results = get_world(4).run(_drift_in_the_second_tp_group)
+    assert [m is None for m, _ in results] == [True, True, False, False], results
+    for message, host in results[2:]:
+        assert "rank(s) [1]" in message and f"rank 1 = global rank 3 on {host}" in message, message
+        assert f"rank 0 = global rank 2 on {host}" in message, message

@@ -125,10 +125,18 @@ def carried(pg: Any, dtype: torch.dtype, device: torch.device) -> Tuple[Tuple[Sh
     return tuple(state.shared.values()), out
 
 
-def entries_text(shared: Tuple[Shared, ...]) -> str:
-    """This rank's entries (``piece index, name, digest, kind`` per line): what ranks exchange on the error path."""
-    return "\n".join(f"{i}\t{name}\t{value}\t{kind}" for i, part in enumerate(shared)
-                     for name, value, kind in part.described())
+def entries_text(shared: Tuple[Shared, ...], where: str = "") -> str:
+    """This rank's entries (``piece index, name, digest, kind`` per line), after ``where`` it runs (its global rank and
+    host, an ``@`` line): what ranks exchange on the error path."""
+    return "\n".join([f"@\t{where}"] * bool(where) + [f"{i}\t{name}\t{value}\t{kind}" for i, part in enumerate(shared)
+                                                     for name, value, kind in part.described()])
+
+
+def _where(texts: Sequence[str], ranks: Sequence[int]) -> str:
+    """Where the group's ``ranks`` run, from their ``@`` lines: ``rank 1 = global rank 3 on node-b``."""
+    at = {r: line[2:] for r, text in enumerate(texts) for line in text.splitlines() if line.startswith("@\t")}
+    said = [f"rank {r} = {at[r]}" for r in ranks if r in at]
+    return f" (group {'; '.join(said)})" if said else ""
 
 
 def diverged_message(shared: Tuple[Shared, ...], texts: Sequence[str], collective: str, late: bool) -> str:
@@ -137,7 +145,9 @@ def diverged_message(shared: Tuple[Shared, ...], texts: Sequence[str], collectiv
     a parameter), which ranks."""
     size = len(texts)
     every = [dict(((int(i), name), (value, kind)) for i, name, value, kind in
-                  (line.split("\t") for line in text.splitlines() if line)) for text in texts]
+                  (line.split("\t") for line in text.splitlines() if line and not line.startswith("@\t")))
+             for text in texts]
+    named: List[int] = []  # the ranks the message names
     lines, advice = [], []
     for i, part in enumerate(shared):
         found = []
@@ -146,6 +156,7 @@ def diverged_message(shared: Tuple[Shared, ...], texts: Sequence[str], collectiv
             present = [r for r in range(size) if (i, name) in every[r]]
             if len(present) < size:  # (an argument passed on some ranks only: labels=, a mask)
                 found.append(f"{name} is given on rank(s) {present} only")
+                named.extend(r for r in range(size) if r not in present)
                 continue
             ranks = [r for r in range(1, size) if every[r].get((i, name)) != every[0].get((i, name))]
             if ranks:
@@ -153,6 +164,7 @@ def diverged_message(shared: Tuple[Shared, ...], texts: Sequence[str], collectiv
                 said = (" (" + "; ".join(f"rank {r}: {k}" for r, k in kinds.items()) + ")"
                         if len(set(kinds.values())) > 1 else "")  # (a dtype or a shape of its own on some rank)
                 found.append(f"{name} differs between rank 0 and rank(s) {ranks}{said}")
+                named.extend(ranks)
         if found:
             lines.append(f"{part.label}: " + "; ".join(found))
             if part.advice and part.advice not in advice:
@@ -165,4 +177,5 @@ def diverged_message(shared: Tuple[Shared, ...], texts: Sequence[str], collectiv
             " The collective's result was discarded.")
     return ("tplayers: the ranks of a TP group ran the same collective on state every rank must share, and it "
             "differs (they compute on different data: the model would train wrong with no other error):\n  "
-            + "\n  ".join(lines) + "\n" + " ".join(advice) + fate + f" (the collective: {collective})")
+            + "\n  ".join(lines) + _where(texts, sorted({0, *named})) + "\n" + " ".join(advice) + fate
+            + f" (the collective: {collective})")

@@ -41,6 +41,7 @@ issues on the group. Off: ``tplayers.set_collective_checks(False)`` or ``TPLAYER
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 import weakref
@@ -236,6 +237,12 @@ def _group(pg: Any) -> _Group:
     return state
 
 
+def _where_this_rank_runs() -> str:
+    """``global rank 3 on node-b``: what an error on a large job names beside the rank in the TP group."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return f"global rank {rank} on {socket.gethostname()}"
+
+
 def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
     """Compare every rank's fingerprint in ``table`` (in host memory: read once, as Python integers)."""
     rows = table.reshape(s.size, SLOT).to(torch.int64).tolist()
@@ -252,7 +259,7 @@ def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
             "or retrying a step alone). " + fate + "\n  " + "\n  ".join(sides))
     carried = [row[DIGEST + 1:] for row in rows]
     if any(c != carried[0] for c in carried):
-        texts = exchange_text(entries_text(s.shared), s.pg, s.size, limit=None)
+        texts = exchange_text(entries_text(s.shared, _where_this_rank_runs()), s.pg, s.size, limit=None)
         forget(s.pg)  # (nothing of the abandoned step rides on)
         raise RanksDiverged(diverged_message(s.shared, texts, s.text, late))
     if overflowed:
