@@ -733,3 +733,31 @@ def test_a_file_size_limit_hit_mid_save_is_named_on_every_rank(tmp_path):
         assert "file-size limit" in message and "nothing was published" in message, message
         assert ("This rank's file-size limit (ulimit -f) is 4096 bytes" in message) == (rank == 1), message
         assert not published
+
+
+def _save_on_rank_0_only(group, path):
+    """Rank 0 saves; rank 1 goes on training (as a loop that guards the save with `if rank == 0` does)."""
+    torch.manual_seed(0)
+    model = tplayers.parallelize(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).double(),
+                                 {"0": "column", "2": "row"}, group=group)
+    x = torch.randn(2, 8, dtype=torch.float64)
+    try:
+        if torch.distributed.get_rank() == 0:
+            tplayers.save_checkpoint(model, path, timeout=2)
+        else:
+            model(x).sum().backward()
+    except Exception as e:  # noqa: BLE001 - the message is what is tested
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_save_checkpoint_on_rank_0_only_is_named_on_both_ranks(tmp_path):
+    """Issue 53: the rank that saves names the collective and the rank that did not come; the other names the
+    closed connection and where to look (before the World reported ranks' deaths: 'Connection closed by peer')."""
+    from tplayers.testing import World
+
+    with World(2) as world:  # a fresh world: the abandoned collective leaves its group unusable
+        saver, trainer = world.run(_save_on_rank_0_only, str(tmp_path / "ck"), timeout=60)
+    assert "save_checkpoint is collective: every rank of its group must call it" in saver and "Ranks 1" in saver, saver
+    assert "another rank of the TP group closed its connection" in trainer and "look at that rank's output" in trainer, \
+        trainer
