@@ -204,12 +204,15 @@ def test_the_dense_gpt_through_parallelize_passes_the_audit(tp, swiglu, kv_heads
         assert out_err < 1e-12 and grad_err < 1e-12 and audited
 
 
-def _sequence_parallel_own_plan(group, double_gather: bool):
+def _sequence_parallel_own_plan(group, double_gather: bool, norm_gathers: bool = False):
     """Sequence parallelism in a plan of your own (the Llama-like model above, whose layers are ModuleDicts it never
     calls): the embedding reduce-scatters its lookup along the sequence, the norms run on each rank's chunk, the attention gathers its input once (its columns plain) and
     its output projection reduce-scatters, the MLP's columns gather and its row reduce-scatters, the final norm
     gathers. The same plan with the attention's columns sequence-parallel too gathers the gathered sequence
-    again: before, "shape '[2, 16, 2, 8]' is invalid" inside the attention's view."""
+    again: before, "shape '[2, 16, 2, 8]' is invalid" inside the attention's view. ``norm_gathers``: the attention's
+    norm gathers its output instead (SequenceParallelNorm(gather_output=True)), the attention left unmarked: before,
+    the audit gathered the attention's whole input again for its twin ("start (0) + length (16) exceeds dimension
+    size (8)")."""
     from tplayers.convert import Column, Row, SequenceParallelNorm
 
     torch.manual_seed(0)
@@ -228,6 +231,9 @@ def _sequence_parallel_own_plan(group, double_gather: bool):
             "layers.*.feed_forward.w3": Column(sequence_parallel=True),
             "layers.*.feed_forward.w2": Row(sequence_parallel=True),
             "norm": SequenceParallelNorm(gather_output=True)}
+    if norm_gathers:
+        del plan["layers.*.attention"]
+        plan["layers.*.attention_norm"] = SequenceParallelNorm(gather_output=True)
     try:
         tplayers.parallelize(model, plan, group=group)
     except ValueError as e:
@@ -248,6 +254,8 @@ def test_sequence_parallelism_in_a_plan_of_your_own(tp):
         assert isinstance(error, float) and error < 1e-12, error
     for message in get_world(tp).run(_sequence_parallel_own_plan, True):
         assert "gathers the sequence at its input" in str(message) and "layers.0.attention.wq" in str(message), message
+    for error in get_world(tp).run(_sequence_parallel_own_plan, False, True):
+        assert isinstance(error, float) and error < 1e-12, error
 
 
 class ReferenceAttention(nn.Module):

@@ -20,6 +20,7 @@ from ..layers.dense_view import dense_tensors
 from .causes import likely_causes, name_pattern
 from ..core.digest import generator_states, set_generator_states
 from .invariant import is_invariant
+from .sequence import MARK
 from .twin import (Kept, Quiet, copy_inputs, dense_twin, float32_copy, gather_first, random_like,
                    relative_error, run_region, scale_of)
 
@@ -140,8 +141,13 @@ class _Sides:
             region = self.region
             split_out = region.split[1] or getattr(region.module, "gather_output", True) is False  # (loss_parallel)
             self.dims.extend([-1 if region.split[0] else None, -1 if split_out else None])
-            if any(getattr(m, "sequence_parallel", False) for m in region.module.modules()):
-                self.dims[:] = [None if region.enters_sequence else -2, None if region.leaves_sequence else -2]
+            sequence = [m for m in region.module.modules() if getattr(m, "sequence_parallel", False)]
+            if sequence:
+                # a region whose only sequence-parallel layers reduce-scatter its output, with no gather at its entry,
+                # takes the whole sequence (a norm before it gathered it: SequenceParallelNorm(gather_output=True))
+                whole_in = region.enters_sequence or (all(getattr(m, "input_is_parallel", False) for m in sequence)
+                                                      and "gather_sequence" not in getattr(region.module, MARK, ()))
+                self.dims[:] = [None if whole_in else -2, None if region.leaves_sequence else -2]
         return self.dims
 
     def tp_grad(self, out: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ __all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "Replica
            "map_first_input",
            "check_sequence_region", "refuse_double_gather", "takes_sequence_shards"]
 
-_MARK = "_tplayers_styles"  # the sequence styles already applied to a module (refuse stacking a second set)
+MARK = "_tplayers_styles"  # the sequence styles already applied to a module (refuse stacking a second set)
 
 
 def map_first_input(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], key: str = "hidden_states") -> None:
@@ -52,7 +52,7 @@ def takes_sequence_shards(module: nn.Module) -> bool:
     experts (tokens sent by all-to-all), a sequence-parallel norm, a module whose input sequence is gathered."""
     if getattr(module, "sequence_parallel", False) and not hasattr(module, "input_is_parallel"):  # (not a row layer)
         return hasattr(module, "gather_output") or hasattr(module, "_dispatch")
-    return bool({"sequence_parallel_norm", "gather_sequence"} & set(getattr(module, _MARK, ())))
+    return bool({"sequence_parallel_norm", "gather_sequence"} & set(getattr(module, MARK, ())))
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class _SequenceStyle:
     runs_in_leaves = False  # a replicated module with partial parameter gradients: tp_invariant runs it leaf by leaf
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
-        if self.style_name in getattr(module, _MARK, ()):
+        if self.style_name in getattr(module, MARK, ()):
             raise ValueError(f"parallelize: module '{ctx.name}' already has the {self.style_name} hooks of an "
                              "earlier parallelize call")
         return Built(module, finish=lambda: self._apply(module, ctx), region=self._region())
@@ -72,7 +72,7 @@ class _SequenceStyle:
         return None
 
     def _apply(self, module: nn.Module, ctx: BuildContext) -> None:
-        setattr(module, _MARK, getattr(module, _MARK, ()) + (self.style_name,))
+        setattr(module, MARK, getattr(module, MARK, ()) + (self.style_name,))
         if ctx.group.size > 1 or ctx.tp_invariant and self.runs_in_leaves:  # (the leaves at TP 1 too)
             self._attach(module, ctx)
 
