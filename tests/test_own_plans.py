@@ -535,3 +535,63 @@ def test_the_swap_keeps_the_plain_attributes_the_model_reads(tp):
     """Before: 'ColumnParallelLinear' object has no attribute 'scale'."""
     for err, scale, block in get_world(tp).run(_keeps_attributes):
         assert err < 1e-12 and scale is None and block == 128
+
+
+class _LitConfig:
+    """litgpt style: one config object every layer reads its head counts from."""
+
+    def __init__(self, n_embd=32, n_head=4, n_query_groups=2):
+        self.n_embd, self.n_head, self.n_query_groups, self.head_size = n_embd, n_head, n_query_groups, n_embd // n_head
+
+
+class LitAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        c = config
+        self.q = nn.Linear(c.n_embd, c.n_head * c.head_size, bias=False)
+        self.k = nn.Linear(c.n_embd, c.n_query_groups * c.head_size, bias=False)
+        self.v = nn.Linear(c.n_embd, c.n_query_groups * c.head_size, bias=False)
+        self.proj = nn.Linear(c.n_head * c.head_size, c.n_embd, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        c = self.config
+        q = self.q(x).view(b, s, c.n_head, c.head_size).transpose(1, 2)
+        k = self.k(x).view(b, s, c.n_query_groups, c.head_size).transpose(1, 2)
+        v = self.v(x).view(b, s, c.n_query_groups, c.head_size).transpose(1, 2)
+        q_per_kv = c.n_head // c.n_query_groups
+        k, v = k.repeat_interleave(q_per_kv, dim=1), v.repeat_interleave(q_per_kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, c.n_head * c.head_size))
+
+
+class LitGPT(nn.Module):
+    def __init__(self, vocab=50, n_layer=2):
+        super().__init__()
+        config = _LitConfig()
+        self.wte = nn.Embedding(vocab, config.n_embd)
+        self.h = nn.ModuleList(nn.ModuleDict({"norm": nn.RMSNorm(config.n_embd), "attn": LitAttention(config)})
+                               for _ in range(n_layer))
+        self.lm_head = nn.Linear(config.n_embd, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.wte(ids)
+        for block in self.h:
+            x = x + block["attn"](block["norm"](x))
+        return self.lm_head(x)
+
+
+LIT_PLAN = Plan(name="lit", layers={"wte": "vocab_embedding", "h.*.attn.q": "column",
+                                    "h.*.attn.k": KVColumn(kv_heads="config.n_query_groups"),
+                                    "h.*.attn.v": KVColumn(kv_heads="config.n_query_groups"),
+                                    "h.*.attn.proj": "row", "lm_head": "vocab_head"},
+                divide_attrs={"h.*.attn": ("config.n_head", "config.n_query_groups:kv")})
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_kv_head_counts_in_a_shared_config_with_replicas(tp):
+    """Issue 54: litgpt's n_query_groups=2 at TP 4 (each KV head on two ranks). Before: "not divisible"; a KV-head
+    count in divide_attrs ('config.n_query_groups:kv') now follows KVColumn's replicas: kv / p, or 1."""
+    for out_err, grad_err, audited in get_world(tp).run(_matches_dense, LitGPT, LIT_PLAN):
+        assert out_err < 1e-12 and grad_err < 1e-12 and audited

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..core.groups import TPGroup
-from ..core.placement import require_divisible
+from ..core.placement import kv_shards, require_divisible
 from .plan import Plan
 from .heads import getattr_path
 
@@ -74,10 +74,11 @@ def _divided(module: nn.Module, name: str, attrs: Tuple[str, ...], plan_name: st
                 continue
             raise AttributeError(f"parallelize: module '{name}' ({type(module).__name__}) has no attribute "
                                  f"'{attr}' that plan '{plan_name}' divides by the TP degree") from None
-        if cut:
+        if cut and cut != "kv":
             changes.append((module, attr, _cut_tensor(value, cut, f"parallelize: module '{name}'", attr, tp)))
             continue
-        divided = _divided_value(value, f"parallelize: module '{name}'", attr, tp_size)
+        divided = (_local_kv_heads(value, f"parallelize: module '{name}'", attr, tp_size) if cut else
+                   _divided_value(value, f"parallelize: module '{name}'", attr, tp_size))
         *path, last = attr.split(".")
         if not path:
             changes.append((module, attr, divided))
@@ -106,6 +107,15 @@ def _divided_value(value: Any, where: str, attr: str, tp_size: int) -> Any:
                          f"{type(value).__name__} ({value!r}): set it with set_attrs, or cut a tensor with "
                          f"'{attr}:<dim>'")
     return require_divisible(value, tp_size, where, attr)
+
+
+def _local_kv_heads(value: Any, where: str, attr: str, tp_size: int) -> int:
+    """A KV-head count (``'n_kv_heads:kv'``) on one rank: divided by the TP degree, or 1 where there are fewer KV heads
+    than ranks (each rank holds the one its query heads use, replicated on p / kv ranks: what ``KVColumn`` splits)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{where}: divide_attrs '{attr}:kv' divides a KV-head count (an int); '{attr}' is a "
+                         f"{type(value).__name__} ({value!r})")
+    return value // kv_shards(value, tp_size, where, attr)
 
 
 def _cut_tensor(value: Any, cut: str, where: str, attr: str, tp: TPGroup) -> torch.Tensor:
