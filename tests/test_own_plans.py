@@ -595,3 +595,49 @@ def test_kv_head_counts_in_a_shared_config_with_replicas(tp):
     count in divide_attrs ('config.n_query_groups:kv') now follows KVColumn's replicas: kv / p, or 1."""
     for out_err, grad_err, audited in get_world(tp).run(_matches_dense, LitGPT, LIT_PLAN):
         assert out_err < 1e-12 and grad_err < 1e-12 and audited
+
+
+class OwnLinear(nn.Module):
+    """gemma_pytorch style: a Linear in all but name (its own class, a weight (out, in), F.linear in forward)."""
+
+    def __init__(self, in_features, out_features, quant=False):
+        super().__init__()
+        self.quant = quant
+        self.weight = nn.Parameter(torch.randn(out_features, in_features) / in_features ** 0.5)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class OwnEmbedding(nn.Module):
+    def __init__(self, num_embeddings, embedding_dim, quant=False):
+        super().__init__()
+        self.quant = quant
+        self.weight = nn.Parameter(torch.randn(num_embeddings, embedding_dim))
+
+    def forward(self, x):
+        return F.embedding(x, self.weight)
+
+
+class OwnClassesGPT(nn.Module):
+    def __init__(self, vocab=50, dim=16):
+        super().__init__()
+        self.embedder = OwnEmbedding(vocab, dim)
+        self.gate_proj, self.up_proj, self.down_proj = OwnLinear(dim, 32), OwnLinear(dim, 32), OwnLinear(32, dim)
+        self.head = OwnLinear(dim, vocab)
+
+    def forward(self, ids):
+        x = self.embedder(ids)
+        x = x + self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))
+        return self.head(x)
+
+
+OWN_CLASSES_PLAN = {"embedder": "vocab_embedding", "gate_proj": "column", "up_proj": "column", "down_proj": "row",
+                    "head": "vocab_head"}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_modules_that_compute_a_linear_in_all_but_name_are_split(tp):
+    """Issue 54: gemma_pytorch's own Linear / Embedding classes. Before: refused by type ("needs an nn.Linear")."""
+    for out_err, grad_err, audited in get_world(tp).run(_matches_dense, OwnClassesGPT, OWN_CLASSES_PLAN):
+        assert out_err < 1e-12 and grad_err < 1e-12 and audited

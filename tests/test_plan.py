@@ -449,14 +449,15 @@ def test_sequence_shards_fed_by_design_are_accepted():
 
 
 class Linear(nn.Module):
-    """gemma_pytorch's own Linear (not torch's): a weight and its own forward."""
+    """A library's own Linear (not torch's): a weight and its own forward, which is not a plain linear (a Linear in
+    all but name, gemma_pytorch's, is split: test_own_plans.py)."""
 
     def __init__(self, i, o):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(o, i))
 
     def forward(self, x):
-        return x @ self.weight.t()
+        return torch.tanh(x @ self.weight.t())
 
 
 def test_a_library_s_own_linear_is_named_with_its_module():

@@ -50,6 +50,8 @@ from ..core.siblings import ColumnInputs
 from ..layers.base import TensorParallelModule, carry_attributes, carry_hooks
 from ..layers.experts import ParallelExperts
 from ..layers.fused import FusedColumnParallelLinear
+from ..layers.conv1d import is_conv1d
+from ..layers.from_dense import stand_in
 from ..layers.outside_reads import refuse_outside_reads
 from ..layers.shared_state import carry_shared_state
 from ..layers.siblings import COLUMN_KINDS, declare_siblings
@@ -109,12 +111,15 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
         ctx = BuildContext(name=name, group=tp, parent=modules[name.rpartition(".")[0]], switch=switch,
                            partial_grads=partial_grads, replica_sums=replica_sums, column_inputs=column_inputs,
                            tp_invariant=tp_invariant)
+        style = styles[pat]
+        if isinstance(style, (Column, Row, KVColumn, FusedQKV, VocabHead, VocabEmbedding)) and not is_conv1d(module):
+            module = stand_in(module, isinstance(style, VocabEmbedding)) or module  # a Linear in all but name
         try:
-            built[name] = styles[pat].build(module, ctx)
+            built[name] = style.build(module, ctx)
         except (ValueError, TypeError, AttributeError) as e:
             msg = str(e)
             raise type(e)(msg if msg.startswith("parallelize:") else f"parallelize: module '{name}' ({pat!r}): {msg}") from None
-        if built[name].module is not module:
+        if built[name].module is not modules[name]:
             replaced.append(name)
     return built
 

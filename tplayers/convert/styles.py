@@ -100,7 +100,8 @@ def _check_linear_like(module: nn.Module, ctx: BuildContext, style: str) -> None
         return
     if not isinstance(module, nn.Linear):
         raise TypeError(f"parallelize: module '{ctx.name}' is a {class_name(module)}; style '{style}' "
-                        "needs an nn.Linear or a GPT-2 Conv1D")
+                        "needs an nn.Linear, a GPT-2 Conv1D, or a module that holds only a weight (out, in) and a bias "
+                        "and computes F.linear(x, weight, bias) with them (probed)")
     refuse_own_forward(module, nn.Linear, ctx, style)
 
 

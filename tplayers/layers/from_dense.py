@@ -13,7 +13,7 @@ from ..core.blocking import bit_hash, ranks_that_differ
 from .base import TensorParallelModule, class_name
 
 __all__ = ["dense_linear_init", "new_param", "load_full_params", "reset_linear_params", "linear_to_dense",
-           "own_forward", "computes_linear", "check_dense_linear"]
+           "own_forward", "computes_linear", "computes_embedding", "stand_in", "check_dense_linear"]
 
 
 def dense_linear_init(
@@ -96,24 +96,59 @@ def own_forward(module: nn.Module, base: type) -> Optional[str]:
     return None
 
 
-def computes_linear(linear: nn.Linear) -> bool:
-    """Whether an ``nn.Linear`` subclass with its own forward still computes ``x @ W.T + b`` (Falcon's
-    ``FalconLinear`` spells it out by hand): probed in float64 with a small random weight of the same
-    input width (the module's own weights are never copied), against ``F.linear``. Anything else (a
-    scale, a quantized kernel, a forward that fails on the probe) is not."""
+def computes_linear(linear: nn.Module) -> bool:
+    """Whether a module with its own forward (an ``nn.Linear`` subclass, or a class of its own holding a weight
+    ``(out, in)`` and maybe a bias) computes ``x @ W.T + b`` (Falcon's ``FalconLinear`` spells it out by hand):
+    probed in float64 with a small random weight of the same input width (the module's own weights are never
+    copied), against ``F.linear``. Anything else (a scale, a quantized kernel, a forward that fails on the probe)
+    is not."""
     gen = torch.Generator().manual_seed(0)
-    width, rows = linear.in_features, min(linear.out_features, 8)
+    width, rows = linear.weight.shape[1], min(linear.weight.shape[0], 8)
     probe = {"weight": torch.randn(rows, width, generator=gen, dtype=torch.float64)}
-    if linear.bias is not None:
+    if getattr(linear, "bias", None) is not None:
         probe["bias"] = torch.randn(rows, generator=gen, dtype=torch.float64)
     x = torch.randn(3, width, generator=gen, dtype=torch.float64)  # (n, in)
+    want = torch.nn.functional.linear(x, probe["weight"], probe.get("bias"))
+    return _probe_matches(linear, probe, x, want)
+
+
+def computes_embedding(embedding: nn.Module) -> bool:
+    """Whether a module holding a table ``weight (num, dim)`` computes ``F.embedding(ids, weight)``: probed as
+    :func:`computes_linear` is (a table of the same rows, 8 wide at most)."""
+    gen = torch.Generator().manual_seed(0)
+    rows, width = embedding.weight.shape[0], min(embedding.weight.shape[1], 8)
+    probe = {"weight": torch.randn(rows, width, generator=gen, dtype=torch.float64)}
+    ids = torch.randint(0, rows, (2, 3), generator=gen)
+    return _probe_matches(embedding, probe, ids, torch.nn.functional.embedding(ids, probe["weight"]))
+
+
+def _probe_matches(module: nn.Module, probe: Dict[str, torch.Tensor], x: torch.Tensor, want: torch.Tensor) -> bool:
     try:
         with torch.no_grad():
-            got = torch.func.functional_call(linear, probe, (x,), strict=False)
+            got = torch.func.functional_call(module, probe, (x,), strict=False)
     except Exception:  # a kernel that cannot run on the probe is not plain linear
         return False
-    want = torch.nn.functional.linear(x, probe["weight"], probe.get("bias"))
     return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def stand_in(module: nn.Module, embedding: bool) -> Optional[nn.Module]:
+    """For a module of its own class that is an ``nn.Linear`` (``embedding``: an ``nn.Embedding``) in all but name
+    (gemma_pytorch's ``Linear`` / ``Embedding``: a weight, maybe a bias, nothing else held, and a forward the probe
+    shows computes the same), that class holding the same Parameters: what a style splits in its place. Else None."""
+    params = dict(module.named_parameters())
+    weight, bias = params.get("weight"), params.get("bias")
+    if (isinstance(module, (nn.Linear, nn.Embedding)) or list(module.children()) or list(module.buffers())
+            or set(params) - {"weight", "bias"} or weight is None or weight.dim() != 2
+            or (bias is not None and (embedding or bias.shape != weight.shape[:1]))):
+        return None
+    if not (computes_embedding(module) if embedding else computes_linear(module)):
+        return None
+    dense: nn.Module = (nn.Embedding(*weight.shape, device="meta") if embedding else
+                        nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta"))
+    dense.weight = weight
+    if bias is not None:
+        dense.bias = bias
+    return dense
 
 
 def check_dense_linear(linear: nn.Module, cls: type) -> None:
