@@ -246,7 +246,8 @@ class ShardIndex:
     def __init__(self, model: nn.Module) -> None:
         placements = model_placements(model)
         self.by_id = {id(p): (n, p) for n, p in model.named_parameters() if n in placements and placements[n].is_sharded}
-        self.by_storage = {p.untyped_storage().data_ptr(): (n, p) for n, p in self.by_id.values() if p.numel()}
+        self.by_storage = {_storage(p): (n, p) for n, p in self.by_id.values()}
+        self.by_storage.pop(None, None)
 
     def __bool__(self) -> bool:
         return bool(self.by_id)
@@ -257,13 +258,24 @@ class ShardIndex:
         if hit is not None:
             return f"'{hit[0]}'", hit[1]
         hit = self.by_id.get(id(t._base)) if t._base is not None else None
-        if hit is None and t.numel():
-            hit = self.by_storage.get(t.untyped_storage().data_ptr())
+        if hit is None:
+            hit = self.by_storage.get(_storage(t))
         if hit is None:
             return None
-        stale = t.untyped_storage().data_ptr() != hit[1].untyped_storage().data_ptr()
+        stale = _storage(t) != _storage(hit[1])
         return (f"a view of '{hit[0]}' made before parallelize (it shows the dense values of then: never trained)"
                 if stale else f"a view of '{hit[0]}'"), hit[1]
+
+
+def _storage(t: torch.Tensor) -> Optional[int]:
+    """Where ``t``'s storage starts, or None where it has none to read (empty, a DTensor or other subclass, FSDP2's
+    freed parameters between forwards)."""
+    if not t.numel() or type(t) not in (torch.Tensor, nn.Parameter):
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 CARRIED_ATTR = "_tplayers_carried_attributes"  # the names carry_attributes gave a swapped-in module
