@@ -641,3 +641,29 @@ def test_modules_that_compute_a_linear_in_all_but_name_are_split(tp):
     """Issue 54: gemma_pytorch's own Linear / Embedding classes. Before: refused by type ("needs an nn.Linear")."""
     for out_err, grad_err, audited in get_world(tp).run(_matches_dense, OwnClassesGPT, OWN_CLASSES_PLAN):
         assert out_err < 1e-12 and grad_err < 1e-12 and audited
+
+
+def _hf_kv_as_plain_columns(group):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).double()
+    attn = "model.layers.*.self_attn"
+    plan = {f"{attn}.q_proj": "column", f"{attn}.k_proj": "column", f"{attn}.v_proj": "column",
+            f"{attn}.o_proj": "row"}
+    tplayers.parallelize(model, plan, group=group)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    try:
+        model(ids).logits.sum().backward()
+    except tplayers.AuditError as e:
+        return str(e)
+    return None
+
+
+def test_kv_projections_split_as_plain_columns_are_named_in_a_plan_without_head_counts():
+    """Issue 56 (Idefics3's text tower, 2 KV heads on 4 ranks): a plan with no head-count attributes gave "no
+    structural cause recognised"; the K / V projections narrower than q are named, with KVColumn."""
+    for message in get_world(4).run(_hf_kv_as_plain_columns):
+        assert message is not None and "no structural cause recognised" not in message, message
+        assert "'k_proj', 'v_proj'" in message and "KVColumn" in message, message

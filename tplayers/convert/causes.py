@@ -135,11 +135,33 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
             if isinstance(value, int) and not isinstance(value, bool) and _HEAD_ATTR.search(attr):
                 heads[f"{rel}.{attr}" if rel else attr] = value
     mods = dict(module.named_modules())
-    causes += (_adapters_added_after(name, module) + _head_count_causes(name, heads, mods, p)
+    causes += (_adapters_added_after(name, module) + _kv_split_as_columns(name, mods, p)
+               + _head_count_causes(name, heads, mods, p)
                + _tensors_keeping_heads(name, heads, mods) + _whole_params_by_head(module, heads)
                + _fused_split_as_one(mods) + _dense_widths(originals, mods, p))
     return _likely(causes or ["no structural cause recognised: compare the region's forward with the plan (which "
                               "tensors it reshapes with dense sizes, which parameters act on split activations)"])
+
+
+_Q_NAMES = re.compile(r"(^|\.)(q|wq|q_proj|query)$")
+_KV_NAMES = re.compile(r"(^|\.)(k|v|wk|wv|k_proj|v_proj|key|value)$")
+
+
+def _kv_split_as_columns(name: str, mods: Dict[str, nn.Module], p: int) -> List[str]:
+    """K / V projections split as plain columns, narrower than the query's (grouped-query attention): a plain
+    column cuts them into p pieces as it cuts q, whole heads or not, and never replicates a KV head."""
+    columns = {rel: m for rel, m in mods.items() if type(m) is ColumnParallelLinear}
+    q_width = max((m.out_features for rel, m in columns.items() if _Q_NAMES.search(rel)), default=0)
+    narrow = sorted(rel for rel, m in columns.items() if _KV_NAMES.search(rel) and m.out_features < q_width)
+    if not narrow:
+        return []
+    where = name_pattern(f"{name}.{narrow[0]}")
+    return [f"{', '.join(repr(r.rpartition('.')[2]) for r in narrow)} {'is' if len(narrow) == 1 else 'are'} split as "
+            f"plain column{'s' * (len(narrow) > 1)} but narrower than the query projection (grouped-query attention: "
+            f"fewer K/V heads than query heads): a plain column cuts them into {p} equal pieces whether or not those are "
+            "whole heads, and cannot hold a KV head on several ranks. Split them by KV heads with "
+            f"KVColumn(kv_heads=<the attention's KV-head count or the attribute holding it>) (\"{where}\"; with fewer "
+            "KV heads than ranks each KV head is replicated on p / kv ranks, its gradient summed)"]
 
 
 def _head_count_causes(name: str, heads: Dict[str, int], mods: Dict[str, nn.Module], p: int) -> List[str]:
