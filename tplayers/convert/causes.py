@@ -18,6 +18,7 @@ from ..core.placement import Sharded
 from ..layers.base import TensorParallelModule, model_placements
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.lora import LoRAPiece, is_peft_lora
+from .styles import SPLIT_BY_KV_HEADS
 from .twin import within
 
 __all__ = ["likely_causes"]
@@ -28,6 +29,11 @@ _HEAD_ATTR = re.compile(r"(^|_)(n_?heads?|num_(attention_|key_value_|kv_)?heads|
 _WIDTH_ATTR = re.compile(r"^(n_embd|embed_dim|hidden_size|d_model|dim|n_state|all_head_size|inner_dim)$")
 _MLP_NAMES = re.compile(r"(fc|mlp|ffn|up|gate|w1|w3|dense_h_to_4h|intermediate)", re.I)
 _FUSED_NAMES = re.compile(r"(qkv|c_attn|query_key_value|wqkv|in_proj|gate_up|w13|w1_w3|fc_in_gate)", re.I)
+
+
+def _join(name: str, rel: str) -> str:
+    """A module's path in the model from its region's name and its path in the region ("" is the root)."""
+    return f"{name}.{rel}" if name and rel else name or rel
 
 
 def name_pattern(name: str) -> str:
@@ -135,12 +141,32 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
             if isinstance(value, int) and not isinstance(value, bool) and _HEAD_ATTR.search(attr):
                 heads[f"{rel}.{attr}" if rel else attr] = value
     mods = dict(module.named_modules())
-    causes += (_adapters_added_after(name, module) + _kv_split_as_columns(name, mods, p)
+    causes += (_adapters_added_after(name, module) + _split_output_no_row_reads(name, mods)
+               + _kv_split_as_columns(name, mods, p)
                + _head_count_causes(name, heads, mods, p)
                + _tensors_keeping_heads(name, heads, mods) + _whole_params_by_head(module, heads)
                + _fused_split_as_one(mods) + _dense_widths(originals, mods, p))
     return _likely(causes or ["no structural cause recognised: compare the region's forward with the plan (which "
                               "tensors it reshapes with dense sizes, which parameters act on split activations)"])
+
+
+def _split_output_no_row_reads(name: str, mods: Dict[str, nn.Module]) -> List[str]:
+    """A column layer that keeps its output split (a plain ``'column'``) with no row layer beside it to read the
+    split: its caller reads this rank's 1/p of the features as if whole (an LM head given ``'column'``)."""
+    causes = []
+    for rel, m in mods.items():
+        if type(m) is not ColumnParallelLinear or getattr(m, "gather_output", True) or not rel:
+            continue
+        parent = rel.rpartition(".")[0]
+        siblings = [c for r, c in mods.items() if r.rpartition(".")[0] == parent and r != rel]
+        # (beside it: a sibling, or inside one, below the model's top level, where every block is a sibling)
+        if not any(isinstance(d, RowParallelLinear) for c in siblings for d in (c.modules() if parent else (c,))):
+            causes.append(f"'{rel}' is split as a plain column (it returns this rank's {m.out_features_per_rank} of "
+                          f"{m.out_features} output features) and no row layer beside it reads that split: the code "
+                          f"after it reads a shard as if it were whole. If it is the LM head: \"{name_pattern(_join(name, rel))}"
+                          "\": \"vocab_head\" (logits gathered; gather_output=False with vocab_parallel_cross_entropy); "
+                          "else 'column_gather', or a 'row' layer that takes its output")
+    return causes
 
 
 _Q_NAMES = re.compile(r"(^|\.)(q|wq|q_proj|query)$")
@@ -152,12 +178,14 @@ def _kv_split_as_columns(name: str, mods: Dict[str, nn.Module], p: int) -> List[
     column cuts them into p pieces as it cuts q, whole heads or not, and never replicates a KV head."""
     columns = {rel: m for rel, m in mods.items() if type(m) is ColumnParallelLinear}
     q_width = max((m.out_features for rel, m in columns.items() if _Q_NAMES.search(rel)), default=0)
-    narrow = sorted(rel for rel, m in columns.items() if _KV_NAMES.search(rel) and m.out_features < q_width)
+    narrow = sorted(rel for rel, m in columns.items() if _KV_NAMES.search(rel) and m.out_features < q_width
+                    and not getattr(m, SPLIT_BY_KV_HEADS, False))
     if not narrow:
         return []
-    where = name_pattern(f"{name}.{narrow[0]}")
-    return [f"{', '.join(repr(r.rpartition('.')[2]) for r in narrow)} {'is' if len(narrow) == 1 else 'are'} split as "
-            f"plain column{'s' * (len(narrow) > 1)} but narrower than the query projection (grouped-query attention: "
+    leaves = list(dict.fromkeys(r.rpartition(".")[2] for r in narrow))
+    where = name_pattern(_join(name, narrow[0]))
+    return [f"{', '.join(repr(r) for r in leaves)} {'is' if len(leaves) == 1 else 'are'} split as "
+            f"plain column{'s' * (len(leaves) > 1)} but narrower than the query projection (grouped-query attention: "
             f"fewer K/V heads than query heads): a plain column cuts them into {p} equal pieces whether or not those are "
             "whole heads, and cannot hold a KV head on several ranks. Split them by KV heads with "
             f"KVColumn(kv_heads=<the attention's KV-head count or the attribute holding it>) (\"{where}\"; with fewer "
@@ -171,7 +199,7 @@ def _head_count_causes(name: str, heads: Dict[str, int], mods: Dict[str, nn.Modu
     for path, dense_value in sorted(heads.items(), key=lambda kv: kv[1] % p == 0):
         rel, _, attr = path.rpartition(".")
         now = getattr(mods.get(rel), attr, None)
-        where = name_pattern(f"{name}.{rel}" if rel else name)
+        where = name_pattern(_join(name, rel))
         if now == dense_value and dense_value % p:
             causes.append(f"head count '{path}' = {dense_value} does not divide by the TP degree {p}: if these are the "
                           f"K/V heads, split the K and V projections with KVColumn(kv_heads='{attr}') (each KV head "
@@ -205,7 +233,7 @@ def _tensors_keeping_heads(name: str, heads: Dict[str, int], mods: Dict[str, nn.
                 inner = [d for d in dims if d not in ("0", str(t.dim() - 1))]  # a cache's heads: neither its batch
                 dims = inner or dims  # dim (first) nor its head_dim (last), when a size matches there by chance
                 if dims:
-                    where = f"{name}.{rel}" if rel else name
+                    where = _join(name, rel)
                     causes.append(f"tensor '{(rel + '.') if rel else ''}{attr}' {tuple(t.shape)} keeps the dense head "
                                   f"count in dim {' or '.join(dims)} while the heads were divided: if it holds per-head "
                                   f"state (a KV cache), cut it with them (Plan(divide_attrs={{'{name_pattern(where)}': "

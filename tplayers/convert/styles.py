@@ -305,6 +305,9 @@ class FusedQKV:
         return Built(FusedColumnParallelLinear.from_dense(module, group=ctx.group, **options))
 
 
+SPLIT_BY_KV_HEADS = "_tplayers_split_by_kv_heads"  # on a column layer KVColumn built (the audit's causes read it)
+
+
 @dataclass(frozen=True)
 class KVColumn:
     """A K or V projection of grouped-query attention, cut by the KV-head rule
@@ -344,8 +347,9 @@ class KVColumn:
             kv_shards(count, ctx.group.size, "kv_column", where)  # refuses what does not split or replicate evenly
         part = kv_part(count, module.out_features // count, ctx.group.size, "kv_column", where)
         if part.shards == ctx.group.size:  # whole KV heads per rank (evenly, or as evenly as possible)
-            return Built(ColumnParallelLinear.from_dense(module, group=ctx.group,
-                                                         **({"split": part} if part.is_uneven else {})))
+            layer = ColumnParallelLinear.from_dense(module, group=ctx.group, **({"split": part} if part.is_uneven else {}))
+            setattr(layer, SPLIT_BY_KV_HEADS, True)
+            return Built(layer)
         layer = FusedColumnParallelLinear.from_dense(module, group=ctx.group, parts=[part])
         holders = part.holder_counts(ctx.group.size)
         key = (id(ctx.parent), holders)  # k and v of one attention: their replica sums in one collective
