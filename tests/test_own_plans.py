@@ -686,3 +686,53 @@ def test_a_head_split_as_a_plain_column_is_named():
         assert message is not None, message
         first = message.split("likely cause")[1].split("\n")[1]
         assert "'output'" in first and "vocab_head" in first, message
+
+
+class PackedGQA(nn.Module):
+    """A packed [q; k; v] of grouped-query attention (4 query heads, 1 KV head): not equal thirds."""
+
+    def __init__(self, dim=32, n_head=4, n_kv_head=1):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, dim // n_head
+        self.wqkv = nn.Linear(dim, (n_head + 2 * n_kv_head) * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
+                                      self.n_kv_head * self.head_dim], dim=-1)
+        q = q.view(b, s, self.n_head, self.head_dim).transpose(1, 2)
+        k, v = (t.view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2) for t in (k, v))
+        rep = self.n_head // self.n_kv_head
+        y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class PackedGQAModel(nn.Module):
+    def __init__(self, vocab=50, dim=32):
+        super().__init__()
+        self.emb, self.attn, self.out = nn.Embedding(vocab, dim), PackedGQA(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        return self.out(x + self.attn(x))
+
+
+def _equal_thirds_on_gqa(group):
+    torch.manual_seed(0)
+    plan = Plan(name="thirds", layers={"attn.wqkv": "fused_qkv", "attn.wo": "row"},
+                divide_attrs={"attn": ("n_head", "n_kv_head:kv")})
+    try:
+        _matches_dense(group, PackedGQAModel, plan)
+    except (tplayers.AuditError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def test_equal_thirds_on_a_grouped_query_packed_qkv_is_named():
+    """Issue 54: 'fused_qkv' (equal thirds) on [q; k; v] with fewer KV heads: the verdict listed widths; the fused
+    projection and FusedQKV(heads=..., kv_heads=...) are named first."""
+    for message in get_world(2).run(_equal_thirds_on_gqa):
+        assert message is not None, message
+        first = message.split("likely cause")[1].split("\n")[1] if "likely cause" in message else message
+        assert "'wqkv'" in first and "FusedQKV(heads='n_head', kv_heads='n_kv_head')" in first, message

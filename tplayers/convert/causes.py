@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..core.placement import Sharded
 from ..layers.base import TensorParallelModule, model_placements
+from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.lora import LoRAPiece, is_peft_lora
 from .styles import SPLIT_BY_KV_HEADS
@@ -142,7 +143,7 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
                 heads[f"{rel}.{attr}" if rel else attr] = value
     mods = dict(module.named_modules())
     causes += (_adapters_added_after(name, module) + _split_output_no_row_reads(name, mods)
-               + _kv_split_as_columns(name, mods, p)
+               + _kv_split_as_columns(name, mods, p) + _equal_thirds_under_gqa(mods, originals)
                + _head_count_causes(name, heads, mods, p)
                + _tensors_keeping_heads(name, heads, mods) + _whole_params_by_head(module, heads)
                + _fused_split_as_one(mods) + _dense_widths(originals, mods, p))
@@ -167,6 +168,29 @@ def _split_output_no_row_reads(name: str, mods: Dict[str, nn.Module]) -> List[st
                           "\": \"vocab_head\" (logits gathered; gather_output=False with vocab_parallel_cross_entropy); "
                           "else 'column_gather', or a 'row' layer that takes its output")
     return causes
+
+
+_HEADS_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_local_heads")
+_KV_HEADS_NAMES = ("n_kv_head", "n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_query_groups",
+                   "n_local_kv_heads")
+
+
+def _equal_thirds_under_gqa(mods: Dict[str, nn.Module], originals: Dict[str, Dict[str, Any]]) -> List[str]:
+    """A fused projection cut into equal parts (``'fused_qkv'``: thirds) in an attention with fewer KV heads than
+    heads (its dense counts, by the usual attribute names): its [q; k; v] parts are not equally wide."""
+    fused = [rel for rel, m in mods.items() if isinstance(m, FusedColumnParallelLinear) and len(m.parts) == 3
+             and len(set(m.parts)) == 1 and _FUSED_NAMES.search(rel)]
+    if not fused:
+        return []
+    for rel, m in mods.items():
+        dense = {**vars(m), **originals.get(rel, {})}
+        heads = next(((a, dense[a]) for a in _HEADS_NAMES if isinstance(dense.get(a), int)), None)
+        kv = next(((a, dense[a]) for a in _KV_HEADS_NAMES if isinstance(dense.get(a), int)), None)
+        if heads and kv and kv[1] < heads[1]:
+            return [f"'{fused[0].rpartition('.')[2]}' is cut into equal thirds ('fused_qkv'), but its attention has "
+                    f"fewer KV heads ({kv[0]} = {kv[1]}) than heads ({heads[0]} = {heads[1]}): its [q; k; v] parts are "
+                    f"not equally wide. Split it by heads: FusedQKV(heads='{heads[0]}', kv_heads='{kv[0]}')"]
+    return []
 
 
 _Q_NAMES = re.compile(r"(^|\.)(q|wq|q_proj|query)$")
