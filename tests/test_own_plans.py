@@ -736,3 +736,58 @@ def test_equal_thirds_on_a_grouped_query_packed_qkv_is_named():
         assert message is not None, message
         first = message.split("likely cause")[1].split("\n")[1] if "likely cause" in message else message
         assert "'wqkv'" in first and "FusedQKV(heads='n_head', kv_heads='n_kv_head')" in first, message
+
+
+class OwnRMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class WholeWidthQKNorm(GQAAttention):
+    """OLMo-2 style: q and k normalized over the whole projection (all heads), not per head."""
+
+    def __init__(self, dim=32, n_heads=4, n_kv_heads=4):
+        super().__init__(dim, n_heads, n_kv_heads)
+        self.q_norm, self.k_norm = OwnRMSNorm(dim), OwnRMSNorm(dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_norm(self.wq(x)).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_norm(self.wk(x)).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class WholeWidthModel(nn.Module):
+    def __init__(self, vocab=50, dim=32):
+        super().__init__()
+        self.emb, self.attn, self.out = nn.Embedding(vocab, dim), WholeWidthQKNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        return self.out(x + self.attn(x))
+
+
+def _whole_width_norm_as_replicated(group):
+    torch.manual_seed(0)
+    plan = {"attn.wq": "column", "attn.wk": "column", "attn.wv": "column", "attn.wo": "row",
+            "attn.q_norm": "replicate_reduce_grad", "attn.k_norm": "replicate_reduce_grad"}
+    try:
+        _matches_dense(group, WholeWidthModel, plan)
+    except tplayers.AuditError as e:
+        return str(e)
+    return None
+
+
+def test_a_whole_width_norm_marked_replicate_reduce_grad_is_named():
+    """Issue 54: a q/k norm over all heads' features (OLMo-2), marked 'replicate_reduce_grad': the verdict listed
+    widths; the norm whose weight is the projection's whole width is named first."""
+    for message in get_world(2).run(_whole_width_norm_as_replicated):
+        assert message is not None, message
+        first = message.split("likely cause")[1].split("\n")[1]
+        assert "'q_norm'" in first and "whole width" in first, message

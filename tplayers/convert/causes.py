@@ -125,6 +125,28 @@ def _whole_norm_fed_a_shard(name: str, module: nn.Module, p: int, raised: str) -
             if tuple(getattr(m, "normalized_shape", ()) or ())[-1:] == (want,) and got * p == want]
 
 
+_SIZES = re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)")
+
+
+def _whole_width_params(name: str, module: nn.Module, p: int, raised: str) -> List[str]:
+    """A module outside the TP layers whose 1-D weight is a split column's whole output width (a q / k norm over all
+    heads' features, OLMo-2's, written by hand) while the column hands it 1/p of them: the sharded run raised on
+    exactly those two widths."""
+    pair = _SIZES.search(raised)
+    sizes = {int(pair.group(1)), int(pair.group(2))} if pair else set()
+    widths = {m.out_features for m in module.modules()
+              if type(m) is ColumnParallelLinear and not m.gather_output and m.out_features_per_rank < m.out_features
+              and {m.out_features, m.out_features // p} == sizes}
+    return [f"'{rel}' ({type(m).__name__}) holds a weight of the whole width {w.numel()} of a projection split "
+            f"{p} ways: it acts on all heads' features together (a norm over the whole projection), while each rank "
+            f"holds 1/{p} of them, so it cannot be replicated beside the split ('replicate_reduce_grad' is for per-head "
+            f"modules): gather that projection's output first ('column_gather') or leave the region whole "
+            f"(\"{name_pattern(name)}\" out of the plan)"
+            for rel, m in module.named_modules()
+            if rel and not isinstance(m, TensorParallelModule) and isinstance(w := m._parameters.get("weight"), torch.Tensor)
+            and w.dim() == 1 and w.numel() in widths]
+
+
 def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, Any]], p: int, forward_wrong: bool,
                   partial: List[str], plan_name: str = "", raised: str = "") -> str:
     """The likely causes, read off the region's structure, most specific first. ``forward_wrong``: the
@@ -132,6 +154,7 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
     else only gradients do (a replicated parameter's partial gradient)."""
     causes = (_partial_hints(name, p, partial, plan_name) + _whole_linear_fed_a_shard(name, module, p, raised)
               + _whole_norm_fed_a_shard(name, module, p, raised))
+    causes += [] if causes else _whole_width_params(name, module, p, raised)
     if not forward_wrong:
         return _likely(causes or [
             "the forward matches but gradients do not, and no replicated parameter's gradient is a plain partial "
