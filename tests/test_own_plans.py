@@ -791,3 +791,49 @@ def test_a_whole_width_norm_marked_replicate_reduce_grad_is_named():
         assert message is not None, message
         first = message.split("likely cause")[1].split("\n")[1]
         assert "'q_norm'" in first and "whole width" in first, message
+
+
+class TwoInputAttention(GQAAttention):
+    """Called as attn(query_input, kv_input): a cross-attention's signature, used on one tensor (attn(h, h))."""
+
+    def forward(self, x, kv):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(kv).view(b, kv.shape[1], -1, self.head_dim).transpose(1, 2)
+        v = self.wv(kv).view(b, kv.shape[1], -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class TwoInputModel(nn.Module):
+    def __init__(self, vocab=50, dim=32):
+        super().__init__()
+        self.emb, self.norm = nn.Embedding(vocab, dim), nn.RMSNorm(dim)
+        self.attn, self.ln_f = TwoInputAttention(dim, 4, 4), nn.RMSNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        h = self.norm(x)
+        return self.out(self.ln_f(x + self.attn(h, h)))
+
+
+def _gather_sequence_on_two_inputs(group):
+    from tplayers.convert import Row, VocabEmbedding
+
+    torch.manual_seed(0)
+    plan = {"emb": VocabEmbedding(sequence_parallel=True), "norm": "sequence_parallel_norm", "attn": "gather_sequence",
+            "attn.wq": "column", "attn.wk": "column", "attn.wv": "column", "attn.wo": Row(sequence_parallel=True),
+            "ln_f": tplayers.convert.SequenceParallelNorm(gather_output=True)}
+    try:
+        _matches_dense(group, TwoInputModel, plan)
+    except (tplayers.AuditError, ValueError, RuntimeError) as e:
+        return str(e)
+    return None
+
+
+def test_gather_sequence_on_an_attention_called_with_two_inputs_is_named():
+    """Issue 54: 'gather_sequence' on attn(h, h) gathers only the first input; the refusal listed unrelated causes."""
+    for message in get_world(2).run(_gather_sequence_on_two_inputs):
+        assert message is not None, message
+        assert "gathers its first input only" in message and "argument 1" in message, message

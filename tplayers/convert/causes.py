@@ -19,6 +19,7 @@ from ..layers.base import TensorParallelModule, model_placements
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.lora import LoRAPiece, is_peft_lora
+from .sequence import OTHER_SHARDS
 from .styles import SPLIT_BY_KV_HEADS
 from .twin import within
 
@@ -147,6 +148,16 @@ def _whole_width_params(name: str, module: nn.Module, p: int, raised: str) -> Li
             and w.dim() == 1 and w.numel() in widths]
 
 
+def _gathers_first_input_only(name: str, module: nn.Module) -> List[str]:
+    """A ``'gather_sequence'`` module called with other inputs shaped like its first (``attn(h, h)``): only the first
+    is gathered, the others stay this rank's chunk of the sequence."""
+    return [f"'{_join(name, rel) or name}' has 'gather_sequence', which gathers its first input only; this call also "
+            f"passed {', '.join(others)} of the same shape (this rank's chunk of the sequence, not gathered: a call "
+            "such as attn(h, h) gives the keys and values of one chunk). Call it with one input, or gather the others "
+            "in your code (tplayers.core.comm.gather_from_sequence), or keep the module out of the sequence-parallel region"
+            for rel, m in module.named_modules() if (others := vars(m).get(OTHER_SHARDS))]
+
+
 def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, Any]], p: int, forward_wrong: bool,
                   partial: List[str], plan_name: str = "", raised: str = "") -> str:
     """The likely causes, read off the region's structure, most specific first. ``forward_wrong``: the
@@ -155,6 +166,7 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
     causes = (_partial_hints(name, p, partial, plan_name) + _whole_linear_fed_a_shard(name, module, p, raised)
               + _whole_norm_fed_a_shard(name, module, p, raised))
     causes += [] if causes else _whole_width_params(name, module, p, raised)
+    causes += _gathers_first_input_only(name, module)
     if not forward_wrong:
         return _likely(causes or [
             "the forward matches but gradients do not, and no replicated parameter's gradient is a plain partial "

@@ -34,6 +34,13 @@ __all__ = ["ScatterSequence", "GatherSequence", "SequenceParallelNorm", "Replica
 MARK = "_tplayers_styles"  # the sequence styles already applied to a module (refuse stacking a second set)
 
 
+OTHER_SHARDS = "_tplayers_other_sequence_shards"  # a gather_sequence module's other inputs shaped like its first
+
+
+def _like(a: object, first: torch.Tensor) -> bool:
+    return isinstance(a, torch.Tensor) and a.is_floating_point() and a.shape == first.shape
+
+
 def map_first_input(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], key: str = "hidden_states") -> None:
     """A forward pre-hook replacing the module's first input (positional or ``key=``) by ``fn`` of it."""
 
@@ -226,6 +233,13 @@ class GatherSequence(_SequenceStyle):
             x_full = gather_sequence_for_columns(x if dtype is None else x.to(dtype), group=tp, inputs=ctx.column_inputs)
             cast.watch(x_full)
             return x_full
+
+        def note_other_shards(m: nn.Module, args: tuple, kwargs: dict) -> None:  # (for the audit's verdict)
+            first = args[0] if args else kwargs.get("hidden_states")
+            if switch.active and isinstance(first, torch.Tensor):
+                vars(m)[OTHER_SHARDS] = [f"argument {i}" for i, a in enumerate(args[1:], 1) if _like(a, first)] + \
+                    [f"'{k}'" for k, a in kwargs.items() if a is not first and _like(a, first)]
+        module.register_forward_pre_hook(note_other_shards, with_kwargs=True)
         map_first_input(module, gather)
 
 
