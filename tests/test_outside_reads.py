@@ -1,6 +1,8 @@
 """A TP layer's sharded parameter read by the model's own code (a head tied by reading the embedding's weight,
 as OLMo and gemma_pytorch do) is refused at the first forward, naming the parameter and the line. Before: the
 logits came out vocab / p wide on each rank, with no error."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -99,3 +101,43 @@ def test_a_view_of_a_shard_read_elsewhere_is_refused(how):
         assert isinstance(message, str), f"no error: logits {message}"
         assert "a view of 'embedder.weight'" in message and "this rank's shard" in message, message
         assert ("test_outside_reads.py" in message) == (how == "made_first"), message  # (passed in: the argument named)
+
+
+class _ReadsItsOwnRows(nn.Module):
+    """DeepSeek-V3's absorbed attention in small: the model reads the column layer's weight itself, knowing each
+    rank holds its own rows (right for inference; in training the column's input-gradient sum is bypassed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(H, 2 * H, bias=False), nn.Linear(2 * H, H, bias=False)
+
+    def forward(self, x):
+        return self.down(F.relu(F.linear(x, self.up.weight)))  # (b, s, 2h / p) on each rank, as up(x) gives
+
+
+def _declared_read(group, train, **options):
+    torch.manual_seed(0)
+    dense = _ReadsItsOwnRows().double()
+    x = torch.randn(2, 3, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=train)
+    try:
+        model = tplayers.parallelize(copy.deepcopy(dense), {"up": "column", "down": "row"}, group=group, **options)
+        with torch.set_grad_enabled(train):
+            out = model(x)
+            if train:
+                out.sum().backward()
+    except (ValueError, tplayers.AuditError) as e:
+        return type(e).__name__, str(e)
+    return "ok", float((out - dense(x)).abs().max())
+
+
+def test_a_read_declared_by_design_passes_for_inference_and_the_audit_checks_training():
+    """Issue 56. Before: DeepSeek-V3's absorbed attention (its own rows of wkv_b.weight, read outside the module) was
+    refused with no way to say the read is meant; parallelize(..., shard_reads=[...]) declares it."""
+    for kind, text in get_world(2).run(_declared_read, False):
+        assert kind == "ValueError" and "read 'up.weight'" in text, text  # undeclared: refused as before
+    for kind, err in get_world(2).run(_declared_read, False, shard_reads=["up.weight"]):
+        assert kind == "ok" and err < 1e-12, err
+    for kind, text in get_world(2).run(_declared_read, True, shard_reads=["up.weight"]):
+        assert kind == "AuditError", text  # training through it: the input gradient misses the other ranks' part
+    for kind, text in get_world(2).run(_declared_read, False, shard_reads=["*.wkv_b.weight"]):
+        assert kind == "ValueError" and "names no split parameter" in text, text

@@ -180,7 +180,8 @@ def _resolve_plan(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[st
     return get_plan(plan, sequence_parallel=sequence_parallel), [], {}
 
 
-def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check_consistency: bool) -> None:
+def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check_consistency: bool,
+                         shard_reads: Sequence[str]) -> None:
     """The checks a converted model carries at run time: the same inputs on every TP rank (first
     forward, then every ``check_inputs``-th) and the same gradient of a gathered output (the same
     loss), the same dropout generators (first training forward); and at every forward, the digests of
@@ -198,7 +199,7 @@ def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check
     if check_consistency and has_dropout(model):
         check_same_rng_once(model, group=tp)  # before the audit's hooks: the audit forks the RNG anyway
     if check_consistency:
-        refuse_outside_reads(model)  # a shard read by the model's own code as if whole (a head tied by reading)
+        refuse_outside_reads(model, shard_reads)  # a shard read by the model's own code as if whole (a tied head)
     if check_inputs or check_consistency:  # after the first-forward checks, whose messages are the more precise
         carry_shared_state(model, group=tp, inputs=bool(check_inputs), generators=check_consistency,
                            replicas=check_consistency, sequence_shards=shards)
@@ -207,7 +208,8 @@ def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check
 def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str, Style]]], *,
                 group: GroupLike, sequence_parallel: bool = False, check_consistency: bool = True,
                 audit: bool = True, audit_skip: Sequence[str] = (), check_inputs: int = 1000, timeout: float = 300.0,
-                loss_parallel: bool = False, experts: str = "ffn", tp_invariant: bool = False) -> nn.Module:
+                loss_parallel: bool = False, experts: str = "ffn", tp_invariant: bool = False,
+                shard_reads: Sequence[str] = ()) -> nn.Module:
     """Swap, in place, the modules ``plan`` names for TP layers holding this rank's shard.
 
     Every rank of ``group`` calls it on an identical dense model (same weights). Returns
@@ -260,8 +262,13 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     (:func:`~tplayers.convert.invariant.run_in_leaves`), with ``loss_parallel`` the softmax's sums are the tree too;
     it takes column / row layers, fused projections, the vocabulary-parallel embedding and head, and refuses the
     rest, named (and a training forward that draws dropout masks).
+    ``shard_reads``: parameter-name patterns (``"*.attn.wkv_b.weight"``) that the model's own code reads outside
+    their layer by design, knowing each rank holds its shard (DeepSeek-V3's absorbed attention reads its own heads
+    of ``wkv_b.weight``, as its own tensor parallelism does): not refused at the first forward. For inference; in
+    training such a read bypasses the layer's collectives, which the audit finds (the input gradient differs).
     """
     tp = resolve_group(group)
+    shard_reads = (shard_reads,) if isinstance(shard_reads, str) else tuple(shard_reads)
     if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) or check_inputs < 0:
         raise ValueError(f"parallelize: check_inputs={check_inputs!r} must be an integer >= 0 (0: off)")
     wait_for_ranks(tp, timeout, "parallelize")  # a rank that never calls it is named, not waited for
@@ -291,7 +298,7 @@ def parallelize(model: nn.Module, plan: Union[str, Plan, Mapping[str, Union[str,
     auditor.skip(audit_skip)
     object.__setattr__(model, AUDIT_ATTR, auditor)  # a plain attribute: not a submodule, not in the state dict
     _at_the_boundary(model, tp, built, loss_parallel, tp_invariant)
-    _watch_ranks_in_step(model, tp, check_inputs, check_consistency)
+    _watch_ranks_in_step(model, tp, check_inputs, check_consistency, shard_reads)
     if chunked_experts:
         refuse_router_logits_argument(model, chunked_experts)
     if audit:

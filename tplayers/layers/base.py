@@ -7,9 +7,10 @@ weights between dense and sharded form reads that map.
 """
 from __future__ import annotations
 
+import fnmatch
 import sys
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -243,9 +244,10 @@ class ShardIndex:
     a view of it (``_base``: made at any time, before ``parallelize`` too, when it still shows the dense values)
     or a tensor sharing its storage (``.detach()``, ``.data``)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, skip: Sequence[str] = ()) -> None:
         placements = model_placements(model)
-        self.by_id = {id(p): (n, p) for n, p in model.named_parameters() if n in placements and placements[n].is_sharded}
+        self.by_id = {id(p): (n, p) for n, p in model.named_parameters() if n in placements and placements[n].is_sharded
+                      and not any(fnmatch.fnmatchcase(n, pat) for pat in skip)}  # (skip: reads declared by design)
         self.by_storage = {_storage(p): (n, p) for n, p in self.by_id.values()}
         self.by_storage.pop(None, None)
 

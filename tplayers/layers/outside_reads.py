@@ -20,17 +20,18 @@ Cost: the first forward only (the mode's Python call per torch op); later forwar
 """
 from __future__ import annotations
 
+import fnmatch
 import sys
 import sysconfig
 from itertools import chain
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from ..regions.partial_sum import METADATA
-from .base import ShardIndex, TensorParallelModule
+from .base import ShardIndex, TensorParallelModule, model_placements
 from .same_inputs import in_pipeline_shape_inference
 
 __all__ = ["refuse_outside_reads"]
@@ -101,17 +102,24 @@ def _message(name: str, p: torch.Tensor, func: Any, where: str, model: str) -> s
             "parallelize(..., check_consistency=False) skips this check")
 
 
-def refuse_outside_reads(model: nn.Module) -> None:
+def refuse_outside_reads(model: nn.Module, allowed: Sequence[str] = ()) -> None:
     """Watch ``model``'s first forward (see the module docstring): a sharded parameter of one of its TP layers
     read by the model's own code raises ValueError naming it and the line. The hooks remove themselves after
-    that forward."""
+    that forward. ``allowed``: parameter-name patterns whose reads the model's code makes by design, knowing they
+    are this rank's shard (DeepSeek-V3's absorbed attention reads its own heads of ``wkv_b.weight``)."""
+    placements = model_placements(model)
+    sharded = [n for n, _ in model.named_parameters() if n in placements and placements[n].is_sharded]
+    for pat in allowed:
+        if not any(fnmatch.fnmatchcase(n, pat) for n in sharded):
+            raise ValueError(f"parallelize(..., shard_reads={list(allowed)!r}): '{pat}' names no split parameter of "
+                             f"{type(model).__name__} (split: {sharded[:6]}{' ...' if len(sharded) > 6 else ''})")
     handles: List[Any] = []
     active: List[_Watch] = []
 
     def start(module: nn.Module, args: Any) -> None:
         if module is not model or torch.compiler.is_compiling() or in_pipeline_shape_inference():
             return  # (a copy of the model made with its hooks, as the audit's float32 copy, is not watched)
-        shards = ShardIndex(model)
+        shards = ShardIndex(model, skip=allowed)
         for h in handles:
             h.remove()
         if shards:
