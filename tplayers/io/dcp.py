@@ -40,6 +40,7 @@ from ..core.blocking import all_gather_tensor, gather_placed
 from ..core.dtensors import shard_dtensor
 from ..core.groups import collective_device
 from ..core.placement import Sharded
+from .stages import every_ranks_tensors, merged_tensors
 from .publish import agree_token, coord_group, dcp_errors, fsync_dir, on_rank0, quiet, require_same_path, write_json
 from .optim_state import optimizer_entries, optimizer_record, optimizer_targets
 from .unpickle import safe_reader
@@ -148,8 +149,14 @@ def save_checkpoint(model: nn.Module, path: str, *, optimizer: Optional[torch.op
     state, _ = _dcp_state(model, for_save=True, extra=extra)
     state[f"{SAVE_ID}rank{rank}"] = _id_tensor(save_id, rank)  # only this rank holds the key: it lands in its file
     manifest = _manifest(model)
+    per_rank = every_ranks_tensors(pg, manifest["tensors"])
+    manifest["tensors"] = merged_tensors(per_rank, "save_checkpoint")  # (pipeline stages: every rank's)
     manifest["save_id"] = save_id
     if optimizer is not None:
+        if any(t != per_rank[0] for t in per_rank):
+            raise CheckpointError("save_checkpoint: the ranks hold different tensors (pipeline stages); an optimizer's "
+                                  "state is saved with one model on every rank: save each stage with its optimizer "
+                                  "into a path of its own (group= the stage's ranks), or use torch's DCP get_state_dict")
         manifest["optimizer"] = optimizer_record(entries(model), optimizer)
 
     def publish() -> None:
@@ -286,15 +293,18 @@ def _read_manifest(path: str, raw: bytes) -> Dict[str, Any]:
     return manifest
 
 
-def _check_against(manifest: Dict[str, Any], model: nn.Module, path: str) -> None:
+def _check_against(manifest: Dict[str, Any], model: nn.Module, path: str, pg: Any) -> None:
+    """The model's tensors against the checkpoint's, every rank's together (each may hold a pipeline stage): the same
+    error on every rank."""
     saved = manifest["tensors"]
-    mine = _manifest(model)["tensors"]
-    missing = sorted(set(mine) - set(saved))
-    unexpected = sorted(set(saved) - set(mine))
+    per_rank = every_ranks_tensors(pg, _manifest(model)["tensors"])
+    held = merged_tensors(per_rank, "load_checkpoint")
+    missing = sorted(set(held) - set(saved))
+    unexpected = sorted(set(saved) - set(held))
     if missing or unexpected:
         raise CheckpointError(f"{path}: checkpoint and model hold different tensors: missing from the checkpoint "
-                              f"{missing}, not in the model {unexpected}")
-    for name, want in mine.items():
+                              f"{missing}, not in the model {unexpected}" + (" (on any rank)" if len(per_rank) > 1 else ""))
+    for name, want in held.items():
         have = saved[name]
         if have["shape"] != want["shape"]:
             raise CheckpointError(f"{path}: '{name}' has full shape {tuple(have['shape'])} in the checkpoint, "
@@ -325,7 +335,7 @@ def load_checkpoint(model: nn.Module, path: str, *, optimizer: Optional[torch.op
     raw = _manifest_bytes(path)
     require_same_path(pg, path, "load_checkpoint", content=raw)  # node-local copies of another save caught here
     manifest = _read_manifest(path, raw)
-    _check_against(manifest, model, path)
+    _check_against(manifest, model, path, pg)
     refuse_meta(entries(model), path)
     extra, hand_over = [], None
     if optimizer is not None:
