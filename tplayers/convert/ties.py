@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
@@ -48,10 +49,12 @@ def refuse_outside_holders(model: nn.Module, modules: Dict[str, nn.Module], buil
                 split[id(p_old)] = (f"{name}.{pname}" if name else pname, p_old)
     if not split:
         return
+    p_old = p_new = None  # (no reference of this function's own but those counted below)
     inside = [m._parameters for m in model.modules()]
-    held = {i: sum(any(v is p for v in d.values()) for d in inside) for i, (_, p) in split.items()}
-    # references beyond the inside dicts': getrefcount's argument, the tuple in `split`; more: someone else holds it
-    if all(sys.getrefcount(p) - 2 <= held[i] for i, (_, p) in split.items()):
+    held = Counter(id(v) for d in inside for v in d.values() if v is not None)
+    # references beyond the inside dicts': the tuple in `split`, the loop's name, getrefcount's argument; more:
+    # someone else holds it (one heap scan then finds who)
+    if all(sys.getrefcount(p) - 3 <= held[i] for i, (_, p) in split.items()):
         return
     inside_ids = {id(d) for d in inside}
     for ref in gc.get_referrers(*(p for _, p in split.values())):
