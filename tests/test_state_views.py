@@ -557,3 +557,37 @@ def test_save_pretrained_of_a_tp_model_refuses_alone_and_saves_dense_with_the_ro
         assert same == [True, True]
         for e in errors:
             assert "save_pretrained on a tensor-parallel model" in e and "tplayers.io.dense_state_dict(model)" in e, e
+
+
+def _fsdp_dcp_save_on_a_3d_mesh(group, path: str):
+    """The model of a (pp, dp, tp) mesh's stage (pp 1 here: 4 ranks), TP over "tp", FSDP2 over "dp"; saved through
+    torch's DCP route."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    torch.manual_seed(1)
+    model = tplayers.parallelize(Net(False, 32).double(), _plan(False), group=mesh["tp"], audit=False)
+    for layer in (model.emb, model.up, model.down, model.gate):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer, 2, dp=2, dp_rank=mesh["dp"].get_local_rank())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    meshes = {k: v.device_mesh.mesh_dim_names for k, v in model_sd.items() if isinstance(v, DTensor)}
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return _dense_state(model, optimizer), meshes
+
+
+def test_torch_dcp_route_on_a_3d_mesh_labels_shards_over_its_dp_tp_sub_mesh(tmp_path):
+    """Issue 57. Before: UnlabelledShard ("the mesh must be 2-D") on a (pp, dp, tp) mesh, which torchtitan saves
+    through DCP; now labelled over the stage's (dp, tp) sub-mesh, and loaded back at dp 2 x tp 2 and dp 1 x tp 4."""
+    path = str(tmp_path / "dcp3d")
+    saved, meshes = get_world(4).run(_fsdp_dcp_save_on_a_3d_mesh, path)[0]
+    assert meshes["up.weight"] == ("dp", "tp"), meshes
+    for dp, tp in ((2, 2), (1, 4)):
+        for rank, loaded in enumerate(get_world(4).run(_fsdp_dcp_load, path, dp, tp)):
+            for name, t in saved.items():
+                assert torch.equal(loaded[name], t), f"3-D save -> dp {dp} x tp {tp}, rank {rank}: {name} differs"

@@ -152,11 +152,14 @@ def _dp_tp_spec(value: Any, placement: Placement, group: TPGroup) -> Tuple[Optio
     if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
         return None, f"FSDP2 placed it {tuple(value.placements)} over a {mesh.ndim}-D mesh (tplayers labels Shard(0) on 1)"
     root = mesh._get_root_mesh()
-    names = root.mesh_dim_names or ()
+    names = tuple(root.mesh_dim_names or ())
     dp_name = (mesh.mesh_dim_names or (None,))[0]
-    if root.ndim != 2 or dp_name is None or list(names[:1]) != [dp_name]:
-        return None, "its data-parallel mesh is not the outer dim of a 2-D (dp, tp) mesh (tplayers.make_2d_mesh)"
-    tp_mesh = root[names[1]]
+    if root.ndim < 2 or dp_name not in names or names.index(dp_name) != root.ndim - 2:
+        return None, ("its data-parallel mesh is not the dim just outside the TP dim of a (dp, tp) mesh "
+                      "(tplayers.make_2d_mesh) or a (pp, dp, tp) one")
+    tp_mesh = root[names[-1]]
+    if root.ndim > 2:  # a (pp, dp, tp) mesh: labelled over this stage's (dp, tp) sub-mesh (the stages hold other names)
+        root = root[names[-2], names[-1]]
     if tp_mesh.mesh.flatten().tolist() != group.global_ranks():
         return None, "the inner dim of its 2-D mesh is not this layer's TP group"
     part = placement.parts[0]  # type: ignore[attr-defined]
