@@ -148,6 +148,25 @@ def _whole_width_params(name: str, module: nn.Module, p: int, raised: str) -> Li
             and w.dim() == 1 and w.numel() in widths]
 
 
+_SPLIT_SIZES = re.compile(r"split_sizes to sum exactly to (\d+) \(input tensor's size at dimension -?\d+\), but got "
+                          r"split_sizes=\[([\d, ]+)\]")
+
+
+def _split_by_whole_sizes(module: nn.Module, raised: str) -> List[str]:
+    """A column layer whose whole output the forward splits by sizes (a latent down projection, MLA's ``wkv_a``:
+    [latent; rotary key]): it got the 1/p of its output a column gives."""
+    found = _SPLIT_SIZES.search(raised)
+    if found is None:
+        return []
+    got, sizes = int(found.group(1)), [int(n) for n in found.group(2).split(",")]
+    return [f"'{rel.rpartition('.')[2]}' is split as a column ({m.out_features_per_rank} of its {m.out_features} output "
+            f"features per rank) but the forward splits its whole output by sizes {sizes}: its output is read whole "
+            "(a down projection to a latent, MLA's wkv_a / kv_a_proj_with_mqa). Leave it whole ('replicate', or "
+            "LatentKV() for multi-head latent attention's, whose shared rotary key's gradient it sums)"
+            for rel, m in module.named_modules()
+            if type(m) is ColumnParallelLinear and m.out_features == sum(sizes) and m.out_features_per_rank == got]
+
+
 def _gathers_first_input_only(name: str, module: nn.Module) -> List[str]:
     """A ``'gather_sequence'`` module called with other inputs shaped like its first (``attn(h, h)``): only the first
     is gathered, the others stay this rank's chunk of the sequence."""
@@ -165,7 +184,7 @@ def likely_causes(name: str, module: nn.Module, originals: Dict[str, Dict[str, A
     else only gradients do (a replicated parameter's partial gradient)."""
     causes = (_partial_hints(name, p, partial, plan_name) + _whole_linear_fed_a_shard(name, module, p, raised)
               + _whole_norm_fed_a_shard(name, module, p, raised))
-    causes += [] if causes else _whole_width_params(name, module, p, raised)
+    causes += [] if causes else _whole_width_params(name, module, p, raised) + _split_by_whole_sizes(module, raised)
     causes += _gathers_first_input_only(name, module)
     if not forward_wrong:
         return _likely(causes or [
