@@ -100,9 +100,10 @@ NO_WHOLE_EXPERTS: Dict[str, str] = {
 # parallel plans of 5.24 gave them, by parameter name (a layout that does not fit is left replicated: see
 # tplayers.convert.auto._split_experts).
 FFN_STYLES = {"gate_up_proj": "packed_colwise", "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
-FFN_STYLES_BY_FAMILY = {  # (laid out (experts, in, out); Inkling's gate and up interleaved feature by feature)
-    "aria": {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"},
-    **{f: {"gate_up_proj": "colwise"} for f in ("inkling", "inkling2", "inkling2_loop")},
+FFN_STYLES_BY_FAMILY = {  # by config.model_type (the text model's): Aria's laid out (experts, in, out), Inkling's
+    # gate and up interleaved feature by feature (a contiguous cut keeps each gate beside its up)
+    **{f: {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"} for f in ("aria", "aria_text")},
+    **{f: {"gate_up_proj": "colwise"} for f in ("inkling_text", "inkling2_text", "inkling2_loop_text")},
 }
 
 
