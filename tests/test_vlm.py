@@ -122,3 +122,26 @@ def test_auto_on_a_vision_language_model_matches_dense(family, tp):
     The text tower and the tied head split, the vision tower whole: logits, every gradient, generate."""
     results = get_world(tp).run(_auto_whole, family)
     assert all(r == results[0] for r in results) and results[0][0] == [], results  # the text tower split
+
+
+def test_a_thin_plan_of_a_text_tower_is_said_in_the_coverage_report():
+    """Issue 56: Qwen3-VL's own plan names only the text tower's embedding (and the head): the report says so,
+    naming the tower; Gemma3's (attention and MLP too) says nothing."""
+    T = transformers
+    text = dict(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1]})
+    vision = dict(depth=1, hidden_size=H, intermediate_size=2 * H, num_heads=4, out_hidden_size=H, patch_size=8,
+                  spatial_merge_size=1, temporal_patch_size=1, deepstack_visual_indexes=[0])
+    if not hasattr(T, "Qwen3VLConfig"):
+        pytest.skip(f"transformers {T.__version__} has no Qwen3-VL")
+    thin = T.Qwen3VLForConditionalGeneration(T.Qwen3VLConfig(text_config=text, vision_config=vision))
+    with pytest.warns(UserWarning, match="covers only part"):
+        tplayers.parallelize(thin, "auto", group=None, audit=False)
+    notes = tplayers.coverage(thin).notes
+    assert len(notes) == 1 and notes[0].startswith("'model.language_model': the model's own plan splits") and \
+        "(embed_tokens)" in notes[0], notes
+    assert "thin (1):" in str(tplayers.coverage(thin))
+    full = _vlm("gemma3")
+    with pytest.warns(UserWarning, match="covers only part"):  # (its vision tower stays whole)
+        tplayers.parallelize(full, "auto", group=None, audit=False)
+    assert tplayers.coverage(full).notes == []

@@ -40,6 +40,7 @@ class CoverageReport:
     audit: Any = None  # the AuditReport (tplayers.convert.audit): each distinct region vs its dense twin
     uneven: Dict[str, str] = field(default_factory=dict)  # parameter -> its rows per rank, where they differ
     largest_share: float = 1.0  # the most a rank holds of the sharded parameters, over an even split's share
+    notes: List[str] = field(default_factory=list)  # sub-models a plan splits thinly (a VLM's text tower), said
 
     @property
     def sharded_fraction(self) -> float:
@@ -61,6 +62,7 @@ class CoverageReport:
         lines += _section("left dense (no plan entry)", _grouped(self.dense_layers))
         lines += _section("left out", _grouped(f"{n}: {v}" for n, v in self.skipped.items()))
         lines += _section("plan patterns that matched nothing", self.unmatched)
+        lines += _section("thin", self.notes)
         if self.audit is not None:
             lines += ["  " + line for line in str(self.audit).splitlines()]
         return "\n".join(lines)
@@ -146,6 +148,29 @@ def _describe(built: Dict[str, Built], modules: Dict[str, nn.Module], styles: Di
     return out
 
 
+def _thin_sub_models(model: nn.Module) -> List[str]:
+    """Sub-models with a config of their own (a VLM's text tower) whose own plan split only a few of their
+    parameters while linear layers in them stay whole (Qwen3-VL's names only the embedding)."""
+    placements = model_placements(model)
+    notes = []
+    for path, sub in model.named_modules():
+        if not path or getattr(sub, "config", None) is None or sub.config is getattr(model, "config", None) \
+                or any(path.startswith(n + ".") for n in [q for q, _ in notes]):
+            continue
+        names = [f"{path}.{n}" for n, _ in sub.named_parameters()]
+        split = [n for n in names if getattr(placements.get(n), "is_sharded", False)]
+        whole_linears = [n for n, m in sub.named_modules() if _is_weight_layer(m) and not isinstance(m, TensorParallelModule)]
+        if split and whole_linears:
+            total = sum(p.numel() for p in sub.parameters())
+            fraction = sum(p.numel() for n, p in sub.named_parameters() if f"{path}.{n}" in split) / max(total, 1)
+            if fraction < 0.5:
+                notes.append((path, f"'{path}': the model's own plan splits {fraction:.0%} of its parameters "
+                                    f"({', '.join(sorted({n.rpartition('.')[0][len(path) + 1:] for n in split}))}); "
+                                    f"{len(whole_linears)} linear layers in it stay whole (a plan of your own can "
+                                    "split its attention and MLP: docs/models.md)"))
+    return [text for _, text in notes]
+
+
 def report_coverage(model: nn.Module, p: Plan, plan: object, built: Dict[str, Built], modules: Dict[str, nn.Module],
             styles: Dict[str, Style], matched: List[Tuple[str, str]], used: set, unmatched_keys: List[str],
             skipped: Dict[str, str]) -> None:
@@ -156,6 +181,7 @@ def report_coverage(model: nn.Module, p: Plan, plan: object, built: Dict[str, Bu
         pat for pat in styles if pat not in used]
     report = build_report(model, p.name, _describe(built, modules, styles, matched), (n for n, _ in matched),
                           unmatched, skipped)
+    report.notes = _thin_sub_models(model) if p.name == "auto" else []
     object.__setattr__(model, REPORT_ATTR, report)  # a plain attribute: not a submodule, not in the state dict
     if isinstance(plan, str) and not report.complete:
         warnings.warn(f"parallelize: plan '{p.name}' covers only part of {type(model).__name__}; what stays dense "
