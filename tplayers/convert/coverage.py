@@ -84,6 +84,11 @@ def _is_weight_layer(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
+def _dense_numel(param: nn.Parameter, placement: Any) -> int:
+    """The element count of ``param``'s dense tensor (a shard's full shape; a replicated parameter's own)."""
+    return math.prod(placement.full_shape(tuple(param.shape))) if isinstance(placement, Sharded) else param.numel()
+
+
 def build_report(model: nn.Module, plan_name: str, layers: Dict[str, str], named: Iterable[str],
                  unmatched: List[str], skipped: Dict[str, str]) -> CoverageReport:
     """The report of ``model`` after the swap. ``named``: every module a plan entry took (it is not
@@ -98,8 +103,8 @@ def build_report(model: nn.Module, plan_name: str, layers: Dict[str, str], named
     sharded = total = 0
     for name, param in model.named_parameters():
         placement = placements.get(name)
+        numel = _dense_numel(param, placement)
         if isinstance(placement, Sharded):
-            numel = math.prod(placement.full_shape(tuple(param.shape)))
             per_row = numel // max(placement.full_size, 1)
             rows = [sum(p.length for p in placement.pieces(r, tp_size)) for r in range(tp_size)]
             held = [h + n * per_row for h, n in zip(held, rows)]
@@ -107,7 +112,6 @@ def build_report(model: nn.Module, plan_name: str, layers: Dict[str, str], named
                 uneven[name] = f"{', '.join(map(str, rows))} (padded to {placement.local_size})"
             sharded += numel
         else:
-            numel = param.numel()
             replicated[name] = ("gradient summed over the TP group" if placement is not None and placement.partial_grad
                                 else "complete gradient on every rank")
         total += numel
@@ -149,26 +153,27 @@ def _describe(built: Dict[str, Built], modules: Dict[str, nn.Module], styles: Di
 
 
 def _thin_sub_models(model: nn.Module) -> List[str]:
-    """Sub-models with a config of their own (a VLM's text tower) whose own plan split only a few of their
+    """Sub-models with a config of their own (a VLM's text tower) whose own plan split under half of their dense
     parameters while linear layers in them stay whole (Qwen3-VL's names only the embedding)."""
     placements = model_placements(model)
-    notes = []
+    notes: Dict[str, str] = {}
     for path, sub in model.named_modules():
-        if not path or getattr(sub, "config", None) is None or sub.config is getattr(model, "config", None) \
-                or any(path.startswith(n + ".") for n in [q for q, _ in notes]):
+        config = getattr(sub, "config", None)
+        if not path or config is None or config is getattr(model, "config", None) \
+                or any(path.startswith(n + ".") for n in notes):
             continue
-        names = [f"{path}.{n}" for n, _ in sub.named_parameters()]
-        split = [n for n in names if getattr(placements.get(n), "is_sharded", False)]
-        whole_linears = [n for n, m in sub.named_modules() if _is_weight_layer(m) and not isinstance(m, TensorParallelModule)]
-        if split and whole_linears:
-            total = sum(p.numel() for p in sub.parameters())
-            fraction = sum(p.numel() for n, p in sub.named_parameters() if f"{path}.{n}" in split) / max(total, 1)
-            if fraction < 0.5:
-                notes.append((path, f"'{path}': the model's own plan splits {fraction:.0%} of its parameters "
-                                    f"({', '.join(sorted({n.rpartition('.')[0][len(path) + 1:] for n in split}))}); "
-                                    f"{len(whole_linears)} linear layers in it stay whole (a plan of your own can "
-                                    "split its attention and MLP: docs/models.md)"))
-    return [text for _, text in notes]
+        params = [(n, p, placements.get(f"{path}.{n}")) for n, p in sub.named_parameters()]
+        split = sorted({n.rpartition(".")[0] for n, _, pl in params if isinstance(pl, Sharded)})
+        whole = [n for n, m in sub.named_modules() if _is_weight_layer(m) and not isinstance(m, TensorParallelModule)]
+        if not split or not whole:
+            continue
+        fraction = (sum(_dense_numel(p, pl) for _, p, pl in params if isinstance(pl, Sharded))
+                    / max(sum(_dense_numel(p, pl) for _, p, pl in params), 1))
+        if fraction < 0.5:
+            notes[path] = (f"'{path}': the model's own plan splits {fraction:.0%} of its parameters ({', '.join(split)}); "
+                           f"{len(whole)} linear layers in it stay whole (a plan of your own can split its attention "
+                           "and MLP: docs/models.md)")
+    return list(notes.values())
 
 
 def report_coverage(model: nn.Module, p: Plan, plan: object, built: Dict[str, Built], modules: Dict[str, nn.Module],

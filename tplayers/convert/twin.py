@@ -149,9 +149,6 @@ class Quiet:
             setattr(m, attr, value)
 
 
-_MODULE_STATE = ("_parameters", "_buffers", "_modules")
-
-
 class Kept:
     """The state a run may write, put back after it: each module's buffers and tensor attributes are replaced by
     copies for the run (a KV cache written in place in forward: the run writes to its copy, the model's own is

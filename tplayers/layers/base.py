@@ -239,15 +239,20 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
                "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
 
 
+def sharded_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every parameter of ``model``'s TP layers that holds this rank's shard."""
+    placements = model_placements(model)
+    return [(n, p) for n, p in model.named_parameters() if n in placements and placements[n].is_sharded]
+
+
 class ShardIndex:
     """The sharded parameters of a model's TP layers, to tell whether a tensor is one of them: the parameter itself,
     a view of it (``_base``: made at any time, before ``parallelize`` too, when it still shows the dense values)
     or a tensor sharing its storage (``.detach()``, ``.data``)."""
 
     def __init__(self, model: nn.Module, skip: Sequence[str] = ()) -> None:
-        placements = model_placements(model)
-        self.by_id = {id(p): (n, p) for n, p in model.named_parameters() if n in placements and placements[n].is_sharded
-                      and not any(fnmatch.fnmatchcase(n, pat) for pat in skip)}  # (skip: reads declared by design)
+        self.by_id = {id(p): (n, p) for n, p in sharded_parameters(model)
+                      if not any(fnmatch.fnmatchcase(n, pat) for pat in skip)}  # (skip: reads declared by design)
         self.by_storage = {_storage(p): (n, p) for n, p in self.by_id.values()}
         self.by_storage.pop(None, None)
 
@@ -259,12 +264,13 @@ class ShardIndex:
         hit = self.by_id.get(id(t))
         if hit is not None:
             return f"'{hit[0]}'", hit[1]
+        storage = _storage(t)
         hit = self.by_id.get(id(t._base)) if t._base is not None else None
         if hit is None:
-            hit = self.by_storage.get(_storage(t))
+            hit = self.by_storage.get(storage)
         if hit is None:
             return None
-        stale = _storage(t) != _storage(hit[1])
+        stale = storage != _storage(hit[1])
         return (f"a view of '{hit[0]}' made before parallelize (it shows the dense values of then: never trained)"
                 if stale else f"a view of '{hit[0]}'"), hit[1]
 

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from ..regions.partial_sum import METADATA
-from .base import ShardIndex, TensorParallelModule, model_placements
+from .base import ShardIndex, TensorParallelModule, sharded_parameters
 from .same_inputs import in_pipeline_shape_inference
 
 __all__ = ["refuse_outside_reads"]
@@ -107,8 +107,7 @@ def refuse_outside_reads(model: nn.Module, allowed: Sequence[str] = ()) -> None:
     read by the model's own code raises ValueError naming it and the line. The hooks remove themselves after
     that forward. ``allowed``: parameter-name patterns whose reads the model's code makes by design, knowing they
     are this rank's shard (DeepSeek-V3's absorbed attention reads its own heads of ``wkv_b.weight``)."""
-    placements = model_placements(model)
-    sharded = [n for n, _ in model.named_parameters() if n in placements and placements[n].is_sharded]
+    sharded = [n for n, _ in sharded_parameters(model)]
     for pat in allowed:
         if not any(fnmatch.fnmatchcase(n, pat) for n in sharded):
             raise ValueError(f"parallelize(..., shard_reads={list(allowed)!r}): '{pat}' names no split parameter of "
