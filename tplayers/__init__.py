@@ -16,7 +16,7 @@ from .core.functional import column_parallel_linear, row_parallel_linear
 from .core.fingerprint import CollectivesOutOfStep, RanksDiverged, set_collective_checks
 from .core.dtensors import UnlabelledShard
 from .core.groups import TPGroup, resolve_group
-from .layers import (ColumnParallelLinear, FusedColumnParallelLinear, ParallelExperts, ParallelLMHead, ParallelNorm,
+from .layers import (ColumnParallelEmbedding, ColumnParallelLinear, FusedColumnParallelLinear, ParallelExperts, ParallelLMHead, ParallelNorm,
                      RowParallelLinear, TensorParallelModule, VocabParallelEmbedding, declare_siblings)
 from .models.dense import BlockConfig, GPTConfig
 from .models.rng import RNGTracker
@@ -48,6 +48,7 @@ __all__ = [
     "row_parallel_linear",
     "testing",
     "VocabParallelEmbedding",
+    "ColumnParallelEmbedding",
     "ParallelLMHead",
     "vocab_parallel_cross_entropy",
     "RNGTracker",

@@ -19,7 +19,7 @@ from ..core.groups import TPGroup
 from ..core.invariant import LEAVES
 from ..core.dtypes import DTYPES
 from ..core.placement import Sharded
-from ..layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, set_overlap,
+from ..layers import (ColumnParallelEmbedding, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, set_overlap,
                       use_main_grad)
 from ..models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from ..models.moe import DenseMoE, ParallelMoE
@@ -200,6 +200,15 @@ def _embedding(g: TPGroup, cfg: VerifyConfig, **options: Any) -> MatchReport:
 
 variant("VocabParallelEmbedding", "vocab=8p+3", _embedding)
 variant("VocabParallelEmbedding", "vocab=8p+3, sequence_parallel=True", _embedding, sequence_parallel=True)
+
+
+@register("ColumnParallelEmbedding", "embedding dim split (value embeddings by KV heads)")
+def check_column_embedding(g: TPGroup, cfg: VerifyConfig) -> MatchReport:
+    d = _dims(g)
+    dense = _dense(nn.Embedding(8 * g.size + 3, d["hidden"]), cfg)
+    tp = ColumnParallelEmbedding.from_dense(dense, group=g)
+    ids = torch.randint(0, dense.num_embeddings, (cfg.batch, d["seq"]), device=cfg.torch_device())  # (b, s)
+    return match_dense(tp, dense, ids, g, cfg, output_shard_dim=-1)
 
 
 def _lm_head(g: TPGroup, cfg: VerifyConfig, padded: bool, sp: bool, **options: Any) -> MatchReport:

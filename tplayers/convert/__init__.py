@@ -25,11 +25,12 @@ from .plans import PLANS, SP_PLANS, get_plan
 from .sequence import GatherSequence, PerHeadParams, ReplicateReduceGrad, ScatterSequence, SequenceParallelNorm
 from .styles import BuildContext, Built, Column, FusedQKV, KVColumn, Replicate, Row, Style
 from .styles_vocab import VocabEmbedding, VocabHead
+from .styles_embedding import KVEmbedding
 from .styles_whole import Experts, LatentKV, MambaMixer
 
 __all__ = [
     "parallelize", "audit", "AuditError", "AuditReport", "Plan", "Style", "BuildContext", "Built", "STYLE_NAMES", "sequence_parallel_variant",
-    "Column", "Experts", "FusedQKV", "KVColumn", "LatentKV", "MambaMixer", "Row", "VocabEmbedding", "VocabHead", "Replicate",
+    "Column", "Experts", "FusedQKV", "KVColumn", "KVEmbedding", "LatentKV", "MambaMixer", "Row", "VocabEmbedding", "VocabHead", "Replicate",
     "SequenceParallelNorm", "ScatterSequence", "GatherSequence", "ReplicateReduceGrad", "PerHeadParams",
     "auto_plan", "HF_STYLES", "SKIPPED_STYLES", "CoverageReport", "coverage",
     "SP_PLANS", "PLANS", "get_plan",

@@ -21,7 +21,7 @@ from .causes import likely_causes, name_pattern
 from ..core.digest import generator_states, set_generator_states
 from .invariant import is_invariant
 from .sequence import MARK
-from .twin import (Kept, Quiet, copy_inputs, dense_twin, float32_copy, gather_first, random_like,
+from .twin import (Kept, Quiet, copy_inputs, dense_twin, first_float, float32_copy, gather_first, random_like,
                    relative_error, run_region, scale_of)
 
 __all__ = ["AuditError", "RegionAudit", "Region", "check_region", "relative_tolerance"]
@@ -178,6 +178,9 @@ def check_region(region: Region, result: RegionAudit, group: TPGroup, args: tupl
         return
     module = region.module
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    x = first_float((args, kwargs))
+    if x is not None and x.dtype in (torch.bfloat16, torch.float16):  # float32 weights cast to the input's dtype
+        dtype = x.dtype  # in forward (nanochat's Linear): the region computes in the input's precision
     cast: Optional[torch.dtype] = None
     if dtype in (torch.bfloat16, torch.float16):
         # A plan's faults do not depend on the precision, but 8-bit rounding through a ReLU or a softmax

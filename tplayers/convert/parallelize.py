@@ -52,6 +52,7 @@ from ..layers.experts import ParallelExperts
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.conv1d import is_conv1d
 from ..layers.from_dense import stand_in
+from ..layers.weight_cast import CAST_ATTR, casts_weight_to_input
 from ..layers.outside_reads import refuse_outside_reads
 from ..layers.shared_state import carry_shared_state
 from ..layers.siblings import COLUMN_KINDS, declare_siblings
@@ -73,6 +74,7 @@ from .ties import keep_parameter_objects, ties_kept
 from .twin import within
 from .sequence import ReplicateReduceGrad, check_sequence_region, refuse_double_gather, takes_sequence_shards
 from .styles import BuildContext, Built, Column, FusedQKV, KVColumn, Row, SequenceSwitch, Style
+from .styles_embedding import KVEmbedding
 from .styles_vocab import VocabEmbedding, VocabHead
 
 __all__ = ["parallelize"]
@@ -112,13 +114,17 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
                            partial_grads=partial_grads, replica_sums=replica_sums, column_inputs=column_inputs,
                            tp_invariant=tp_invariant)
         style = styles[pat]
+        casts = False  # nanochat's Linear: its weight cast to the input's dtype in forward (layers/weight_cast.py)
         if isinstance(style, (Column, Row, KVColumn, FusedQKV, VocabHead, VocabEmbedding)) and not is_conv1d(module):
+            casts = not isinstance(style, VocabEmbedding) and casts_weight_to_input(module)
             module = stand_in(module, isinstance(style, VocabEmbedding)) or module  # a Linear in all but name
         try:
             built[name] = style.build(module, ctx)
         except (ValueError, TypeError, AttributeError) as e:
             msg = str(e)
             raise type(e)(msg if msg.startswith("parallelize:") else f"parallelize: module '{name}' ({pat!r}): {msg}") from None
+        if casts and isinstance(built[name].module, TensorParallelModule):
+            setattr(built[name].module, CAST_ATTR, True)
         if built[name].module is not modules[name]:
             replaced.append(name)
     return built
@@ -134,6 +140,8 @@ def _io(style: Style, module: nn.Module) -> Union[None, Tuple[bool, bool]]:
         return False, not style.gather_output
     if isinstance(style, VocabEmbedding):
         return False, False
+    if isinstance(style, KVEmbedding):  # its KV heads' columns: the attention reading them is its partner
+        return False, True
     if isinstance(module, TensorParallelModule):  # a style of the user's own that builds a TP layer
         split_out = isinstance(module, FusedColumnParallelLinear) or getattr(module, "gather_output", True) is False
         return bool(getattr(module, "input_is_parallel", False)), split_out

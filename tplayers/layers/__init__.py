@@ -6,6 +6,7 @@ from .switches import backward_dw, main_grads_to_grads, pending_wgrad, set_overl
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .fused import FusedColumnParallelLinear
 from .vocab import ParallelLMHead, VocabParallelEmbedding
+from .column_embedding import ColumnParallelEmbedding
 from .siblings import declare_siblings
 from .norm import ParallelNorm
 from .gradients import check_replicas, clip_grad_norm_
@@ -15,5 +16,5 @@ from .experts import ParallelExperts
 from .mamba import ParallelMamba1, ParallelMamba2
 
 __all__ = ["declare_siblings", "LoRAPiece", "DoRAMagnitude", "TensorParallelModule", "ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",
-           "VocabParallelEmbedding", "ParallelLMHead", "ParallelNorm", "ParallelExperts", "ParallelMamba1", "ParallelMamba2", "model_placements", "set_overlap", "backward_dw", "pending_wgrad", "use_main_grad", "main_grads_to_grads", "zero_main_grads", "require_divisible",
+           "VocabParallelEmbedding", "ParallelLMHead", "ColumnParallelEmbedding", "ParallelNorm", "ParallelExperts", "ParallelMamba1", "ParallelMamba2", "model_placements", "set_overlap", "backward_dw", "pending_wgrad", "use_main_grad", "main_grads_to_grads", "zero_main_grads", "require_divisible",
            "clip_grad_norm_", "check_replicas", "check_same_inputs", "check_same_output_grads"]

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from ..core.blocking import bit_hash, ranks_that_differ
 from .base import TensorParallelModule, class_name
+from .weight_cast import CAST_ATTR, CastingLinear
 
 __all__ = ["dense_linear_init", "new_param", "load_full_params", "reset_linear_params", "linear_to_dense",
            "own_forward", "computes_linear", "computes_embedding", "stand_in", "check_dense_linear"]
@@ -78,7 +79,8 @@ def reset_linear_params(layer: TensorParallelModule) -> None:
 
 def linear_to_dense(layer: TensorParallelModule) -> nn.Linear:
     """The full ``nn.Linear`` of a Column/Row/fused layer, gathered on every rank (collective)."""
-    dense = nn.Linear(layer.in_features, layer.out_features, layer.bias is not None, device="meta")
+    cls = CastingLinear if getattr(layer, CAST_ATTR, False) else nn.Linear  # (a forward casting its weight: kept)
+    dense = cls(layer.in_features, layer.out_features, layer.bias is not None, device="meta")
     dense.weight = new_param(layer.gather_param("weight"), layer.weight)
     if layer.bias is not None:
         dense.bias = new_param(layer.gather_param("bias"), layer.bias)
