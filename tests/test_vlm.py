@@ -1,6 +1,7 @@
 """Vision-language models (tiny random configs, float64): the text tower converted alone and the whole model by
 "auto". A tower whose embedding is tied to a head outside it must not hand that head a vocabulary shard."""
 import copy
+import re
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from tplayers import testing
 from tplayers.layers.base import model_placements
 from tplayers.testing import dense_parameters, get_world
 
-testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in ("gemma3", "paligemma", "mistral3"))
+testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in (
+    "gemma3", "paligemma", "mistral3", "llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "t5gemma"))
 
 V, H = 64, 32
 _VISION = dict(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=1, num_attention_heads=4, image_size=16,
@@ -24,7 +26,8 @@ def _text(config_class, **kw):
 
 
 def _vlm(family: str, seed: int = 0):
-    """A tiny VLM whose LM head (outside its text tower) is tied to the tower's token embedding."""
+    """A tiny VLM whose LM head (outside its text tower) is tied to the tower's token embedding (Qwen2-VL's: untied;
+    T5Gemma, encoder-decoder: tied to the decoder's)."""
     T = transformers
     torch.manual_seed(seed)
     if family == "gemma3":
@@ -35,12 +38,61 @@ def _vlm(family: str, seed: int = 0):
         config = T.PaliGemmaConfig(text_config=_text(T.GemmaConfig), vision_config=_VISION, tie_word_embeddings=True,
                                    projection_dim=H)
         model = T.PaliGemmaForConditionalGeneration(config)
-    else:
+    elif family == "mistral3":  # (patches not merged: four image tokens, as the others)
         config = T.Mistral3Config(text_config=_text(T.MistralConfig, tie_word_embeddings=True),
-                                  vision_config={**_VISION, "head_dim": 8}, tie_word_embeddings=True)
+                                  vision_config={**_VISION, "head_dim": 8}, tie_word_embeddings=True,
+                                  spatial_merge_size=1)
         model = T.Mistral3ForConditionalGeneration(config)
-    assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    elif family == "llava":  # (the last vision layer's features, so that every vision parameter has a gradient)
+        config = T.LlavaConfig(text_config=_text(T.LlamaConfig, tie_word_embeddings=True),
+                               vision_config={**_VISION, "model_type": "clip_vision_model"}, vision_feature_layer=-1,
+                               tie_word_embeddings=True)
+        model = T.LlavaForConditionalGeneration(config)
+    elif family in ("idefics3", "smolvlm"):  # (no pixel shuffle: four image tokens)
+        config_class, model_class = {"idefics3": (T.Idefics3Config, T.Idefics3ForConditionalGeneration),
+                                     "smolvlm": (T.SmolVLMConfig, T.SmolVLMForConditionalGeneration)}[family]
+        config = config_class(text_config=_text(T.LlamaConfig, tie_word_embeddings=True), vision_config=_VISION,
+                              scale_factor=1, tie_word_embeddings=True)
+        model = model_class(config)
+    elif family in _QWEN:
+        text_class, config_class, model_class, vision = _QWEN[family]
+        text = _text(getattr(T, text_class), rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]},
+                     tie_word_embeddings=family != "qwen2_vl", bos_token_id=None, eos_token_id=None)
+        config = getattr(T, config_class)(text_config=text, vision_config=vision, image_token_id=V - 1,
+                                          video_token_id=V - 4, vision_start_token_id=V - 3, vision_end_token_id=V - 2,
+                                          tie_word_embeddings=family != "qwen2_vl")
+        model = getattr(T, model_class)(config)
+    elif family == "t5gemma":  # (encoder and decoder: a token embedding each, the head tied to the decoder's)
+        module = _text(T.T5GemmaModuleConfig, query_pre_attn_scalar=8, sliding_window=4)
+        model = T.T5GemmaForConditionalGeneration(T.T5GemmaConfig(encoder=module, decoder=module, vocab_size=V))
+    else:
+        raise ValueError(family)
+    assert _tied_to(model) == _TIED.get(family, _TOWERS.get(family, ("model.language_model",))[0] + ".embed_tokens")
     return model.double().eval()
+
+
+# Qwen's vision towers take flattened 4 x 4 patches (one frame), each image 4 x 4 patches merged 2 x 2 into four tokens
+_QWEN_VISION = dict(depth=1, hidden_size=H, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=1)
+_QWEN = {"qwen2_vl": ("Qwen2VLTextConfig", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
+                      {**_QWEN_VISION, "embed_dim": H, "mlp_ratio": 2}),
+         "qwen2_5_vl": ("Qwen2_5_VLTextConfig", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                        {**_QWEN_VISION, "intermediate_size": 2 * H, "out_hidden_size": H, "window_size": 8,
+                         "fullatt_block_indexes": []}),  # (windows of one merged token)
+         "qwen3_vl": ("Qwen3VLTextConfig", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+                      {**_QWEN_VISION, "intermediate_size": 2 * H, "out_hidden_size": H, "num_position_embeddings": 16,
+                       "deepstack_visual_indexes": [0]})}
+# the text towers, where not model.language_model
+_TOWERS = {"idefics3": ("model.text_model",), "smolvlm": ("model.text_model",),
+           "t5gemma": ("model.encoder", "model.decoder")}
+# the embedding the head is tied to, where not the text tower's (None: untied)
+_TIED = {"qwen2_vl": None, "t5gemma": "model.decoder.embed_tokens"}
+
+
+def _tied_to(model):
+    """The name of the module whose weight the output head shares (None: the head's own)."""
+    head = model.get_output_embeddings()
+    return next((n for n, m in model.named_modules() if m is not head and getattr(m, "weight", None) is head.weight),
+                None)
 
 
 def _tower_alone(group, family):
@@ -67,15 +119,29 @@ def test_a_tower_tied_to_a_head_outside_it_is_refused_naming_the_head(family):
 
 
 def _with_image(family: str, seed: int = 0):
-    """(model, its inputs): image tokens (id V - 1) for the vision tower's features, then text ids."""
+    """(model, its inputs, labels): four image tokens (id V - 1) per image for the vision tower's features, then text
+    ids (Qwen's: between its vision start and end tokens, marked in mm_token_type_ids for its 3-D rotary positions).
+    T5Gemma's: text ids for the encoder, labels for the decoder."""
     model = _vlm(family, seed)
+    g = torch.Generator().manual_seed(seed)
+    if family == "t5gemma":
+        return model, dict(input_ids=torch.randint(0, V, (2, 9), generator=g)), torch.randint(3, V, (2, 5), generator=g)
     for key in ("image_token_id", "image_token_index"):
         setattr(model.config, key, V - 1)
     model.config.boi_token_index, model.config.eoi_token_index = V - 3, V - 2
-    g = torch.Generator().manual_seed(seed)
+    if family in _QWEN:  # (2 x 16 patches of 3 x 4 x 4 pixels)
+        pixels = torch.randn(2 * 16, 3 * 4 * 4, generator=g, dtype=torch.float64)
+        ids = torch.cat([torch.full((2, 1), V - 3), torch.full((2, 4), V - 1), torch.full((2, 1), V - 2),
+                         torch.randint(0, V - 4, (2, 5), generator=g)], 1)
+        inputs = dict(input_ids=ids, pixel_values=pixels, image_grid_thw=torch.tensor([[1, 4, 4]] * 2),
+                      mm_token_type_ids=(ids == V - 1).long())
+        return model, inputs, ids
     pixels = torch.randn(2, 3, 16, 16, generator=g, dtype=torch.float64)
     ids = torch.cat([torch.full((2, 4), V - 1), torch.randint(0, V - 3, (2, 5), generator=g)], 1)
-    return model, dict(input_ids=ids, pixel_values=pixels)
+    inputs = dict(input_ids=ids, pixel_values=pixels[:, None] if family in ("idefics3", "smolvlm") else pixels)
+    if family == "mistral3":
+        inputs["image_sizes"] = torch.tensor([[16, 16]] * 2)
+    return model, inputs, ids
 
 
 def _close(actual, expected, what, tol=1e-9):
@@ -88,12 +154,12 @@ TOL = {"gemma3": 1e-5}  # (its norms compute in float32, as in test_hf_families)
 
 def _auto_whole(group, family):
     tol = TOL.get(family, 1e-9)
-    dense, inputs = _with_image(family)
+    dense, inputs, labels = _with_image(family)
     model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group)
-    assert isinstance(model.lm_head, tplayers.ParallelLMHead) and model.lm_head.weight is \
-        model.model.language_model.embed_tokens.weight
-    out_d, out_t = dense(**inputs, labels=inputs["input_ids"]), model(**inputs, labels=inputs["input_ids"])
+    assert isinstance(model.get_output_embeddings(), tplayers.ParallelLMHead) and _tied_to(model) == _tied_to(dense)
+    out_d, out_t = dense(**inputs, labels=labels), model(**inputs, labels=labels)
     _close(out_t.logits, out_d.logits, "logits", tol)
+    _close(out_t.loss, out_d.loss, "loss", tol)
     out_d.loss.backward(), out_t.loss.backward()
     grads = dense_parameters(model, grads=True)
     for name, p in dense.named_parameters():
@@ -110,18 +176,31 @@ def _auto_whole(group, family):
     for step, (lt, ld) in enumerate(zip(gen_t.logits, gen_d.logits)):
         _close(lt, ld, f"generated logits, step {step}", tol)
     report = tplayers.coverage(model)
-    text = [n for n, _ in dense.model.language_model.named_parameters() if "norm" not in n]
+    towers = _TOWERS.get(family, ("model.language_model",))
     placements = model_placements(model)
-    unsplit = [n for n in text if not getattr(placements.get(f"model.language_model.{n}"), "is_sharded", False)]
-    return unsplit, round(report.sharded_fraction, 3)
+    text = [f"{t}.{n}" for t in towers for n, _ in dense.get_submodule(t).named_parameters() if "norm" not in n]
+    unsplit = {re.sub(r"\.\d+\.", ".*.", n) for n in text if not getattr(placements.get(n), "is_sharded", False)}
+    return sorted(unsplit), round(report.sharded_fraction, 3)
 
 
-@pytest.mark.parametrize("family, tp", [("gemma3", 2), ("gemma3", 4), ("paligemma", 2)])
+# The text parameters "auto" leaves whole, where not none: Qwen3-VL's own plan names only its embedding (see the
+# test below); T5Gemma's names the decoder's self-attention, not its cross-attention
+_UNSPLIT = {"qwen3_vl": [f"model.language_model.layers.*.{m}.weight" for m in (
+                "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
+                "self_attn.q_proj", "self_attn.v_proj")],
+            "t5gemma": [f"model.decoder.layers.*.cross_attn.{m}.weight" for m in ("k_proj", "o_proj", "q_proj",
+                                                                                   "v_proj")]}
+
+
+@pytest.mark.parametrize("family, tp", [("gemma3", 2), ("gemma3", 4), ("paligemma", 2), ("mistral3", 2), ("llava", 2),
+                                        ("llava", 4), ("idefics3", 2), ("smolvlm", 2), ("qwen2_vl", 2),
+                                        ("qwen2_5_vl", 4), ("qwen3_vl", 2), ("t5gemma", 2)])
 def test_auto_on_a_vision_language_model_matches_dense(family, tp):
     """Before: "no tensor-parallel plan of its own" (the instance's plan, composed from the sub-configs, unread).
-    The text tower and the tied head split, the vision tower whole: logits, every gradient, generate."""
+    The text tower and the head (tied or not) split, the vision tower whole: logits, loss, every gradient, generate.
+    T5Gemma (encoder-decoder, text only): both stacks and the head split."""
     results = get_world(tp).run(_auto_whole, family)
-    assert all(r == results[0] for r in results) and results[0][0] == [], results  # the text tower split
+    assert all(r == results[0] for r in results) and results[0][0] == _UNSPLIT.get(family, []), results
 
 
 def test_a_thin_plan_of_a_text_tower_is_said_in_the_coverage_report():
