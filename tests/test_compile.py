@@ -115,3 +115,44 @@ def _check_compiled_vocab(group):
 def test_fullgraph_compile_with_vocab_parallel_layers_matches_eager():
     for message in get_world(2).run(_check_compiled_vocab, timeout=500):
         assert message is not None and "outside [0, 40)" in message
+
+
+def _compiled_before_any_eager_forward(group, wrong: bool):
+    """A torchtitan-style own model (separate wq / wk / wv, fewer KV heads) parallelized with the audit on and
+    compiled with fullgraph=True before any eager forward: its first compiled call runs the audit."""
+    import torch._dynamo as dynamo
+    from test_own_plans import LLAMA_PLAN, TinyLlama
+
+    torch.manual_seed(0)
+    model = TinyLlama().double()
+    dense = copy.deepcopy(model)
+    plan = {**LLAMA_PLAN, "layers.*.attention.wk": "column", "layers.*.attention.wv": "column"} if wrong else LLAMA_PLAN
+    tplayers.parallelize(model, plan, group=group)
+    dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    rng = torch.get_rng_state()
+    try:
+        out = compiled(ids)
+    except tplayers.AuditError as e:
+        return str(e)
+    assert torch.equal(torch.get_rng_state(), rng)  # (the eager pass put the random stream back)
+    out.square().mean().backward()
+    dense(ids).square().mean().backward()
+    torch.testing.assert_close(out, dense(ids), rtol=1e-12, atol=1e-12)
+    grads = tplayers.testing.dense_parameters(model, grads=True)
+    for n, p in dense.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"{n}: {m}")
+    torch.testing.assert_close(compiled(ids + 1), dense(ids + 1), rtol=1e-12, atol=1e-12)  # (the graph, audit gone)
+    return tplayers.coverage(model).audit.passed
+
+
+@pytest.mark.skipif(not TRACE_COLLECTIVES, reason="torch < 2.13 graph-breaks at collectives")
+def test_fullgraph_compile_before_any_eager_forward_is_audited():
+    """Issue 54. Before: the audit's first-call hook ran inside dynamo's trace and the user got dynamo's
+    "Observed exception" (the audit's own message buried in its debug context), for right plans too. Now the first
+    compiled call audits in one eager forward before the trace: a right plan equals dense, a wrong one raises the
+    AuditError itself, on every rank (KV heads as plain columns at TP 4: 2 KV heads on 4 ranks)."""
+    assert get_world(2).run(_compiled_before_any_eager_forward, False, timeout=300) == [True, True]
+    for message in get_world(4).run(_compiled_before_any_eager_forward, True, timeout=300):
+        assert message.startswith("tplayers audit (plan 'custom', TP 4"), message

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -48,7 +49,7 @@ from ..core.groups import TPGroup
 from ..layers.base import model_placements
 from ..layers.same_inputs import in_pipeline_shape_inference
 from .audit_region import AuditError, Region, RegionAudit, check_region
-from .twin import within
+from .twin import Kept, within
 
 __all__ = ["AuditReport", "Auditor", "audit", "find_regions", "AUDIT_ATTR"]
 
@@ -130,6 +131,8 @@ class Auditor:
                  io: Dict[str, Tuple[bool, bool]], sequence_marks: Dict[str, str]) -> None:
         modules = dict(model.named_modules())
         self.group, self.plan_name = tp, plan_name
+        self.root = weakref.ref(model)  # (the model holds its auditor)
+        self.eager_pass = False  # the eager forward run before torch.compile traces the first call
 
         def marked(region: str, mark: str) -> bool:
             return any(within(n, region) for n, m in sequence_marks.items() if m == mark)
@@ -198,6 +201,13 @@ class Auditor:
             hook = self._hook(region)
             self.handles.append(region.module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
             region.added_hooks.setdefault("", set()).add(self.handles[-1].id)
+        root = self.root()
+        if self.handles and root is not None:
+            self.handles.append(root.register_forward_pre_hook(self._before_compiled_trace, with_kwargs=True,
+                                                               prepend=True))
+            for region in self.regions:
+                if region.name == "":  # (the twin of a whole-model region runs without it)
+                    region.added_hooks.setdefault("", set()).add(self.handles[-1].id)
 
     def disarm(self) -> None:
         for h in self.handles:
@@ -209,6 +219,28 @@ class Auditor:
             result.status, result.errors, result.reason, result.note, result.message = "pending", {}, "", "", ""
         self.skip(self.skipped)
         self.arm()
+
+    @torch.compiler.disable  # (dynamo starts at the first frame outside torch: this hook's, run eagerly)
+    def _before_compiled_trace(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The root's pre-hook. ``torch.compile(model)`` runs the root's own hooks eagerly and traces from its
+        forward, where the regions' first-call hooks cannot run the audit (``fullgraph=True`` would fail on the
+        graph break, and the audit's error would reach the user as dynamo's "Observed exception"). So the first
+        compiled call that would audit runs one eager forward of the model on its inputs first, every region
+        audited in it, with the model's buffers, attributes and random stream put back after; once all passed the
+        hooks are gone and dynamo traces the forward without them. An AuditError is raised here, as in eager."""
+        in_compiled = getattr(torch._dynamo.eval_frame, "_is_in_optimized_module", lambda: False)
+        if self.active or self.eager_pass or not torch.is_grad_enabled() or not in_compiled():
+            return
+        self._audit_eagerly(model, args, kwargs)
+
+    def _audit_eagerly(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        self.eager_pass = True
+        try:
+            with Kept(model), torch.random.fork_rng(devices=devices):
+                model(*args, **kwargs)  # (its output and graph dropped)
+        finally:
+            self.eager_pass = False
 
     def _hook(self, region: Region) -> Any:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
