@@ -140,3 +140,41 @@ def test_value_embeddings_split_by_kv_heads_in_float32(tp):
     for errors, audited, _ in get_world(tp).run(_against_dense, torch.float32):
         bad = {n: e for n, e in errors.items() if e > 1e-5}
         assert not bad and audited, (bad, audited)
+
+
+def _cache_cut(group, rule):
+    attn = SelfAttention(0, value_embedding=False)
+    attn.register_buffer("k_cache", torch.zeros(2, 8, KV_HEADS, DIM // HEADS))
+    plan = Plan({"c_q": "column", "c_k": KVColumn(kv_heads="n_kv_head"), "c_v": KVColumn(kv_heads="n_kv_head"),
+                 "c_proj": "row"}, divide_attrs={"": ("n_head", "n_kv_head:kv", f"k_cache:{rule}")})
+    model = nn.ModuleDict({"attn": attn})
+    plan.divide_attrs = {"attn": plan.divide_attrs.pop("")}
+    plan.layers = {f"attn.{k}": v for k, v in plan.layers.items()}
+    try:
+        tplayers.parallelize(model, plan, group=group, audit=False)
+    except ValueError as e:
+        return str(e)
+    return tuple(model.attn.k_cache.shape)
+
+
+def test_a_cache_of_fewer_kv_heads_than_ranks_is_cut_by_the_kv_rule():
+    """'k_cache:2:kv': 2 KV heads on 4 ranks, each rank the head its query heads use; a plain 'k_cache:2' is refused
+    naming ':kv' (before: "not divisible", no way to say it)."""
+    assert get_world(4).run(_cache_cut, "2:kv") == [(2, 8, 1, DIM // HEADS)] * 4
+    for message in get_world(4).run(_cache_cut, "2"):
+        assert "k_cache.shape[2]=2 is not divisible by the TP degree 4" in message and "'k_cache:2:kv'" in message
+
+
+def _twin_cache(group):
+    from tplayers.convert.twin import _whole
+    from tplayers.core.groups import resolve_group
+
+    g = resolve_group(group)
+    dense = torch.arange(2 * 3 * KV_HEADS * 2, dtype=torch.float64).view(2, 3, KV_HEADS, 2)
+    mine = dense.chunk(KV_HEADS, 2)[g.rank * KV_HEADS // g.size]  # what 'k_cache:2:kv' kept on this rank
+    return torch.equal(_whole(mine, torch.zeros_like(dense), g), dense)
+
+
+def test_the_dense_twin_reads_a_kv_cut_cache_whole():
+    """The audit's twin rebuilds a cache cut by KV heads with replicas from each head's first holder."""
+    assert get_world(4).run(_twin_cache) == [True] * 4

@@ -119,12 +119,23 @@ def _local_kv_heads(value: Any, where: str, attr: str, tp_size: int) -> int:
 
 
 def _cut_tensor(value: Any, cut: str, where: str, attr: str, tp: TPGroup) -> torch.Tensor:
-    """This rank's part of tensor ``value`` along dim ``cut`` (``divide_attrs`` ``"name:dim"``)."""
-    if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter) or not cut.lstrip("-").isdigit():
+    """This rank's part of tensor ``value`` along dim ``cut`` (``divide_attrs`` ``"name:dim"``); ``"name:dim:kv"``: dim
+    is KV heads, cut as ``KVColumn`` cuts them (fewer than the ranks: each rank keeps the one its query heads use)."""
+    text, _, rule = cut.partition(":")
+    if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter) or not text.lstrip("-").isdigit() \
+            or rule not in ("", "kv"):
         raise ValueError(f"{where}: divide_attrs '{attr}:{cut}' cuts a tensor (not a parameter: the plan's layers "
-                         f"own those) along an integer dim; '{attr}' is a {type(value).__name__}")
-    dim = int(cut)
+                         f"own those) along an integer dim ('{attr}:2', or '{attr}:2:kv' for a dim of KV heads); "
+                         f"'{attr}' is a {type(value).__name__}")
+    dim = int(text)
     if not -value.dim() <= dim < value.dim():
         raise ValueError(f"{where}: divide_attrs '{attr}:{cut}': {attr} has {value.dim()} dims")
-    require_divisible(value.shape[dim], tp.size, where, f"{attr}.shape[{dim}]")
+    if rule == "kv":
+        shards = kv_shards(value.shape[dim], tp.size, where, f"{attr}.shape[{dim}] (KV heads)")
+        return value.chunk(shards, dim)[tp.rank * shards // tp.size].clone()
+    if value.shape[dim] % tp.size:
+        hint = (f"; if that dim is KV heads, fewer than the ranks, '{attr}:{dim}:kv' keeps on each rank the head its "
+                "query heads use (as KVColumn)" if value.shape[dim] < tp.size and tp.size % value.shape[dim] == 0 else "")
+        raise ValueError(f"{where}: {attr}.shape[{dim}]={value.shape[dim]} is not divisible by the TP degree "
+                         f"{tp.size}{hint}")
     return value.chunk(tp.size, dim)[tp.rank].clone()

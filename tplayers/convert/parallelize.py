@@ -115,9 +115,11 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
                            tp_invariant=tp_invariant)
         style = styles[pat]
         casts = False  # nanochat's Linear: its weight cast to the input's dtype in forward (layers/weight_cast.py)
-        if isinstance(style, (Column, Row, KVColumn, FusedQKV, VocabHead, VocabEmbedding)) and not is_conv1d(module):
-            casts = not isinstance(style, VocabEmbedding) and casts_weight_to_input(module)
-            module = stand_in(module, isinstance(style, VocabEmbedding)) or module  # a Linear in all but name
+        if isinstance(style, (Column, Row, KVColumn, FusedQKV, VocabHead, VocabEmbedding, KVEmbedding)) \
+                and not is_conv1d(module):
+            embedding = isinstance(style, (VocabEmbedding, KVEmbedding))
+            casts = not embedding and casts_weight_to_input(module)
+            module = stand_in(module, embedding) or module  # a Linear (an Embedding) in all but name
         try:
             built[name] = style.build(module, ctx)
         except (ValueError, TypeError, AttributeError) as e:

@@ -264,8 +264,13 @@ def _whole(now: torch.Tensor, original: torch.Tensor, group: Optional[TPGroup]) 
     original (the twin writes to its own)."""
     if group is not None and now.dim() == original.dim():
         cut = [d for d in range(now.dim()) if now.shape[d] != original.shape[d]]
-        if len(cut) == 1 and now.shape[cut[0]] * group.size == original.shape[cut[0]]:
-            return all_gather_tensor(now.detach().contiguous(), cut[0], group=group)
+        pieces = original.shape[cut[0]] // now.shape[cut[0]] if len(cut) == 1 and now.shape[cut[0]] else 0
+        if pieces and pieces * now.shape[cut[0]] == original.shape[cut[0]] and group.size % pieces == 0:
+            whole = all_gather_tensor(now.detach().contiguous(), cut[0], group=group)
+            if pieces == group.size:
+                return whole
+            # (KV heads fewer than ranks, 'k_cache:2:kv': each piece held by p / pieces ranks; the first's)
+            return torch.cat(whole.chunk(group.size, cut[0])[::group.size // pieces], cut[0])
     return original.detach().clone()
 
 
