@@ -18,9 +18,15 @@ from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.siblings import declare_siblings
 from ..layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
-__all__ = ["apply_tp_invariant", "run_in_leaves", "LEAF_FORWARD", "is_invariant", "tp1_twin", "declare_twins_alike",
+__all__ = ["KV_REPLICAS_REASON", "apply_tp_invariant", "run_in_leaves", "LEAF_FORWARD", "is_invariant", "tp1_twin", "declare_twins_alike",
            "leaves_at_tp1"]
 
+#: why the mode refuses KV heads replicated over ranks (parallelize's messages, docs/layers.md)
+KV_REPLICAS_REASON = ("A KV head's gradient is the sum over the query heads sharing it: at TP 1 the model's own code "
+                      "sums them (repeat_kv's backward, one reduction of torch's choosing); with replicas each rank "
+                      "sums its query heads' and the ranks add theirs, so the sum over the query heads sharing a KV "
+                      "head takes another order, which tplayers cannot fix inside the model's attention. Use a TP "
+                      "degree of at most the KV heads (docs/layers.md)")
 LEAF_FORWARD = "_tplayers_leaf_forward"  # marks the forward run_in_leaves gives a module (a dense twin drops it)
 
 
@@ -46,8 +52,8 @@ def apply_tp_invariant(model: nn.Module, built: Dict[str, nn.Module], tp: TPGrou
         if any(part is not None and part.is_uneven for part in parts):
             raise ValueError(f"{what} is split unevenly; the fixed tree needs whole leaves on every rank")
         if fused and module.has_replicas:
-            raise ValueError(f"{what} holds KV heads replicated over ranks (fewer KV heads than the TP degree); their "
-                             "gradients are summed over the replicas, not as the fixed tree")
+            raise ValueError(f"{what} holds KV heads replicated over ranks (fewer KV heads than the TP degree). "
+                             + KV_REPLICAS_REASON)
         if isinstance(module, RowParallelLinear) and not module.input_is_parallel:
             raise ValueError(f"{what} takes a whole input (input_is_parallel=False); give it the column layer's shard")
         for size in ([part.size for part in parts] if fused else [module.in_features] if
@@ -71,12 +77,14 @@ def apply_tp_invariant(model: nn.Module, built: Dict[str, nn.Module], tp: TPGrou
     model.register_forward_hook(after)
 
 
-def run_in_leaves(module: nn.Module, group: TPGroup, local_leaves: Callable[[], int], name: str) -> None:
+def run_in_leaves(module: nn.Module, group: TPGroup, local_leaves: Callable[[], int], name: str,
+                  leaves_in_all: int = LEAVES) -> None:
     """``module`` (replicated, run on this rank's part of an input split along dim -2: a norm on its chunk of the
     sequence, a per-head norm on its heads) runs leaf by leaf: its first input cut into ``local_leaves()``
     consecutive pieces along dim -2, each piece through the module's own forward reading its own copy of the
     module's parameters (`tplayers.core.invariant.leaf_copies`: their gradients summed as the fixed tree), the
-    outputs concatenated. Each leaf is the same computation at every TP degree, so are its parameters' gradients."""
+    outputs concatenated. Each leaf is the same computation at every TP degree, so are its parameters' gradients.
+    ``leaves_in_all``: the leaves over the group (``LEAVES``; a per-head norm's: as many as its heads allow)."""
     names = tuple(n for n, _ in module.named_parameters(recurse=False))
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -93,9 +101,9 @@ def run_in_leaves(module: nn.Module, group: TPGroup, local_leaves: Callable[[], 
         if x.dim() < 2 or x.shape[-2] % leaves:
             if grads:
                 raise ValueError(f"tp_invariant: module '{name}' ({type(self).__name__}) sums its parameters' "
-                                 f"gradients over {LEAVES} leaves of dim -2 of its input, {leaves} on this rank; "
-                                 f"the input {tuple(x.shape)} does not cut into them (make the sequence length / "
-                                 f"head count a multiple of {LEAVES})")
+                                 f"gradients over {leaves_in_all} leaves of dim -2 of its input, {leaves} on this "
+                                 f"rank; the input {tuple(x.shape)} does not cut into them (make the sequence length "
+                                 f"/ head count a multiple of {leaves_in_all})")
             return run(self, *args, **kwargs)  # no gradient (a decoding step): each token's output as a leaf's
         copies = leaf_copies(params, leaves, group) if grads else [tuple(params)] * leaves
         outs = []
@@ -106,7 +114,7 @@ def run_in_leaves(module: nn.Module, group: TPGroup, local_leaves: Callable[[], 
                             run(self, *args, **{**kwargs, key: piece}))
         return torch.cat(outs, dim=-2)
 
-    setattr(forward, LEAF_FORWARD, True)
+    setattr(forward, LEAF_FORWARD, leaves_in_all)  # (a dense twin runs all of them: leaves_at_tp1)
     module.forward = types.MethodType(forward, module)  # (a copy of the module gets it bound to the copy)
 
 
@@ -141,5 +149,6 @@ def declare_twins_alike(twins: Dict[int, nn.Module], layers: Iterable[nn.Module]
 
 def leaves_at_tp1(module: nn.Module, name: str) -> None:
     """A copy of a module ``run_in_leaves`` made leaf by leaf (its forward bound to the copy, for the real group):
-    leaf by leaf as at TP 1 (all ``LEAVES`` leaves of its whole input, nothing across ranks)."""
-    run_in_leaves(module, resolve_group(None), lambda: LEAVES, name)
+    leaf by leaf as at TP 1 (all its leaves of its whole input, nothing across ranks)."""
+    leaves = getattr(vars(module)["forward"].__func__, LEAF_FORWARD)
+    run_in_leaves(module, resolve_group(None), lambda: leaves, name, leaves)

@@ -9,6 +9,7 @@ the placement ``Replicated(partial_grad=True)``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -18,7 +19,7 @@ import torch.nn as nn
 from ..core.comm import gather_sequence_for_columns, scatter_to_sequence
 from ..core.invariant import LEAVES
 from .gather_dtype import CastGather
-from .invariant import run_in_leaves
+from .invariant import KV_REPLICAS_REASON, run_in_leaves
 from ..regions.partial_grads import PartialGradSum
 from ..regions.partial_sum import PartialSum
 from ..core.placement import Replicated, Sharded
@@ -87,14 +88,15 @@ class _SequenceStyle:
         raise NotImplementedError
 
 
-def _sum_partial_grads(module: nn.Module, ctx: BuildContext, local_leaves: Callable[[], int]) -> None:
+def _sum_partial_grads(module: nn.Module, ctx: BuildContext, local_leaves: Callable[[], int],
+                       leaves: int = LEAVES) -> None:
     """The module's parameters' partial gradients summed over the group: by the call's ``PartialGradSum``, or with
     ``tp_invariant`` as the fixed tree over leaves of dim -2 of its input (``local_leaves()`` on this rank:
     `tplayers.convert.invariant.run_in_leaves`)."""
     if not ctx.tp_invariant:
         _reduce_param_grads(module, ctx)
         return
-    run_in_leaves(module, ctx.group, local_leaves, ctx.name)
+    run_in_leaves(module, ctx.group, local_leaves, ctx.name, leaves)
     if ctx.group.size > 1:
         _mark_partial(module, tuple(n for n, _ in module.named_parameters(recurse=False)))
 
@@ -127,16 +129,31 @@ class ReplicateReduceGrad(_SequenceStyle):
     runs_in_leaves = True
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
-        if ctx.tp_invariant:  # its leaves: whole heads of this rank's (dim -2 of its input)
-            heads = [n for n in attention_heads(ctx.parent) if n is not None] if ctx.parent is not None else []
-            if not heads or any(n % LEAVES for n in heads):
-                raise ValueError(f"parallelize: tp_invariant=True: module '{ctx.name}' (replicate_reduce_grad) sums "
-                                 f"its weight gradient over {LEAVES} leaves of the attention's heads; its head counts "
-                                 f"{heads or 'unknown'} are not multiples of {LEAVES}")
+        if ctx.tp_invariant:
+            _head_leaves(ctx)  # (refused here, before anything changes)
         return super().build(module, ctx)
 
     def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
-        _sum_partial_grads(module, ctx, lambda: LEAVES // ctx.group.size)
+        leaves = _head_leaves(ctx) if ctx.tp_invariant else LEAVES
+        _sum_partial_grads(module, ctx, lambda: leaves // ctx.group.size, leaves)
+
+
+def _head_leaves(ctx: BuildContext) -> int:
+    """``tp_invariant``: how many leaves of whole heads a per-head module's weight gradient is summed over: the most,
+    up to ``LEAVES``, that every head count of its attention divides (8 for 8k heads; Qwen3's small configs, 4 query
+    and 4 KV heads: 4), the same at every degree (a property of the model); each rank then holds leaves / p."""
+    heads = [n for n in attention_heads(ctx.parent) if n is not None] if ctx.parent is not None else []
+    if any(n < ctx.group.size for n in heads):
+        raise ValueError(f"parallelize: tp_invariant=True: module '{ctx.name}': its attention's head counts {heads} "
+                         f"hold KV heads replicated over ranks (fewer than the TP degree {ctx.group.size}). "
+                         + KV_REPLICAS_REASON)
+    leaves = math.gcd(LEAVES, *heads) if heads else 0
+    if not leaves or leaves % ctx.group.size:
+        raise ValueError(f"parallelize: tp_invariant=True: module '{ctx.name}' (replicate_reduce_grad) sums its "
+                         f"weight gradient over leaves of whole heads, as many as its attention's head counts "
+                         f"{heads or 'unknown'} allow ({leaves or 'none'}, up to {LEAVES}); the TP degree "
+                         f"{ctx.group.size} does not divide them")
+    return leaves
 
 
 @dataclass(frozen=True)

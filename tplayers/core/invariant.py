@@ -107,7 +107,22 @@ def _leaf_products(a: torch.Tensor, b: torch.Tensor, g: TPGroup, parts: Optional
     leaves = LEAVES // g.size
     a_leaves = _leaf_major(a.reshape(-1, a.shape[-1]), leaves, parts)  # (leaves, m, k/leaves)
     b_leaves = _leaf_major(b, leaves, parts)  # (leaves, n, k/leaves)
-    return torch.bmm(a_leaves, b_leaves.transpose(1, 2))  # (leaves, m, n)
+    return _per_block(a_leaves, b_leaves.transpose(1, 2))  # (leaves, m, n)
+
+
+def _per_block(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)`` as one GEMM call per block: a batched GEMM's kernel is chosen by its batch count too
+    (this CPU build's bfloat16 bmm takes oneDNN above batch x m x k x n = 16^3: a decoding step's 8 blocks at TP 1,
+    not its 2 at TP 4; cuBLAS picks by batch count as well), so the blocks, the same shape at every TP degree, are
+    each computed alone: the same kernel, the same bits, whatever the degree. ``out=`` rows of one buffer (autocast
+    casts a bmm's operands but leaves an ``out=`` GEMM alone: its cast is made here)."""
+    dtype = autocast_dtype(a)
+    if dtype is not None and a.is_floating_point():
+        a, b = a.to(dtype), b.to(dtype)
+    out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+    for j in range(a.shape[0]):
+        torch.mm(a[j], b[j], out=out[j])
+    return out
 
 
 def _leaf_major(t: torch.Tensor, leaves: int, parts: Sequence[int]) -> torch.Tensor:
@@ -124,10 +139,10 @@ def _in_blocks(a: torch.Tensor, b: torch.Tensor, blocks: int, split_rows: bool) 
     columns it computes at once (8 columns of 32 differ from the same 8 alone on this build), so every block is
     the same GEMM at every TP degree."""
     if split_rows:
-        out = torch.bmm(a.reshape(blocks, a.shape[0] // blocks, a.shape[1]), b.expand(blocks, *b.shape))
+        out = _per_block(a.reshape(blocks, a.shape[0] // blocks, a.shape[1]), b.expand(blocks, *b.shape))
         return out.reshape(a.shape[0], b.shape[1])  # (n, m)
     b_blocks = b.reshape(b.shape[0], blocks, b.shape[1] // blocks).transpose(0, 1).contiguous()  # (blocks, k, m/blocks)
-    out = torch.bmm(a.expand(blocks, *a.shape), b_blocks)  # (blocks, n, m/blocks)
+    out = _per_block(a.expand(blocks, *a.shape), b_blocks)  # (blocks, n, m/blocks)
     return out.transpose(0, 1).reshape(a.shape[0], b.shape[1])
 
 
