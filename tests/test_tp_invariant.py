@@ -381,3 +381,81 @@ def test_the_fixed_tree_sends_one_all_gather_per_split_sum(autocast):
     full = tp * 4 * 8 * 32 * (2 if autocast else 4)  # the gathered (p, b*s, h) buffer
     for records in get_world(tp).run(_own_collectives, autocast):
         assert records == [("forward", "all_gather", full)] * 2 + [("backward", "all_gather", full)], records
+
+
+# ---------------------------------------------------------------------------- RL: trainer, publishing, samplers
+
+
+def _rl_trainer(group, dtype: str, route: str, path: str, options: dict):
+    """The trainer (TP 2): 2 AdamW steps, then the weights published by ``route``: "dense" (dense_state_dict,
+    torch.save on rank 0) or "checkpoint" (tplayers.save_checkpoint)."""
+    import torch.distributed as dist
+
+    with _one_thread():
+        model = tplayers.parallelize(_llama(getattr(torch, dtype)), "auto", group=group, tp_invariant=True, **options)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if route == "dense":
+            state = tplayers.io.dense_state_dict(model)
+            if dist.get_rank() == 0:
+                torch.save(state, path)
+            dist.barrier()
+        else:
+            tplayers.save_checkpoint(model, path)
+        return {n: t.clone() for n, t in dense_parameters(model).items()}
+
+
+def _rl_published(group, dtype: str, route: str, path: str, options: dict):
+    """A model at this group's degree holding the published weights (loaded as users do by each route)."""
+    model = _llama(getattr(torch, dtype))
+    if route == "dense":  # into the dense model, then parallelize
+        model.load_state_dict(torch.load(path, weights_only=True))
+    model = tplayers.parallelize(model, "auto", group=group, tp_invariant=True, **options)
+    if route == "checkpoint":
+        tplayers.load_checkpoint(model, path, group=group)
+    return model.eval()
+
+
+def _rl_sampler(group, dtype: str, route: str, path: str, options: dict, sample: bool):
+    """A sampler: generation from the published weights (prefill, one-token steps), greedy or sampled with one seed."""
+    with _one_thread():
+        model = _rl_published(group, dtype, route, path, options)
+        prompts = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+        torch.manual_seed(5)
+        with torch.no_grad():
+            out = model.generate(prompts, max_new_tokens=8, do_sample=sample, output_scores=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        return out.sequences, torch.stack([_whole(s) for s in out.scores])
+
+
+def _rl_rescore(group, dtype: str, route: str, path: str, options: dict, sequences: torch.Tensor):
+    """The trainer's re-scoring: the sampled tokens' log-probabilities from one full forward."""
+    with _one_thread():
+        model = _rl_published(group, dtype, route, path, options)
+        with torch.no_grad():
+            logits = _whole(model(input_ids=sequences).logits).float()
+        return logits[:, 15:-1].log_softmax(-1).gather(-1, sequences[:, 16:, None])[..., 0]
+
+
+@pytest.mark.parametrize("dtype, route, sample, options", [("float32", "dense", False, {}),
+                                                           ("bfloat16", "checkpoint", True, SP_LP)],
+                         ids=["f32-dense-greedy", "bf16-checkpoint-sampled-sp-lp"])
+def test_rl_trainer_publishes_to_samplers_at_other_degrees_with_the_same_bits(tmp_path, dtype, route, sample, options):
+    """Issue 55's RL loop: a trainer at TP 2 publishes its weights (dense_state_dict + load_state_dict, or
+    save_checkpoint / load_checkpoint); samplers at TP 1 and TP 4 decode the same tokens and scores to the bit; the
+    trainer's re-scoring of the samples at TP 2 equals TP 1's to the bit."""
+    pytest.importorskip("transformers")
+    path = str(tmp_path / ("weights.pt" if route == "dense" else "ckpt"))
+    trained = get_world(2).run(_rl_trainer, dtype, route, path, options)[0]
+    tp1 = _rl_sampler(None, dtype, route, path, options, sample)
+    assert all(torch.equal(p, trained[n]) for n, p in dense_parameters(_rl_published(None, dtype, route, path,
+                                                                                     options)).items())
+    for tokens, scores in get_world(4).run(_rl_sampler, dtype, route, path, options, sample):
+        assert torch.equal(tokens, tp1[0]) and torch.equal(scores, tp1[1])
+    reference = _rl_rescore(None, dtype, route, path, options, tp1[0])
+    for logprobs in get_world(2).run(_rl_rescore, dtype, route, path, options, tp1[0]):
+        assert torch.equal(logprobs, reference)
