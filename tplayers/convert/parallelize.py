@@ -52,7 +52,8 @@ from ..layers.experts import ParallelExperts
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.conv1d import is_conv1d
 from ..layers.from_dense import stand_in
-from ..layers.weight_cast import CAST_ATTR, casts_weight_to_input
+from ..layers.from_dense import casts_weight_to_input
+from ..layers.weight_cast import keep_input_dtype
 from ..layers.outside_reads import refuse_outside_reads
 from ..layers.shared_state import carry_shared_state
 from ..layers.siblings import COLUMN_KINDS, declare_siblings
@@ -126,7 +127,7 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
             msg = str(e)
             raise type(e)(msg if msg.startswith("parallelize:") else f"parallelize: module '{name}' ({pat!r}): {msg}") from None
         if casts and isinstance(built[name].module, TensorParallelModule):
-            setattr(built[name].module, CAST_ATTR, True)
+            keep_input_dtype(built[name].module)
         if built[name].module is not modules[name]:
             replaced.append(name)
     return built

@@ -8,13 +8,48 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..core.blocking import bit_hash, ranks_that_differ
 from .base import TensorParallelModule, class_name
-from .weight_cast import CAST_ATTR, CastingLinear
 
-__all__ = ["dense_linear_init", "new_param", "load_full_params", "reset_linear_params", "linear_to_dense",
+__all__ = ["CAST_ATTR", "CastingLinear", "casts_weight_to_input", "dense_linear_init", "new_param", "load_full_params", "reset_linear_params", "linear_to_dense",
            "own_forward", "computes_linear", "computes_embedding", "stand_in", "check_dense_linear"]
+
+
+CAST_ATTR = "cast_weight_to_input"  # a TP linear computing in its input's dtype (layers/weight_cast.py)
+
+
+class CastingLinear(nn.Linear):
+    """``nn.Linear`` computing in its input's dtype: ``F.linear(x, weight.to(x.dtype), bias.to(x.dtype))``.
+    The dense form of a TP linear with ``cast_weight_to_input`` (``to_dense()``, the audit's twin)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+def casts_weight_to_input(module: nn.Module) -> bool:
+    """Whether ``module`` (a Linear-like module with a forward of its own) casts its weight (and bias) to the
+    input's dtype: probed with a float64 weight and a float32 input, against ``F.linear`` in float32 (its own
+    weights are never read; a forward that fails on the probe does not cast)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or type(module).forward is nn.Linear.forward:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    rows, width = min(weight.shape[0], 8), weight.shape[1]
+    probe = {"weight": torch.randn(rows, width, generator=gen, dtype=torch.float64)}
+    if isinstance(getattr(module, "bias", None), torch.Tensor):
+        probe["bias"] = torch.randn(rows, generator=gen, dtype=torch.float64)
+    x = torch.randn(3, width, generator=gen)  # (n, in), float32
+    want = F.linear(x, probe["weight"].float(), probe["bias"].float() if "bias" in probe else None)
+    try:
+        with torch.no_grad():
+            got = torch.func.functional_call(module, probe, (x,), strict=False)
+    except Exception:  # mixed dtypes refused: it does not cast
+        return False
+    return (isinstance(got, torch.Tensor) and got.dtype == torch.float32 and got.shape == want.shape
+            and torch.allclose(got, want, rtol=1e-5, atol=1e-6))
 
 
 def dense_linear_init(

@@ -26,7 +26,6 @@ from ..core.placement import Part, Placement, Sharded, require_positive
 from .base import TensorParallelModule
 from .from_dense import check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
 from .linear import grad_sinks, refuse_with_invariant
-from .weight_cast import computes_in_input_dtype
 
 __all__ = ["FusedColumnParallelLinear", "ReplicaRun", "with_replica_grads"]
 
@@ -132,7 +131,6 @@ class FusedColumnParallelLinear(TensorParallelModule):
         their replica ranks (one all-reduce per run of `replica_runs`)."""
         return with_replica_grads(t, self.replica_runs(), self.group)
 
-    @computes_in_input_dtype
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_invariant:
             refuse_with_invariant(self)

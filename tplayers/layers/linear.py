@@ -32,7 +32,6 @@ from ..core.wgrad import ReplicatedRows, WeightGradStore
 from ..core.placement import Part, Placement, Replicated, Sharded, require_positive
 from .base import TensorParallelModule
 from .from_dense import check_dense_linear, linear_to_dense, load_full_params, reset_linear_params
-from .weight_cast import computes_in_input_dtype
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "mask_padding", "grad_sinks", "refuse_with_invariant"]
 
@@ -135,7 +134,6 @@ class ColumnParallelLinear(TensorParallelModule):
         """Redraw the full ``nn.Linear`` init and keep this rank's rows."""
         reset_linear_params(self)
 
-    @computes_in_input_dtype
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_invariant:
             refuse_with_invariant(self)
@@ -222,7 +220,6 @@ class RowParallelLinear(TensorParallelModule):
         """Redraw the full ``nn.Linear`` init and keep this rank's columns (and the full bias)."""
         reset_linear_params(self)
 
-    @computes_in_input_dtype
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_invariant:  # (input split: parallelize refuses input_is_parallel=False and uneven splits here)
             refuse_with_invariant(self)

@@ -36,7 +36,6 @@ from ..core.validate import check_index_range
 from .base import TensorParallelModule, class_name
 from .from_dense import dense_linear_init, linear_to_dense, load_full_params, new_param, own_forward
 from .linear import refuse_with_invariant
-from .weight_cast import computes_in_input_dtype
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead", "ScaledEmbedding", "embedding_scale"]
 
@@ -332,7 +331,6 @@ class ParallelLMHead(_VocabParallelBase):
         rows = self.placement  # the bias follows the weight rows, padding included
         return {"weight": rows} if self.bias is None else {"weight": rows, "bias": rows}
 
-    @computes_in_input_dtype
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # padding rows: zero weight and zero bias, so their logits are zero with or without a bias
         if self.tp_invariant:
