@@ -788,3 +788,53 @@ def test_pipeline_stages_save_into_one_checkpoint_and_load_at_another_layout(tmp
     """Issue 57. Before: each rank passing its own stage, the index held stage 0's tensors only: the error came at
     load ('missing from the checkpoint')."""
     assert get_world(2).run(_save_stages_then_load, str(tmp_path / "ck")) == [True, True]
+
+
+def _stage_step(stage, lr=0.1):
+    """One AdamW step of a stage on a loss separable by layer (so any layout's moments equal the whole model's)."""
+    opt = torch.optim.AdamW(stage.parameters(), lr=lr)
+    x = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    sum(layer(x).square().mean() for layer in stage.layers.values()).backward()
+    opt.step()
+    return opt
+
+
+def _moments(stage, opt):
+    by_id = {id(p): n for n, p in stage.named_parameters()}
+    return {f"{by_id[id(p)]}.{k}": v.clone() for p, s in opt.state.items() for k, v in s.items()}
+
+
+def _stages_with_optimizers(group, path):
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    full = _Stages(range(4))
+    stage = _Stages([0, 1] if rank == 0 else [2, 3])
+    stage.load_state_dict({k: v for k, v in full.state_dict().items() if k.split(".")[1] in stage.layers})
+    tplayers.save_checkpoint(stage, path, optimizer=_stage_step(stage))
+    reference = _moments(full, _stage_step(full))  # the whole model, one optimizer, the same step
+    results = []
+    for keep in ([0] if rank == 0 else [1, 2, 3], range(4)):  # another pipeline layout; the whole model on each
+        other = _Stages(keep)
+        opt = torch.optim.AdamW(other.parameters(), lr=0.5)
+        tplayers.load_checkpoint(other, path, optimizer=opt)
+        got = _moments(other, opt)
+        results.append(bool(got) and all(torch.equal(v, reference[k]) for k, v in got.items())
+                       and opt.param_groups[0]["lr"] == 0.1)
+    fewer = _Stages([0, 1] if rank == 0 else [2, 3])  # layer 1 in the model, in no rank's optimizer
+    params = [p for n, p in fewer.named_parameters() if not n.startswith("layers.1.")]
+    try:
+        tplayers.load_checkpoint(fewer, path, optimizer=torch.optim.AdamW(params))
+        results.append("loaded")
+    except tplayers.io.CheckpointError as e:
+        results.append(str(e))
+    return results
+
+
+def test_pipeline_stages_save_their_optimizers_into_one_checkpoint(tmp_path):
+    """Issue 57. Before: save_checkpoint(stage, path, optimizer=...) with each rank its stage's optimizer was
+    refused ("save each stage ... into a path of its own"). Now the ranks' optimizer states are one checkpoint's,
+    resumed at another pipeline layout and whole, moments and hyperparameters; a saved parameter no rank's optimizer
+    holds is named."""
+    for other_layout, whole, fewer in get_world(2).run(_stages_with_optimizers, str(tmp_path / "ck")):
+        assert other_layout is True and whole is True
+        assert "no rank's optimizer holds them" in fewer and "layers.1.weight" in fewer, fewer

@@ -42,7 +42,7 @@ from ..core.groups import collective_device
 from ..core.placement import Sharded
 from .stages import every_ranks_tensors, merged_tensors
 from .publish import agree_token, coord_group, dcp_errors, fsync_dir, on_rank0, quiet, require_same_path, write_json
-from .optim_state import optimizer_entries, optimizer_record, optimizer_targets
+from .optim_state import merged_record, optimizer_entries, optimizer_record, optimizer_targets
 from .unpickle import safe_reader
 from .walk import CheckpointError, Entry, entries, parts_of, refuse_meta, tp_local, writable
 
@@ -152,12 +152,9 @@ def save_checkpoint(model: nn.Module, path: str, *, optimizer: Optional[torch.op
     per_rank = every_ranks_tensors(pg, manifest["tensors"])
     manifest["tensors"] = merged_tensors(per_rank, "save_checkpoint")  # (pipeline stages: every rank's)
     manifest["save_id"] = save_id
-    if optimizer is not None:
-        if any(t != per_rank[0] for t in per_rank):
-            raise CheckpointError("save_checkpoint: the ranks hold different tensors (pipeline stages); an optimizer's "
-                                  "state is saved with one model on every rank: save each stage with its optimizer "
-                                  "into a path of its own (group= the stage's ranks), or use torch's DCP get_state_dict")
-        manifest["optimizer"] = optimizer_record(entries(model), optimizer)
+    if optimizer is not None:  # (pipeline stages: each rank's optimizer its stage's parameters, merged)
+        records = every_ranks_tensors(pg, optimizer_record(entries(model), optimizer))
+        manifest["optimizer"] = merged_record(records, "save_checkpoint")
 
     def publish() -> None:
         manifest["files"] = _file_digests(tmp)
@@ -339,7 +336,7 @@ def load_checkpoint(model: nn.Module, path: str, *, optimizer: Optional[torch.op
     refuse_meta(entries(model), path)
     extra, hand_over = [], None
     if optimizer is not None:
-        extra, hand_over = optimizer_targets(manifest.get("optimizer"), entries(model), optimizer, path)
+        extra, hand_over = optimizer_targets(manifest.get("optimizer"), entries(model), optimizer, path, pg)
     reader = safe_reader(path)
     try:
         metadata = reader.read_metadata()  # refuse a tampered .metadata here, with a clear error, before DCP does

@@ -9,13 +9,15 @@ group (``lr``, ``betas`` ...) and which parameters it holds, by name, go in the 
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
+from .stages import every_ranks_tensors
 from .walk import CheckpointError, Entry
 
-__all__ = ["PREFIX", "optimizer_entries", "optimizer_record", "optimizer_targets"]
+__all__ = ["PREFIX", "merged_record", "optimizer_entries", "optimizer_record", "optimizer_targets"]
 
 PREFIX = "optimizer.state."
 
@@ -100,11 +102,38 @@ def optimizer_record(model_entries: List[Entry], optimizer: torch.optim.Optimize
     return {"class": type(optimizer).__name__, "groups": groups, "state": state}
 
 
+def merged_record(records: List[Dict[str, Any]], caller: str) -> Dict[str, Any]:
+    """Every rank's :func:`optimizer_record` as the checkpoint's one (pipeline stages: each rank's optimizer holds
+    its stage's parameters; TP and data-parallel peers hold the same): one class, the distinct groups, each
+    parameter's state. Ranks holding one parameter must agree on its hyperparameters and state (the same on every
+    rank: every rank merges every rank's)."""
+    classes = sorted({r["class"] for r in records})
+    if len(classes) > 1:
+        raise CheckpointError(f"{caller}: the ranks' optimizers are of different classes {classes}")
+    groups: List[Dict[str, Any]] = []
+    hyper_of: Dict[str, Tuple[str, int]] = {}
+    state: Dict[str, Any] = {}
+    for rank, record in enumerate(records):
+        for group in record["groups"]:
+            if group not in groups:
+                groups.append(group)
+            hyper = json.dumps(group["hyper"], sort_keys=True)
+            for name in group["params"]:
+                if hyper_of.setdefault(name, (hyper, rank))[0] != hyper:
+                    raise CheckpointError(f"{caller}: ranks {hyper_of[name][1]} and {rank} hold '{name}' in optimizer "
+                                          "groups of different hyperparameters")
+        for name, spec in record["state"].items():
+            if state.setdefault(name, spec) != spec:
+                raise CheckpointError(f"{caller}: ranks disagree on the optimizer state of '{name}'")
+    return {"class": classes[0], "groups": groups, "state": state}
+
+
 def optimizer_targets(record: Any, model_entries: List[Entry], optimizer: torch.optim.Optimizer,
-                      path: str) -> Tuple[List[Entry], Callable[[], None]]:
+                      path: str, pg: Any = None) -> Tuple[List[Entry], Callable[[], None]]:
     """(entries to load the saved state into, a function that hands it to the optimizer afterwards).
-    Raises CheckpointError, naming what differs, when the checkpoint holds no optimizer state or
-    another optimizer's (its class, its groups' parameters)."""
+    Raises CheckpointError on every rank of ``pg``, naming what differs, when the checkpoint holds no optimizer state
+    or another optimizer's (its class; a parameter it holds no state for; groups of one parameter saved with other
+    hyperparameters; a parameter saved that no rank's optimizer holds: each rank may hold a pipeline stage's)."""
     if not isinstance(record, dict):
         raise CheckpointError(f"{path}: the checkpoint holds no optimizer state (saved without optimizer=); load "
                               "the model alone, or resume from a checkpoint saved with save_checkpoint(..., optimizer=)")
@@ -113,12 +142,18 @@ def optimizer_targets(record: Any, model_entries: List[Entry], optimizer: torch.
                               f"{type(optimizer).__name__}")
     by_id = _names(model_entries)
     mine = _groups(optimizer, by_id, "load_checkpoint")
-    saved = [g["params"] for g in record["groups"]]
-    if saved != mine:
-        raise CheckpointError(f"{path}: the optimizer's parameter groups differ from the checkpoint's: saved "
-                              f"{[len(g) for g in saved]} parameters per group, this one {[len(g) for g in mine]}"
-                              + (f"; first difference at '{_first_difference(saved, mine)}'" if
-                                 [len(g) for g in saved] == [len(g) for g in mine] else ""))
+    hyper_of = {name: g["hyper"] for g in record["groups"] for name in g["params"]}
+    problem = _groups_problem(mine, hyper_of)
+    verdicts = every_ranks_tensors(pg, {"problem": problem, "held": sorted(n for g in mine for n in g)})
+    bad = next(((r, v["problem"]) for r, v in enumerate(verdicts) if v["problem"]), None)
+    if bad is not None:
+        raise CheckpointError(f"{path}: the optimizer's parameter groups differ from the checkpoint's" +
+                              (f" on rank {bad[0]}" if len(verdicts) > 1 else "") + f": {bad[1]}")
+    unheld = sorted(set(hyper_of) - {n for v in verdicts for n in v["held"]})
+    if unheld:
+        raise CheckpointError(f"{path}: the optimizer's parameter groups differ from the checkpoint's: the state of "
+                              f"{unheld[:4]}{' ...' if len(unheld) > 4 else ''} was saved and no rank's optimizer "
+                              "holds them")
     targets: List[Entry] = []
     state: Dict[int, Dict[str, torch.Tensor]] = {}
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -135,8 +170,8 @@ def optimizer_targets(record: Any, model_entries: List[Entry], optimizer: torch.
     def hand_over() -> None:
         groups = []
         start = 0
-        for group, rec in zip(optimizer.param_groups, record["groups"]):
-            hyper = {k: _restored(v, group.get(k)) for k, v in rec["hyper"].items()}
+        for group, names in zip(optimizer.param_groups, mine):
+            hyper = {k: _restored(v, group.get(k)) for k, v in hyper_of[names[0]].items()} if names else {}
             groups.append({**hyper, "params": list(range(start, start + len(group["params"])))})
             start += len(group["params"])
         optimizer.load_state_dict({"state": state, "param_groups": groups})
@@ -144,9 +179,14 @@ def optimizer_targets(record: Any, model_entries: List[Entry], optimizer: torch.
     return targets, hand_over
 
 
-def _first_difference(saved: List[List[str]], mine: List[List[str]]) -> str:
-    for a, b in zip(saved, mine):
-        for x, y in zip(a, b):
-            if x != y:
-                return f"{x}' saved, '{y}"
-    return "?"
+def _groups_problem(mine: List[List[str]], hyper_of: Dict[str, Any]) -> str:
+    """What keeps this rank's groups (parameter names) from taking the saved state: a parameter the checkpoint holds
+    no state for, or one group's parameters saved with different hyperparameters; '' when nothing."""
+    for i, names in enumerate(mine):
+        missing = [n for n in names if n not in hyper_of]
+        if missing:
+            return f"group {i} holds {missing[:4]}, which the checkpoint's optimizer state does not"
+        other = next((n for n in names if hyper_of[n] != hyper_of[names[0]]), None)
+        if other is not None:
+            return f"group {i} holds '{names[0]}' and '{other}', saved in groups of different hyperparameters"
+    return ""
