@@ -11,7 +11,7 @@ import torch
 import tplayers
 from tplayers.convert.styles import Column, Row
 from tplayers.core.comm import gather_from_sequence
-from tplayers.testing import World, dense_parameters, get_world
+from tplayers.testing import dense_parameters, get_world
 
 STEPS = 5
 
@@ -210,11 +210,11 @@ def test_on_a_gpu_the_hf_models_give_the_same_bits(family, dtype, options):
 def test_eight_ranks_give_the_same_bits():
     """TP 8: one leaf per rank (Llama with SP and loss_parallel in bf16; GPT-2's fused c_attn in float32)."""
     pytest.importorskip("transformers")
-    with World(8) as world:
-        for family, dtype, options in (("llama", "bfloat16", SP_LP), ("gpt2", "float32", {})):
-            tp1 = _train(None, dtype, family, **options)
-            for rank, result in enumerate(world.run(_train, dtype, family, **options)):
-                assert _differences(tp1, result) == [], f"{family}, rank {rank}"
+    world = get_world(8)  # (shared with tests/test_three_d.py)
+    for family, dtype, options in (("llama", "bfloat16", SP_LP), ("gpt2", "float32", {})):
+        tp1 = _train(None, dtype, family, **options)
+        for rank, result in enumerate(world.run(_train, dtype, family, **options)):
+            assert _differences(tp1, result) == [], f"{family}, rank {rank}"
 
 
 class _Block(torch.nn.Module):
