@@ -233,3 +233,45 @@ def test_ranks_that_diverge_are_named_by_their_global_rank_and_host():
     for message, host in results[2:]:
         assert "rank(s) [1]" in message and f"rank 1 = global rank 3 on {host}" in message, message
         assert f"rank 0 = global rank 2 on {host}" in message, message
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(8), nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x):  # (b, s, h) -> (b, s, h)
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def _stage_ending_in_a_row(group):
+    """A pipeline stage's module (a block: norm, column, row; no head), the loss outside it (a schedule's loss_fn);
+    rank 1's targets differ from step 2 on."""
+    torch.manual_seed(0)
+    stage = _Block().double()
+    tplayers.parallelize(stage, {"fc1": "column", "fc2": "row"}, group=group)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    rank = torch.distributed.get_rank()
+    for step in range(3):
+        x, y = (torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step + i))
+                for i in (0, 10))
+        if step >= 1 and rank == 1:
+            y = y + 1  # this rank's own targets
+        try:
+            (stage(x) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        except tplayers.RanksDiverged as e:
+            return step, str(e)
+    return None, "no error"
+
+
+def test_targets_of_a_stage_ending_in_a_row_layer_that_differ_are_caught_at_that_step():
+    """Issue 57, on 8 ranks: a (pp, dp, tp) pipeline whose last stage ends in a row layer (no gathered head), its
+    loss in the schedule's loss_fn, one TP rank given other targets: before, that step trained each shard on its own
+    rank's loss with no error (the stage before got two different gradients; a step later its replicated LayerNorm
+    drifted). Now the last row layer's output gradient (whole on every rank) is digested each backward."""
+    for step, message in get_world(2).run(_stage_ending_in_a_row):
+        assert step == 1, message
+        assert "the gradient of fc2's output" in message and "rank(s) [1]" in message, message
+        assert "same labels / targets" in message, message

@@ -57,8 +57,9 @@ from ..layers.weight_cast import keep_input_dtype
 from ..layers.outside_reads import refuse_outside_reads
 from ..layers.shared_state import carry_shared_state
 from ..layers.siblings import COLUMN_KINDS, declare_siblings
+from ..layers.linear import RowParallelLinear
 from ..layers.same_inputs import (SequenceShardInputs, check_same_inputs, check_same_output_grads, check_same_rng_once,
-                                  has_dropout)
+                                  has_dropout, watch_last_row_output)
 from .attrs import Change, attr_changes
 from .audit import AUDIT_ATTR, Auditor, find_regions
 from .auto import auto_plan
@@ -207,6 +208,9 @@ def _watch_ranks_in_step(model: nn.Module, tp: TPGroup, check_inputs: int, check
         for module in model.modules():  # an output every rank holds whole: its gradient comes from the loss
             if isinstance(module, TensorParallelModule) and getattr(module, "gather_output", False):
                 check_same_output_grads(module, group=tp, every=check_inputs, counting=model)
+        rows = [m for m in model.modules() if isinstance(m, RowParallelLinear) and not m.sequence_parallel]
+        if rows:  # (a stage ending in a row layer, the loss in the schedule: no gathered head to watch)
+            watch_last_row_output(model, rows, group=tp, every=check_inputs)
     if check_consistency and has_dropout(model):
         check_same_rng_once(model, group=tp)  # before the audit's hooks: the audit forks the RNG anyway
     if check_consistency:

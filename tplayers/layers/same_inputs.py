@@ -10,7 +10,7 @@ that hashes every tensor argument and compares the hashes across the TP group.
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -230,7 +230,9 @@ OUTPUT_GRAD_ADVICE = ("Every TP rank must compute the loss on the same labels / 
 
 
 def check_same_output_grads(module: nn.Module, *, group: GroupLike, every: int = 1,
-                            counting: Optional[nn.Module] = None) -> List[RemovableHandle]:
+                            counting: Optional[nn.Module] = None,
+                            watched: Optional[Callable[[], Optional[Tuple[nn.Module, Any]]]] = None
+                            ) -> List[RemovableHandle]:
     """Check, in the backward of the first and then every ``every``-th forward of ``module`` (of
     ``counting``, an enclosing model, when given: every call of ``module`` inside it), that the
     gradient arriving at each of its output tensors is bitwise equal on every rank of the TP group;
@@ -245,16 +247,18 @@ def check_same_output_grads(module: nn.Module, *, group: GroupLike, every: int =
     (:func:`~tplayers.core.carried.carry`): ranks whose losses begin to differ are stopped at that step with
     :class:`~tplayers.RanksDiverged`. ``parallelize`` registers it on every layer that gathers its output,
     counting the model's forwards with its ``check_inputs`` schedule (the audit's extra call of a
-    layer at the first step is then checked too); inside ``torch.compile`` it does not run. Returns
-    the hook handles.
+    layer at the first step is then checked too); inside ``torch.compile`` it does not run. ``watched``: at each
+    forward of ``module``, what to watch instead of its output: ``(the layer that made it, its output)``, or None
+    (:func:`watch_last_row_output`). Returns the hook handles.
     """
     tp = resolve_group(group)
     if every < 1:
         raise ValueError(f"check_same_output_grads: every={every} must be >= 1")
     calls = [0]
+    source = [module]  # the layer whose output is watched (this forward's)
 
     def check(grad: torch.Tensor) -> None:
-        name = module.__dict__.get("_tplayers_path") or type(module).__name__  # its path, once a collective ran
+        name = source[0].__dict__.get("_tplayers_path") or type(source[0]).__name__  # its path, once a collective ran
         hashes = torch.cat([bit_hash(grad), bytes_hash(str(tuple(grad.shape)).encode())])[None]
         differ = ranks_that_differ(hashes, group=tp)  # (p, 1)
         if differ.any():
@@ -272,7 +276,7 @@ def check_same_output_grads(module: nn.Module, *, group: GroupLike, every: int =
     def carry_digest(grad: torch.Tensor) -> None:
         """Between the checks: the gradient's digest rides in this backward's collectives (the head's own input-gradient
         collective comes next), cleared when the backward ends."""
-        name = module.__dict__.get("_tplayers_path") or type(module).__name__
+        name = source[0].__dict__.get("_tplayers_path") or type(source[0]).__name__
         key = (id(module), "output gradient")
         carry(tp.process_group, key, Shared(f"the gradient of {name}'s output (every TP rank holds it whole: it comes "
                                             "from the loss)", ["output gradient"], digests([grad]), OUTPUT_GRAD_ADVICE,
@@ -285,7 +289,11 @@ def check_same_output_grads(module: nn.Module, *, group: GroupLike, every: int =
         if torch.compiler.is_compiling() or tp.size == 1 or in_pipeline_shape_inference():
             return
         carry(tp.process_group, (id(module), "output gradient"), None)  # (a backward that raised left it)
-        if getattr(module, "gather_output", True) is False:  # this call keeps its output split (loss_parallel)
+        picked = (module, out) if watched is None else watched()
+        if picked is None:
+            return
+        source[0], out = picked
+        if getattr(source[0], "gather_output", True) is False:  # this call keeps its output split (loss_parallel)
             return
         scheduled = not (calls[0] - 1) % every
         if not scheduled and not checks_enabled():
@@ -300,3 +308,24 @@ def check_same_output_grads(module: nn.Module, *, group: GroupLike, every: int =
     if counting is not None:
         handles.append(counting.register_forward_pre_hook(count))
     return handles
+
+
+def watch_last_row_output(model: nn.Module, rows: List[nn.Module], *, group: GroupLike, every: int = 1
+                          ) -> List[RemovableHandle]:
+    """:func:`check_same_output_grads` on the output of the last of ``rows`` (row layers without sequence
+    parallelism: outputs every rank holds whole) to run in each forward of ``model``. What follows it is replicated
+    or sums over the group, so its gradient is the same bits on every rank unless the ranks' losses differ: a
+    pipeline stage ending in a row layer with the loss in the schedule's ``loss_fn`` (no gathered head to watch)
+    whose targets differ across TP ranks is stopped at that step. One digest per forward (the last row's), not
+    one per row layer."""
+    last: List[Optional[Tuple[nn.Module, Any]]] = [None]
+
+    def note(module: nn.Module, args: Tuple[Any, ...], out: Any) -> None:
+        last[0] = (module, out)
+
+    def take() -> Optional[Tuple[nn.Module, Any]]:
+        picked, last[0] = last[0], None
+        return picked
+
+    handles = [row.register_forward_hook(note) for row in rows]
+    return handles + check_same_output_grads(model, group=group, every=every, watched=take)
