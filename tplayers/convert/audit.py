@@ -202,9 +202,10 @@ class Auditor:
             self.handles.append(region.module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
             region.added_hooks.setdefault("", set()).add(self.handles[-1].id)
         root = self.root()
-        if self.handles and root is not None:
-            self.handles.append(root.register_forward_pre_hook(self._before_compiled_trace, with_kwargs=True,
-                                                               prepend=True))
+        if self.handles and root is not None:  # (compiler.disable: dynamo starts at the first frame outside torch,
+            # so the hook must be one it runs eagerly; wrapped here, not at import: it imports torch._dynamo)
+            hook = torch.compiler.disable(self._before_compiled_trace)
+            self.handles.append(root.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
             for region in self.regions:
                 if region.name == "":  # (the twin of a whole-model region runs without it)
                     region.added_hooks.setdefault("", set()).add(self.handles[-1].id)
@@ -220,7 +221,6 @@ class Auditor:
         self.skip(self.skipped)
         self.arm()
 
-    @torch.compiler.disable  # (dynamo starts at the first frame outside torch: this hook's, run eagerly)
     def _before_compiled_trace(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         """The root's pre-hook. ``torch.compile(model)`` runs the root's own hooks eagerly and traces from its
         forward, where the regions' first-call hooks cannot run the audit (``fullgraph=True`` would fail on the
