@@ -156,3 +156,14 @@ def test_fullgraph_compile_before_any_eager_forward_is_audited():
     assert get_world(2).run(_compiled_before_any_eager_forward, False, timeout=300) == [True, True]
     for message in get_world(4).run(_compiled_before_any_eager_forward, True, timeout=300):
         assert message.startswith("tplayers audit (plan 'custom', TP 4"), message
+
+
+def test_importing_tplayers_does_not_load_dynamo():
+    """torch._dynamo costs ~0.3 s to import; tplayers loads it only when a compile-aware hook is armed
+    (parallelize with the audit), not at import."""
+    import subprocess
+    import sys
+
+    code = "import sys, tplayers; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
