@@ -124,11 +124,11 @@ def _build(modules: Dict[str, nn.Module], matched: List[Tuple[str, str]], styles
             module = stand_in(module, embedding) or module  # a Linear (an Embedding) in all but name
         try:
             built[name] = style.build(module, ctx)
+            if casts and isinstance(built[name].module, TensorParallelModule):
+                keep_input_dtype(built[name].module)
         except (ValueError, TypeError, AttributeError) as e:
             msg = str(e)
             raise type(e)(msg if msg.startswith("parallelize:") else f"parallelize: module '{name}' ({pat!r}): {msg}") from None
-        if casts and isinstance(built[name].module, TensorParallelModule):
-            keep_input_dtype(built[name].module)
         if built[name].module is not modules[name]:
             replaced.append(name)
     return built
