@@ -183,12 +183,9 @@ def _auto_whole(group, family):
     return sorted(unsplit), round(report.sharded_fraction, 3)
 
 
-# The text parameters "auto" leaves whole, where not none: Qwen3-VL's own plan names only its embedding (see the
-# test below); T5Gemma's names the decoder's self-attention, not its cross-attention
-_UNSPLIT = {"qwen3_vl": [f"model.language_model.layers.*.{m}.weight" for m in (
-                "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
-                "self_attn.q_proj", "self_attn.v_proj")],
-            "t5gemma": [f"model.decoder.layers.*.cross_attn.{m}.weight" for m in ("k_proj", "o_proj", "q_proj",
+# The text parameters "auto" leaves whole, where not none: T5Gemma's plan names the decoder's self-attention, not its
+# cross-attention. (Qwen3-VL's own plan names only its embedding: tplayers adds Qwen3's layers, test below.)
+_UNSPLIT = {"t5gemma": [f"model.decoder.layers.*.cross_attn.{m}.weight" for m in ("k_proj", "o_proj", "q_proj",
                                                                                    "v_proj")]}
 
 
@@ -203,9 +200,12 @@ def test_auto_on_a_vision_language_model_matches_dense(family, tp):
     assert all(r == results[0] for r in results) and results[0][0] == _UNSPLIT.get(family, []), results
 
 
-def test_a_thin_plan_of_a_text_tower_is_said_in_the_coverage_report():
-    """Issue 56: Qwen3-VL's own plan names only the text tower's embedding (and the head): the report says so,
-    naming the tower; Gemma3's (attention and MLP too) says nothing."""
+def test_a_thin_plan_of_a_text_tower_is_said_in_the_coverage_report(monkeypatch):
+    """Issue 56: Qwen3-VL's own plan names only the text tower's embedding (and the head): without tplayers' addition
+    for its tower (hf_additions: Qwen3's layers) the report says so, naming the tower; with it, and Gemma3's (attention
+    and MLP too), it says nothing."""
+    from tplayers.convert.plans.hf_additions import FAMILY_ADDITIONS
+
     T = transformers
     text = dict(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=1, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1]})
@@ -213,6 +213,12 @@ def test_a_thin_plan_of_a_text_tower_is_said_in_the_coverage_report():
                   spatial_merge_size=1, temporal_patch_size=1, deepstack_visual_indexes=[0])
     if not hasattr(T, "Qwen3VLConfig"):
         pytest.skip(f"transformers {T.__version__} has no Qwen3-VL")
+    added = T.Qwen3VLForConditionalGeneration(T.Qwen3VLConfig(text_config=text, vision_config=vision))
+    with pytest.warns(UserWarning, match="covers only part"):  # (its vision tower stays whole)
+        tplayers.parallelize(added, "auto", group=None, audit=False)
+    assert tplayers.coverage(added).notes == []
+    assert type(added.model.language_model.layers[0].self_attn.q_proj).__name__ == "ColumnParallelLinear"
+    monkeypatch.delitem(FAMILY_ADDITIONS, "qwen3_vl_text")
     thin = T.Qwen3VLForConditionalGeneration(T.Qwen3VLConfig(text_config=text, vision_config=vision))
     with pytest.warns(UserWarning, match="covers only part"):
         tplayers.parallelize(thin, "auto", group=None, audit=False)

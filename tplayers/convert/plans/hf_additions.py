@@ -70,6 +70,12 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
     "falcon_h1": {**LLAMA_ATTENTION, "layers.*.feed_forward.gate_proj": "colwise",
                   "layers.*.feed_forward.up_proj": "colwise", "layers.*.feed_forward.down_proj": "rowwise",
                   "layers.*.mamba": MambaMixer()},
+    # Qwen3-VL's text tower: its own plan names only the embedding (18% of a tiny tower split, its layers whole);
+    # its layers are Qwen3's (per-head q / k norms), so Qwen3's plan
+    "qwen3_vl_text": {**LLAMA_ATTENTION, "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                      "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+                      "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+                      "layers.*.mlp.down_proj": "rowwise"},
     # LongCat-Flash's router is an nn.Linear classifier: replicated on purpose
     "longcat_flash": {"layers.*.mlp.router.classifier": "replicate"},
     # Llama 4's router is an nn.Linear(h, experts): replicated on purpose (every rank routes identically)
