@@ -13,7 +13,8 @@ from tplayers.layers.base import model_placements
 from tplayers.testing import dense_parameters, get_world
 
 testing.FORKSERVER_PRELOAD.extend(f"transformers.models.{f}.modeling_{f}" for f in (
-    "gemma3", "paligemma", "mistral3", "llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "t5gemma"))
+    "gemma3", "paligemma", "mistral3", "llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+    "t5gemma"))
 
 V, H = 64, 32
 _VISION = dict(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=1, num_attention_heads=4, image_size=16,
@@ -230,3 +231,33 @@ def test_a_thin_plan_of_a_text_tower_is_said_in_the_coverage_report(monkeypatch)
     with pytest.warns(UserWarning, match="covers only part"):  # (its vision tower stays whole)
         tplayers.parallelize(full, "auto", group=None, audit=False)
     assert tplayers.coverage(full).notes == []
+
+
+def _qwen3_vl_moe(group):
+    """Qwen3-VL-MoE (float32: its experts' grouped GEMM takes no float64), text only: "auto" against dense."""
+    T = transformers
+    torch.manual_seed(0)
+    text = dict(vocab_size=V, hidden_size=H, intermediate_size=2 * H, moe_intermediate_size=H, num_experts=4,
+                num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0})
+    vision = dict(depth=1, hidden_size=H, intermediate_size=2 * H, num_heads=4, out_hidden_size=H, patch_size=8,
+                  spatial_merge_size=1, temporal_patch_size=1, deepstack_visual_indexes=[0])
+    model = T.Qwen3VLMoeForConditionalGeneration(T.Qwen3VLMoeConfig(text_config=text, vision_config=vision))
+    dense = copy.deepcopy(model)
+    ids = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(1))
+    tplayers.parallelize(model, "auto", group=group)
+    out, ref = model(input_ids=ids, labels=ids), dense(input_ids=ids, labels=ids)
+    out.loss.backward(), ref.loss.backward()
+    _close(out.logits, ref.logits, "logits", 1e-5)
+    grads = dense_parameters(model, grads=True)
+    for name, p in dense.named_parameters():
+        if p.grad is not None:
+            _close(grads[name], p.grad, f"grad of {name}", 1e-5)
+    return tplayers.coverage(model).audit.passed
+
+
+@pytest.mark.skipif(not hasattr(transformers, "Qwen3VLMoeConfig"), reason="no Qwen3-VL-MoE in this transformers")
+def test_auto_on_qwen3_vl_moe_sums_its_per_head_norms_gradients():
+    """Its own plan splits the attention but misses the per-head q / k norms: "auto" was refused by the audit
+    (each rank's norm gradient a partial sum). tplayers' addition sums them: equal to dense, every gradient."""
+    assert get_world(2).run(_qwen3_vl_moe) == [True, True]
