@@ -24,6 +24,9 @@ style name through :data:`HF_STYLES`. What we chose where transformers differs:
 - ``mla_kv_a_proj`` (multi-head latent attention) keeps the latent projections whole on every rank
   (:class:`~tplayers.convert.styles_whole.LatentKV`: the shared rotary key's gradient summed), the ``q_a_proj``
   beside it too; DeepSeek-V3's plan, which names no attention, gets DeepSeek-V2's;
+- a per-head q / k norm (one head's width) beside split q / k projections that the family's plan does not name
+  (GLM-4-MoE's, Qwen3-VL-MoE's) has its gradients summed over the group, as the plans that name it say
+  (:func:`~tplayers.convert.heads.per_head_norms`; a norm over the projection's whole width is left to the audit);
 - a composite model without a base plan (a vision-language model) is read through the plan transformers
   composes per instance from its sub-configs (``model._tp_plan``: the text tower's, the head's);
 - a model without a plan of its own (GPT-2, OPT, Falcon) gets tplayers' shipped plan for its
@@ -47,8 +50,8 @@ from ..layers.vocab import embedding_scale
 from .plan import Plan, local_attention_attrs
 from .plans import MODEL_TYPES, PLANS
 from .plans.hf_additions import ADDED_ONCE, FAMILY_ADDITIONS, NO_WHOLE_EXPERTS, ffn_split_from_ep_plan
-from .sequence import PerHeadParams
-from .heads import attention_heads
+from .sequence import PerHeadParams, ReplicateReduceGrad
+from .heads import attention_heads, per_head_norms
 from .hf_styles import EXPERTS_REPLICATED, REPLICATED_EXPERTS, SKIPPED_STYLES, translate_style
 from .styles import Column, KVColumn, is_peft_saved_copies, Replicate, Row, Style
 from .styles_vocab import VocabEmbedding, VocabHead
@@ -287,6 +290,9 @@ def auto_plan(model: nn.Module, experts: str = "ffn") -> AutoPlan:
         if q_a in modules and q_a not in layers:
             layers[q_a] = Replicate()
     _vocab_parallel_ends(model, layers, skipped)
+    for name in per_head_norms(modules, [n for n in layers if n.rpartition(".")[2] in ("q_proj", "k_proj")],
+                               set(layers) | set(skipped)):  # (per-head q / k norms a family's plan does not name)
+        layers[name] = ReplicateReduceGrad()
     attention, by_heads = _cut_by_heads(layers)
     plan = Plan(
         name="auto", layers=layers,
@@ -388,4 +394,5 @@ def _vocab_parallel_ends(model: nn.Module, layers: Dict[str, Union[str, Style]],
             layers[by_id[id(emb)]] = VocabEmbedding()
     if isinstance(inner(head), nn.Linear) and id(head) in by_id:
         layers[by_id[id(head)]] = VocabHead()
+
 

@@ -3,11 +3,11 @@ attribute path (``"config.n_head"``) on a module.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch.nn as nn
 
-__all__ = ["attention_heads", "getattr_path"]
+__all__ = ["attention_heads", "getattr_path", "per_head_norms"]
 
 
 def getattr_path(obj: Any, path: str) -> Any:
@@ -64,3 +64,24 @@ def attention_heads(attn: nn.Module) -> Tuple[Optional[int], int]:
     a KV count is found; neither raises an AttributeError naming where it looked."""
     heads, kv, _ = head_counts(attn)
     return heads, kv
+
+
+_HEAD_NORMS = {"q_proj": ("q_norm", "q_layernorm", "query_layernorm"), "k_proj": ("k_norm", "k_layernorm", "key_layernorm")}
+
+
+def per_head_norms(modules: Dict[str, nn.Module], projections: List[str], taken: Set[str]) -> List[str]:
+    """The per-head q / k norms beside the split q / k ``projections`` that no entry in ``taken`` names (Qwen3-VL-MoE's,
+    MiniMax-M2's plans miss them): a norm whose weight is one head's width acts on this rank's heads, so its gradients
+    must be summed over the group. A norm over its projection's whole width (OLMo2's) is not per head: left alone."""
+    found: List[str] = []
+    for name in projections:
+        parent, kind = name.rpartition(".")[0], name.rpartition(".")[2]
+        width = getattr(modules.get(name), "out_features", None)
+        for child in _HEAD_NORMS.get(kind, ()):
+            norm, path = modules.get(f"{parent}.{child}"), f"{parent}.{child}"
+            if norm is None or path in taken or path in found or not width:
+                continue
+            params = list(norm.parameters(recurse=False))
+            if params and all(p.dim() == 1 and p.numel() < width and width % p.numel() == 0 for p in params):
+                found.append(path)
+    return found

@@ -76,10 +76,6 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
                       "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
                       "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
                       "layers.*.mlp.down_proj": "rowwise"},
-    # Qwen3-VL-MoE's text tower: its plan splits the attention but misses its per-head q / k norms (the audit
-    # refused "auto": each rank's norm gradient a partial sum)
-    "qwen3_vl_moe_text": {"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-                          "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"},
     # LongCat-Flash's router is an nn.Linear classifier: replicated on purpose
     "longcat_flash": {"layers.*.mlp.router.classifier": "replicate"},
     # Llama 4's router is an nn.Linear(h, experts): replicated on purpose (every rank routes identically)
