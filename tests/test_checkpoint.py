@@ -772,12 +772,18 @@ class _Stages(nn.Module):
         self.layers = nn.ModuleDict({str(i): nn.Linear(8, 8, dtype=torch.float64) for i in range(4) if i in keep})
 
 
-def _save_stages_then_load(group, path):
-    rank = torch.distributed.get_rank()
+def _this_ranks_stage():
+    """(the whole model, seed 0; this rank's stage of it: layers 0-1 on rank 0, 2-3 on rank 1)."""
     torch.manual_seed(0)
     full = _Stages(range(4))
-    stage = _Stages([0, 1] if rank == 0 else [2, 3])
+    stage = _Stages([0, 1] if torch.distributed.get_rank() == 0 else [2, 3])
     stage.load_state_dict({k: v for k, v in full.state_dict().items() if k.split(".")[1] in stage.layers})
+    return full, stage
+
+
+def _save_stages_then_load(group, path):
+    rank = torch.distributed.get_rank()
+    full, stage = _this_ranks_stage()
     tplayers.save_checkpoint(stage, path)
     other = _Stages([0] if rank == 0 else [1, 2, 3])  # another pipeline layout, loaded from the same checkpoint
     tplayers.load_checkpoint(other, path)
@@ -806,10 +812,7 @@ def _moments(stage, opt):
 
 def _stages_with_optimizers(group, path):
     rank = torch.distributed.get_rank()
-    torch.manual_seed(0)
-    full = _Stages(range(4))
-    stage = _Stages([0, 1] if rank == 0 else [2, 3])
-    stage.load_state_dict({k: v for k, v in full.state_dict().items() if k.split(".")[1] in stage.layers})
+    full, stage = _this_ranks_stage()
     tplayers.save_checkpoint(stage, path, optimizer=_stage_step(stage))
     reference = _moments(full, _stage_step(full))  # the whole model, one optimizer, the same step
     results = []
