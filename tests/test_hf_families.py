@@ -78,6 +78,9 @@ FAMILIES = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {"head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "use_qk_norm": True, "first_k_dense_replace": 1, "n_group": 1,
                  "topk_group": 1, **MOE}),
+    # Cohere with q / k norms (Command R+): a weight row per head, (heads, head_dim) / (kv_heads, head_dim); each rank
+    # reads its heads' rows (at TP 4 the KV heads' replicated). Before: the audit refused "auto" (a shape error)
+    "cohere_qk_norm": ("CohereConfig", "CohereForCausalLM", {"use_qk_norm": True}),
     # attentions that keep num_key_value_heads / num_heads attributes of their own: 8 heads, 2 KV heads, so
     # TP 4 replicates each KV head on two ranks and the attributes must follow the local heads
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"num_attention_heads": 8}),
@@ -174,6 +177,7 @@ FLOAT32_NORM_FAMILIES = {"qwen3": 1e-5, "gemma3": 1e-5, "qwen3_moe": 1e-5, "aper
                          "longcat_flash": 1e-5, "mimo_v2_flash": 1e-6, "afmoe": 1e-5,  # (float32 router: 1.4e-6, TP 4)
                          "hunyuan_v1_moe": 1e-6,  # (float32 routing weights: 4.4e-8, TP 4)
                          "glm4_moe": 1e-6,  # (float32 router: 8.6e-8 relative, TP 4)
+                         "cohere_qk_norm": 1e-6,  # (its LayerNorms in float32: 7.7e-8 relative, TP 4)
                          "nemotron_h": 1e-5,  # (float32 router, Mamba and logits: measured 8e-8 relative, TP 2)
                          "granitemoehybrid": 1e-5, "bamba": 1e-5, "jamba": 1e-6, "falcon_h1": 1e-5}  # (Mamba's scan and gated norm in float32, summed over ranks)
 

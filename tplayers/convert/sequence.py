@@ -163,22 +163,30 @@ class PerHeadParams:
     during the attention's forward as this rank's heads' values, cut as ``Column(heads=True)`` cuts
     ``q_proj`` (padded with zeros where heads do not divide the TP degree). Each rank's gradient covers its
     heads only, so the gradients are summed over the group (with the call's other partial gradients: one
-    all-reduce per forward). The head counts come from the attention (``attention_heads``)."""
+    all-reduce per forward). The head counts come from the attention (``attention_heads``), or from its parent for a
+    module inside it (Cohere's q / k norms: weights ``(heads, head_dim)``). ``kv``: one value per KV head, cut as
+    ``KVColumn`` cuts k_proj (replicas where fewer KV heads than ranks)."""
 
     names: Tuple[str, ...]
+    kv: bool = False
 
     def build(self, module: nn.Module, ctx: BuildContext) -> Built:
-        heads, kv_heads = attention_heads(module)
+        try:
+            heads, kv_heads = attention_heads(module)
+        except AttributeError:  # (a module inside the attention: its parent keeps the counts)
+            heads, kv_heads = attention_heads(ctx.parent) if ctx.parent is not None else (None, None)
         if heads is None:
             raise ValueError(f"parallelize: module '{ctx.name}' (PerHeadParams): the attention's query heads are not "
                              "known (config.num_attention_heads)")
+        count, what = (kv_heads or heads, "KV head") if self.kv else (heads, "query head")
         for name in self.names:
             p = module._parameters.get(name)
-            if p is None or p.dim() < 1 or p.shape[0] != heads:
+            if p is None or p.dim() < 1 or p.shape[0] != count:
                 raise ValueError(f"parallelize: module '{ctx.name}' (PerHeadParams): parameter '{name}' must have "
-                                 f"one value per query head along dim 0 ({heads}), got "
+                                 f"one value per {what} along dim 0 ({count}), got "
                                  f"{None if p is None else tuple(p.shape)}")
-        placement = Sharded(0, (head_parts(heads, kv_heads, 1, ctx.group.size, ctx.name)[0],))
+        part = head_parts(heads, kv_heads, 1, ctx.group.size, ctx.name)[1 if self.kv else 0]
+        placement = Sharded(0, (part,))
 
         def finish() -> None:
             tp = ctx.group

@@ -76,6 +76,10 @@ FAMILY_ADDITIONS: Dict[str, Dict[str, Union[str, Style]]] = {
                       "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
                       "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
                       "layers.*.mlp.down_proj": "rowwise"},
+    # Cohere (Command R+, use_qk_norm): its q / k norms hold one weight row per head, (heads, head_dim) and
+    # (kv_heads, head_dim), applied to the heads q_proj / k_proj split: each rank reads its heads' rows
+    "cohere": {"layers.*.self_attn.q_norm": PerHeadParams(("weight",)),
+               "layers.*.self_attn.k_norm": PerHeadParams(("weight",), kv=True)},
     # LongCat-Flash's router is an nn.Linear classifier: replicated on purpose
     "longcat_flash": {"layers.*.mlp.router.classifier": "replicate"},
     # Llama 4's router is an nn.Linear(h, experts): replicated on purpose (every rank routes identically)
