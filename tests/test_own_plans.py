@@ -763,31 +763,36 @@ class WholeWidthQKNorm(GQAAttention):
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
-class WholeWidthModel(nn.Module):
-    def __init__(self, vocab=50, dim=32):
+class OneAttentionLM(nn.Module):
+    """An embedding, one attention of the given class (with a residual) and a head."""
+
+    def __init__(self, attention, vocab=50, dim=32):
         super().__init__()
-        self.emb, self.attn, self.out = nn.Embedding(vocab, dim), WholeWidthQKNorm(dim), nn.Linear(dim, vocab)
+        self.emb, self.attn, self.out = nn.Embedding(vocab, dim), attention(dim), nn.Linear(dim, vocab)
 
     def forward(self, ids):
         x = self.emb(ids)
         return self.out(x + self.attn(x))
 
 
-def _whole_width_norm_as_replicated(group):
+def _audit_refusal(group, attention, plan):
+    """The AuditError an ``OneAttentionLM(attention)`` gets under ``plan`` (None when it passes)."""
     torch.manual_seed(0)
-    plan = {"attn.wq": "column", "attn.wk": "column", "attn.wv": "column", "attn.wo": "row",
-            "attn.q_norm": "replicate_reduce_grad", "attn.k_norm": "replicate_reduce_grad"}
     try:
-        _matches_dense(group, WholeWidthModel, plan)
+        _matches_dense(group, lambda: OneAttentionLM(attention), plan)
     except tplayers.AuditError as e:
         return str(e)
     return None
 
 
+WHOLE_WIDTH_AS_REPLICATED = {"attn.wq": "column", "attn.wk": "column", "attn.wv": "column", "attn.wo": "row",
+                             "attn.q_norm": "replicate_reduce_grad", "attn.k_norm": "replicate_reduce_grad"}
+
+
 def test_a_whole_width_norm_marked_replicate_reduce_grad_is_named():
     """Issue 54: a q/k norm over all heads' features (OLMo-2), marked 'replicate_reduce_grad': the verdict listed
     widths; the norm whose weight is the projection's whole width is named first."""
-    for message in get_world(2).run(_whole_width_norm_as_replicated):
+    for message in get_world(2).run(_audit_refusal, WholeWidthQKNorm, WHOLE_WIDTH_AS_REPLICATED):
         assert message is not None, message
         first = message.split("likely cause")[1].split("\n")[1]
         assert "'q_norm'" in first and "whole width" in first, message
@@ -861,30 +866,13 @@ class LatentAttention(nn.Module):
         return self.wo(y[..., :self.head_dim].transpose(1, 2).reshape(b, s, -1))
 
 
-class LatentModel(nn.Module):
-    def __init__(self, vocab=50, dim=32):
-        super().__init__()
-        self.emb, self.attn, self.out = nn.Embedding(vocab, dim), LatentAttention(dim), nn.Linear(dim, vocab)
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        return self.out(x + self.attn(x))
-
-
-def _latent_down_projection_as_column(group):
-    torch.manual_seed(0)
-    plan = {"attn.wq": "column", "attn.wkv_a": "column", "attn.wkv_b": "column", "attn.wo": "row"}
-    try:
-        _matches_dense(group, LatentModel, plan)
-    except tplayers.AuditError as e:
-        return str(e)
-    return None
+LATENT_DOWN_AS_COLUMN = {"attn.wq": "column", "attn.wkv_a": "column", "attn.wkv_b": "column", "attn.wo": "row"}
 
 
 def test_a_down_projection_split_as_a_column_is_named():
     """Issue 56: DeepSeek's wkv_a (latent + rotary key, split by sizes) given 'column': the verdict showed the raw
     split_with_sizes error and generic MLA hints; the column whose whole output the forward splits is named."""
-    for message in get_world(2).run(_latent_down_projection_as_column):
+    for message in get_world(2).run(_audit_refusal, LatentAttention, LATENT_DOWN_AS_COLUMN):
         assert message is not None, message
         first = message.split("likely cause")[1].split("\n")[1]
         assert "'wkv_a'" in first and "whole" in first, message

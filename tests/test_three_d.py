@@ -3,26 +3,17 @@
 audited, FSDP2 over dp (each block, then the stage), `PipelineStage` over pp, GPipe or 1F1B with 4 microbatches, AdamW; saved into one checkpoint with every
 stage's optimizer, resumed at (pp 2, dp 1, tp 4), trained on: equal to the dense model trained on the global batch.
 One persistent 8-rank world (tests/test_tp_invariant.py's eight-rank test shares it)."""
-import copy
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import tplayers
 from tplayers.testing import get_world
 
-HIDDEN, LAYERS, BATCH, MICRO, STEPS, RESUMED = 8, 4, 8, 4, 3, 2
+from test_state_views import HIDDEN, _Block as Block  # (a pre-norm MLP block, hidden 8)
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.fc1, self.fc2 = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, h)
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+LAYERS, BATCH, MICRO, STEPS, RESUMED = 4, 8, 4, 3, 2
 
 
 class Model(nn.Module):

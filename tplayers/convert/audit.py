@@ -49,7 +49,7 @@ from ..core.groups import TPGroup
 from ..layers.base import model_placements
 from ..layers.same_inputs import in_pipeline_shape_inference
 from .audit_region import AuditError, Region, RegionAudit, check_region
-from .twin import Kept, within
+from .twin import Kept, forked_rng, within
 
 __all__ = ["AuditReport", "Auditor", "audit", "find_regions", "AUDIT_ATTR"]
 
@@ -234,10 +234,9 @@ class Auditor:
         self._audit_eagerly(model, args, kwargs)
 
     def _audit_eagerly(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         self.eager_pass = True
         try:
-            with Kept(model), torch.random.fork_rng(devices=devices):
+            with Kept(model), forked_rng():
                 model(*args, **kwargs)  # (its output and graph dropped)
         finally:
             self.eager_pass = False

@@ -394,5 +394,3 @@ def _vocab_parallel_ends(model: nn.Module, layers: Dict[str, Union[str, Style]],
             layers[by_id[id(emb)]] = VocabEmbedding()
     if isinstance(inner(head), nn.Linear) and id(head) in by_id:
         layers[by_id[id(head)]] = VocabHead()
-
-

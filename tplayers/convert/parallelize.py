@@ -51,8 +51,7 @@ from ..layers.base import TensorParallelModule, carry_attributes, carry_hooks
 from ..layers.experts import ParallelExperts
 from ..layers.fused import FusedColumnParallelLinear
 from ..layers.conv1d import is_conv1d
-from ..layers.from_dense import stand_in
-from ..layers.from_dense import casts_weight_to_input
+from ..layers.from_dense import casts_weight_to_input, stand_in
 from ..layers.weight_cast import keep_input_dtype
 from ..layers.outside_reads import refuse_outside_reads
 from ..layers.shared_state import carry_shared_state

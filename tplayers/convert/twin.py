@@ -21,7 +21,7 @@ from ..core.groups import TPGroup
 from ..layers.base import CARRIED_ATTR, PLACEMENTS_ATTR, TensorParallelModule, carry_attributes, carry_hooks
 from .invariant import LEAF_FORWARD, declare_twins_alike, leaves_at_tp1, tp1_twin
 
-__all__ = ["within", "float32_copy", "copy_inputs", "gather_first", "first_float", "Quiet", "Kept", "run_region",
+__all__ = ["within", "forked_rng", "float32_copy", "copy_inputs", "gather_first", "first_float", "Quiet", "Kept", "run_region",
            "random_like",
            "dense_twin", "relative_error", "scale_of"]
 
@@ -98,6 +98,13 @@ def first_float(tree: Any) -> Optional[torch.Tensor]:
     return next((t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
 
 
+def forked_rng() -> Any:
+    """``torch.random.fork_rng`` over the CPU generator and, once CUDA is in use, the current device's: the random
+    stream as it was after the block."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return torch.random.fork_rng(devices=devices)
+
+
 class Quiet:
     """Eval mode, no delayed weight gradients or main_grad accumulation, a forked RNG, autocast off:
     the audit's runs leave the model, its buffers and the training's random stream as they were."""
@@ -115,8 +122,7 @@ class Quiet:
                         self.saved.append((m, attr, getattr(m, attr)))
                         setattr(m, attr, False)
                 m.training = False
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        self.rng = torch.random.fork_rng(devices=devices)
+        self.rng = forked_rng()
         self.rng.__enter__()
         self.grad = torch.enable_grad()
         self.grad.__enter__()

@@ -40,7 +40,7 @@ from ..core.blocking import all_gather_tensor, gather_placed
 from ..core.dtensors import shard_dtensor
 from ..core.groups import collective_device
 from ..core.placement import Sharded
-from .stages import every_ranks_tensors, merged_tensors
+from .stages import every_ranks, merged_tensors
 from .publish import agree_token, coord_group, dcp_errors, fsync_dir, on_rank0, quiet, require_same_path, write_json
 from .optim_state import merged_record, optimizer_entries, optimizer_record, optimizer_targets
 from .unpickle import safe_reader
@@ -149,11 +149,11 @@ def save_checkpoint(model: nn.Module, path: str, *, optimizer: Optional[torch.op
     state, _ = _dcp_state(model, for_save=True, extra=extra)
     state[f"{SAVE_ID}rank{rank}"] = _id_tensor(save_id, rank)  # only this rank holds the key: it lands in its file
     manifest = _manifest(model)
-    per_rank = every_ranks_tensors(pg, manifest["tensors"])
+    per_rank = every_ranks(pg, manifest["tensors"])
     manifest["tensors"] = merged_tensors(per_rank, "save_checkpoint")  # (pipeline stages: every rank's)
     manifest["save_id"] = save_id
     if optimizer is not None:  # (pipeline stages: each rank's optimizer its stage's parameters, merged)
-        records = every_ranks_tensors(pg, optimizer_record(entries(model), optimizer))
+        records = every_ranks(pg, optimizer_record(entries(model), optimizer))
         manifest["optimizer"] = merged_record(records, "save_checkpoint")
 
     def publish() -> None:
@@ -294,7 +294,7 @@ def _check_against(manifest: Dict[str, Any], model: nn.Module, path: str, pg: An
     """The model's tensors against the checkpoint's, every rank's together (each may hold a pipeline stage): the same
     error on every rank."""
     saved = manifest["tensors"]
-    per_rank = every_ranks_tensors(pg, _manifest(model)["tensors"])
+    per_rank = every_ranks(pg, _manifest(model)["tensors"])
     held = merged_tensors(per_rank, "load_checkpoint")
     missing = sorted(set(held) - set(saved))
     unexpected = sorted(set(saved) - set(held))

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from .stages import every_ranks_tensors
+from .stages import every_ranks
 from .walk import CheckpointError, Entry
 
 __all__ = ["PREFIX", "merged_record", "optimizer_entries", "optimizer_record", "optimizer_targets"]
@@ -144,7 +144,7 @@ def optimizer_targets(record: Any, model_entries: List[Entry], optimizer: torch.
     mine = _groups(optimizer, by_id, "load_checkpoint")
     hyper_of = {name: g["hyper"] for g in record["groups"] for name in g["params"]}
     problem = _groups_problem(mine, hyper_of)
-    verdicts = every_ranks_tensors(pg, {"problem": problem, "held": sorted(n for g in mine for n in g)})
+    verdicts = every_ranks(pg, {"problem": problem, "held": sorted(n for g in mine for n in g)})
     bad = next(((r, v["problem"]) for r, v in enumerate(verdicts) if v["problem"]), None)
     if bad is not None:
         raise CheckpointError(f"{path}: the optimizer's parameter groups differ from the checkpoint's" +

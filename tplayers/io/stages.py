@@ -17,14 +17,15 @@ import torch.distributed as dist
 from ..core.fingerprint import exchange_text
 from .walk import CheckpointError
 
-__all__ = ["every_ranks_tensors", "merged_tensors"]
+__all__ = ["every_ranks", "merged_tensors"]
 
 
-def every_ranks_tensors(pg: Any, tensors: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Every rank's ``{name: record}`` (its manifest's tensors), in rank order (one exchange of their JSON)."""
+def every_ranks(pg: Any, value: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every rank's ``value`` (a JSON-able dict: its manifest's tensors, its optimizer's record, a verdict), in rank
+    order (one exchange of their JSON)."""
     if pg is None:
-        return [tensors]
-    texts = exchange_text(json.dumps(tensors), pg, dist.get_world_size(pg), limit=None)  # (in the model's order)
+        return [value]
+    texts = exchange_text(json.dumps(value), pg, dist.get_world_size(pg), limit=None)  # (dicts keep their order)
     return [json.loads(t) for t in texts]
 
 

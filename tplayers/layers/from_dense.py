@@ -36,20 +36,8 @@ def casts_weight_to_input(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or type(module).forward is nn.Linear.forward:
         return False
-    gen = torch.Generator().manual_seed(0)
-    rows, width = min(weight.shape[0], 8), weight.shape[1]
-    probe = {"weight": torch.randn(rows, width, generator=gen, dtype=torch.float64)}
-    if isinstance(getattr(module, "bias", None), torch.Tensor):
-        probe["bias"] = torch.randn(rows, generator=gen, dtype=torch.float64)
-    x = torch.randn(3, width, generator=gen)  # (n, in), float32
-    want = F.linear(x, probe["weight"].float(), probe["bias"].float() if "bias" in probe else None)
-    try:
-        with torch.no_grad():
-            got = torch.func.functional_call(module, probe, (x,), strict=False)
-    except Exception:  # mixed dtypes refused: it does not cast
-        return False
-    return (isinstance(got, torch.Tensor) and got.dtype == torch.float32 and got.shape == want.shape
-            and torch.allclose(got, want, rtol=1e-5, atol=1e-6))
+    probe, x, want = _linear_probe(module, torch.float32)  # (mixed dtypes refused on the probe: it does not cast)
+    return _probe_matches(module, probe, x, want, rtol=1e-5, atol=1e-6)
 
 
 def dense_linear_init(
@@ -139,14 +127,21 @@ def computes_linear(linear: nn.Module) -> bool:
     probed in float64 with a small random weight of the same input width (the module's own weights are never
     copied), against ``F.linear``. Anything else (a scale, a quantized kernel, a forward that fails on the probe)
     is not."""
+    return _probe_matches(linear, *_linear_probe(linear, torch.float64))
+
+
+def _linear_probe(linear: nn.Module, x_dtype: torch.dtype) -> Tuple[Dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(a small random float64 weight (and bias) of ``linear``'s input width, an input ``(3, in)`` of ``x_dtype``,
+    ``F.linear`` of them in ``x_dtype``): what :func:`computes_linear` and :func:`casts_weight_to_input` compare
+    the module's forward with."""
     gen = torch.Generator().manual_seed(0)
     width, rows = linear.weight.shape[1], min(linear.weight.shape[0], 8)
     probe = {"weight": torch.randn(rows, width, generator=gen, dtype=torch.float64)}
     if getattr(linear, "bias", None) is not None:
         probe["bias"] = torch.randn(rows, generator=gen, dtype=torch.float64)
-    x = torch.randn(3, width, generator=gen, dtype=torch.float64)  # (n, in)
-    want = torch.nn.functional.linear(x, probe["weight"], probe.get("bias"))
-    return _probe_matches(linear, probe, x, want)
+    x = torch.randn(3, width, generator=gen, dtype=x_dtype)  # (n, in)
+    bias = probe["bias"].to(x_dtype) if "bias" in probe else None
+    return probe, x, F.linear(x, probe["weight"].to(x_dtype), bias)
 
 
 def computes_embedding(embedding: nn.Module) -> bool:
@@ -159,13 +154,15 @@ def computes_embedding(embedding: nn.Module) -> bool:
     return _probe_matches(embedding, probe, ids, torch.nn.functional.embedding(ids, probe["weight"]))
 
 
-def _probe_matches(module: nn.Module, probe: Dict[str, torch.Tensor], x: torch.Tensor, want: torch.Tensor) -> bool:
+def _probe_matches(module: nn.Module, probe: Dict[str, torch.Tensor], x: torch.Tensor, want: torch.Tensor,
+                   rtol: float = 1e-12, atol: float = 1e-12) -> bool:
     try:
         with torch.no_grad():
             got = torch.func.functional_call(module, probe, (x,), strict=False)
     except Exception:  # a kernel that cannot run on the probe is not plain linear
         return False
-    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    return (isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+            and torch.allclose(got, want, rtol=rtol, atol=atol))
 
 
 def stand_in(module: nn.Module, embedding: bool) -> Optional[nn.Module]:

@@ -21,7 +21,6 @@ from typing import Any, Dict
 import torch
 import torch.nn as nn
 
-from .from_dense import CAST_ATTR
 from .fused import FusedColumnParallelLinear
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .vocab import ParallelLMHead
@@ -36,7 +35,7 @@ class _InInputDtype:
     """The TP layer's forward in its input's dtype (autocast off; under an outer autocast the dense forward
     computes in autocast's dtype too, as the layer does)."""
 
-    cast_weight_to_input = True
+    cast_weight_to_input = True  # (from_dense.CAST_ATTR: to_dense gives a CastingLinear)
     weight: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,8 +76,6 @@ def keep_input_dtype(layer: nn.Module) -> Any:
     class that keeps that cast; a layer of another class is refused (it would drop it)."""
     cls = _CLASSES.get(type(layer))
     if cls is None:
-        if getattr(layer, CAST_ATTR, False):
-            return layer
         raise TypeError(f"{type(layer).__name__}: the Linear it replaces casts its weight to the input's dtype in "
                         "forward; this layer class cannot keep that (column, row, fused and LM head layers can)")
     layer.__class__ = cls
