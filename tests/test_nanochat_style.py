@@ -178,3 +178,33 @@ def _twin_cache(group):
 def test_the_dense_twin_reads_a_kv_cut_cache_whole():
     """The audit's twin rebuilds a cache cut by KV heads with replicas from each head's first holder."""
     assert get_world(4).run(_twin_cache) == [True] * 4
+
+
+def _column_embedding(group, num, kv_heads, head_dim, seed):
+    """ColumnParallelEmbedding against nn.Embedding: this rank's columns of the lookup, and the table's gradient
+    when each KV head's holders share its output gradient (their sum the dense one, as attention's query heads do)."""
+    from tplayers.core.head_layout import kv_part
+    from tplayers.core.groups import resolve_group
+
+    g = resolve_group(group)
+    torch.manual_seed(seed)
+    dense = nn.Embedding(num, kv_heads * head_dim).double()
+    split = kv_part(kv_heads, head_dim, g.size)
+    tp = tplayers.ColumnParallelEmbedding.from_dense(dense, group=group, split=split)
+    ids = torch.randint(0, num, (2, 5), generator=torch.Generator().manual_seed(seed))
+    grad = torch.randn(2, 5, kv_heads * head_dim, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    piece, holders = split.piece_index(g.rank, g.size), split.holder_counts(g.size)[split.piece_index(g.rank, g.size)]
+    cols = slice(piece * split.local_size, (piece + 1) * split.local_size)
+    out, ref = tp(ids), dense(ids)
+    (out * grad[..., cols] / holders).sum().backward()
+    (ref * grad).sum().backward()
+    got = tplayers.testing.dense_parameters(tp, grads=True)["weight"]
+    return float((out - ref[..., cols]).abs().max()), float((got - dense.weight.grad).abs().max())
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("num, kv_heads, head_dim, seed", [(11, 4, 3, 0), (7, 2, 5, 1), (16, 8, 2, 2)])
+def test_column_parallel_embedding_matches_dense(tp, num, kv_heads, head_dim, seed):
+    """Output and the table's gradient at TP 1, 2 and 4, KV heads split or (2 heads at TP 4) replicated."""
+    for out_err, grad_err in get_world(tp).run(_column_embedding, num, kv_heads, head_dim, seed):
+        assert out_err == 0.0 and grad_err < 1e-12, (out_err, grad_err)
