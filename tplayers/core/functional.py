@@ -53,7 +53,7 @@ from .graph import column_graph_grads, differentiable_grads, graph_inputs, row_g
 from .groups import GroupLike, TPGroup, refuse_replicating_wrapper, resolve_group
 from .ring import ring_gather_linear, ring_linear_scatter
 from .seq_order import (column_backward_rank_major, column_grad_order, gather_sequence, gathered_linear,
-                        row_backward_rank_major, row_forward_rank_major)
+                        in_sequence_shape, rank_major_view, row_backward_rank_major, row_forward_rank_major)
 from .siblings import Siblings, joins_siblings
 from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, linear_wgrads
 
@@ -155,11 +155,14 @@ class _SetEntry(torch.autograd.Function):
                 lambda t: copy_to_tp(t, group=call.g))
             grad = None if grad_x is None else differentiable_grads(f, ctx.saved_tensors, (True,), grad_x)[0]
             return (None, grad, *grad_views)
-        reducing = None if grad_x is None else sum_partials(grad_x.contiguous(), call.g, call.sp, async_op=call.overlap)
+        if grad_x is not None:  # (rank-major: the members' partials are in that order, seq_order.rank_major_view)
+            grad_x = rank_major_view(grad_x, call.g.size) if call.rank_major else grad_x.contiguous()
+        reducing = None if grad_x is None else sum_partials(grad_x, call.g, call.sp, async_op=call.overlap,
+                                                            rank_major=call.rank_major)
         grads = list(grad_views)
         if box["left"]:
             (x,) = ctx.saved_tensors
-            x_full = (box["gather"] or all_gather(x, SEQ_DIM, call.g)).wait() if call.sp else x
+            x_full = (box["gather"] or gather_sequence(x, call.g, call.rank_major)).wait() if call.sp else x
             for i, grad_out, main in box["left"]:  # every member's weight-gradient GEMM under the collective
                 grad_w = linear_wgrads(grad_out, x_full, True, False, main, call.g)[0]
                 if grad_w is not None:
@@ -193,7 +196,11 @@ class _SetMemberFn(torch.autograd.Function):
             return (*differentiable_grads(F.linear, inputs, ctx.needs_input_grad[:3], grad_out), None, None, None, None)
         if need_w and call.sp and (sink is None or sink.now):  # SP: the gather of x (once), under the GEMMs to come
             x = call.gathered_input(x, call.overlap)
-        grad_x = grad_out @ weight if need_x else None  # (..., s, in): its partial sum, summed at the entry
+        if call.rank_major:  # SP: the set's GEMMs in rank-major token order; the partial handed on in that order
+            grad_out = to_rank_major(grad_out, call.g.size)  # (p, ..., s/p, out/p): the one reorder
+            grad_x = in_sequence_shape(grad_out @ weight) if need_x else None
+        else:
+            grad_x = grad_out @ weight if need_x else None  # (..., s, in): its partial sum, summed at the entry
         if need_w and ctx.index is not None:  # the entry runs its GEMM under the set's collective
             call.leave(ctx.index, grad_out, None if sink is None else sink.main)
             need_w = False
@@ -213,6 +220,8 @@ def _set_member(call, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if x.is_cuda:
         warn_cuda_connections_once(x, g, overlap_comm)
     sink = _sink(g, store, main_grads, weight_in, bias, "column_parallel_linear", call.sp)
+    if sink is not None:  # (a recorded weight gradient gathers the input in the order of the set's gradients)
+        sink.rank_major = call.rank_major
     return _SetMemberFn.apply(call.token, weight_in, bias, call, sink, index, x)
 
 

@@ -290,7 +290,7 @@ def invariant_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
         check_invariant(g.size, "invariant_column_linear", n * g.size)
     if not joins_siblings(siblings, x, g, collective_matmul=False, invariant=True):
         return _InvariantColumnFn.apply(x, weight, bias, g, sequence_parallel, parts)
-    call, x = siblings.join(x, g, weight, sequence_parallel, dtype=None)  # (no autocast cast here)
+    call, x = siblings.join(x, g, weight, sequence_parallel, dtype=None, may_reorder=False)  # (no autocast cast)
     if call.token is None:  # the call's first member: its entry
         call.enter(_InvariantEntry.apply(call, x), overlap=False, taken=())
     return _InvariantColumnFn.apply(call.token, weight, bias, g, sequence_parallel, parts, call, call.views[0],

@@ -35,8 +35,22 @@ import torch.nn.functional as F
 from .collectives import SEQ_DIM, Pending, all_gather, from_rank_major, gather_rank_major, to_rank_major
 from .groups import TPGroup
 
-__all__ = ["column_forward_rank_major", "column_backward_rank_major", "row_forward_rank_major",
-           "row_backward_rank_major", "gather_sequence", "to_order", "to_sequence", "gathered_linear", "column_grad_order"]
+__all__ = ["rank_major_view", "in_sequence_shape", "column_forward_rank_major", "column_backward_rank_major",
+           "row_forward_rank_major", "row_backward_rank_major", "gather_sequence", "to_order", "to_sequence",
+           "gathered_linear", "column_grad_order"]
+
+
+def rank_major_view(t: torch.Tensor, p: int) -> torch.Tensor:
+    """A tensor of a sequence's shape ``(..., s, f)`` whose elements are in rank-major order (the result of
+    :func:`in_sequence_shape`, or a gradient autograd computed for one) as ``(p, ..., s/p, f)``: no copy when
+    contiguous."""
+    return t.reshape((p,) + tuple(t.shape[:-2]) + (t.shape[-2] // p, t.shape[-1]))
+
+
+def in_sequence_shape(t: torch.Tensor) -> torch.Tensor:
+    """Rank-major ``(p, ..., s/p, f)`` given the sequence's shape ``(..., s, f)`` without reordering (a view): for a
+    tensor whose every consumer takes the same order (a set's partial input gradient, only autograd sees it)."""
+    return t.reshape(tuple(t.shape[1:-2]) + (t.shape[0] * t.shape[-2], t.shape[-1]))
 
 
 def column_forward_rank_major(weight: torch.Tensor) -> bool:

@@ -41,6 +41,13 @@ gradient into it, as Megatron's layout does, instead of all-reducing a whole-seq
 keeping the gathered input alive. Whatever else reads the gathered tensor gets its ordinary (complete)
 gradient, split back to the shard.
 
+Under sequence parallelism with a batch (b > 1) the sequence's order interleaves the ranks' chunks with the batch,
+so re-gathering the input for the weight gradients and reduce-scattering the summed input gradient each copied the
+whole input. A set whose members are narrower together than twice its input (q/k/v, gate/up at TP 8) runs its
+backward in the collectives' own rank-major order instead (:mod:`.seq_order`): each member reorders its output
+gradient, hands the entry its partial in that order (a gradient only the entry reads), and the gather and the
+reduce-scatter copy nothing (:meth:`Siblings.backward_rank_major`, one choice per set).
+
 Inside a torch.compile graph the set does not share (each layer reduces its own: the entry keeps Python state
 per backward that a traced graph cannot). Under ``tp_invariant`` (:mod:`.invariant`) the entry's backward
 receives the members' leaf products, added leaf by leaf by autograd, and sums them as the fixed tree (the
@@ -55,8 +62,9 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.distributed.tensor import DTensor
 
-from .collectives import SEQ_DIM, Pending, all_gather
+from .collectives import Pending
 from .groups import TPGroup
+from .seq_order import gather_sequence
 
 __all__ = ["Siblings", "ColumnInputs", "joins_siblings"]
 
@@ -135,23 +143,34 @@ class Siblings:
         self.members = tuple(members)
 
     def join(self, x: torch.Tensor, g: TPGroup, weight: torch.Tensor, sequence_parallel: bool,
-             dtype: Optional[torch.dtype], offered: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-             ) -> Tuple["_Call", torch.Tensor]:
+             dtype: Optional[torch.dtype], offered: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+             may_reorder: bool = True) -> Tuple["_Call", torch.Tensor]:
         """The call a member with ``weight`` joins on ``x`` (the model's call in flight when it is this set's, on
         ``x`` or a cast of it: the same source; else a new one) and ``x`` as the call computes on it: cast once to
         autocast's ``dtype`` (None: off). ``offered``: ``(shard, gathered)`` when ``x`` is the shard of a sequence
-        its module gathered (:meth:`ColumnInputs.take`): the gathered tensor is the call's forward gather."""
+        its module gathered (:meth:`ColumnInputs.take`): the gathered tensor is the call's forward gather.
+        ``may_reorder``: the call's backward may run rank-major (:meth:`backward_rank_major`; tp_invariant's
+        fixed tree keeps the sequence's order)."""
         call, source = self.inputs.call, _source(x)
         if (call is None or call.owner is not self or call.source != source or call.g != g
                 or call.sp != sequence_parallel or call.x.dtype != x.dtype or call.x.shape != x.shape
                 or call.x.device != x.device or id(weight) in call.weights):
             self.inputs.close()
-            call = self.inputs.call = _Call(self, x, source, g, sequence_parallel)
+            call = self.inputs.call = _Call(self, x, source, g, sequence_parallel,
+                                            sequence_parallel and may_reorder and self.backward_rank_major(x.shape[-1]))
         call.weights.append(id(weight))
         x = call.cast(x, dtype)
         if offered is not None and call.x_full is None:
             call.x_full = offered[1].to(x.dtype)  # (cast as x is under autocast)
         return call, x
+
+    def backward_rank_major(self, in_features: int) -> bool:
+        """Under sequence parallelism, whether a call's backward runs its GEMMs in rank-major token order
+        (:mod:`.seq_order`): one reorder of every member's output gradient (the declared members' ``out/p``
+        together) against two of the whole input (the re-gathered input, the summed input gradient). A set of the
+        declared members, fixed per set: every member of a call, and every rank, takes the same order."""
+        width = sum(m.weight.shape[0] for m in self.members if isinstance(getattr(m, "weight", None), torch.Tensor))
+        return 0 < width < 2 * in_features
 
     def entry_weights(self) -> List[torch.Tensor]:
         """The members' weights a call's entry takes at its start, so that their weight-gradient GEMMs run under
@@ -167,12 +186,13 @@ class _Call:
     on, views of the weights it took); the gathered input they share in forward (sequence parallelism); per
     backward, the weight-gradient GEMMs the members left the entry and the gather of the input they share."""
 
-    __slots__ = ("owner", "x", "source", "g", "sp", "weights", "tasks", "x_full", "x_cast", "token", "taken",
-                 "views", "overlap")
+    __slots__ = ("owner", "x", "source", "g", "sp", "rank_major", "weights", "tasks", "x_full", "x_cast", "token",
+                 "taken", "views", "overlap")
 
     def __init__(self, owner: Siblings, x: torch.Tensor, source: Tuple[Any, int], g: TPGroup,
-                 sequence_parallel: bool) -> None:
+                 sequence_parallel: bool, rank_major: bool = False) -> None:
         self.owner, self.x, self.source, self.g, self.sp = owner, x, source, g, sequence_parallel
+        self.rank_major = rank_major  # SP: the backward's token order (Siblings.backward_rank_major)
         self.weights: List[int] = []  # ids of the members' weights: a layer joins a call once
         self.tasks: Dict[int, Dict[str, Any]] = {}  # graph task -> what its members left the entry (_mailbox)
         self.x_full: Optional[torch.Tensor] = None  # SP: the all-gathered x, shared by the forwards only
@@ -207,7 +227,7 @@ class _Call:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Forward, sequence parallelism: every rank's chunk of ``x``, gathered once for the call."""
         if self.x_full is None:
-            self.x_full = all_gather(x, SEQ_DIM, self.g).wait()
+            self.x_full = gather_sequence(x, self.g, False).wait()
         return self.x_full
 
     def _mailbox(self) -> Dict[str, Any]:
@@ -215,11 +235,11 @@ class _Call:
         return self.tasks.setdefault(task, {"left": [], "gather": None})  # (dropped by the entry's backward)
 
     def gathered_input(self, x: torch.Tensor, overlap: bool) -> Pending:
-        """Backward, sequence parallelism: the gather of ``x`` the weight gradients multiply, launched once per
-        backward by the first that needs it (in flight under the GEMMs that follow)."""
+        """Backward, sequence parallelism: the gather of ``x`` the weight gradients multiply (in the backward's token
+        order), launched once per backward by the first that needs it (in flight under the GEMMs that follow)."""
         box = self._mailbox()
         if box["gather"] is None:
-            box["gather"] = all_gather(x, SEQ_DIM, self.g, async_op=overlap)
+            box["gather"] = gather_sequence(x, self.g, self.rank_major, async_op=overlap)
         return box["gather"]
 
     def leave(self, index: int, grad_out: torch.Tensor, main: Optional[Any]) -> None:
