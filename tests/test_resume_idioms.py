@@ -215,3 +215,24 @@ def test_per_rank_state_at_another_tp_size_is_refused_naming_the_route():
         assert "optimizer state 'exp_avg' of parameter 0 (shape (32, 8))" in optim_error, optim_error
         assert "ColumnParallelLinear.weight', sharded at TP size 1" in optim_error, optim_error
         assert "set_state_dict" in optim_error and "load_checkpoint" in optim_error, optim_error
+
+
+def _into_the_dense_model(group):
+    model = _model(group, seed=0)
+    dense = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN)).double()
+    try:
+        dense.load_state_dict(model.state_dict())  # the naive route: torch refuses the labelled shards
+        naive = "loaded"
+    except RuntimeError as e:
+        naive = str(e)
+    dense.load_state_dict(tplayers.io.dense_state_dict(model))  # the route docs/models.md names
+    whole = {k: v for k, v in tplayers.io.dense_state_dict(model).items()}
+    return naive, all(torch.equal(whole[k], v) for k, v in dense.state_dict().items())
+
+
+def test_the_dense_model_takes_dense_state_dict_not_the_labelled_shards():
+    """docs/models.md: the dense model loading a TP model's state_dict() fails in torch's load (a wrong number if it
+    ever took a shard as the whole); tplayers.io.dense_state_dict loads it."""
+    for naive, equal in get_world(2).run(_into_the_dense_model):
+        assert "mixed torch.Tensor and DTensor" in naive and "While copying the parameter named" in naive, naive
+        assert equal
