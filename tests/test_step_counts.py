@@ -92,3 +92,51 @@ def test_sequence_parallel_reorders_only_the_per_rank_side(capsys):
         # per layer one gather forward, two backward (the output gradient, the input re-gathered), one reduce-scatter
         # each way; the norms' four parameter gradients all-reduced
         assert counts[mode]["collectives"] == {"_allgather_base_": 6, "_reduce_scatter_base_": 4, "allreduce_": 4}
+
+
+class _SyncSites(StepCounts):
+    """Host syncs by the file that issued them (the innermost frame under tplayers/ or transformers/)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites = []
+
+    def record(self, func, args, kwargs, out):
+        import traceback
+
+        if func.overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero", "equal", "nonzero"):
+            frames = [f for f in traceback.extract_stack() if ("/tplayers/" in f.filename or "/transformers/" in f.filename)
+                      and "/tplayers/bench/" not in f.filename]
+            self.sites.append(f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?")
+        return super().record(func, args, kwargs, out)
+
+
+def _hf_step_syncs(group, sequence_parallel: bool):
+    """A converted HF Llama's steady-state training step (loss_parallel, the checks on, as users run it)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=1, vocab_size=100, attn_implementation="sdpa")
+    model = tplayers.parallelize(transformers.LlamaForCausalLM(cfg), "auto", group=group, loss_parallel=True,
+                                 sequence_parallel=sequence_parallel)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    step()
+    step()
+    with _SyncSites() as counts:
+        step()
+    return counts.sites
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_a_converted_hf_step_syncs_the_host_only_in_the_cpu_id_checks(sequence_parallel):
+    """Issue 52: on a GPU a host sync stalls the launch queue every step. The vocabulary-parallel loss read whether
+    its shard has padding columns off the device (bool(real.all())) at every step; the host knows it. What is left
+    on the CPU is the token-id range check's CPU branch (core/validate.py: a device-side assert on a GPU)."""
+    pytest.importorskip("transformers")
+    for sites in get_world(2).run(_hf_step_syncs, sequence_parallel):
+        assert sites and all("tplayers/core/validate.py" in site for site in sites), sites
