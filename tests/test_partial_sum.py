@@ -96,11 +96,11 @@ def _read_on_rank_zero_only(group):
         tplayers.core.sites.name_modules(torch.nn.ModuleDict({"embed_tokens": emb}))
         ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(1))
         out = emb(ids)
-        if torch.distributed.get_rank() != 0:  # (later it reads it too, so nothing stays in flight)
-            time.sleep(4.0)
-            out.abs()  # the same read as rank 0's
-            return "read late"
         try:
+            if torch.distributed.get_rank() != 0:  # (later it reads it too)
+                time.sleep(4.0)
+                out.abs()  # the same read as rank 0's
+                return "read late"
             float(out.abs().mean())
         except tplayers.CollectivesOutOfStep as e:
             return str(e)
@@ -110,8 +110,52 @@ def _read_on_rank_zero_only(group):
 
 
 def test_an_embedding_output_read_on_one_rank_only_is_named():
-    """Before: 'waited 600 s ... all_reduce ... at (no module)': nothing said which tensor was being summed."""
+    """Before: 'waited 600 s ... all_reduce ... at (no module)': nothing said which tensor was being summed. A read
+    outside the forward meets the other ranks' through the store first (core/store_barrier.py): the rank that waited
+    names the read and the ranks that did not come, the one that came late is told it is alone, and no collective is
+    left unpaired (the group stays usable)."""
     message, late = get_world(2).run(_read_on_rank_zero_only)
-    assert late == "read late"
-    assert "the output of embed_tokens (a PartialSum" in message and "abs" in message, message
-    assert "every rank of the TP group must read it" in message, message
+    assert "the output of embed_tokens (a PartialSum" in message and "for abs" in message, message
+    assert "rank(s) [1] did not come" in message, message
+    assert "rank 1 came to read the output of embed_tokens" in late and "rank 0 had stopped waiting" in late, late
+    assert get_world(2).run(_sum_of_ranks) == [3, 3]  # the group still works
+
+
+def _sum_of_ranks(group):
+    return int(tplayers.core.blocking.all_reduce_tensor(torch.tensor([torch.distributed.get_rank() + 1]), group=group))
+
+
+def _logged_on_rank_zero_only(group):
+    """Issue 53: rank 0 alone logs the embedding's output outside the forward (`float(embed(ids).norm())` in the
+    training loop); rank 1 goes on to its next collective, of another size (the next step)."""
+    before = tplayers.set_collective_checks(True, timeout=3.0)
+    try:
+        torch.manual_seed(0)
+        dense = torch.nn.Embedding(VOCAB, DIM).double()
+        emb = tplayers.VocabParallelEmbedding.from_dense(dense, group=group, partial_output=True)
+        tplayers.core.sites.name_modules(torch.nn.ModuleDict({"embed_tokens": emb}))
+        ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(1))
+        out = emb(ids)
+        try:
+            if torch.distributed.get_rank() == 0:
+                float(out.norm())
+                return "no error"
+            tplayers.core.blocking.all_reduce_tensor(torch.zeros(3), group=group)  # its next step's first collective
+            return "no error"
+        except tplayers.CollectivesOutOfStep as e:
+            return str(e)
+    finally:
+        tplayers.set_collective_checks(before[0], timeout=before[1])
+
+
+def test_an_embedding_output_read_outside_the_forward_on_one_rank_is_named_on_every_rank():
+    """Before: rank 0's all-reduce paired with rank 1's smaller collective and gloo aborted rank 0 ("Received data
+    size doesn't match"); rank 1 read only that a peer closed its connection."""
+    from tplayers.testing import World
+
+    with World(2) as world:  # a fresh world: rank 1's collective is left without its partner
+        reader, other = world.run(_logged_on_rank_zero_only)
+    assert "every rank of the TP group to read the output of embed_tokens (a PartialSum" in reader, reader
+    assert "rank(s) [1] did not come" in reader and "outside the model's forward, for norm" in reader, reader
+    assert "read it on every rank of the TP group" in reader, reader
+    assert "rank 0 of the TP group is waiting for every rank to read the output of embed_tokens" in other, other

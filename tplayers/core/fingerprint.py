@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from .carried import CARRIED, Shared, carried, diverged_message, entries_text, forget
 from .sites import forward_site
+from .store_barrier import waiting_note
 
 __all__ = ["CollectivesOutOfStep", "RanksDiverged", "set_collective_checks", "SETTINGS", "AGREED", "Stamp", "stamp",
            "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "exchange_text",
@@ -190,7 +191,7 @@ class Stamp:
 
     def wait(self, work: Any) -> None:
         """Wait for ``work``: on the CPU at most the configured timeout, then raise naming this call."""
-        bounded_wait(work, lambda: self.text, self.cpu)
+        bounded_wait(work, lambda: self.text, self.cpu, self.pg)
 
     def check(self, table: torch.Tensor) -> None:
         """``table``: the ``size * SLOT`` fingerprint elements every rank received. On the CPU checked
@@ -277,9 +278,10 @@ def checks_enabled() -> bool:
     return SETTINGS.enabled
 
 
-def bounded_wait(work: Any, text: Union[str, Callable[[], str]], cpu: bool) -> None:
+def bounded_wait(work: Any, text: Union[str, Callable[[], str]], cpu: bool, pg: Any = None) -> None:
     """Wait for ``work`` (the collective ``text`` describes, or ``text()``: written only if it is needed): on the
-    CPU at most the configured timeout, then raise naming it; elsewhere as the backend waits."""
+    CPU at most the configured timeout, then raise naming it (and what a rank of ``pg`` waiting at a store barrier
+    said: :func:`~.store_barrier.waiting_note`); elsewhere as the backend waits."""
     if not cpu:
         work.wait()
         return
@@ -289,6 +291,7 @@ def bounded_wait(work: Any, text: Union[str, Callable[[], str]], cpu: bool) -> N
     except RuntimeError as e:
         waited, cause = time.monotonic() - started, str(e).splitlines()[0]
         text = text() if callable(text) else text
+        cause += f". Meanwhile {waiting_note(pg)}" if waiting_note(pg) else ""
         if waited < 0.5 * SETTINGS.timeout:  # cut short: a peer's connection closed, nobody waited the timeout out
             raise CollectivesOutOfStep(
                 f"tplayers: this collective ({text}) failed after {waited:.1f} s (of the {SETTINGS.timeout:g} s "

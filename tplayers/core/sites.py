@@ -8,7 +8,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["name_modules", "reading", "forward_site"]
+__all__ = ["name_modules", "reading", "forward_site", "in_a_forward"]
 
 
 def name_modules(root: torch.nn.Module) -> None:
@@ -59,3 +59,13 @@ def forward_site(frame: Any) -> Tuple[str, bool, bool]:
         name_modules(outer)  # (a module run by one that does not hold it, e.g. an audit's copy: its class name)
         inner.__dict__.setdefault("_tplayers_path", type(inner).__name__)
     return _READING[0] or inner.__dict__["_tplayers_path"], inner.training, tracked
+
+
+def in_a_forward(frame: Any) -> bool:
+    """Whether a module's ``forward`` runs above ``frame`` (its hooks' calls included: they run under the forward of
+    the model that called the module)."""
+    while frame is not None:
+        if frame.f_code.co_name == "forward" and isinstance(frame.f_locals.get("self"), torch.nn.Module):
+            return True
+        frame = frame.f_back
+    return False

@@ -21,16 +21,22 @@ sees the complete values, so the deferral can change the collectives but never a
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, Optional
 
 import torch
 
 from ..core.collectives import all_gather, reduce_scatter, split
 from ..core.comm import reduce_from_tp, reduce_scatter_to_sequence, scatter_to_sequence
-from ..core.sites import reading
+from ..core.fingerprint import SETTINGS, checks_enabled
+from ..core.sites import in_a_forward, reading
+from ..core.store_barrier import store_barrier
 from ..core.groups import TPGroup
 
 __all__ = ["METADATA", "PartialSum", "partial_sum"]
+
+OUTSIDE_ADVICE = ("Summing a PartialSum is collective: read it on every rank of the TP group (compute the norm you "
+                  "log on every rank, print it on rank 0), or log what the model's forward returns")
 
 METADATA = frozenset({  # what reads a tensor's metadata, not its values
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -61,6 +67,9 @@ class PartialSum(torch.Tensor):
         if self._summed is None:
             source = ("an embedding" if self._source is None else
                       self._source.__dict__.get("_tplayers_path") or type(self._source).__name__)
+            if checks_enabled() and not in_a_forward(sys._getframe(1)):  # a read in user code: a rank may be alone
+                store_barrier(self._group, f"read the output of {source} (a PartialSum: each rank holds a share of "
+                              f"the sum) outside the model's forward, for {why}", SETTINGS.timeout, OUTSIDE_ADVICE)
             with reading(f"the output of {source} (a PartialSum: each rank holds a share of the sum), summed for "
                          f"{why}; every rank of the TP group must read it (a read on one rank only, such as "
                          "logging on rank 0, waits for the others)"):
