@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from .carried import CARRIED, Shared, carried, diverged_message, entries_text, forget
 from .sites import forward_site
-from .store_barrier import waiting_note
+from .group_store import waiting_note
 
 __all__ = ["CollectivesOutOfStep", "RanksDiverged", "set_collective_checks", "SETTINGS", "AGREED", "Stamp", "stamp",
            "bounded_wait", "checks_enabled", "check_lagging", "SLOT", "exchange_text",

@@ -7,44 +7,30 @@ fingerprint is compared (:mod:`.fingerprint`). The store (the rendezvous's TCP k
 rank sets its own key and waits, at most the checks' timeout, for every rank's. Used where a rank alone plausibly
 calls a collective: a read of an embedding's :class:`~tplayers.regions.partial_sum.PartialSum` outside the model's
 forward (a log on rank 0). The ranks that never came are named on the rank that waited; the others, waiting at their
-own next collective, find the note it left (:func:`waiting_note`) and name it too. One store round trip per rank and
-call (tens of microseconds on a node); nothing on a fake group or with the collective checks off.
+own next collective, find the note it left (:func:`.group_store.waiting_note`) and name it too. One store round trip
+per rank and call (tens of microseconds on a node); nothing on a fake group.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
-import torch.distributed as dist
-
+from .fingerprint import CollectivesOutOfStep
+from .group_store import group_store, store_prefix
 from .groups import TPGroup, is_fake
 
-__all__ = ["store_barrier", "waiting_note"]
+__all__ = ["store_barrier"]
 
 _CALLS: Dict[str, int] = {}  # group name -> store barriers so far (the same count on every rank that takes part)
-
-
-def _store(pg: Any) -> Optional[Any]:
-    """The store of ``pg`` (a subgroup's is prefixed with its name), or None where torch keeps none for it."""
-    entry = getattr(dist.distributed_c10d, "_world", None)
-    entry = None if entry is None else entry.pg_map.get(pg if pg is not None else dist.group.WORLD)
-    return None if entry is None else entry[1]
-
-
-def _prefix(pg: Any) -> str:
-    pg = pg if pg is not None else dist.group.WORLD
-    return f"tplayers/store_barrier/{getattr(pg, 'group_name', None) or dist.distributed_c10d._world.pg_names.get(pg)}"
 
 
 def store_barrier(g: TPGroup, what: str, timeout: float, advice: str) -> None:
     """Wait until every rank of ``g`` has come to ``what`` (an infinitive: "read the output of ..."), at most ``timeout``
     seconds; then raise :class:`~.fingerprint.CollectivesOutOfStep` naming the ranks that did not come, and ``advice``."""
-    from .fingerprint import CollectivesOutOfStep
-
-    pg, store = g.process_group, _store(g.process_group)
+    pg, store = g.process_group, group_store(g.process_group)
     if g.size == 1 or store is None or is_fake(pg):
         return
-    name = _prefix(pg)
+    name = store_prefix(pg)
     n = _CALLS.get(name, 0)
     _CALLS[name] = n + 1
     keys, gave_up = [f"{name}/{n}/{r}" for r in range(g.size)], f"{name}/{n}/gave_up"
@@ -81,16 +67,3 @@ def _delete(store: Any, key: str) -> None:
         store.delete_key(key)
     except (RuntimeError, NotImplementedError):  # (a store that cannot delete keeps it: a few bytes)
         pass
-
-
-def waiting_note(pg: Any) -> str:
-    """What a rank of ``pg`` that waited at a store barrier left in the store ('' if none): for the error of a rank
-    whose own collective failed meanwhile."""
-    store = _store(pg)
-    if store is None or is_fake(pg):
-        return ""
-    key = f"{_prefix(pg)}/waiting"
-    try:
-        return store.get(key).decode() if store.check([key]) else ""
-    except RuntimeError:
-        return ""
