@@ -156,3 +156,22 @@ def test_idle_world_stays_up_between_calls():
     time.sleep(2.5)  # longer than a rank's idle poll
     world.run(_rank_and_size)
     assert world.starts == starts, "an idle world must not restart"
+
+
+def _bf16_wrong_gradient(group):
+    """A bfloat16 weight gradient 25% off on every element: far beyond rounding, so the float64-truth fallback
+    (low precision: TP at most twice as far from the truth as dense) must not pass it."""
+    torch.manual_seed(0)
+    dense = nn.Linear(16, 32, dtype=torch.bfloat16)
+    tp = ColumnParallelLinear.from_dense(dense, group=group, gather_output=True)
+    tp.weight.register_hook(lambda g: g * 1.25)
+    try:
+        assert_matches_dense(tp, dense, torch.randn(3, 16, dtype=torch.bfloat16), group=group)
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def test_assert_matches_dense_in_bfloat16_still_detects_a_wrong_gradient():
+    for message in get_world(2).run(_bf16_wrong_gradient):
+        assert message is not None and "gradient of parameter 'weight' differs" in message, message
