@@ -86,25 +86,28 @@ def test_partial_output_and_sequence_parallel_are_one_or_the_other():
         tplayers.VocabParallelEmbedding(8, 4, group=None, partial_output=True, sequence_parallel=True)
 
 
+def _embedding_output(group):
+    """A vocabulary-parallel embedding's PartialSum output, its module named embed_tokens."""
+    torch.manual_seed(0)
+    dense = torch.nn.Embedding(VOCAB, DIM).double()
+    emb = tplayers.VocabParallelEmbedding.from_dense(dense, group=group, partial_output=True)
+    tplayers.core.sites.name_modules(torch.nn.ModuleDict({"embed_tokens": emb}))
+    return emb(torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(1)))
+
+
 def _read_on_rank_zero_only(group):
-    """A user's forward hook logs the embedding's output on rank 0 only: only rank 0 sums it."""
+    """A user's code reads the embedding's output on rank 0; rank 1 reads it 4 s later (after rank 0 gave up)."""
     before = tplayers.set_collective_checks(True, timeout=2.0)
     try:
-        torch.manual_seed(0)
-        dense = torch.nn.Embedding(VOCAB, DIM).double()
-        emb = tplayers.VocabParallelEmbedding.from_dense(dense, group=group, partial_output=True)
-        tplayers.core.sites.name_modules(torch.nn.ModuleDict({"embed_tokens": emb}))
-        ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(1))
-        out = emb(ids)
-        try:
-            if torch.distributed.get_rank() != 0:  # (later it reads it too)
-                time.sleep(4.0)
-                out.abs()  # the same read as rank 0's
-                return "read late"
-            float(out.abs().mean())
-        except tplayers.CollectivesOutOfStep as e:
-            return str(e)
+        out = _embedding_output(group)
+        if torch.distributed.get_rank() != 0:
+            time.sleep(4.0)
+            out.abs()  # the same read as rank 0's
+            return "read late"
+        float(out.abs().mean())
         return "no error"
+    except tplayers.CollectivesOutOfStep as e:
+        return str(e)
     finally:
         tplayers.set_collective_checks(before[0], timeout=before[1])
 
@@ -130,20 +133,14 @@ def _logged_on_rank_zero_only(group):
     training loop); rank 1 goes on to its next collective, of another size (the next step)."""
     before = tplayers.set_collective_checks(True, timeout=3.0)
     try:
-        torch.manual_seed(0)
-        dense = torch.nn.Embedding(VOCAB, DIM).double()
-        emb = tplayers.VocabParallelEmbedding.from_dense(dense, group=group, partial_output=True)
-        tplayers.core.sites.name_modules(torch.nn.ModuleDict({"embed_tokens": emb}))
-        ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(1))
-        out = emb(ids)
-        try:
-            if torch.distributed.get_rank() == 0:
-                float(out.norm())
-                return "no error"
+        out = _embedding_output(group)
+        if torch.distributed.get_rank() == 0:
+            float(out.norm())
+        else:
             tplayers.core.blocking.all_reduce_tensor(torch.zeros(3), group=group)  # its next step's first collective
-            return "no error"
-        except tplayers.CollectivesOutOfStep as e:
-            return str(e)
+        return "no error"
+    except tplayers.CollectivesOutOfStep as e:
+        return str(e)
     finally:
         tplayers.set_collective_checks(before[0], timeout=before[1])
 
