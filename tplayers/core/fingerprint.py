@@ -246,7 +246,7 @@ def _where_this_rank_runs() -> str:
 
 def _verify(table: torch.Tensor, s: Stamp, late: bool = False) -> None:
     """Compare every rank's fingerprint in ``table`` (in host memory: read once, as Python integers)."""
-    rows = table.reshape(s.size, SLOT).to(torch.int64).tolist()
+    rows = table.reshape(s.size, SLOT).tolist()  # (small integers, exact in every stamped dtype)
     overflowed = [rank for rank, row in enumerate(rows) if row[DIGEST]]
     if any(row[:DIGEST] != s.digest for row in rows):
         sides = exchange_text(s.text, s.pg, s.size)

@@ -46,8 +46,7 @@ def all_reduce_buffers(buf: torch.Tensor, s: Stamp, check_finite: bool) -> Tuple
     fingerprint, and whether ``buf`` is finite when ``check_finite``, in its own; zeros elsewhere)."""
     n = buf.numel()
     flat = _scratch(n + s.size * SLOT, buf.dtype, buf.device)
-    flat[:n].view(buf.shape).copy_(buf)
-    flat[n:].copy_(s.slots(buf.dtype, buf.device, _not_finite(buf) if check_finite else None))
+    torch.cat([buf.view(-1), s.slots(buf.dtype, buf.device, _not_finite(buf) if check_finite else None)], out=flat)
 
     def finish() -> torch.Tensor:
         try:
