@@ -44,6 +44,10 @@ def _train(group, case, lag=False, device="cpu", **options):
             if case == "replica" and step == 1 and rank == 1:
                 with torch.no_grad():  # as a scaler that stepped on one rank only leaves it
                     model.model.norm.weight.add_(1e-3)
+            if case == "replica .data" and step == 1 and rank == 1:
+                model.model.norm.weight.data.add_(1e-3)  # (through .data: its own version counter, nothing bumped)
+            if case == "replica swapped" and step == 1 and rank == 1:
+                model.model.norm.weight.data = model.model.norm.weight.data + 1e-3  # (new memory)
             labels = None if case == "labels" and step == 1 and rank == 1 else ids  # labels= on rank 0 only
             try:
                 if case == "outside_targets":  # the loss outside the model (a pipeline schedule's loss_fn)
@@ -104,8 +108,11 @@ def test_a_per_rank_reseed_of_a_model_with_dropout_is_caught_where_it_begins():
         assert "torch.manual_seed(seed)" in message, message
 
 
-def test_a_replicated_parameter_that_drifts_on_one_rank_is_named():
-    for step, message in get_world(2).run(_train, "replica"):
+@pytest.mark.parametrize("case", ["replica", "replica .data", "replica swapped"])
+def test_a_replicated_parameter_that_drifts_on_one_rank_is_named(case):
+    """In place, through ``.data`` (which bumps no version counter) or by new memory: the forward's digest reads the
+    parameters through integer views it keeps between forwards (core/digest.joint_digest), which alias them."""
+    for step, message in get_world(2).run(_train, case):
         assert step == 1, message
         assert "'model.norm.weight'" in message and "rank(s) [1]" in message, message
         assert "input_layernorm" not in message, message  # only what differs is named
@@ -275,3 +282,19 @@ def test_targets_of_a_stage_ending_in_a_row_layer_that_differ_are_caught_at_that
         assert step == 1, message
         assert "the gradient of fc2's output" in message and "rank(s) [1]" in message, message
         assert "same labels / targets" in message, message
+
+
+def test_the_kept_views_digest_as_the_tensors_do_and_follow_their_memory():
+    """joint_digest(views=): the per-forward digest of a model's replicated parameters reads them through integer
+    views kept between forwards (no tensor op per parameter): always the digest of the tensors as they are now."""
+    from tplayers.core.digest import joint_digest
+
+    params = [torch.nn.Parameter(torch.randn(8, dtype=dtype)) for dtype in (torch.float32, torch.bfloat16) * 3]
+    views: list = []
+    assert int(joint_digest(params, views=views)) == int(joint_digest(params))
+    kept = [id(v[1]) for v in views]
+    params[1].data.add_(1.0)  # in place, through .data
+    assert int(joint_digest(params, views=views)) == int(joint_digest(params)) and [id(v[1]) for v in views] == kept
+    params[2].data = torch.randn(8)  # new memory: its view is made again
+    assert int(joint_digest(params, views=views)) == int(joint_digest(params))
+    assert [id(v[1]) for v in views][2] != kept[2] and [id(v[1]) for v in views][3] == kept[3]

