@@ -363,3 +363,35 @@ def test_an_evaluation_on_rank_0_at_the_first_forward_is_named_as_such():
     for message in get_world(2).run(_hf_eval_on_rank0_at_the_first_forward):
         assert "rank 0: eval mode, autograd off" in message and "rank 1: training mode, autograd on" in message, message
         assert "data loader" not in message and "sampler" not in message, message
+
+
+def _checks_off_on_one_node_through_a_link(group):
+    """Issue 53: `TPLAYERS_COLLECTIVE_CHECKS=0` on rank 1's node only, under `tplayers bench --link`: the emulated link
+    turns the checks off on every rank, the group's first collective agrees on "off", and leaving the link restores
+    each rank's own setting: on on rank 0, off on rank 1, with the group already agreed."""
+    import torch.distributed as dist
+
+    fresh = dist.new_group(ranks=[0, 1])
+    before = tplayers.set_collective_checks(dist.get_rank() == 0, timeout=5.0)  # (the environment of each node)
+    try:
+        with tplayers.emulated_link("h100-nvlink"):
+            tplayers.core.blocking.all_reduce_tensor(torch.ones(3), group=fresh)
+        tplayers.core.blocking.all_reduce_tensor(torch.ones(3), group=fresh)
+    except CollectivesOutOfStep as e:
+        return str(e)
+    finally:
+        tplayers.set_collective_checks(before[0], timeout=before[1])
+    return "no error"
+
+
+def test_checks_that_differ_once_a_tool_restores_them_are_named_on_every_rank():
+    """Before: the group had agreed on 'off' inside the link; after it, rank 0 sent a checked buffer (13 elements per
+    rank longer) and rank 1 an unchecked one: gloo aborted a rank. Every set_collective_checks call (made on every
+    rank alike, as the link's enter and exit are) now has each group compare the setting again at its next
+    collective."""
+    from tplayers.testing import World
+
+    with World(2) as world:  # a fresh world: on main a rank dies
+        messages = world.run(_checks_off_on_one_node_through_a_link)
+    for message in messages:
+        assert "collective checks are on on rank(s) [0] and off on rank(s) [1]" in message, message

@@ -90,11 +90,13 @@ SETTINGS = _Settings(enabled=os.environ.get("TPLAYERS_COLLECTIVE_CHECKS", "1") !
 def set_collective_checks(enabled: bool = True, *, timeout: float = 600.0) -> Tuple[bool, float]:
     """Check (default) or stop checking that every rank of a group issues the same collective;
     ``timeout``: seconds a rank waits at one checked collective (CPU) before it raises, naming the
-    call. Process-wide; returns the previous ``(enabled, timeout)``."""
+    call. Process-wide; returns the previous ``(enabled, timeout)``. Called alike on every rank: each group compares
+    the setting again at its next collective (a tool restoring a node's own TPLAYERS_COLLECTIVE_CHECKS=0, named)."""
     if timeout <= 0:
         raise ValueError(f"set_collective_checks: timeout={timeout} must be > 0 seconds")
     previous = (SETTINGS.enabled, SETTINGS.timeout)
     SETTINGS.enabled, SETTINGS.timeout = bool(enabled), float(timeout)
+    AGREED.clear()
     return previous
 
 
@@ -228,7 +230,7 @@ def _agree_on_checks(pg: Any, size: int) -> None:
             f"{[r for r, v in enumerate(on) if not v]} of this TP group: a checked collective carries {SLOT} more "
             "elements per rank than an unchecked one, so the ranks' buffers would not match (gloo aborts a rank, "
             "NCCL may hang). Set TPLAYERS_COLLECTIVE_CHECKS, or call tplayers.set_collective_checks(...), alike on "
-            "every rank (compared once per group, at its first collective: change it later on every rank together)")
+            "every rank (compared at each group's first collective, and again after every set_collective_checks call)")
 
 
 def _group(pg: Any) -> _Group:
