@@ -196,6 +196,14 @@ def _sp_scenarios(group, f_per_rank: int):
     tplayers.backward_dw(model)
     _loss(dense, xd).backward()
     out["delay_wgrad"] = _sp_worst(group, dense, model, x, xd)
+    dense, model, x, xd = _sp_models(group, f)  # k's weight read through a function: k computes its own gradient
+    torch.nn.utils.parametrize.register_parametrization(model.k, "weight", _Scaled())
+    _loss(model, x).backward()
+    _loss(dense, xd).backward()
+    p, r = group.size(), group.rank()
+    mine, got = dense.k.weight.grad.chunk(p, 0)[r], model.k.parametrizations.weight.original.grad
+    out["a weight the entry did not take"] = max(float((x.grad - xd.grad.chunk(p, 1)[r]).abs().max()),
+                                                 float((got - mine).abs().max()))
     return out
 
 
