@@ -298,3 +298,20 @@ def test_the_kept_views_digest_as_the_tensors_do_and_follow_their_memory():
     params[2].data = torch.randn(8)  # new memory: its view is made again
     assert int(joint_digest(params, views=views)) == int(joint_digest(params))
     assert [id(v[1]) for v in views][2] != kept[2] and [id(v[1]) for v in views][3] == kept[3]
+
+
+def test_the_kept_views_follow_memory_freed_and_refilled_as_fsdp2_does():
+    """FSDP2 frees an unsharded parameter's memory after the forward (its storage resized to 0) and fills it again
+    at the next: a kept view of it must read the memory that is there now, never the freed one."""
+    from tplayers.core.digest import joint_digest
+
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(3)]
+    views: list = []
+    joint_digest(params, views=views)
+    storage = params[1].untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    storage.resize_(nbytes)
+    with torch.no_grad():
+        params[1].copy_(torch.arange(64.0))
+    assert int(joint_digest(params, views=views)) == int(joint_digest(params))

@@ -283,7 +283,7 @@ def checks_enabled() -> bool:
 def bounded_wait(work: Any, text: Union[str, Callable[[], str]], cpu: bool, pg: Any = None) -> None:
     """Wait for ``work`` (the collective ``text`` describes, or ``text()``: written only if it is needed): on the
     CPU at most the configured timeout, then raise naming it (and what a rank of ``pg`` waiting at a store barrier
-    said: :func:`~.store_barrier.waiting_note`); elsewhere as the backend waits."""
+    said: :func:`~.group_store.waiting_note`); elsewhere as the backend waits."""
     if not cpu:
         work.wait()
         return
@@ -293,7 +293,7 @@ def bounded_wait(work: Any, text: Union[str, Callable[[], str]], cpu: bool, pg: 
     except RuntimeError as e:
         waited, cause = time.monotonic() - started, str(e).splitlines()[0]
         text = text() if callable(text) else text
-        cause += f". Meanwhile {waiting_note(pg)}" if waiting_note(pg) else ""
+        cause += f". Meanwhile {note}" if (note := waiting_note(pg)) else ""  # (a store barrier's reader, waiting)
         if waited < 0.5 * SETTINGS.timeout:  # cut short: a peer's connection closed, nobody waited the timeout out
             raise CollectivesOutOfStep(
                 f"tplayers: this collective ({text}) failed after {waited:.1f} s (of the {SETTINGS.timeout:g} s "

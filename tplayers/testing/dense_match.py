@@ -182,7 +182,7 @@ class _Checker:
         if failure is not None and truth is not None and truth.shape == actual.shape:
             mine, dense = (float((t.detach().to(torch.float64).cpu() - truth.cpu()).abs().max())
                            for t in (actual, expected))
-            if mine <= 2 * dense:  # as accurate as dense: its rounding, not a fault
+            if math.isfinite(dense) and mine <= 2 * dense:  # as accurate as dense: its rounding, not a fault
                 return err
             failure += (f"; against the float64 truth its max abs error is {mine:.3e}, dense's {dense:.3e} (allowed: "
                         "twice dense's)")
