@@ -318,12 +318,18 @@ def test_a_wait_cut_short_by_a_closed_connection_says_so():
     assert "waited 0.2 s for the other ranks of the TP group at this collective" in str(timed_out.value)
 
 
-def _checks_off_on_one_rank(group):
+def _checks_off_on_one_rank(group, through_link: bool = False):
+    """Checks on on rank 0, off on rank 1 (as `TPLAYERS_COLLECTIVE_CHECKS=0` on one node), on a group whose first
+    collective is this test's. ``through_link``: that first collective runs inside an emulated link (`tplayers bench
+    --link`), which turns the checks off on every rank and, leaving, restores each rank's own setting."""
     import torch.distributed as dist
 
-    fresh = dist.new_group(ranks=[0, 1])  # a group whose first collective is this test's
+    fresh = dist.new_group(ranks=[0, 1])
     before = tplayers.set_collective_checks(dist.get_rank() == 0, timeout=5.0)
     try:
+        if through_link:
+            with tplayers.emulated_link("h100-nvlink"):
+                tplayers.core.blocking.all_reduce_tensor(torch.ones(3), group=fresh)
         tplayers.core.blocking.all_reduce_tensor(torch.ones(3), group=fresh)
     except CollectivesOutOfStep as e:
         return str(e)
@@ -365,25 +371,6 @@ def test_an_evaluation_on_rank_0_at_the_first_forward_is_named_as_such():
         assert "data loader" not in message and "sampler" not in message, message
 
 
-def _checks_off_on_one_node_through_a_link(group):
-    """Issue 53: `TPLAYERS_COLLECTIVE_CHECKS=0` on rank 1's node only, under `tplayers bench --link`: the emulated link
-    turns the checks off on every rank, the group's first collective agrees on "off", and leaving the link restores
-    each rank's own setting: on on rank 0, off on rank 1, with the group already agreed."""
-    import torch.distributed as dist
-
-    fresh = dist.new_group(ranks=[0, 1])
-    before = tplayers.set_collective_checks(dist.get_rank() == 0, timeout=5.0)  # (the environment of each node)
-    try:
-        with tplayers.emulated_link("h100-nvlink"):
-            tplayers.core.blocking.all_reduce_tensor(torch.ones(3), group=fresh)
-        tplayers.core.blocking.all_reduce_tensor(torch.ones(3), group=fresh)
-    except CollectivesOutOfStep as e:
-        return str(e)
-    finally:
-        tplayers.set_collective_checks(before[0], timeout=before[1])
-    return "no error"
-
-
 def test_checks_that_differ_once_a_tool_restores_them_are_named_on_every_rank():
     """Before: the group had agreed on 'off' inside the link; after it, rank 0 sent a checked buffer (13 elements per
     rank longer) and rank 1 an unchecked one: gloo aborted a rank. Every set_collective_checks call (made on every
@@ -392,6 +379,6 @@ def test_checks_that_differ_once_a_tool_restores_them_are_named_on_every_rank():
     from tplayers.testing import World
 
     with World(2) as world:  # a fresh world: on main a rank dies
-        messages = world.run(_checks_off_on_one_node_through_a_link)
+        messages = world.run(_checks_off_on_one_rank, True)
     for message in messages:
         assert "collective checks are on on rank(s) [0] and off on rank(s) [1]" in message, message
