@@ -212,6 +212,21 @@ def test_bench_hf_llama_prints_measured_against_the_budget(capsys):
     assert {(r["op"], r["phase"]) for r in report["rows"]} == {("all_reduce", "forward"), ("all_reduce", "backward")}
 
 
+def test_bench_hf_counts_what_a_gpu_pays_per_step(capsys):
+    """Issue 52 item 1 for the models users convert: `--module hf:FAMILY` counts one more steady-state step's
+    kernels, bytes moved by copies and host syncs (tplayers.bench.counts), printed and in the JSON ("counts")."""
+    pytest.importorskip("transformers")
+    from tplayers.cli import main
+
+    assert main(["bench", "--module", "hf:llama", *TINY_HF, "--sequence-parallel", "--loss-parallel", "--json"]) == 0
+    counts = json.loads(capsys.readouterr().out)["counts"]
+    assert counts["kernels"] > 0 and counts["moved_bytes"] > 0 and counts["gemm_flops"] > 0, counts
+    assert counts["host_syncs"] == 2, counts  # the token-id checks' CPU branch (a device-side assert on a GPU)
+    assert main(["bench", "--module", "hf:llama", *TINY_HF, "--sequence-parallel", "--loss-parallel"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("per step (this rank)")]
+    assert len(line) == 1 and f"{counts['kernels']} kernels" in line[0] and "activations" in line[0], line
+
+
 def test_bench_hf_sequence_parallel_without_a_shipped_plan_uses_auto(capsys):
     """Qwen2 has no shipped sequence-parallel plan (refused before): "auto"'s derived variant counts."""
     pytest.importorskip("transformers")

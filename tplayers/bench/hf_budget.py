@@ -23,6 +23,7 @@ from ..convert.plans import SP_PLANS
 from ..core.dtypes import DTYPES
 from ..core.groups import GroupLike, resolve_group
 from .accounting import comm_accounting
+from .counts import StepCounts
 from ..layers.base import TensorParallelModule
 from .budget import CommBudget, megatron_budget
 
@@ -112,6 +113,8 @@ def run_hf_budget(group: GroupLike, cfg: HFBudgetConfig) -> Dict[str, Any]:
         model(ids, labels=ids).loss.backward()  # the first step: the audit's collectives (once per model)
     with comm_accounting(model) as acct, mixed():
         model(ids, labels=ids).loss.backward()
+    with StepCounts() as counts, mixed():  # a steady-state step: what a GPU pays beside the collectives
+        model(ids, labels=ids).loss.backward()
     budget = megatron_budget_for_hf(model, tuple(ids.shape), tp_size=g.size, sequence_parallel=cfg.sequence_parallel,
                                     loss_parallel=cfg.loss_parallel, dtype=autocast)
     comparison = acct.against(budget)
@@ -119,7 +122,7 @@ def run_hf_budget(group: GroupLike, cfg: HFBudgetConfig) -> Dict[str, Any]:
               "environment": {"tp": g.size, "device": cfg.device, "torch": torch.__version__,
                               "transformers": transformers.__version__, "model": type(model).__name__,
                               "host": platform.node()},
-              **comparison.as_dict()}
+              **comparison.as_dict(), "counts": counts.as_dict()}
     return {"report": report, "table": str(comparison), "budget": str(budget)}
 
 
@@ -132,7 +135,16 @@ def format_hf_budget(result: Dict[str, Any]) -> str:
     head = (f"tplayers bench: {c['module']} ({env['model']}, plan '{c['plan']}'{sp}{loss})  tp={env['tp']}  "
             f"{c['dtype']}  {env['device']}; one forward+backward with labels after a first step, collectives "
             "counted (not timed)")
-    return "\n".join([head, "", result["table"], "", result["budget"]])
+    return "\n".join([head, "", result["table"], "", result["budget"], "", _counts_line(result["report"])])
+
+
+def _counts_line(report: Dict[str, Any]) -> str:
+    """One steady-state step's counts (tplayers.bench.counts), bytes moved in activations of the model's (b, s, h)."""
+    c, counts = report["config"], report["counts"]
+    activation = c["batch"] * c["seq"] * c["hidden"] * DTYPES[c["dtype"]].itemsize
+    return (f"per step (this rank): {counts['kernels']} kernels, {counts['moved_bytes'] / activation:.2f} activations "
+            f"of (b, s, h) moved by copies, casts and fills, {counts['gemm_flops'] / 1e9:.3g} GFLOP in GEMMs, "
+            f"{counts['host_syncs']} host syncs ({', '.join(sorted(counts['host_syncs_by_op'])) or 'none'})")
 
 
 # ---------------------------------------------------------------------------- the budget of a model
