@@ -242,3 +242,30 @@ def test_the_sequence_parallel_sets_backward_reorders_only_its_members_outputs(t
     for moved, (b, s_p, h), p in get_world(tp).run(_backward_moves):
         tokens, itemsize = b * s_p * p, 8
         assert moved == tokens * (3 * 2 + 2 * 2) * itemsize, moved / (tokens * itemsize)
+
+
+def _converted_llama_delayed(group):
+    """HF Llama "auto" under SP (batch 2), `set_overlap(delay_wgrad=True)`: every gradient against dense's."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+                                   num_hidden_layers=2, vocab_size=64, attn_implementation="sdpa", use_cache=False)
+    dense = transformers.LlamaForCausalLM(cfg).double()
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, sequence_parallel=True)
+    tplayers.set_overlap(model, delay_wgrad=True)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).loss.backward()
+    tplayers.backward_dw(model)
+    dense(ids, labels=ids).loss.backward()
+    got = dense_parameters(model, grads=True)
+    return max(float((got[n] - p.grad).abs().max()) for n, p in dense.named_parameters())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_converted_llama_under_sequence_parallelism_with_delay_wgrad_matches_dense(tp):
+    """The wrong number above as users met it: the q/k/v and gate/up sets' recorded weight gradients 0.09-0.1 off
+    dense's at TP 2 and 4 on main, with no error."""
+    pytest.importorskip("transformers")
+    for worst in get_world(tp).run(_converted_llama_delayed):
+        assert worst < 1e-10, worst
