@@ -20,7 +20,7 @@ from ..core.invariant import LEAVES
 from ..core.dtypes import DTYPES
 from ..core.placement import Sharded
 from ..layers import (ColumnParallelEmbedding, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, set_overlap,
-                      use_main_grad)
+                      declare_siblings, use_main_grad)
 from ..models.blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from ..models.moe import DenseMoE, ParallelMoE
 from ..models.dense import BlockConfig, DenseAttention, DenseGPT, DenseMLP, DenseTransformerBlock, GPTConfig
@@ -128,6 +128,27 @@ def _invariant_mlp(g: TPGroup, cfg: VerifyConfig, sequence_parallel: bool) -> Ma
     return report
 
 
+class _OneInput(nn.ModuleDict):
+    """``o(q(x) * k(x) + v(x))``: three column layers read one input (an attention's q / k / v), a row layer after."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self["o"](self["q"](x) * self["k"](x) + self["v"](x))
+
+
+def _siblings(g: TPGroup, cfg: VerifyConfig, wide: bool = False, **options: Any) -> MatchReport:
+    """q / k / v declared siblings (`declare_siblings`, as parallelize declares them and gate / up): one collective
+    for their summed input gradient; under SP, narrower together than twice the input, their backward rank-major
+    (``wide``: each as wide as the input per rank, the set's backward in the sequence's order)."""
+    d = _dims(g)
+    h, f = d["hidden"], d["hidden"] * (g.size if wide else 1) // (1 if wide else 2)
+    dense = _dense(_OneInput({**{n: nn.Linear(h, f) for n in "qkv"}, "o": nn.Linear(f, h)}), cfg)
+    sp = options.get("sequence_parallel", False)
+    cols = {n: ColumnParallelLinear.from_dense(dense[n], group=g, **options) for n in "qkv"}
+    tp = _OneInput({**cols, "o": RowParallelLinear.from_dense(dense["o"], group=g, sequence_parallel=sp)})
+    declare_siblings(*cols.values())
+    return match_dense(tp, dense, _input(cfg, cfg.batch, d["seq"], h), g, cfg, **_seq_shards(sp))
+
+
 variant("ColumnParallelLinear", "gather_output=False", _column)
 variant("ColumnParallelLinear", "gather_output=True", _column, gather_output=True)
 variant("ColumnParallelLinear", "overlap_comm=False", _column, overlap_comm=False)
@@ -136,6 +157,10 @@ variant("RowParallelLinear", "input_is_parallel=True", _row)
 variant("RowParallelLinear", "input_is_parallel=False", _row, input_is_parallel=False)
 variant("RowParallelLinear", "sequence_parallel=True", _row, sequence_parallel=True)
 variant("Column->Row", "sequence_parallel=True", _mlp_pair, tol_scale=2, act=False, sequence_parallel=True)
+variant("declared siblings", "q/k/v on one input", _siblings, tol_scale=2)
+variant("declared siblings", "q/k/v, sequence_parallel=True", _siblings, tol_scale=2, sequence_parallel=True)
+variant("declared siblings", "q/k/v wide, sequence_parallel=True, delay_wgrad=True",
+        _siblings, tol_scale=2, wide=True, sequence_parallel=True, delay_wgrad=True)
 variant("Column->GELU->Row MLP", "", _mlp_pair, tol_scale=2, act=True)
 variant("Column->GELU->Row MLP", "overlap_comm=False", _mlp_pair, tol_scale=2, act=True, overlap_comm=False)
 variant("Column->GELU->Row MLP", "sequence_parallel=True", _mlp_pair, tol_scale=2, act=True, sequence_parallel=True)
