@@ -19,7 +19,6 @@ from collections import defaultdict
 from typing import Any, Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -28,6 +27,7 @@ from tplayers.bench.config import LAYER_SHAPES, BenchConfig  # noqa: E402
 from tplayers.bench.counts import count_step  # noqa: E402
 from tplayers.bench.measure import resolve_link  # noqa: E402
 from tplayers.bench.overlap import MODE_TABLE, BenchInputs  # noqa: E402
+from tplayers.bench.simulate import simulated_rank  # noqa: E402
 from tplayers.core.groups import resolve_group  # noqa: E402
 
 CATEGORIES = (  # (category, substrings of a kernel's name), first match wins
@@ -90,48 +90,46 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = dict(LAYER_SHAPES[args.shape], batch=args.batch, seq=args.seq)
     cfg = BenchConfig(module="block", **shape, dtype=args.dtype, device=device, sequence_parallel=args.sequence_parallel,
                       chunks=args.chunks, link=args.link)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.tp)
-    g = resolve_group(dist.group.WORLD)
-    inputs = BenchInputs.create(g, cfg)
-    link = resolve_link(args.link, g)
-    report: Dict[str, Any] = {"config": vars(args), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                              "torch": torch.__version__, "modes": {}}
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    for name in args.modes.split(","):
-        why = MODE_TABLE[name].skip(inputs)
-        if why is not None:
-            report["modes"][name] = {"skipped": why}
-            continue
-        step = MODE_TABLE[name].build(inputs)
-        with emulated_link(link):
-            for _ in range(args.warmup):
-                step()
-            counts = count_step(step)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            with profile(activities=activities) as prof:
-                for _ in range(args.iters):
+    with simulated_rank(args.tp) as group:
+        g = resolve_group(group)
+        inputs = BenchInputs.create(g, cfg)
+        link = resolve_link(args.link, g)
+        name_of_device = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        report: Dict[str, Any] = {"config": vars(args), "device": name_of_device, "torch": torch.__version__,
+                                  "modes": {}}
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        for name in args.modes.split(","):
+            why = MODE_TABLE[name].skip(inputs)
+            if why is not None:
+                report["modes"][name] = {"skipped": why}
+                continue
+            step = MODE_TABLE[name].build(inputs)
+            with emulated_link(link):
+                for _ in range(args.warmup):
                     step()
+                counts = count_step(step)
                 if device == "cuda":
                     torch.cuda.synchronize()
-        entry = {"counts": {k: counts[k] for k in ("kernels", "moved_bytes", "gemm_flops", "host_syncs")}}
-        try:  # (the profiler's event fields move between torch versions: a failure here loses the split only)
-            entry["ms_per_step"] = breakdown(prof, args.iters) if device == "cuda" else {}
-        except Exception as e:  # noqa: BLE001
-            entry["ms_per_step"], entry["breakdown_error"] = {}, f"{type(e).__name__}: {e}"
-            print(f"{name}: no breakdown ({entry['breakdown_error']})", flush=True)
-        report["modes"][name] = entry
-        parts = ", ".join(f"{k} {v:.3f}" for k, v in entry["ms_per_step"].items())
-        print(f"{name:12s} kernels {counts['kernels']:4d}  moved {counts['moved_bytes'] / 1e6:9.1f} MB  {parts}",
-              flush=True)
-    dist.destroy_process_group()
+                with profile(activities=activities) as prof:
+                    for _ in range(args.iters):
+                        step()
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+            entry = {"counts": {k: counts[k] for k in ("kernels", "moved_bytes", "gemm_flops", "host_syncs")}}
+            try:  # (the profiler's event fields move between torch versions: a failure here loses the split only)
+                entry["ms_per_step"] = breakdown(prof, args.iters) if device == "cuda" else {}
+            except Exception as e:  # noqa: BLE001
+                entry["ms_per_step"], entry["breakdown_error"] = {}, f"{type(e).__name__}: {e}"
+                print(f"{name}: no breakdown ({entry['breakdown_error']})", flush=True)
+            report["modes"][name] = entry
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in entry["ms_per_step"].items())
+            print(f"{name:12s} kernels {counts['kernels']:4d}  moved {counts['moved_bytes'] / 1e6:9.1f} MB  {parts}",
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -15,11 +15,11 @@ import os
 import traceback
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tplayers
 from tplayers.bench.counts import MOVES, count_step, tensor_bytes
+from tplayers.bench.simulate import simulated_rank
 
 
 class _BySite(TorchDispatchMode):
@@ -42,8 +42,6 @@ class _BySite(TorchDispatchMode):
 
 def main() -> None:
     import transformers
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--batch", type=int, default=2)
@@ -57,36 +55,34 @@ def main() -> None:
     ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--by-site", action="store_true")
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.tp)
-    tplayers.set_collective_checks(False)
-    cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.ffn, num_attention_heads=args.heads,
-                                   num_key_value_heads=args.kv_heads, num_hidden_layers=args.layers,
-                                   vocab_size=args.vocab, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = tplayers.parallelize(transformers.LlamaForCausalLM(cfg), "auto", group=dist.group.WORLD,
-                                 sequence_parallel=args.sequence_parallel, loss_parallel=True, audit=False,
-                                 check_consistency=False, check_inputs=0)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+    with simulated_rank(args.tp) as group:
+        tplayers.set_collective_checks(False)
+        cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.ffn,
+                                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                                       num_hidden_layers=args.layers, vocab_size=args.vocab, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        model = tplayers.parallelize(transformers.LlamaForCausalLM(cfg), "auto", group=group,
+                                     sequence_parallel=args.sequence_parallel, loss_parallel=True, audit=False,
+                                     check_consistency=False, check_inputs=0)
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq))
 
-    def step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
+        def step() -> None:
+            model(input_ids=ids, labels=ids).loss.backward()
 
-    step()
-    step()
-    counts = count_step(step)
-    activation = args.batch * args.seq * args.hidden * 4
-    print(f"HF Llama, {args.layers} layer(s), TP {args.tp}{' SP' if args.sequence_parallel else ''}, (b, s, h) = "
-          f"({args.batch}, {args.seq}, {args.hidden}), ffn {args.ffn}, heads {args.heads} / {args.kv_heads} KV, "
-          f"vocab {args.vocab}, float32: {counts['kernels']} kernels, {counts['moved_bytes'] / activation:.2f} "
-          f"activations moved, {counts['host_syncs']} host syncs")
-    if args.by_site:
-        with _BySite() as sites:
-            step()
-        for (name, where), nbytes in sites.sites.most_common():
-            if nbytes >= activation / 100:
-                print(f"{nbytes / activation:6.2f} {name:10s} {where}")
-    dist.destroy_process_group()
+        step()
+        step()
+        counts = count_step(step)
+        activation = args.batch * args.seq * args.hidden * 4
+        print(f"HF Llama, {args.layers} layer(s), TP {args.tp}{' SP' if args.sequence_parallel else ''}, (b, s, h) = "
+              f"({args.batch}, {args.seq}, {args.hidden}), ffn {args.ffn}, heads {args.heads} / {args.kv_heads} KV, "
+              f"vocab {args.vocab}, float32: {counts['kernels']} kernels, {counts['moved_bytes'] / activation:.2f} "
+              f"activations moved, {counts['host_syncs']} host syncs")
+        if args.by_site:
+            with _BySite() as sites:
+                step()
+            for (name, where), nbytes in sites.sites.most_common():
+                if nbytes >= activation / 100:
+                    print(f"{nbytes / activation:6.2f} {name:10s} {where}")
 
 
 if __name__ == "__main__":

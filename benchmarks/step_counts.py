@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-
-import torch.distributed as dist
 
 from tplayers.bench.config import BenchConfig
 from tplayers.bench.counts import count_step
 from tplayers.bench.overlap import MODE_TABLE, BenchInputs
+from tplayers.bench.simulate import simulated_rank
 from tplayers.core.groups import resolve_group
 
 
@@ -33,24 +31,20 @@ def main() -> None:
     ap.add_argument("--modes", default="compute,tp,tp_blocking,tp_split,tp_chunked,tp_cm")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.tp)
     cfg = BenchConfig(module="block", batch=args.batch, seq=args.seq, hidden=args.hidden, ffn=args.ffn,
                       heads=args.heads, kv_heads=args.kv_heads, activation="swiglu", norm="rmsnorm",
                       sequence_parallel=args.sequence_parallel, chunks=args.chunks)
-    inputs = BenchInputs.create(resolve_group(dist.group.WORLD), cfg)
     activation = args.batch * args.seq * args.hidden * 4  # float32 bytes of one (b, s, h)
     out = {}
-    for name in args.modes.split(","):
-        if MODE_TABLE[name].skip(inputs) is not None:
-            continue
-        step = MODE_TABLE[name].build(inputs)
-        step()
-        step()
-        out[name] = count_step(step)
-    dist.destroy_process_group()
+    with simulated_rank(args.tp) as group:
+        inputs = BenchInputs.create(resolve_group(group), cfg)
+        for name in args.modes.split(","):
+            if MODE_TABLE[name].skip(inputs) is not None:
+                continue
+            step = MODE_TABLE[name].build(inputs)
+            step()
+            step()
+            out[name] = count_step(step)
     if args.json:
         print(json.dumps(out, indent=1))
         return

@@ -12,8 +12,9 @@ work, so one rank stands for all (no stragglers, no contention between groups: s
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Dict, Set
+from typing import Any, Dict, Iterator, Set
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from .config import BenchConfig
 from .overlap import MODE_TABLE, BenchInputs, run_overlap_bench
 from .predict import gpu_model, predict_modes, prediction_link
 
-__all__ = ["simulate", "rank_memory", "predict"]
+__all__ = ["simulate", "rank_memory", "predict", "simulated_rank"]
 
 
 def rank_memory(model: nn.Module, x: torch.Tensor) -> Dict[str, int]:
@@ -58,17 +59,10 @@ def simulate(cfg: BenchConfig, tp: int) -> Dict[str, Any]:
         raise ValueError("bench --simulate needs --link (the collectives' timing comes from the link model)")
     if tp < 1:
         raise ValueError(f"bench --simulate: --tp must be >= 1, got {tp}")
-    if dist.is_initialized():
-        raise RuntimeError("bench --simulate creates its own one-process group: run it outside torchrun")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     cfg.check_tp(tp)
     modes = tuple(m for m in cfg.modes if m not in ("naive", "dense"))  # no peers; the dense layer is not one rank's
     cfg = replace(cfg, modes=modes)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
-    try:
-        group = dist.group.WORLD
+    with simulated_rank(tp) as group:
         report = run_overlap_bench(group, cfg)
         torch.manual_seed(cfg.seed)
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
@@ -78,8 +72,6 @@ def simulate(cfg: BenchConfig, tp: int) -> Dict[str, Any]:
         param = next(model.parameters())
         x = torch.randn(cfg.batch, seq, cfg.hidden, device=param.device, dtype=param.dtype, requires_grad=True)
         memory = rank_memory(model, x)
-    finally:
-        dist.destroy_process_group()
     t = report["timings"]
     if "tp" in t:
         report["summary"]["step_ms"] = t["tp"]["median_ms"]
@@ -87,6 +79,23 @@ def simulate(cfg: BenchConfig, tp: int) -> Dict[str, Any]:
                             "note": "one rank's real compute; collectives timed by the link model"}
     report["environment"]["backend"] = "fake (simulated)"
     return report
+
+
+@contextmanager
+def simulated_rank(tp: int) -> Iterator[Any]:
+    """Rank 0 of a TP ``tp`` world, alone in this process: the fake process group (torch's testing backend: its
+    collectives return at once and move nothing), so one rank's share of every op runs here. Yields the group; it is
+    destroyed on leaving. Refused where a process group exists already (under torchrun)."""
+    if dist.is_initialized():
+        raise RuntimeError("bench --simulate creates its own one-process group: run it outside torchrun")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 def predict(cfg: BenchConfig, tp: int, gpu_name: str) -> Dict[str, Any]:
@@ -98,16 +107,10 @@ def predict(cfg: BenchConfig, tp: int, gpu_name: str) -> Dict[str, Any]:
     if cfg.link is None:
         raise ValueError("bench --predict needs --link (the collectives' times come from the link model)")
     link = prediction_link(cfg.link)
-    if dist.is_initialized():
-        raise RuntimeError("bench --simulate creates its own one-process group: run it outside torchrun")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     cfg.check_tp(tp)
     cfg = replace(cfg, device="meta", modes=tuple(m for m in cfg.modes if m not in ("naive", "dense")))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
-    try:
-        inputs = BenchInputs.create(resolve_group(dist.group.WORLD), cfg)
+    with simulated_rank(tp) as group:
+        inputs = BenchInputs.create(resolve_group(group), cfg)
         steps, skipped = {}, {}
         for name in cfg.modes:
             why = MODE_TABLE[name].skip(inputs)
@@ -116,7 +119,5 @@ def predict(cfg: BenchConfig, tp: int, gpu_name: str) -> Dict[str, Any]:
                 continue
             steps[name] = MODE_TABLE[name].build(inputs)
         prediction = predict_modes(steps, gpu, link)
-    finally:
-        dist.destroy_process_group()
     return {"schema": "tplayers-bench-predict/1", "config": {**vars(cfg), "modes": list(cfg.modes)}, "tp": tp,
             "prediction": prediction, "counts": prediction.pop("counts"), "skipped": skipped}
