@@ -40,19 +40,14 @@ def forward_site(frame: Any) -> Tuple[str, bool, bool]:
     requires grad tells a training forward from one under ``torch.no_grad``). Inside a :func:`reading` block, what
     it reads names the site instead."""
     inner, outer, tracked = None, None, torch.is_grad_enabled()
-    while frame is not None:
-        if frame.f_code.co_name == "forward":
-            local = frame.f_locals
-            module = local.get("self")
-            if isinstance(module, torch.nn.Module):
-                if inner is None:
-                    inner = module
-                    tracked = tracked or any(isinstance(v, torch.Tensor) and v.requires_grad
-                                             and not isinstance(v, torch.nn.Parameter) for v in local.values())
-                    if "_tplayers_path" in module.__dict__:
-                        break
-                outer = module
-        frame = frame.f_back
+    for module, local in _module_forwards(frame):
+        if inner is None:
+            inner = module
+            tracked = tracked or any(isinstance(v, torch.Tensor) and v.requires_grad
+                                     and not isinstance(v, torch.nn.Parameter) for v in local.values())
+            if "_tplayers_path" in module.__dict__:
+                break
+        outer = module
     if inner is None:
         return _READING[0] or "(no module)", False, tracked
     if "_tplayers_path" not in inner.__dict__:
@@ -64,8 +59,15 @@ def forward_site(frame: Any) -> Tuple[str, bool, bool]:
 def in_a_forward(frame: Any) -> bool:
     """Whether a module's ``forward`` runs above ``frame`` (its hooks' calls included: they run under the forward of
     the model that called the module)."""
+    return next(_module_forwards(frame), None) is not None
+
+
+def _module_forwards(frame: Any) -> Iterator[Tuple[torch.nn.Module, dict]]:
+    """``(module, the frame's locals)`` for every module whose ``forward`` runs above ``frame``, innermost first."""
     while frame is not None:
-        if frame.f_code.co_name == "forward" and isinstance(frame.f_locals.get("self"), torch.nn.Module):
-            return True
+        if frame.f_code.co_name == "forward":
+            local = frame.f_locals
+            module = local.get("self")
+            if isinstance(module, torch.nn.Module):
+                yield module, local
         frame = frame.f_back
-    return False
