@@ -118,3 +118,102 @@ def _gpt_overlap_switch(group):
 
 def test_one_switch_sets_the_split_backward_of_a_whole_model_with_identical_gradients():
     assert all(get_world(2).run(_gpt_overlap_switch))
+
+
+class _WgradTimeline:
+    """A backward's collectives (launched, waited for) and weight-gradient GEMMs (an ``mm`` or ``addmm`` whose result
+    has fc1's or fc2's weight shape), in order: an observer of the launches and a dispatch mode together."""
+
+    def __init__(self, shapes):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.events, timeline = [], self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.overloadpacket.__name__ in ("mm", "addmm", "addmm_") and tuple(out.shape) in shapes:
+                    timeline.events.append(shapes[tuple(out.shape)])
+                return out
+
+        self.mode = _Mode()
+
+    def launch(self, op, nbytes, g, device, call):
+        self.events.append(f"launch {op}")
+        return call(), op
+
+    def finished(self, token, wait_started):
+        self.events.append(f"wait {token}")
+
+
+def _megatron_schedule_keeps_rank_major(group, overlap_comm, sink):
+    """Under SP, narrow per-rank sides (fc1 4 wide at TP 2 and 4 for hidden 16: `stays_rank_major`), the Megatron
+    schedule's MLP runs as one region only to keep its tokens rank-major: every result bit-identical to its two layers
+    run one after the other, the same collectives, and the two layers' order kept (fc2's weight gradient before fc1's
+    collective leaves; fc1's under it with the overlap on)."""
+    from tplayers.core import collectives
+
+    torch.manual_seed(4)
+    dense = DenseMLP(16, 4 * group.size(), "swiglu", True, dtype=F64)
+    x = torch.randn(3, 8 // group.size(), 16, dtype=F64, generator=torch.Generator().manual_seed(group.rank()))
+    results = []
+    for path in ("region", "two layers"):
+        mlp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=True, overlap_comm=overlap_comm)
+        assert mlp._keeps_rank_major()
+        if sink == "main_grad":
+            tplayers.use_main_grad(mlp, dtype=F64)
+        tplayers.set_overlap(mlp, delay_wgrad=sink == "delay_wgrad")
+        xk = x.clone().requires_grad_()
+        out = mlp(xk) if path == "region" else mlp.fc2(mlp._act(mlp.fc1(xk)))
+        timeline = _WgradTimeline({tuple(mlp.fc1.weight.shape): "fc1 wgrad", tuple(mlp.fc2.weight.shape): "fc2 wgrad"})
+        previous = collectives.set_observer(timeline)
+        try:
+            with timeline.mode:
+                out.square().sum().backward()
+        finally:
+            collectives.set_observer(previous)
+        if sink == "delay_wgrad":
+            assert tplayers.backward_dw(mlp) >= 1
+        grads = [p.main_grad if sink == "main_grad" else p.grad for p in mlp.parameters()]
+        results.append(([out, xk.grad, *grads], timeline.events))
+    (region, region_events), (layers, layer_events) = results
+    for name, a, b in zip(["output", "input grad", *(n for n, _ in mlp.named_parameters())], region, layers):
+        assert torch.equal(a, b), f"{name}: the region differs from the two layers by {(a - b).abs().max()}"
+    launches = [e for e in region_events if e.startswith("launch")]
+    assert launches == [e for e in layer_events if e.startswith("launch")], (region_events, layer_events)
+    if sink != "delay_wgrad":
+        rs = region_events.index("launch reduce_scatter")
+        assert region_events.index("fc2 wgrad") < rs < region_events.index("fc1 wgrad"), region_events
+        if overlap_comm:
+            assert region_events.index("fc1 wgrad") < region_events.index("wait reduce_scatter"), region_events
+    return True
+
+
+@pytest.mark.parametrize("tp", MULTI_RANK)
+@pytest.mark.parametrize("overlap_comm", [True, False], ids=["overlap", "blocking"])
+@pytest.mark.parametrize("sink", ["grad", "main_grad", "delay_wgrad"])
+def test_the_megatron_schedule_keeps_the_mlp_rank_major_with_its_two_layers_bits(tp, overlap_comm, sink):
+    assert all(get_world(tp).run(_megatron_schedule_keeps_rank_major, overlap_comm, sink))
+
+
+def _observed_layers_run_as_they_are(group):
+    """A hook on fc1 sees its output in the sequence's order (the two layers run as they are): what dense's fc1 gives
+    for the whole sequence, this rank's columns. tp_invariant layers compute their own fixed tree."""
+    torch.manual_seed(4)
+    dense = DenseMLP(16, 4 * group.size(), "gelu", True, dtype=F64)
+    x = torch.randn(3, 8, 16, dtype=F64, generator=torch.Generator().manual_seed(0))
+    mlp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=True)
+    assert mlp._keeps_rank_major()
+    seen = []
+    mlp.fc1.register_forward_hook(lambda m, args, out: seen.append(out.detach()))
+    assert not mlp._keeps_rank_major()
+    p, r = group.size(), group.rank()
+    mlp(x.chunk(p, dim=1)[r].clone())
+    torch.testing.assert_close(seen[0], dense.fc1(x).chunk(p, dim=-1)[r], rtol=1e-12, atol=1e-12)
+    plain = ParallelMLP.from_dense(dense, group=group, sequence_parallel=True)
+    plain.fc1.tp_invariant = True
+    return not plain._keeps_rank_major()
+
+
+def test_a_hooked_mlp_layer_sees_the_sequence_order():
+    assert all(get_world(2).run(_observed_layers_run_as_they_are))

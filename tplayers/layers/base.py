@@ -239,6 +239,11 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
                "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
 
 
+def has_module_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks of its own (forward, pre-forward, backward): code that sees its inputs or outputs."""
+    return any(getattr(module, attr, None) for attr in _HOOK_DICTS)
+
+
 def sharded_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of every parameter of ``model``'s TP layers that holds this rank's shard."""
     placements = model_placements(model)

@@ -25,13 +25,13 @@ from einops import rearrange
 from .cache import LayerKV
 from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, attention_core,
                     check_heads, normalize_attn_mask, refuse_mask_with_cache, rotate_and_cache)
-from ..regions.region import require_chunks, split_backward_region
+from ..regions.region import require_chunks, split_backward_region, stays_rank_major
 from ..core.functional import autocast_dtype
 from ..regions.interleave import ResidualRegion, interleaved_residual_regions
 from ..layers.fused import FusedColumnParallelLinear
 from ..core.groups import GroupLike, resolve_group
 from ..core.placement import kv_shards as placement_kv_shards, require_divisible, require_positive
-from ..layers.base import TensorParallelModule
+from ..layers.base import TensorParallelModule, has_module_hooks
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, grad_sinks
 from ..layers.norm import ParallelNorm
 from .rng import PARALLEL, RNGTracker, activation_dropout, dropout_context, require_rng
@@ -66,6 +66,11 @@ class ParallelMLP(TensorParallelModule):
     ``chunks`` > 1: the same fused region, run over that many batch chunks so each chunk's fc2
     collective travels while the next chunk computes (forward overlap, Domino-style) and each
     chunk's fc1 input-gradient collective while the backward goes on; equal up to rounding.
+    Under sequence parallelism, where fc1's output and fc2's input are the narrow sides (`stays_rank_major`: at TP 8
+    on Llama-3 widths), the tokens stay in the gathered, rank-major order from fc1's GEMM to fc2's in every schedule
+    (the two layers' own order, bit for bit: `_keeps_rank_major`), so the activation's input and output are never
+    reordered; collective matmul's ring steps, ``tp_invariant``, hooks on fc1 or fc2 and a ``torch.compile`` graph
+    take the two layers as they are.
     Input/output ``(..., hidden)``; ``(..., seq/p, hidden)`` with ``sequence_parallel``.
     """
 
@@ -98,18 +103,29 @@ class ParallelMLP(TensorParallelModule):
             return F.silu(gate) * up
         return F.gelu(h)
 
-    def _region(self) -> Optional[Dict[str, Any]]:
-        """`split_backward_region`'s arguments for this MLP (the activation recomputed in backward), or
-        None when its two layers must run separately."""
+    def _region(self, split: bool) -> Optional[Dict[str, Any]]:
+        """`split_backward_region`'s arguments for this MLP, or None when its two layers must run separately.
+        ``split``: the split backward (the activation recomputed in backward); else the two layers' order and
+        memory (the activation's graph kept from forward)."""
         sinks = region_sinks(self.fc1, self.fc2)
         if sinks is None:
             return None
         return dict(w1=self.fc1.weight, b1=self.fc1.bias, w2=self.fc2.weight, b2=self.fc2.bias,
-                    core=lambda h, rows: self._act(h), recompute=True, token_wise=True, **sinks)
+                    core=lambda h, rows: self._act(h), recompute=split, token_wise=True, split_backward=split, **sinks)
+
+    def _keeps_rank_major(self) -> bool:
+        """Whether the two layers run as one region in their own order, only to keep the tokens rank-major between
+        them (under SP, `stays_rank_major`): where nothing could see the difference, i.e. not where fc1's output or
+        fc2's input is observed (a module hook), computed another way (``tp_invariant``) or traced (compile)."""
+        fc1, fc2 = self.fc1, self.fc2
+        return (self.group.size > 1 and stays_rank_major(self.sequence_parallel, True, fc1.weight, fc2.weight)
+                and not (fc1.tp_invariant or fc2.tp_invariant or has_module_hooks(fc1) or has_module_hooks(fc2))
+                and not torch.compiler.is_compiling())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         overlap = self.fc1.overlap_comm
-        region = self._region() if self.chunks > 1 or self.split_backward and overlap else None
+        split = self.chunks > 1 or self.split_backward and overlap
+        region = self._region(split) if split or self._keeps_rank_major() else None
         if region is not None:  # both weight gradients under fc1's collective (or both recorded, with delay_wgrad)
             return split_backward_region(x, **region, group=self.group, sequence_parallel=self.sequence_parallel,
                                          overlap_comm=overlap, chunks=self.chunks)

@@ -34,7 +34,7 @@ from ..core.functional import (autocast_dtype, check_linear_inputs, column_paral
                                warn_cuda_connections_once)
 from ..core.graph import differentiable_grads
 from ..core.groups import GroupLike, TPGroup, resolve_group
-from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, region_wgrads
+from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, chunked_wgrads, region_wgrads
 
 __all__ = ["split_backward_region", "parallel_mlp", "batch_chunks", "cat_rows", "into_rows", "chunk_pairs", "core_graph",
            "Core", "require_chunks", "stays_rank_major"]
@@ -100,7 +100,7 @@ class _SplitBackwardFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, core: Core, g: TPGroup, sequence_parallel: bool, overlap_comm: bool,
-                recompute: bool, rows: List[slice], sink: WgradSink, token_wise: bool):
+                recompute: bool, rows: List[slice], sink: WgradSink, token_wise: bool, split: bool):
         sp, chunked = sequence_parallel, len(rows) > 1
         # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
         rm1, rm2 = sp and column_forward_rank_major(w1), sp and row_forward_rank_major(w2)
@@ -131,14 +131,14 @@ class _SplitBackwardFn(torch.autograd.Function):
         ctx.save_for_backward(x, w1, b1, w2, b2, *hs)
         ctx.graphs = graphs or None  # autograd graphs (their tensors saved through autograd), not tensors
         ctx.core, ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.rows, ctx.sink = core, g, sp, overlap_comm, rows, sink
-        ctx.stay = stay
+        ctx.stay, ctx.split = stay, split
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         if torch.is_grad_enabled():  # create_graph=True: rebuilt from the differentiable layers
             ctx.graphs = None
-            return (*_split_graph_grads(ctx, grad_out), None, None, None, None, None, None, None, None)
+            return (*_split_graph_grads(ctx, grad_out), None, None, None, None, None, None, None, None, None)
         x, w1, b1, w2, b2, *hs = ctx.saved_tensors
         g, sp, overlap_comm, rows, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.rows, ctx.sink
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
@@ -150,6 +150,10 @@ class _SplitBackwardFn(torch.autograd.Function):
         graphs, ctx.graphs = ctx.graphs, None
         grad_x = grad_out.new_empty(x.shape) if need_x and len(rows) > 1 and not sp else None  # chunks' rows of it
         grad_hs, acts, reducing = [], [], []
+
+        def launch(grad_h: torch.Tensor, r: slice):  # a chunk's partial input gradient (a buffer we own), at once
+            partial = grad_h @ w1 if grad_x is None else into_rows(grad_h, w1, grad_x[r])
+            return sum_partials(partial, g, sp, async_op=overlap_comm, rank_major=rm1)
         for i, (r, h) in enumerate(zip(rows, hs)):  # the input-gradient chain, chunk by chunk
             h_in, a = core_graph(ctx.core, h, r) if graphs is None else graphs[i]
             grad_a = grad_full[r] @ w2 if not rm2 else grad_a_full[:, r] if ctx.stay else to_sequence(grad_a_full[:, r], True)
@@ -157,19 +161,25 @@ class _SplitBackwardFn(torch.autograd.Function):
             grad_h = grad_h if ctx.stay else to_order(grad_h, g, rm1)
             grad_hs.append(grad_h)
             acts.append(a.detach() if ctx.stay else to_order(a.detach(), g, rm2))
-            if need_x:  # this chunk's partial input gradient (a buffer we own) travels at once
-                partial = grad_h @ w1 if grad_x is None else into_rows(grad_h, w1, grad_x[r])
-                reducing.append(sum_partials(partial, g, sp, async_op=overlap_comm, rank_major=rm1))
+            if need_x and ctx.split:  # this chunk's input gradient travels while the next chunk's chain runs
+                reducing.append(launch(grad_h, r))
         needs = (need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None)
         grad_fulls, acts = chunk_pairs(grad_full, acts, rows, rm2)
+        row_grads: Tuple[Optional[torch.Tensor], ...] = (None, None)
+        if not ctx.split:  # the two layers' order: the row layer's weight gradients, then the column's collective
+            if sink.store is None:  # (recorded ones run later anyway: routed with the column's below)
+                main = None if sink.main is None else sink.main[2:]
+                row_grads, needs = chunked_wgrads(grad_fulls, acts, needs[2], needs[3], main, g), needs[:2] + (False, False)
+            reducing = [launch(grad_hs[0], rows[0])] if need_x else []
 
         def column():  # the column layer's input, asked for once the row layer's GEMMs are queued
             xs, grads_h = chunk_pairs(sink.whole(x_full), grad_hs, rows, rm1)
             return grads_h, xs
         grads = sink.route(needs, lambda: region_wgrads((grad_fulls, acts), column, needs, sink.main, g))
+        grads = (*grads[:2], *(mine if mine is not None else routed for mine, routed in zip(row_grads, grads[2:])))
         sums = [pending.wait() for pending in reducing]
         grad_x = (cat_rows(sums) if grad_x is None else grad_x) if need_x else None
-        return (grad_x, *grads, None, None, None, None, None, None, None, None)
+        return (grad_x, *grads, None, None, None, None, None, None, None, None, None)
 
 
 def _split_graph_grads(ctx, grad_out):
@@ -188,7 +198,7 @@ def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.
                           b2: Optional[torch.Tensor], core: Core, *, group: GroupLike, sequence_parallel: bool = False,
                           overlap_comm: bool = True, recompute: bool = False, chunks: int = 1,
                           wgrad_store: Optional[WeightGradStore] = None, main_grads: MainGrads = None,
-                          token_wise: bool = False) -> torch.Tensor:
+                          token_wise: bool = False, split_backward: bool = True) -> torch.Tensor:
     """``row(core(column(x)))`` with the split backward of the module docstring. ``core(h, rows)``
     maps this rank's ``(bc, s, local width)`` columns of the batch rows ``rows`` (a slice of dim 0) to
     the row layer's ``(bc, s, local width)`` input; it must not mix ranks nor draw random numbers.
@@ -199,9 +209,14 @@ def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.
     the four weight and bias gradients there; ``main_grads``: the four buffers for w1, b1, w2, b2 (as
     :func:`column_parallel_linear`'s). ``token_wise``: ``core`` acts on each token alone (an MLP's activation):
     under sequence parallelism the tokens may then stay in rank-major order from one GEMM to the other
-    (:func:`stays_rank_major`). Under autocast, or in a world of one, it composes the two layers instead."""
+    (:func:`stays_rank_major`). ``split_backward=False``: backward in the two layers' own (Megatron's) order, the row
+    layer's weight gradients before the column layer's collective (one chunk only): what the region keeps is the token
+    order. Under autocast, or in a world of one, it composes the two layers instead."""
     g = resolve_group(group)
     require_chunks(chunks, "split_backward_region")
+    if chunks > 1 and not split_backward:
+        raise ValueError(f"split_backward_region: chunks={chunks} needs split_backward=True (each chunk's "
+                         "input-gradient collective runs under the next chunk's backward)")
     check_linear_inputs("split_backward_region", x, w1, b1, w1.shape[1], g, sequence_parallel)
     if g.size == 1 or autocast_dtype(x) is not None:
         h = column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm,
@@ -217,7 +232,7 @@ def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.
                      (w1, b1, w2, b2), gather_input=sequence_parallel,
                      rank_major=sequence_parallel and column_backward_rank_major(w1))
     return _SplitBackwardFn.apply(x, w1, b1, w2, b2, core, g, sequence_parallel, overlap_comm, recompute, rows, sink,
-                                  token_wise)
+                                  token_wise, split_backward)
 
 
 def check_region_main_grads(main_grads: MainGrads, w1, b1, w2, b2, op: str, g: TPGroup) -> MainGrads:
