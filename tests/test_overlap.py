@@ -146,11 +146,13 @@ class _WgradTimeline:
         self.events.append(f"wait {token}")
 
 
-def _megatron_schedule_keeps_rank_major(group, overlap_comm, sink):
+def _megatron_schedule_keeps_rank_major(group, schedule, sink):
     """Under SP, narrow per-rank sides (fc1 4 wide at TP 2 and 4 for hidden 16: `stays_rank_major`), the Megatron
-    schedule's MLP runs as one region only to keep its tokens rank-major: every result bit-identical to its two layers
-    run one after the other, the same collectives, and the two layers' order kept (fc2's weight gradient before fc1's
-    collective leaves; fc1's under it with the overlap on)."""
+    schedule's MLP (overlap on or off, or collective matmul's ring steps) runs as one region only to keep its tokens
+    rank-major: every result bit-identical to its two layers run one after the other, the same collectives (ring
+    steps included), and the two layers' order kept (fc2's weight gradient before fc1's collective leaves; fc1's under
+    it with the overlap on)."""
+    overlap_comm = schedule != "blocking"
     from tplayers.core import collectives
 
     torch.manual_seed(4)
@@ -159,6 +161,7 @@ def _megatron_schedule_keeps_rank_major(group, overlap_comm, sink):
     results = []
     for path in ("region", "two layers"):
         mlp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=True, overlap_comm=overlap_comm)
+        tplayers.set_overlap(mlp, collective_matmul=schedule == "collective_matmul")
         assert mlp._keeps_rank_major()
         if sink == "main_grad":
             tplayers.use_main_grad(mlp, dtype=F64)
@@ -181,6 +184,7 @@ def _megatron_schedule_keeps_rank_major(group, overlap_comm, sink):
         assert torch.equal(a, b), f"{name}: the region differs from the two layers by {(a - b).abs().max()}"
     launches = [e for e in region_events if e.startswith("launch")]
     assert launches == [e for e in layer_events if e.startswith("launch")], (region_events, layer_events)
+    assert ("launch send" in launches) == (schedule == "collective_matmul"), launches
     if sink != "delay_wgrad":
         rs = region_events.index("launch reduce_scatter")
         assert region_events.index("fc2 wgrad") < rs < region_events.index("fc1 wgrad"), region_events
@@ -190,10 +194,10 @@ def _megatron_schedule_keeps_rank_major(group, overlap_comm, sink):
 
 
 @pytest.mark.parametrize("tp", MULTI_RANK)
-@pytest.mark.parametrize("overlap_comm", [True, False], ids=["overlap", "blocking"])
+@pytest.mark.parametrize("schedule", ["overlap", "blocking", "collective_matmul"])
 @pytest.mark.parametrize("sink", ["grad", "main_grad", "delay_wgrad"])
-def test_the_megatron_schedule_keeps_the_mlp_rank_major_with_its_two_layers_bits(tp, overlap_comm, sink):
-    assert all(get_world(tp).run(_megatron_schedule_keeps_rank_major, overlap_comm, sink))
+def test_the_megatron_schedule_keeps_the_mlp_rank_major_with_its_two_layers_bits(tp, schedule, sink):
+    assert all(get_world(tp).run(_megatron_schedule_keeps_rank_major, schedule, sink))
 
 
 def _observed_layers_run_as_they_are(group):
@@ -217,3 +221,18 @@ def _observed_layers_run_as_they_are(group):
 
 def test_a_hooked_mlp_layer_sees_the_sequence_order():
     assert all(get_world(2).run(_observed_layers_run_as_they_are))
+
+
+def test_a_region_refuses_chunks_it_cannot_run():
+    """Chunks need the split backward (each chunk's collective runs under the next chunk's backward); collective
+    matmul's ring steps have no chunked form and exist under sequence parallelism only."""
+    from tplayers.regions.region import split_backward_region
+
+    x, w1, w2 = torch.randn(4, 2, 8), torch.randn(6, 8), torch.randn(8, 6)
+    args = (x, w1, None, w2, None, lambda h, rows: h)
+    with pytest.raises(ValueError, match="chunks=2 needs split_backward=True"):
+        split_backward_region(*args, group=None, chunks=2, split_backward=False)
+    with pytest.raises(ValueError, match="collective_matmul needs sequence_parallel=True and one chunk"):
+        split_backward_region(*args, group=None, collective_matmul=True)
+    with pytest.raises(ValueError, match=r"collective_matmul needs .* \(got sequence_parallel=True, chunks=2\)"):
+        split_backward_region(*args, group=None, sequence_parallel=True, chunks=2, collective_matmul=True)

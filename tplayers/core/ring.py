@@ -31,11 +31,12 @@ def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
 
 
 def ring_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], g: TPGroup,
-                       gathered: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       gathered: Optional[torch.Tensor] = None, rank_major: bool = False) -> torch.Tensor:
     """``F.linear(all_gather(x, seq), weight, bias)``: x ``(..., s/p, in)`` -> ``(..., s, out_local)``;
     the chunk of rank r - k is multiplied while the chunk of rank r - k - 1 arrives. Each step's GEMM writes
     its own block of a rank-major output (``(p, ..., s/p, out_local)``, see ``collectives.to_rank_major``),
-    reordered once at the end (the narrow side). ``gathered`` (``(p, ..., s/p, in)``), when given, receives
+    reordered once at the end (the narrow side; ``rank_major``: left so, for a caller whose next GEMM takes the
+    tokens in that order, a region's token-wise core). ``gathered`` (``(p, ..., s/p, in)``), when given, receives
     the rank-major gather of x too, each chunk landing there directly (the row layer's backward needs the
     whole output gradient for its weight gradient)."""
     chunk = x.contiguous()
@@ -51,7 +52,7 @@ def ring_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         _linear_into(out[src], chunk, weight, bias)
         if arriving is not None:
             chunk = arriving.wait()
-    return from_rank_major(out)
+    return out if rank_major else from_rank_major(out)
 
 
 def ring_linear_scatter(x: torch.Tensor, weight: torch.Tensor, g: TPGroup) -> torch.Tensor:

@@ -42,16 +42,17 @@ __all__ = ["ParallelMLP", "ParallelAttention", "ParallelTransformerBlock"]
 # ---------------------------------------------------------------------------- MLP
 
 
-def region_sinks(column: nn.Module, row: nn.Module) -> Optional[Dict[str, Any]]:
+def region_sinks(column: nn.Module, row: nn.Module, ring: bool = False) -> Optional[Dict[str, Any]]:
     """Where a fused column -> row region sends its weight gradients (``wgrad_store`` / ``main_grads``
-    of `split_backward_region`), or None when the two layers disagree (then run them separately)."""
+    of `split_backward_region`), or None when the two layers disagree (then run them separately). ``ring``: the
+    caller runs the region unchunked, where collective matmul's ring steps may be (it has no chunked form)."""
     if column.delay_wgrad != row.delay_wgrad or column.accumulate_main_grad != row.accumulate_main_grad:
         return None
-    if column.collective_matmul or row.collective_matmul:  # the region's forward has no ring form
+    if column.collective_matmul != row.collective_matmul or column.collective_matmul and not ring:
         return None
     col, r = grad_sinks(column), grad_sinks(row)
     main = None if col["main_grads"] is None else (*col["main_grads"], *r["main_grads"])
-    return {"wgrad_store": col["wgrad_store"], "main_grads": main}  # (collective_matmul: False here)
+    return {"wgrad_store": col["wgrad_store"], "main_grads": main}
 
 
 
@@ -69,8 +70,8 @@ class ParallelMLP(TensorParallelModule):
     Under sequence parallelism, where fc1's output and fc2's input are the narrow sides (`stays_rank_major`: at TP 8
     on Llama-3 widths), the tokens stay in the gathered, rank-major order from fc1's GEMM to fc2's in every schedule
     (the two layers' own order, bit for bit: `_keeps_rank_major`), so the activation's input and output are never
-    reordered; collective matmul's ring steps, ``tp_invariant``, hooks on fc1 or fc2 and a ``torch.compile`` graph
-    take the two layers as they are.
+    reordered (collective matmul's ring steps too); ``tp_invariant``, hooks on fc1 or fc2 and a ``torch.compile``
+    graph take the two layers as they are.
     Input/output ``(..., hidden)``; ``(..., seq/p, hidden)`` with ``sequence_parallel``.
     """
 
@@ -107,18 +108,19 @@ class ParallelMLP(TensorParallelModule):
         """`split_backward_region`'s arguments for this MLP, or None when its two layers must run separately.
         ``split``: the split backward (the activation recomputed in backward); else the two layers' order and
         memory (the activation's graph kept from forward)."""
-        sinks = region_sinks(self.fc1, self.fc2)
+        sinks = region_sinks(self.fc1, self.fc2, ring=not split)
         if sinks is None:
             return None
         return dict(w1=self.fc1.weight, b1=self.fc1.bias, w2=self.fc2.weight, b2=self.fc2.bias,
-                    core=lambda h, rows: self._act(h), recompute=split, token_wise=True, split_backward=split, **sinks)
+                    core=lambda h, rows: self._act(h), recompute=split, token_wise=True, **sinks)
 
     def _keeps_rank_major(self) -> bool:
         """Whether the two layers run as one region in their own order, only to keep the tokens rank-major between
         them (under SP, `stays_rank_major`): where nothing could see the difference, i.e. not where fc1's output or
         fc2's input is observed (a module hook), computed another way (``tp_invariant``) or traced (compile)."""
         fc1, fc2 = self.fc1, self.fc2
-        return (self.group.size > 1 and stays_rank_major(self.sequence_parallel, True, fc1.weight, fc2.weight)
+        ring = fc1.collective_matmul and fc2.collective_matmul
+        return (self.group.size > 1 and stays_rank_major(self.sequence_parallel, True, fc1.weight, fc2.weight, ring)
                 and not (fc1.tp_invariant or fc2.tp_invariant or has_module_hooks(fc1) or has_module_hooks(fc2))
                 and not torch.compiler.is_compiling())
 
@@ -128,7 +130,8 @@ class ParallelMLP(TensorParallelModule):
         region = self._region(split) if split or self._keeps_rank_major() else None
         if region is not None:  # both weight gradients under fc1's collective (or both recorded, with delay_wgrad)
             return split_backward_region(x, **region, group=self.group, sequence_parallel=self.sequence_parallel,
-                                         overlap_comm=overlap, chunks=self.chunks)
+                                         overlap_comm=overlap, chunks=self.chunks, split_backward=split,
+                                         collective_matmul=not split and self.fc1.collective_matmul)
         return self.fc2(self._act(self.fc1(x)))  # (..., s, ffn/p | 2*ffn/p) -> (..., [s or s/p], hidden)
 
     @classmethod
@@ -346,7 +349,7 @@ class ParallelTransformerBlock(TensorParallelModule):
 
     def _interleaved(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The block over batch chunks as one pipeline, or None if a sublayer must run as two layers."""
-        mlp_region = self.mlp._region()  # first: the attention's region adds the replica-gradient ops
+        mlp_region = self.mlp._region(split=True)  # first: the attention's region adds the replica-gradient ops
         attn_region = None if mlp_region is None else self.attn._region(self.attn._local_mask(x, attn_mask, None))
         if attn_region is None:
             return None

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..core.collectives import sum_partials
 from ..core.seq_order import (column_backward_rank_major, column_forward_rank_major, gather_sequence,
                               row_backward_rank_major, row_forward_rank_major, to_order, to_sequence)
+from ..core.ring import ring_gather_linear, ring_linear_scatter
 from ..core.functional import (autocast_dtype, check_linear_inputs, column_parallel_linear, row_parallel_linear,
                                warn_cuda_connections_once)
 from ..core.graph import differentiable_grads
@@ -61,13 +62,17 @@ def cat_rows(parts: List[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def stays_rank_major(sequence_parallel: bool, token_wise: bool, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+def stays_rank_major(sequence_parallel: bool, token_wise: bool, w1: torch.Tensor, w2: torch.Tensor,
+                     ring: bool = False) -> bool:
     """Whether a column -> core -> row region keeps its tokens in rank-major order from the column layer's GEMM to the
     row layer's, both ways, never reordering them: under sequence parallelism, with a token-wise core (an MLP's
-    activation), when each of the two layers' four passes would choose that order anyway (core/seq_order.py). Then
-    every GEMM sees the same operands in the same order as the two layers do (the same bits), and the per-rank side
-    is never copied (at TP 8 on a Llama-3 MLP: three activations' worth per step)."""
-    return sequence_parallel and token_wise and column_forward_rank_major(w1) and row_backward_rank_major(w2)
+    activation), when each of the two layers' four passes would choose that order anyway (core/seq_order.py; ``ring``:
+    collective matmul's ring steps run three of them rank-major, the column layer's backward chooses). Then every
+    GEMM sees the same operands in the same order as the two layers do (the same bits), and the per-rank side is
+    never copied (at TP 8 on a Llama-3 MLP: three activations' worth per step)."""
+    if not (sequence_parallel and token_wise):
+        return False
+    return column_backward_rank_major(w1) if ring else column_forward_rank_major(w1) and row_backward_rank_major(w2)
 
 
 def into_rows(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -100,19 +105,22 @@ class _SplitBackwardFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, core: Core, g: TPGroup, sequence_parallel: bool, overlap_comm: bool,
-                recompute: bool, rows: List[slice], sink: WgradSink, token_wise: bool, split: bool):
+                recompute: bool, rows: List[slice], sink: WgradSink, token_wise: bool, split: bool, ring: bool):
         sp, chunked = sequence_parallel, len(rows) > 1
         # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
-        rm1, rm2 = sp and column_forward_rank_major(w1), sp and row_forward_rank_major(w2)
-        stay = stays_rank_major(sp, token_wise, w1, w2)
-        gathers = [gather_sequence(x[rows[0]], g, rm1, async_op=chunked)] if sp else []
+        rm1, rm2 = sp and (ring or column_forward_rank_major(w1)), sp and (ring or row_forward_rank_major(w2))
+        stay = stays_rank_major(sp, token_wise, w1, w2, ring)
+        gathers = [gather_sequence(x[rows[0]], g, rm1, async_op=chunked)] if sp and not ring else []
         summed = x.new_empty(x.shape[:-1] + w2.shape[:1]) if chunked and not sp else None  # each chunk's rows of it
         hs, graphs, reducing = [], [], []
         for i, r in enumerate(rows):
             if sp and i + 1 < len(rows):  # the next chunk's input travels while this one computes
                 gathers.append(gather_sequence(x[rows[i + 1]], g, rm1, async_op=True))
-            x_full = gathers[i].wait() if sp else x[r]  # (bc, s, hidden) or rank-major (p, bc, s/p, hidden)
-            h = F.linear(x_full, w1, b1)  # (bc, s, local column width), or rank-major
+            if ring:  # (one chunk) the gather in p ring steps under the GEMMs, each writing its rank's block
+                h = ring_gather_linear(x, w1, b1, g, rank_major=True)  # (p, b, s/p, local column width)
+            else:
+                x_full = gathers[i].wait() if sp else x[r]  # (bc, s, hidden) or rank-major (p, bc, s/p, hidden)
+                h = F.linear(x_full, w1, b1)  # (bc, s, local column width), or rank-major
             h = h if stay else to_sequence(h, rm1)
             if recompute:
                 a = core(h, r)
@@ -121,8 +129,11 @@ class _SplitBackwardFn(torch.autograd.Function):
                 graphs.append((h_in, a))
                 a = a.detach()
             a = a if stay else to_order(a, g, rm2)
-            partial = F.linear(a, w2) if summed is None else into_rows(a, w2.t(), summed[r])
-            reducing.append(sum_partials(partial, g, sp, async_op=chunked, rank_major=rm2))  # this rank's share
+            if ring:  # the reduce-scatter in p ring steps under the GEMMs
+                summed = ring_linear_scatter(a, w2, g)  # (b, s/p, hidden)
+            else:
+                partial = F.linear(a, w2) if summed is None else into_rows(a, w2.t(), summed[r])
+                reducing.append(sum_partials(partial, g, sp, async_op=chunked, rank_major=rm2))  # this rank's share
             hs.append(h)
         sums = [pending.wait() for pending in reducing]
         out = cat_rows(sums) if summed is None else summed  # (b, s | s/p, hidden)
@@ -131,22 +142,27 @@ class _SplitBackwardFn(torch.autograd.Function):
         ctx.save_for_backward(x, w1, b1, w2, b2, *hs)
         ctx.graphs = graphs or None  # autograd graphs (their tensors saved through autograd), not tensors
         ctx.core, ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.rows, ctx.sink = core, g, sp, overlap_comm, rows, sink
-        ctx.stay, ctx.split = stay, split
+        ctx.stay, ctx.split, ctx.ring = stay, split, ring
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         if torch.is_grad_enabled():  # create_graph=True: rebuilt from the differentiable layers
             ctx.graphs = None
-            return (*_split_graph_grads(ctx, grad_out), None, None, None, None, None, None, None, None, None)
+            return (*_split_graph_grads(ctx, grad_out), None, None, None, None, None, None, None, None, None, None)
         x, w1, b1, w2, b2, *hs = ctx.saved_tensors
         g, sp, overlap_comm, rows, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.rows, ctx.sink
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
-        rm1, rm2 = sp and column_backward_rank_major(w1), sp and row_backward_rank_major(w2)
-        grad_full = gather_sequence(grad_out, g, rm2).wait() if sp else grad_out  # (b, s, hidden) | (p, b, s/p, ...)
+        rm1, rm2 = sp and column_backward_rank_major(w1), sp and (ctx.ring or row_backward_rank_major(w2))
+        if ctx.ring:  # (one chunk) the gather in p ring steps, each block's GEMM under the next block's transfer
+            grad_full = grad_out.new_empty((g.size,) + grad_out.shape)  # (p, b, s/p, hidden), filled by the ring
+            grad_a_full = ring_gather_linear(grad_out, w2.t(), None, g, gathered=grad_full, rank_major=True)
+        else:
+            grad_full = gather_sequence(grad_out, g, rm2).wait() if sp else grad_out  # (b, s, hidden) | (p, b, s/p, ..)
         x_full = sink.input(x, need_w1, async_op=overlap_comm)  # SP: in flight under the chain below
-        grad_a_full = grad_full @ w2 if rm2 else None  # rank-major: one GEMM for every chunk
+        if not ctx.ring:
+            grad_a_full = grad_full @ w2 if rm2 else None  # rank-major: one GEMM for every chunk
         graphs, ctx.graphs = ctx.graphs, None
         grad_x = grad_out.new_empty(x.shape) if need_x and len(rows) > 1 and not sp else None  # chunks' rows of it
         grad_hs, acts, reducing = [], [], []
@@ -179,7 +195,7 @@ class _SplitBackwardFn(torch.autograd.Function):
         grads = (*grads[:2], *(mine if mine is not None else routed for mine, routed in zip(row_grads, grads[2:])))
         sums = [pending.wait() for pending in reducing]
         grad_x = (cat_rows(sums) if grad_x is None else grad_x) if need_x else None
-        return (grad_x, *grads, None, None, None, None, None, None, None, None, None)
+        return (grad_x, *grads, None, None, None, None, None, None, None, None, None, None)
 
 
 def _split_graph_grads(ctx, grad_out):
@@ -198,7 +214,8 @@ def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.
                           b2: Optional[torch.Tensor], core: Core, *, group: GroupLike, sequence_parallel: bool = False,
                           overlap_comm: bool = True, recompute: bool = False, chunks: int = 1,
                           wgrad_store: Optional[WeightGradStore] = None, main_grads: MainGrads = None,
-                          token_wise: bool = False, split_backward: bool = True) -> torch.Tensor:
+                          token_wise: bool = False, split_backward: bool = True,
+                          collective_matmul: bool = False) -> torch.Tensor:
     """``row(core(column(x)))`` with the split backward of the module docstring. ``core(h, rows)``
     maps this rank's ``(bc, s, local width)`` columns of the batch rows ``rows`` (a slice of dim 0) to
     the row layer's ``(bc, s, local width)`` input; it must not mix ranks nor draw random numbers.
@@ -211,18 +228,25 @@ def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.
     under sequence parallelism the tokens may then stay in rank-major order from one GEMM to the other
     (:func:`stays_rank_major`). ``split_backward=False``: backward in the two layers' own (Megatron's) order, the row
     layer's weight gradients before the column layer's collective (one chunk only): what the region keeps is the token
-    order. Under autocast, or in a world of one, it composes the two layers instead."""
+    order. ``collective_matmul`` (sequence parallel, one chunk): forward's gather and reduce-scatter and backward's
+    gather of the output gradient in p ring steps under the GEMMs, as the layers' own. Under autocast, or in a world
+    of one, it composes the two layers instead."""
     g = resolve_group(group)
     require_chunks(chunks, "split_backward_region")
     if chunks > 1 and not split_backward:
         raise ValueError(f"split_backward_region: chunks={chunks} needs split_backward=True (each chunk's "
                          "input-gradient collective runs under the next chunk's backward)")
+    if collective_matmul and (chunks > 1 or not sequence_parallel):
+        raise ValueError(f"split_backward_region: collective_matmul needs sequence_parallel=True and one chunk "
+                         f"(got sequence_parallel={sequence_parallel}, chunks={chunks})")
     check_linear_inputs("split_backward_region", x, w1, b1, w1.shape[1], g, sequence_parallel)
     if g.size == 1 or autocast_dtype(x) is not None:
         h = column_parallel_linear(x, w1, b1, group=g, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm,
-                                   wgrad_store=wgrad_store, main_grads=None if main_grads is None else main_grads[:2])
+                                   wgrad_store=wgrad_store, main_grads=None if main_grads is None else main_grads[:2],
+                                   collective_matmul=collective_matmul)
         return row_parallel_linear(core(h, slice(None)), w2, b2, group=g, sequence_parallel=sequence_parallel,
-                                   wgrad_store=wgrad_store, main_grads=None if main_grads is None else main_grads[2:])
+                                   wgrad_store=wgrad_store, main_grads=None if main_grads is None else main_grads[2:],
+                                   collective_matmul=collective_matmul)
     if chunks > 1 and x.dim() < 3:
         raise ValueError(f"split_backward_region: chunks={chunks} splits the batch dim of a (b, s, hidden) input, "
                          f"got shape {tuple(x.shape)}")
@@ -232,7 +256,7 @@ def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.
                      (w1, b1, w2, b2), gather_input=sequence_parallel,
                      rank_major=sequence_parallel and column_backward_rank_major(w1))
     return _SplitBackwardFn.apply(x, w1, b1, w2, b2, core, g, sequence_parallel, overlap_comm, recompute, rows, sink,
-                                  token_wise, split_backward)
+                                  token_wise, split_backward, collective_matmul)
 
 
 def check_region_main_grads(main_grads: MainGrads, w1, b1, w2, b2, op: str, g: TPGroup) -> MainGrads:
