@@ -236,3 +236,47 @@ def test_a_region_refuses_chunks_it_cannot_run():
         split_backward_region(*args, group=None, collective_matmul=True)
     with pytest.raises(ValueError, match=r"collective_matmul needs .* \(got sequence_parallel=True, chunks=2\)"):
         split_backward_region(*args, group=None, sequence_parallel=True, chunks=2, collective_matmul=True)
+
+
+def _rank_major_mlp_as_users_run_it(group):
+    """The Megatron schedule's rank-major MLP region (narrow SP MLP) under what users wrap around it: activation
+    checkpointing, a second backward through a retained graph, a differentiable backward (create_graph), an input
+    that needs no gradient, and inference mode: each bit-identical to its two layers run one after the other (the
+    differentiable backward's second one to rounding: it runs through the layers' differentiable ops in its own
+    order)."""
+    torch.manual_seed(6)
+    dense = DenseMLP(16, 4 * group.size(), "gelu", True, dtype=F64)
+    mlp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=True)
+    assert mlp._keeps_rank_major()
+    layers = lambda t: mlp.fc2(mlp._act(mlp.fc1(t)))  # noqa: E731
+    x = torch.randn(2, 8 // group.size(), 16, dtype=F64, generator=torch.Generator().manual_seed(group.rank()))
+
+    def run(fn, how):
+        mlp.zero_grad(set_to_none=True)
+        xk = x.clone().requires_grad_(how != "no input grad")
+        if how == "inference":
+            with torch.inference_mode():
+                return [fn(xk).clone()]
+        out = torch.utils.checkpoint.checkpoint(fn, xk, use_reentrant=False) if how == "checkpoint" else fn(xk)
+        if how == "create_graph":
+            (gx,) = torch.autograd.grad(out.square().sum(), xk, create_graph=True)
+            gx.square().sum().backward()
+        elif how == "retain_graph":
+            out.square().sum().backward(retain_graph=True)
+            out.sum().backward()
+        else:
+            out.square().sum().backward()
+        return [out.detach(), xk.grad, *(p.grad for p in mlp.parameters())]
+
+    for how in ("checkpoint", "retain_graph", "create_graph", "no input grad", "inference"):
+        for a, b in zip(run(mlp, how), run(layers, how)):
+            if how == "create_graph" and a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13, msg=how)
+            else:
+                assert (a is None and b is None) or torch.equal(a, b), how
+    return True
+
+
+def test_the_rank_major_mlp_region_under_checkpointing_and_higher_order_backward():
+    for tp in MULTI_RANK:
+        assert all(get_world(tp).run(_rank_major_mlp_as_users_run_it))
