@@ -146,17 +146,17 @@ class _WgradTimeline:
         self.events.append(f"wait {token}")
 
 
-def _megatron_schedule_keeps_rank_major(group, schedule, sink):
-    """Under SP, narrow per-rank sides (fc1 4 wide at TP 2 and 4 for hidden 16: `stays_rank_major`), the Megatron
-    schedule's MLP (overlap on or off, or collective matmul's ring steps) runs as one region only to keep its tokens
-    rank-major: every result bit-identical to its two layers run one after the other, the same collectives (ring
-    steps included), and the two layers' order kept (fc2's weight gradient before fc1's collective leaves; fc1's under
-    it with the overlap on)."""
+def _megatron_schedule_keeps_rank_major(group, schedule, sink, width="narrow"):
+    """Under SP the Megatron schedule's MLP (overlap on or off, or collective matmul's ring steps) runs as one region
+    only to keep its tokens rank-major. With narrow per-rank sides (fc1 4 wide at TP 2 and 4 for hidden 16:
+    `stays_rank_major`) every result is bit-identical to its two layers run one after the other; wide (fc1 32), where
+    the layers would reorder some passes, equal to rounding (the GEMMs see the tokens in another order). The same collectives (ring steps included), and the two
+    layers' order kept (fc2's weight gradient before fc1's collective leaves; fc1's under it with the overlap on)."""
     overlap_comm = schedule != "blocking"
     from tplayers.core import collectives
 
     torch.manual_seed(4)
-    dense = DenseMLP(16, 4 * group.size(), "swiglu", True, dtype=F64)
+    dense = DenseMLP(16, (4 if width == "narrow" else 16) * group.size(), "swiglu", True, dtype=F64)
     x = torch.randn(3, 8 // group.size(), 16, dtype=F64, generator=torch.Generator().manual_seed(group.rank()))
     results = []
     for path in ("region", "two layers"):
@@ -181,7 +181,10 @@ def _megatron_schedule_keeps_rank_major(group, schedule, sink):
         results.append(([out, xk.grad, *grads], timeline.events))
     (region, region_events), (layers, layer_events) = results
     for name, a, b in zip(["output", "input grad", *(n for n, _ in mlp.named_parameters())], region, layers):
-        assert torch.equal(a, b), f"{name}: the region differs from the two layers by {(a - b).abs().max()}"
+        if width == "wide":
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13, msg=name)
+        else:
+            assert torch.equal(a, b), f"{name}: the region differs from the two layers by {(a - b).abs().max()}"
     launches = [e for e in region_events if e.startswith("launch")]
     assert launches == [e for e in layer_events if e.startswith("launch")], (region_events, layer_events)
     assert ("launch send" in launches) == (schedule == "collective_matmul"), launches
@@ -198,6 +201,12 @@ def _megatron_schedule_keeps_rank_major(group, schedule, sink):
 @pytest.mark.parametrize("sink", ["grad", "main_grad", "delay_wgrad"])
 def test_the_megatron_schedule_keeps_the_mlp_rank_major_with_its_two_layers_bits(tp, schedule, sink):
     assert all(get_world(tp).run(_megatron_schedule_keeps_rank_major, schedule, sink))
+
+
+@pytest.mark.parametrize("tp", MULTI_RANK)
+@pytest.mark.parametrize("schedule", ["overlap", "collective_matmul"])
+def test_a_wide_mlp_keeps_its_tokens_rank_major_too(tp, schedule):
+    assert all(get_world(tp).run(_megatron_schedule_keeps_rank_major, schedule, "grad", "wide"))
 
 
 def _observed_layers_run_as_they_are(group):

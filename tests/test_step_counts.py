@@ -96,6 +96,27 @@ def test_sequence_parallel_reorders_only_the_per_rank_side(capsys):
         assert counts[mode]["collectives"] == {"_allgather_base_": 6, "_reduce_scatter_base_": 4, "allreduce_": 4}
 
 
+def test_at_tp_2_the_sequence_parallel_mlp_copies_nothing(capsys):
+    """At TP 2 the MLP's per-rank sides are as wide as the hidden size (fc1 64 out, fc2 64 in): the two layers, one
+    pass at a time, copied 4 activations of (b, s, h) per step there (each pass's cheaper order); kept rank-major from
+    fc1's GEMM to fc2's (region.keeps_rank_major) it copies none, in every schedule. The attention keeps its passes'
+    own choices: q/k/v forward in the sequence's order (the gathered input, 64), backward rank-major (its 96 wide
+    output gradient); o_proj forward rank-major (its 32 wide input), backward in the sequence's order (64)."""
+    rc = main(["bench", "--simulate", "--tp", "2", "--module", "block", "--batch", "2", "--seq", "16", "--hidden",
+               "64", "--ffn", "128", "--heads", "8", "--sequence-parallel", "--modes", "tp,tp_blocking,tp_split,compute",
+               "--iters", "1", "--warmup", "1", "--json", "--no-progress", "--link", "1/5"])
+    assert rc == 0
+    counts = json.loads(capsys.readouterr().out)["counts"]
+    b, s, h, itemsize = 2, 16, 64, 4
+    attention = 64 + 96 + 32 + 64
+    norms = 2 * 2 * h * itemsize
+    for mode in ("tp", "tp_blocking", "tp_split"):
+        extra = counts[mode]["moved_bytes"] - counts["compute"]["moved_bytes"]
+        assert extra == b * s * attention * itemsize + norms, (
+            f"{mode}: {extra / (b * s * h * itemsize):.2f} activations moved beyond the matmuls alone's, expected "
+            f"{attention / h:.2f}: {counts[mode]['moved_bytes_by_op']}")
+
+
 class _SyncSites(StepCounts):
     """Host syncs by the file that issued them (the innermost frame under tplayers/ or transformers/)."""
 

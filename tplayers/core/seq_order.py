@@ -22,8 +22,11 @@ row backward                  the gathered output gradient (out)     the input (
 ============================  =====================================  =============================================
 
 A layer's forward and backward choose independently (each backward's pairs of GEMM operands only have to agree
-with each other). The split-backward region and the block pipeline make the same choices from the same weights,
-so they stay bit-identical to the two layers. With b = 1 both orders are the same memory and nothing is copied.
+with each other). The regions and the block pipeline make the same choices from the same weights, so they stay
+bit-identical to the two layers, except that an unchunked region with a token-wise core (an MLP's activation) keeps
+its tokens rank-major from one GEMM to the other at any widths (`regions.region.keeps_rank_major`: nothing reordered
+at all; equal to rounding where the layers would choose otherwise). With b = 1 both orders are the same memory and
+nothing is copied.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from einops import rearrange
 from .cache import LayerKV
 from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, attention_core,
                     check_heads, normalize_attn_mask, refuse_mask_with_cache, rotate_and_cache)
-from ..regions.region import require_chunks, split_backward_region, stays_rank_major
+from ..regions.region import require_chunks, split_backward_region
 from ..core.functional import autocast_dtype
 from ..regions.interleave import ResidualRegion, interleaved_residual_regions
 from ..layers.fused import FusedColumnParallelLinear
@@ -67,11 +67,12 @@ class ParallelMLP(TensorParallelModule):
     ``chunks`` > 1: the same fused region, run over that many batch chunks so each chunk's fc2
     collective travels while the next chunk computes (forward overlap, Domino-style) and each
     chunk's fc1 input-gradient collective while the backward goes on; equal up to rounding.
-    Under sequence parallelism, where fc1's output and fc2's input are the narrow sides (`stays_rank_major`: at TP 8
-    on Llama-3 widths), the tokens stay in the gathered, rank-major order from fc1's GEMM to fc2's in every schedule
-    (the two layers' own order, bit for bit: `_keeps_rank_major`), so the activation's input and output are never
-    reordered (collective matmul's ring steps too); ``tp_invariant``, hooks on fc1 or fc2 and a ``torch.compile``
-    graph take the two layers as they are.
+    Under sequence parallelism the tokens stay in the gathered, rank-major order from fc1's GEMM to fc2's in every
+    schedule (`tplayers.regions.region.keeps_rank_major`; the Megatron schedule, overlap off and collective matmul
+    as one region in the two layers' own order: `_keeps_rank_major`), so nothing between the two GEMMs is ever
+    reordered: the two layers' bits where fc1's output and fc2's input are the narrow sides (TP 8 on Llama-3
+    widths), else equal to rounding. ``tp_invariant``, hooks on fc1 or fc2 and a
+    ``torch.compile`` graph take the two layers as they are.
     Input/output ``(..., hidden)``; ``(..., seq/p, hidden)`` with ``sequence_parallel``.
     """
 
@@ -116,11 +117,10 @@ class ParallelMLP(TensorParallelModule):
 
     def _keeps_rank_major(self) -> bool:
         """Whether the two layers run as one region in their own order, only to keep the tokens rank-major between
-        them (under SP, `stays_rank_major`): where nothing could see the difference, i.e. not where fc1's output or
-        fc2's input is observed (a module hook), computed another way (``tp_invariant``) or traced (compile)."""
+        them (under SP: `keeps_rank_major`): not where fc1's output or fc2's input is observed (a module hook),
+        computed another way (``tp_invariant``) or traced (compile)."""
         fc1, fc2 = self.fc1, self.fc2
-        ring = fc1.collective_matmul and fc2.collective_matmul
-        return (self.group.size > 1 and stays_rank_major(self.sequence_parallel, True, fc1.weight, fc2.weight, ring)
+        return (self.group.size > 1 and self.sequence_parallel
                 and not (fc1.tp_invariant or fc2.tp_invariant or has_module_hooks(fc1) or has_module_hooks(fc2))
                 and not torch.compiler.is_compiling())
 

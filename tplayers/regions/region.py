@@ -13,7 +13,9 @@ launches the column layer's collective, and computes BOTH layers' weight gradien
             grad_W1 = grad_h^T @ x            grad_x = pending.wait()
             grad_x = pending.wait()
 
-Same ops, new order: the same numbers bit for bit. ``chunks > 1`` (Domino-style forward overlap)
+Same ops, new order: the same numbers bit for bit (under sequence parallelism an unchunked region with a token-wise
+core keeps its tokens rank-major, :func:`keeps_rank_major`: equal to the two layers to rounding where they would
+reorder them). ``split_backward=False`` keeps the two layers' order, for that token order alone. ``chunks > 1`` (Domino-style forward overlap)
 splits the batch: forward launches each chunk's row collective as soon as it exists, so it travels
 while the next chunk computes; backward likewise each chunk's input-gradient collective.
 
@@ -38,7 +40,7 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, chunked_wgrads, region_wgrads
 
 __all__ = ["split_backward_region", "parallel_mlp", "batch_chunks", "cat_rows", "into_rows", "chunk_pairs", "core_graph",
-           "Core", "require_chunks", "stays_rank_major"]
+           "Core", "require_chunks", "stays_rank_major", "keeps_rank_major"]
 
 Core = Callable[[torch.Tensor, slice], torch.Tensor]  # (this rank's (bc, s, width) columns, batch rows) -> row input
 
@@ -62,17 +64,26 @@ def cat_rows(parts: List[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def stays_rank_major(sequence_parallel: bool, token_wise: bool, w1: torch.Tensor, w2: torch.Tensor,
-                     ring: bool = False) -> bool:
-    """Whether a column -> core -> row region keeps its tokens in rank-major order from the column layer's GEMM to the
-    row layer's, both ways, never reordering them: under sequence parallelism, with a token-wise core (an MLP's
-    activation), when each of the two layers' four passes would choose that order anyway (core/seq_order.py; ``ring``:
-    collective matmul's ring steps run three of them rank-major, the column layer's backward chooses). Then every
-    GEMM sees the same operands in the same order as the two layers do (the same bits), and the per-rank side is
-    never copied (at TP 8 on a Llama-3 MLP: three activations' worth per step)."""
-    if not (sequence_parallel and token_wise):
-        return False
-    return column_backward_rank_major(w1) if ring else column_forward_rank_major(w1) and row_backward_rank_major(w2)
+def stays_rank_major(sequence_parallel: bool, token_wise: bool, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether a column -> core -> row region over batch chunks keeps its tokens in rank-major order from the column
+    layer's GEMM to the row layer's, both ways, never reordering them: under sequence parallelism, with a token-wise
+    core (an MLP's activation), when each of the two layers' four passes would choose that order anyway
+    (core/seq_order.py). Then every GEMM sees the same operands in the same order as the two layers do (the same
+    bits), and the per-rank side is never copied (at TP 8 on a Llama-3 MLP: three activations' worth per step).
+    Elsewhere the chunks' per-rank sides, joined for the weight gradients, would cost more (one chunk:
+    :func:`keeps_rank_major`)."""
+    return sequence_parallel and token_wise and column_forward_rank_major(w1) and row_backward_rank_major(w2)
+
+
+def keeps_rank_major(sequence_parallel: bool, token_wise: bool, w1: torch.Tensor, w2: torch.Tensor,
+                     chunks: int) -> bool:
+    """Whether a region keeps its tokens rank-major from one GEMM to the other. One chunk, under sequence parallelism,
+    a token-wise core: always, at any widths; nothing between the two GEMMs is then reordered, which copies less
+    than any order the two layers would choose one pass at a time (TP 4 on a Llama-3 MLP: 4.6 activations per step
+    fewer). Where each of their passes would choose rank-major anyway (:func:`stays_rank_major`) the bits are the
+    two layers'; elsewhere the results equal theirs to rounding (the GEMMs see the tokens in another order).
+    Chunks: :func:`stays_rank_major`."""
+    return sequence_parallel and token_wise and (chunks == 1 or stays_rank_major(True, True, w1, w2))
 
 
 def into_rows(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -105,11 +116,12 @@ class _SplitBackwardFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, core: Core, g: TPGroup, sequence_parallel: bool, overlap_comm: bool,
-                recompute: bool, rows: List[slice], sink: WgradSink, token_wise: bool, split: bool, ring: bool):
+                recompute: bool, rows: List[slice], sink: WgradSink, stay: bool, split: bool, ring: bool):
         sp, chunked = sequence_parallel, len(rows) > 1
-        # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
-        rm1, rm2 = sp and (ring or column_forward_rank_major(w1)), sp and (ring or row_forward_rank_major(w2))
-        stay = stays_rank_major(sp, token_wise, w1, w2, ring)
+        # SP: rank-major throughout (stay: keeps_rank_major), or each GEMM in the token order the two layers would
+        # choose (core/seq_order.py), so the same bits
+        rm1 = sp and (stay or ring or column_forward_rank_major(w1))
+        rm2 = sp and (stay or ring or row_forward_rank_major(w2))
         gathers = [gather_sequence(x[rows[0]], g, rm1, async_op=chunked)] if sp and not ring else []
         summed = x.new_empty(x.shape[:-1] + w2.shape[:1]) if chunked and not sp else None  # each chunk's rows of it
         hs, graphs, reducing = [], [], []
@@ -154,7 +166,8 @@ class _SplitBackwardFn(torch.autograd.Function):
         g, sp, overlap_comm, rows, sink = ctx.g, ctx.sequence_parallel, ctx.overlap_comm, ctx.rows, ctx.sink
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
-        rm1, rm2 = sp and column_backward_rank_major(w1), sp and (ctx.ring or row_backward_rank_major(w2))
+        rm1 = sp and (ctx.stay or column_backward_rank_major(w1))
+        rm2 = sp and (ctx.stay or ctx.ring or row_backward_rank_major(w2))
         if ctx.ring:  # (one chunk) the gather in p ring steps, each block's GEMM under the next block's transfer
             grad_full = grad_out.new_empty((g.size,) + grad_out.shape)  # (p, b, s/p, hidden), filled by the ring
             grad_a_full = ring_gather_linear(grad_out, w2.t(), None, g, gathered=grad_full, rank_major=True)
@@ -225,8 +238,8 @@ def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.
     ``sequence_parallel``). ``wgrad_store``: backward computes the input-gradient chain only and records
     the four weight and bias gradients there; ``main_grads``: the four buffers for w1, b1, w2, b2 (as
     :func:`column_parallel_linear`'s). ``token_wise``: ``core`` acts on each token alone (an MLP's activation):
-    under sequence parallelism the tokens may then stay in rank-major order from one GEMM to the other
-    (:func:`stays_rank_major`). ``split_backward=False``: backward in the two layers' own (Megatron's) order, the row
+    under sequence parallelism the tokens then stay in rank-major order from one GEMM to the other
+    (:func:`keeps_rank_major`). ``split_backward=False``: backward in the two layers' own (Megatron's) order, the row
     layer's weight gradients before the column layer's collective (one chunk only): what the region keeps is the token
     order. ``collective_matmul`` (sequence parallel, one chunk): forward's gather and reduce-scatter and backward's
     gather of the output gradient in p ring steps under the GEMMs, as the layers' own. Under autocast, or in a world
@@ -252,11 +265,12 @@ def split_backward_region(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.
                          f"got shape {tuple(x.shape)}")
     warn_cuda_connections_once(x, g, overlap_comm)
     rows = batch_chunks(x.shape[0], chunks) if x.dim() >= 3 else [slice(None)]
+    stay = keeps_rank_major(sequence_parallel, token_wise, w1, w2, len(rows))
     sink = WgradSink(g, wgrad_store, check_region_main_grads(main_grads, w1, b1, w2, b2, "split_backward_region", g),
                      (w1, b1, w2, b2), gather_input=sequence_parallel,
-                     rank_major=sequence_parallel and column_backward_rank_major(w1))
+                     rank_major=sequence_parallel and (stay or column_backward_rank_major(w1)))
     return _SplitBackwardFn.apply(x, w1, b1, w2, b2, core, g, sequence_parallel, overlap_comm, recompute, rows, sink,
-                                  token_wise, split_backward, collective_matmul)
+                                  stay, split_backward, collective_matmul)
 
 
 def check_region_main_grads(main_grads: MainGrads, w1, b1, w2, b2, op: str, g: TPGroup) -> MainGrads:
