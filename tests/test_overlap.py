@@ -252,7 +252,8 @@ def _rank_major_mlp_as_users_run_it(group):
     checkpointing, a second backward through a retained graph, a differentiable backward (create_graph), an input
     that needs no gradient, and inference mode: each bit-identical to its two layers run one after the other (the
     differentiable backward's second one to rounding: it runs through the layers' differentiable ops in its own
-    order)."""
+    order). Checkpointed, the MLP's forward runs twice, not three times (a backward nested in the region's, through a
+    graph kept from forward, would recompute the checkpointed forward again)."""
     torch.manual_seed(6)
     dense = DenseMLP(16, 4 * group.size(), "gelu", True, dtype=F64)
     mlp = ParallelMLP.from_dense(dense, group=group, sequence_parallel=True)
@@ -277,6 +278,10 @@ def _rank_major_mlp_as_users_run_it(group):
             out.square().sum().backward()
         return [out.detach(), xk.grad, *(p.grad for p in mlp.parameters())]
 
+    calls = []
+    mlp.register_forward_pre_hook(lambda m, args: calls.append(1))
+    run(mlp, "checkpoint")
+    assert len(calls) == 2, f"the checkpointed MLP ran its forward {len(calls)} times"
     for how in ("checkpoint", "retain_graph", "create_graph", "no input grad", "inference"):
         for a, b in zip(run(mlp, how), run(layers, how)):
             if how == "create_graph" and a is not None:

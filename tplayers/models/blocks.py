@@ -106,14 +106,15 @@ class ParallelMLP(TensorParallelModule):
         return F.gelu(h)
 
     def _region(self, split: bool) -> Optional[Dict[str, Any]]:
-        """`split_backward_region`'s arguments for this MLP, or None when its two layers must run separately.
-        ``split``: the split backward (the activation recomputed in backward); else the two layers' order and
-        memory (the activation's graph kept from forward)."""
+        """`split_backward_region`'s arguments for this MLP, or None when its two layers must run separately
+        (``split``: the split backward, else the two layers' order). The activation is recomputed in backward: its
+        output is not kept, and a nested backward through a graph kept from forward would, under activation
+        checkpointing, run the checkpointed forward a second time."""
         sinks = region_sinks(self.fc1, self.fc2, ring=not split)
         if sinks is None:
             return None
         return dict(w1=self.fc1.weight, b1=self.fc1.bias, w2=self.fc2.weight, b2=self.fc2.bias,
-                    core=lambda h, rows: self._act(h), recompute=split, token_wise=True, **sinks)
+                    core=lambda h, rows: self._act(h), recompute=True, token_wise=True, **sinks)
 
     def _keeps_rank_major(self) -> bool:
         """Whether the two layers run as one region in their own order, only to keep the tokens rank-major between
