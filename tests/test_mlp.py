@@ -36,3 +36,23 @@ def test_mlp_matches_dense(tp, hidden, ffn_per_rank, activation, bias, batch, se
                            split_backward, chunks, delay_wgrad):
     get_world(tp).run(_check_parallel_mlp, hidden, ffn_per_rank * 4, activation, bias, batch, seq, sequence_parallel,
                       seed, split_backward, chunks, delay_wgrad)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_mlp_activations_backward_by_hand_is_autograds_bit_for_bit(activation, dtype):
+    """The MLP region's core computes its input gradient by hand (no backward nested in the region's, SwiGLU's two
+    halves written in place of their concatenation): the very ops autograd runs, so the same bits, here on a
+    rank-major view too (a region's tokens in the gathered order)."""
+    from tplayers.models.blocks import _Activation
+
+    act = _Activation(activation)
+    gen = torch.Generator().manual_seed(3)
+    width = 12
+    h = torch.randn(4, 2, 3, width, generator=gen).to(dtype)  # (p, b, s/p, width)
+    grad_a = torch.randn(4, 2, 3, width // 2 if activation == "swiglu" else width, generator=gen).to(dtype)
+    h_in = h.clone().requires_grad_()
+    a = act(h_in)
+    (want,) = torch.autograd.grad(a, h_in, grad_a)
+    got_a, got = act.vjp(h, grad_a)
+    assert torch.equal(got_a, a.detach()) and torch.equal(got, want)

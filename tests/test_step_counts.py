@@ -117,6 +117,32 @@ def test_at_tp_2_the_sequence_parallel_mlp_copies_nothing(capsys):
             f"{attention / h:.2f}: {counts[mode]['moved_bytes_by_op']}")
 
 
+def test_a_swiglu_mlp_under_sequence_parallelism_copies_less_than_the_matmuls_alone():
+    """One simulated rank of TP 8, SwiGLU: the MLP's region writes gate's and up's input gradients in their halves of
+    one buffer (its activation's backward by hand), where autograd, and the matmuls alone, concatenate them (2 x 12
+    features per token); what is left beyond them is the attention's per-rank side (q/k/v 24 out, o_proj 8 in)."""
+    from tplayers.bench.simulate import simulated_rank
+
+    b, s, h, itemsize = 2, 16, 64, 4
+    cfg = BenchConfig(module="block", batch=b, seq=s, hidden=h, ffn=96, heads=8, kv_heads=8, activation="swiglu",
+                      norm="rmsnorm", sequence_parallel=True)
+    counts = {}
+    with simulated_rank(8) as group:
+        inputs = BenchInputs.create(resolve_group(group), cfg)
+        for name in ("compute", "tp", "tp_blocking", "tp_split"):
+            step = MODE_TABLE[name].build(inputs)
+            step()
+            step()
+            counts[name] = count_step(step)
+    attention, gate_up = 24 + 24 + 8 + 2 * 8, 2 * 96 // 8
+    norms = 2 * 2 * h * itemsize  # (RMSNorm: weights only, two each)
+    for mode in ("tp", "tp_blocking", "tp_split"):
+        extra = counts[mode]["moved_bytes"] - counts["compute"]["moved_bytes"]
+        assert extra == b * s * (attention - gate_up) * itemsize + norms // 2, (
+            f"{mode}: {extra} bytes beyond the matmuls alone's: {counts[mode]['moved_bytes_by_op']}, compute "
+            f"{counts['compute']['moved_bytes_by_op']}")
+
+
 class _SyncSites(StepCounts):
     """Host syncs by the file that issued them (the innermost frame under tplayers/ or transformers/)."""
 

@@ -40,6 +40,7 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, chunked_wgrads, region_wgrads
 
 __all__ = ["split_backward_region", "parallel_mlp", "batch_chunks", "cat_rows", "into_rows", "chunk_pairs", "core_graph",
+           "core_vjp",
            "Core", "require_chunks", "stays_rank_major", "keeps_rank_major"]
 
 Core = Callable[[torch.Tensor, slice], torch.Tensor]  # (this rank's (bc, s, width) columns, batch rows) -> row input
@@ -100,6 +101,18 @@ def chunk_pairs(whole: torch.Tensor, chunks: List[torch.Tensor], rows: List[slic
     if rank_major:
         return [whole], [cat_rows(chunks, 1)]
     return [whole[r] for r in rows], chunks
+
+
+def core_vjp(core: Core, h: torch.Tensor, rows: slice, grad_a: torch.Tensor,
+             graph: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(core(h), the gradient at h)`` for ``grad_a`` at the core's output: by the core's own ``vjp(h, grad_a)``
+    where it has one (no nested backward, a Python engine call per chunk), else through its autograd graph
+    (``graph``, kept from forward; else recomputed)."""
+    if graph is None and hasattr(core, "vjp"):
+        return core.vjp(h, grad_a)
+    h_in, a = core_graph(core, h, rows) if graph is None else graph
+    (grad_h,) = torch.autograd.grad(a, h_in, grad_a)  # (bc, s, local column width), or rank-major
+    return a.detach(), grad_h
 
 
 def core_graph(core: Core, h: torch.Tensor, rows: slice) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -184,12 +197,11 @@ class _SplitBackwardFn(torch.autograd.Function):
             partial = grad_h @ w1 if grad_x is None else into_rows(grad_h, w1, grad_x[r])
             return sum_partials(partial, g, sp, async_op=overlap_comm, rank_major=rm1)
         for i, (r, h) in enumerate(zip(rows, hs)):  # the input-gradient chain, chunk by chunk
-            h_in, a = core_graph(ctx.core, h, r) if graphs is None else graphs[i]
             grad_a = grad_full[r] @ w2 if not rm2 else grad_a_full[:, r] if ctx.stay else to_sequence(grad_a_full[:, r], True)
-            (grad_h,) = torch.autograd.grad(a, h_in, grad_a)  # (bc, s, local column width), or rank-major
+            a, grad_h = core_vjp(ctx.core, h, r, grad_a, None if graphs is None else graphs[i])
             grad_h = grad_h if ctx.stay else to_order(grad_h, g, rm1)
             grad_hs.append(grad_h)
-            acts.append(a.detach() if ctx.stay else to_order(a.detach(), g, rm2))
+            acts.append(a if ctx.stay else to_order(a, g, rm2))
             if need_x and ctx.split:  # this chunk's input gradient travels while the next chunk's chain runs
                 reducing.append(launch(grad_h, r))
         needs = (need_w1, need_b1 and b1 is not None, need_w2, need_b2 and b2 is not None)
