@@ -1,6 +1,7 @@
 """Helpers the test files share: the TP sizes and dtype most tests use, a free TCP port, and the
 float64 checks of layer layouts and of the transformer block that the block-level files (MLP,
-attention, block, interleave, GPT) run on the rank worlds. Imported as ``from _helpers import ...``
+attention, block, interleave, GPT) run on the rank worlds, and a backward's timeline of collectives and weight-gradient
+GEMMs. Imported as ``from _helpers import ...``
 (pytest puts tests/, conftest.py's folder, on sys.path)."""
 import socket
 
@@ -102,3 +103,33 @@ configs = st.builds(
     causal=st.booleans(),
     rotary=st.booleans(),
 )
+
+
+# ------------------------------------------------------------------ the order of a backward
+
+
+class Timeline:
+    """A backward's collectives (launched, waited for) and weight-gradient GEMMs in order: an observer of the
+    launches (``tplayers.core.collectives.set_observer``) and a dispatch mode (``mode``) together. ``shapes``: the
+    weight shapes to watch, each with its name in ``events`` (an ``mm`` or ``addmm`` whose result has that shape)."""
+
+    def __init__(self, shapes):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.events, timeline = [], self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.overloadpacket.__name__ in ("mm", "addmm", "addmm_") and tuple(out.shape) in shapes:
+                    timeline.events.append(shapes[tuple(out.shape)])
+                return out
+
+        self.mode = _Mode()
+
+    def launch(self, op, nbytes, g, device, call):
+        self.events.append(f"launch {op}")
+        return call(), op
+
+    def finished(self, token, wait_started):
+        self.events.append(f"wait {token}")

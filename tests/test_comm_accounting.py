@@ -13,6 +13,8 @@ from tplayers.core.blocking import all_reduce_tensor
 from tplayers.models.dense import DenseTransformerBlock
 from tplayers.testing import get_world
 
+from _helpers import Timeline
+
 B, S, H = 2, 8, 16  # b * s * h = 256 elements per activation
 
 
@@ -372,33 +374,6 @@ def test_siblings_share_their_collectives_in_every_precision(precision, gathered
         assert records == want, records
 
 
-class _Timeline:
-    """The order of a backward's collectives (launched, waited for) and weight-gradient GEMMs (an ``mm`` whose
-    result has a column layer's weight shape): an observer of the launches and a dispatch mode together."""
-
-    def __init__(self, weight_shape):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        self.events, self.weight_shape = [], tuple(weight_shape)
-        timeline = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if func is torch.ops.aten.mm.default and tuple(out.shape) == timeline.weight_shape:
-                    timeline.events.append("wgrad")
-                return out
-
-        self.mode = _Mode()
-
-    def launch(self, op, nbytes, g, device, call):
-        self.events.append(f"launch {op}")
-        return call(), op
-
-    def finished(self, token, wait_started):
-        self.events.append(f"wait {token}")
-
-
 def _member_gemms_under_the_collective(group, precision):
     from tplayers.core import collectives
 
@@ -410,7 +385,7 @@ def _member_gemms_under_the_collective(group, precision):
     model = _Attention(col(dense.q), col(dense.k), col(dense.v), tplayers.RowParallelLinear.from_dense(dense.o, group=group))
     tplayers.declare_siblings(model.q, model.k, model.v)
     x = torch.randn(2, 6, h, dtype=dtype, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    timeline = _Timeline(model.q.weight.shape)
+    timeline = Timeline({tuple(model.q.weight.shape): "wgrad"})
     with ctx():
         loss = model(x).float().square().sum()
     previous = collectives.set_observer(timeline)

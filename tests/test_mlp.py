@@ -44,9 +44,9 @@ def test_the_mlp_activations_backward_by_hand_is_autograds_bit_for_bit(activatio
     """The MLP region's core computes its input gradient by hand (no backward nested in the region's, SwiGLU's two
     halves written in place of their concatenation): the very ops autograd runs, so the same bits, here on a
     rank-major view too (a region's tokens in the gathered order)."""
-    from tplayers.models.blocks import _Activation
+    from tplayers.models.activation import Activation
 
-    act = _Activation(activation)
+    act = Activation(activation)
     gen = torch.Generator().manual_seed(3)
     width = 12
     h = torch.randn(4, 2, 3, width, generator=gen).to(dtype)  # (p, b, s/p, width)

@@ -9,7 +9,7 @@ from tplayers import GPTConfig, ParallelAttention, ParallelGPT, ParallelMLP
 from tplayers.models.dense import DenseAttention, DenseMLP
 from tplayers.testing import get_world
 
-from _helpers import F64, MULTI_RANK
+from _helpers import F64, MULTI_RANK, Timeline
 
 
 def _region_module(module, seed):
@@ -120,32 +120,6 @@ def test_one_switch_sets_the_split_backward_of_a_whole_model_with_identical_grad
     assert all(get_world(2).run(_gpt_overlap_switch))
 
 
-class _WgradTimeline:
-    """A backward's collectives (launched, waited for) and weight-gradient GEMMs (an ``mm`` or ``addmm`` whose result
-    has fc1's or fc2's weight shape), in order: an observer of the launches and a dispatch mode together."""
-
-    def __init__(self, shapes):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        self.events, timeline = [], self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if func.overloadpacket.__name__ in ("mm", "addmm", "addmm_") and tuple(out.shape) in shapes:
-                    timeline.events.append(shapes[tuple(out.shape)])
-                return out
-
-        self.mode = _Mode()
-
-    def launch(self, op, nbytes, g, device, call):
-        self.events.append(f"launch {op}")
-        return call(), op
-
-    def finished(self, token, wait_started):
-        self.events.append(f"wait {token}")
-
-
 def _megatron_schedule_keeps_rank_major(group, schedule, sink, width="narrow"):
     """Under SP the Megatron schedule's MLP (overlap on or off, or collective matmul's ring steps) runs as one region
     only to keep its tokens rank-major. With narrow per-rank sides (fc1 4 wide at TP 2 and 4 for hidden 16:
@@ -168,7 +142,7 @@ def _megatron_schedule_keeps_rank_major(group, schedule, sink, width="narrow"):
         tplayers.set_overlap(mlp, delay_wgrad=sink == "delay_wgrad")
         xk = x.clone().requires_grad_()
         out = mlp(xk) if path == "region" else mlp.fc2(mlp._act(mlp.fc1(xk)))
-        timeline = _WgradTimeline({tuple(mlp.fc1.weight.shape): "fc1 wgrad", tuple(mlp.fc2.weight.shape): "fc2 wgrad"})
+        timeline = Timeline({tuple(mlp.fc1.weight.shape): "fc1 wgrad", tuple(mlp.fc2.weight.shape): "fc2 wgrad"})
         previous = collectives.set_observer(timeline)
         try:
             with timeline.mode:

@@ -66,55 +66,39 @@ def test_no_schedule_syncs_the_host(sequence_parallel):
             assert c["host_syncs"] == 0, f"rank {rank}, {mode}: {c['host_syncs_by_op']}"
 
 
-def test_sequence_parallel_reorders_only_the_per_rank_side(capsys):
-    """`tplayers bench --simulate` (one rank of TP 8, the fake process group) counts each mode's step in its JSON.
-    Under sequence parallelism, batch 2, each pass of each layer copies its per-rank side only (core/seq_order.py's
-    table: q/k/v 24 and fc1 16 features out of 64; o_proj 8 and fc2 16 in) beside the matmuls alone's copies; before,
-    every all-gather's result and every reduce-scatter's input were copied whole: 10 activations per step. The MLP
-    (fc1 -> activation -> fc2) keeps its tokens rank-major from one GEMM to the other in every schedule but
-    collective matmul's, so none of its per-rank sides is copied (before: in the split backward's only)."""
-    rc = main(["bench", "--simulate", "--tp", "8", "--module", "block", "--batch", "2", "--seq", "16", "--hidden",
+# what each TP size's block copies per token beyond the matmuls alone: the attention's per-rank side only (hidden 64,
+# 8 heads, gelu ffn 128). TP 8: q/k/v's 24 wide output forward and its gradient backward, o_proj's 8 wide input
+# forward and it and its gradient backward. TP 2, where q/k/v is wider (96) than the hidden size: q/k/v forward in
+# the sequence's order (the gathered input, 64), backward rank-major (96); o_proj forward rank-major (32), backward
+# in the sequence's order (the gathered output gradient, 64).
+ATTENTION_COPIES = {8: 24 + 24 + 8 + 2 * 8, 2: 64 + 96 + 32 + 64}
+
+
+@pytest.mark.parametrize("tp", sorted(ATTENTION_COPIES))
+def test_sequence_parallel_reorders_only_the_attentions_per_rank_side(tp, capsys):
+    """`tplayers bench --simulate` (one rank of TP 8 or 2, the fake process group) counts each mode's step in its
+    JSON. Under sequence parallelism, batch 2, each pass of each attention layer copies its per-rank side only
+    (core/seq_order.py's table) beside the matmuls alone's copies; before, every all-gather's result and every
+    reduce-scatter's input were copied whole: 10 activations per step at TP 8. The MLP (fc1 -> activation -> fc2)
+    keeps its tokens rank-major from one GEMM to the other in every schedule at any widths (region.keeps_rank_major),
+    so none of its per-rank sides is copied: before, at TP 8 fc1's 16 wide output and fc2's 16 wide input were
+    (but in the split backward), at TP 2 each pass's cheaper order copied 4 activations."""
+    rc = main(["bench", "--simulate", "--tp", str(tp), "--module", "block", "--batch", "2", "--seq", "16", "--hidden",
                "64", "--ffn", "128", "--heads", "8", "--sequence-parallel", "--modes", "tp,tp_blocking,tp_split,compute",
                "--iters", "1", "--warmup", "1", "--json", "--no-progress", "--link", "1/5"])
     assert rc == 0
     counts = json.loads(capsys.readouterr().out)["counts"]
     b, s, h, itemsize = 2, 16, 64, 4
-    columns, rows = 24 + 16, 8 + 16  # per-rank widths: q/k/v + fc1 outputs; o_proj + fc2 inputs
-    widths = columns + columns + rows + 2 * rows  # column fwd, column bwd, row fwd, row bwd (its input and grad_x)
     norms = 2 * 2 * h * itemsize  # the two LayerNorms' weight and bias gradients, copied to be all-reduced (SP)
-    # the MLP keeps its tokens rank-major through the activation (region.stays_rank_major): none of fc1's or fc2's
-    # per-rank sides is copied
-    mlp = 16 + 16 + 16 + 2 * 16
     for mode in ("tp", "tp_blocking", "tp_split"):
         extra = counts[mode]["moved_bytes"] - counts["compute"]["moved_bytes"]
-        assert extra == b * s * (widths - mlp) * itemsize + norms, (
+        assert extra == b * s * ATTENTION_COPIES[tp] * itemsize + norms, (
             f"{mode}: {extra / (b * s * h * itemsize):.2f} activations moved beyond the matmuls alone's, expected "
-            f"{(widths - mlp) / h:.2f}: {counts[mode]['moved_bytes_by_op']}")
+            f"{ATTENTION_COPIES[tp] / h:.2f}: {counts[mode]['moved_bytes_by_op']}")
         assert counts[mode]["host_syncs"] == 0 and counts[mode]["gemm_flops"] == counts["compute"]["gemm_flops"]
         # per layer one gather forward, two backward (the output gradient, the input re-gathered), one reduce-scatter
         # each way; the norms' four parameter gradients all-reduced
         assert counts[mode]["collectives"] == {"_allgather_base_": 6, "_reduce_scatter_base_": 4, "allreduce_": 4}
-
-
-def test_at_tp_2_the_sequence_parallel_mlp_copies_nothing(capsys):
-    """At TP 2 the MLP's per-rank sides are as wide as the hidden size (fc1 64 out, fc2 64 in): the two layers, one
-    pass at a time, copied 4 activations of (b, s, h) per step there (each pass's cheaper order); kept rank-major from
-    fc1's GEMM to fc2's (region.keeps_rank_major) it copies none, in every schedule. The attention keeps its passes'
-    own choices: q/k/v forward in the sequence's order (the gathered input, 64), backward rank-major (its 96 wide
-    output gradient); o_proj forward rank-major (its 32 wide input), backward in the sequence's order (64)."""
-    rc = main(["bench", "--simulate", "--tp", "2", "--module", "block", "--batch", "2", "--seq", "16", "--hidden",
-               "64", "--ffn", "128", "--heads", "8", "--sequence-parallel", "--modes", "tp,tp_blocking,tp_split,compute",
-               "--iters", "1", "--warmup", "1", "--json", "--no-progress", "--link", "1/5"])
-    assert rc == 0
-    counts = json.loads(capsys.readouterr().out)["counts"]
-    b, s, h, itemsize = 2, 16, 64, 4
-    attention = 64 + 96 + 32 + 64
-    norms = 2 * 2 * h * itemsize
-    for mode in ("tp", "tp_blocking", "tp_split"):
-        extra = counts[mode]["moved_bytes"] - counts["compute"]["moved_bytes"]
-        assert extra == b * s * attention * itemsize + norms, (
-            f"{mode}: {extra / (b * s * h * itemsize):.2f} activations moved beyond the matmuls alone's, expected "
-            f"{attention / h:.2f}: {counts[mode]['moved_bytes_by_op']}")
 
 
 def test_a_swiglu_mlp_under_sequence_parallelism_copies_less_than_the_matmuls_alone():

@@ -15,13 +15,14 @@ Every module converts both ways with its plain-torch twin in `tplayers.models.de
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from .activation import Activation
 from .cache import LayerKV
 from .dense import (ACTIVATIONS, BlockConfig, DenseAttention, DenseMLP, DenseTransformerBlock, attention_core,
                     check_heads, normalize_attn_mask, refuse_mask_with_cache, rotate_and_cache)
@@ -54,31 +55,6 @@ def region_sinks(column: nn.Module, row: nn.Module, ring: bool = False) -> Optio
     main = None if col["main_grads"] is None else (*col["main_grads"], *r["main_grads"])
     return {"wgrad_store": col["wgrad_store"], "main_grads": main}
 
-
-
-class _Activation:
-    """The MLP's activation on this rank's fc1 columns, as a region's core (``core(h, rows)``) with its backward by
-    hand (``vjp``): the ops autograd would run, so the same bits, without a backward nested in the region's (a
-    Python engine call) or the concatenation of SwiGLU's two halves' gradients (written in their halves instead)."""
-
-    def __init__(self, activation: str) -> None:
-        self.activation = activation
-
-    def __call__(self, h: torch.Tensor, rows: Any = None) -> torch.Tensor:
-        if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)  # the local [gate_r; up_r]
-            return F.silu(gate) * up
-        return F.gelu(h)
-
-    def vjp(self, h: torch.Tensor, grad_a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(act(h), the gradient at h)`` for ``grad_a``: (..., width) and (..., width | width / 2) -> (..., width)."""
-        if self.activation != "swiglu":
-            return F.gelu(h), torch.ops.aten.gelu_backward(grad_a, h)
-        gate, up = h.chunk(2, dim=-1)
-        silu, grad_h, f = F.silu(gate), torch.empty_like(h), gate.shape[-1]
-        torch.mul(grad_a, silu, out=grad_h[..., f:])  # up's
-        torch.ops.aten.silu_backward.grad_input(grad_a * up, gate, grad_input=grad_h[..., :f])  # gate's
-        return silu * up, grad_h
 
 
 class ParallelMLP(TensorParallelModule):
@@ -125,7 +101,7 @@ class ParallelMLP(TensorParallelModule):
         self.fc2 = RowParallelLinear(ffn_hidden, hidden, bias, input_is_parallel=True, **common)
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
-        return _Activation(self.activation)(h)
+        return Activation(self.activation)(h)
 
     def _region(self, split: bool) -> Optional[Dict[str, Any]]:
         """`split_backward_region`'s arguments for this MLP, or None when its two layers must run separately
@@ -136,7 +112,7 @@ class ParallelMLP(TensorParallelModule):
         if sinks is None:
             return None
         return dict(w1=self.fc1.weight, b1=self.fc1.bias, w2=self.fc2.weight, b2=self.fc2.bias,
-                    core=_Activation(self.activation), recompute=True, token_wise=True, **sinks)
+                    core=Activation(self.activation), recompute=True, token_wise=True, **sinks)
 
     def _keeps_rank_major(self) -> bool:
         """Whether the two layers run as one region in their own order, only to keep the tokens rank-major between

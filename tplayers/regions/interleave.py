@@ -32,7 +32,8 @@ from ..core.comm import copy_to_tp
 from ..core.functional import column_parallel_linear, row_parallel_linear, warn_cuda_connections_once
 from ..core.graph import differentiable_grads
 from ..core.groups import TPGroup
-from .region import Core, batch_chunks, cat_rows, check_region_main_grads, chunk_pairs, core_graph, stays_rank_major
+from .region import (Core, batch_chunks, cat_rows, check_region_main_grads, chunk_pairs, core_graph, core_vjp,
+                     stays_rank_major)
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, region_wgrads
 
 __all__ = ["ResidualRegion", "interleaved_residual_regions"]
@@ -169,12 +170,12 @@ class _BlockBackward:
             # SP: each GEMM in the token order the two layers would choose (core/seq_order.py), so the same bits
             rm1, rm2 = self.rank_major(j)
             gf = gather_sequence(self.grad_resid[i], g, rm2).wait() if sp else self.grad_resid[i]  # (bc, s, hidden)
-            graph = None if self.graphs is None else self.graphs[i][j]  # None: the core recomputed with its graph
-            h_in, a = core_graph(region.core, self.hs[i][j], self.rows[i]) if graph is None else graph
+            graph = None if self.graphs is None else self.graphs[i][j]  # None: the core recomputed (core_vjp)
             stay = stays_rank_major(sp, region.token_wise, w1, w2)
-            (grad_h,) = torch.autograd.grad(a, h_in, gf @ w2 if stay else to_sequence(gf @ w2, rm2))  # (bc, s, width)
+            grad_a = gf @ w2 if stay else to_sequence(gf @ w2, rm2)
+            a, grad_h = core_vjp(region.core, self.hs[i][j], self.rows[i], grad_a, graph)  # (bc, s, width)
             grad_h = grad_h if stay else to_order(grad_h, g, rm1)
-            a = a.detach() if stay else to_order(a.detach(), g, rm2)
+            a = a if stay else to_order(a, g, rm2)
             self.gfs[i][j], self.acts[i][j], self.grad_hs[i][j] = gf, a, grad_h
             if j > 0 or chain_to_x:  # this chunk's partial input gradient (a buffer we own) travels at once
                 self.pending[i][j] = sum_partials(grad_h @ w1, g, sp, async_op=self.overlap_comm, rank_major=rm1)
