@@ -268,3 +268,42 @@ def _rank_major_mlp_as_users_run_it(group):
 def test_the_rank_major_mlp_region_under_checkpointing_and_higher_order_backward():
     for tp in MULTI_RANK:
         assert all(get_world(tp).run(_rank_major_mlp_as_users_run_it))
+
+
+def _regions_under_activation_checkpointing(group, chunks):
+    """A block whose attention and MLP run as regions (split backward; chunks: the block pipeline), under
+    ``RNGTracker.checkpoint`` and under torch's non-reentrant checkpoint: the block's forward runs twice (forward and
+    the checkpoint's recompute), not three times, and the results equal the unwrapped block's. The attention's
+    region keeps its core's graph from forward, but not under saved-tensor hooks: there a backward nested through
+    that graph unpacked the checkpoint's placeholders in a graph task of its own, so the checkpoint ran the block's
+    forward again, and the tracker's single-use contexts raised AttributeError."""
+    from tplayers import BlockConfig, ParallelTransformerBlock
+    from tplayers.models.dense import DenseTransformerBlock
+    from tplayers.models.rng import RNGTracker
+
+    torch.manual_seed(0)
+    dense = DenseTransformerBlock(BlockConfig(hidden=16, n_heads=4, n_kv_heads=2, ffn_hidden=32), dtype=F64)
+    rng = RNGTracker(11, group=group)
+    block = ParallelTransformerBlock.from_dense(dense, group=group, rng=rng)
+    tplayers.set_overlap(block, split_backward=True, chunks=chunks)
+    calls = []
+    block.register_forward_pre_hook(lambda m, args, *kw: calls.append(1))
+    x = torch.randn(2, 4, 16, dtype=F64, generator=torch.Generator().manual_seed(1))
+    results = []
+    for wrap in (None, rng.checkpoint, lambda fn, t: torch.utils.checkpoint.checkpoint(fn, t, use_reentrant=False)):
+        block.zero_grad(set_to_none=True)
+        xk = x.clone().requires_grad_()
+        calls.clear()
+        out = block(xk) if wrap is None else wrap(block, xk)
+        out.square().sum().backward()
+        assert len(calls) == (1 if wrap is None else 2), f"the block ran its forward {len(calls)} times"
+        results.append([out.detach(), xk.grad, *(p.grad for p in block.parameters())])
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    return True
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_regions_under_activation_checkpointing_run_their_forward_once_more(chunks):
+    assert all(get_world(2).run(_regions_under_activation_checkpointing, chunks))

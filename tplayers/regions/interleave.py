@@ -33,7 +33,7 @@ from ..core.functional import column_parallel_linear, row_parallel_linear, warn_
 from ..core.graph import differentiable_grads
 from ..core.groups import TPGroup
 from .region import (Core, batch_chunks, cat_rows, check_region_main_grads, chunk_pairs, core_graph, core_vjp,
-                     stays_rank_major)
+                     keeps_core_graph, stays_rank_major)
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, region_wgrads
 
 __all__ = ["ResidualRegion", "interleaved_residual_regions"]
@@ -114,7 +114,7 @@ class _InterleavedBlockFn(torch.autograd.Function):
             n_full = gather_sequence(n, g, rm1).wait() if sp else n  # (bc, s, hidden) or (p, bc, s/p, hidden)
             h = F.linear(n_full, w1, b1)  # (bc, s, local column width), or rank-major
             h = h if stay else to_sequence(h, rm1)
-            if region.recompute:
+            if not keeps_core_graph(region.recompute):  # (see keeps_core_graph: recomputed in backward)
                 a = region.core(h, rows[i])
             else:
                 h_in, a = graphs[i][j] = core_graph(region.core, h, rows[i])

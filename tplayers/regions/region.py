@@ -40,7 +40,7 @@ from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, chunked_wgrads, region_wgrads
 
 __all__ = ["split_backward_region", "parallel_mlp", "batch_chunks", "cat_rows", "into_rows", "chunk_pairs", "core_graph",
-           "core_vjp",
+           "core_vjp", "keeps_core_graph",
            "Core", "require_chunks", "stays_rank_major", "keeps_rank_major"]
 
 Core = Callable[[torch.Tensor, slice], torch.Tensor]  # (this rank's (bc, s, width) columns, batch rows) -> row input
@@ -115,6 +115,15 @@ def core_vjp(core: Core, h: torch.Tensor, rows: slice, grad_a: torch.Tensor,
     return a.detach(), grad_h
 
 
+def keeps_core_graph(recompute: bool) -> bool:
+    """Whether a region keeps its core's autograd graph from forward (``recompute=False``) now: not while saved-tensor
+    hooks are active (activation checkpointing, offloading). Their placeholders, unpacked by the nested backward
+    through that graph (a graph task of its own), would make a non-reentrant checkpoint run its forward again (and an
+    ``RNGTracker.checkpoint``'s single-use contexts raise); the core is then recomputed in backward instead."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return not recompute and (top is None or top(False) is None)
+
+
 def core_graph(core: Core, h: torch.Tensor, rows: slice) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(h_in, core(h_in, rows))`` with the core's autograd graph from a detached copy ``h_in`` of
     ``h``, for ``torch.autograd.grad`` in a hand-ordered backward (kept from forward: no second SDPA)."""
@@ -138,6 +147,7 @@ class _SplitBackwardFn(torch.autograd.Function):
         gathers = [gather_sequence(x[rows[0]], g, rm1, async_op=chunked)] if sp and not ring else []
         summed = x.new_empty(x.shape[:-1] + w2.shape[:1]) if chunked and not sp else None  # each chunk's rows of it
         hs, graphs, reducing = [], [], []
+        recompute = not keeps_core_graph(recompute)
         for i, r in enumerate(rows):
             if sp and i + 1 < len(rows):  # the next chunk's input travels while this one computes
                 gathers.append(gather_sequence(x[rows[i + 1]], g, rm1, async_op=True))
