@@ -15,9 +15,9 @@ launches the column layer's collective, and computes BOTH layers' weight gradien
 
 Same ops, new order: the same numbers bit for bit (under sequence parallelism an unchunked region with a token-wise
 core keeps its tokens rank-major, :func:`keeps_rank_major`: equal to the two layers to rounding where they would
-reorder them). ``split_backward=False`` keeps the two layers' order, for that token order alone. ``chunks > 1`` (Domino-style forward overlap)
-splits the batch: forward launches each chunk's row collective as soon as it exists, so it travels
-while the next chunk computes; backward likewise each chunk's input-gradient collective.
+reorder them). ``split_backward=False`` keeps the two layers' order, for that token order alone. ``chunks > 1``
+(Domino-style forward overlap) splits the batch: forward launches each chunk's row collective as soon as it exists,
+so it travels while the next chunk computes; backward likewise each chunk's input-gradient collective.
 
 The kit the region and the block pipeline (:mod:`.interleave`) share: `batch_chunks` / `cat_rows`
 (chunking), `core_graph` (the core's autograd graph for a hand-ordered backward).
@@ -220,7 +220,8 @@ class _SplitBackwardFn(torch.autograd.Function):
         if not ctx.split:  # the two layers' order: the row layer's weight gradients, then the column's collective
             if sink.store is None:  # (recorded ones run later anyway: routed with the column's below)
                 main = None if sink.main is None else sink.main[2:]
-                row_grads, needs = chunked_wgrads(grad_fulls, acts, needs[2], needs[3], main, g), needs[:2] + (False, False)
+                row_grads = chunked_wgrads(grad_fulls, acts, needs[2], needs[3], main, g)
+                needs = needs[:2] + (False, False)
             reducing = [launch(grad_hs[0], rows[0])] if need_x else []
 
         def column():  # the column layer's input, asked for once the row layer's GEMMs are queued
