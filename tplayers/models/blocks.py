@@ -72,8 +72,8 @@ class ParallelMLP(TensorParallelModule):
     schedule (`tplayers.regions.region.keeps_rank_major`; the Megatron schedule, overlap off and collective matmul
     as one region in the two layers' own order: `_keeps_rank_major`), so nothing between the two GEMMs is ever
     reordered: the two layers' bits where fc1's output and fc2's input are the narrow sides (TP 8 on Llama-3
-    widths), else equal to rounding. ``tp_invariant``, hooks on fc1 or fc2 and a
-    ``torch.compile`` graph take the two layers as they are.
+    widths), else equal to rounding. ``tp_invariant``, hooks registered on fc1 or fc2 and a ``torch.compile``
+    graph take the two layers as they are (global module hooks see the MLP's call, not fc1's and fc2's).
     Input/output ``(..., hidden)``; ``(..., seq/p, hidden)`` with ``sequence_parallel``.
     """
 
