@@ -127,7 +127,7 @@ class ParallelMLP(TensorParallelModule):
         overlap = self.fc1.overlap_comm
         split = self.chunks > 1 or self.split_backward and overlap
         region = self._region(split) if split or self._keeps_rank_major() else None
-        if region is not None:  # both weight gradients under fc1's collective (or both recorded, with delay_wgrad)
+        if region is not None:  # split: both weight gradients under fc1's collective; else the two layers' order
             return split_backward_region(x, **region, group=self.group, sequence_parallel=self.sequence_parallel,
                                          overlap_comm=overlap, chunks=self.chunks, split_backward=split,
                                          collective_matmul=not split and self.fc1.collective_matmul)
