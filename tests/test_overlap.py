@@ -124,8 +124,9 @@ def _megatron_schedule_keeps_rank_major(group, schedule, sink, width="narrow"):
     """Under SP the Megatron schedule's MLP (overlap on or off, or collective matmul's ring steps) runs as one region
     only to keep its tokens rank-major. With narrow per-rank sides (fc1 4 wide at TP 2 and 4 for hidden 16:
     `stays_rank_major`) every result is bit-identical to its two layers run one after the other; wide (fc1 32), where
-    the layers would reorder some passes, equal to rounding (the GEMMs see the tokens in another order). The same collectives (ring steps included), and the two
-    layers' order kept (fc2's weight gradient before fc1's collective leaves; fc1's under it with the overlap on)."""
+    the layers would reorder some passes, equal to rounding (the GEMMs see the tokens in another order). The same
+    collectives (ring steps included), and the two layers' order kept (fc2's weight gradient before fc1's collective
+    leaves; fc1's under it with the overlap on)."""
     overlap_comm = schedule != "blocking"
     from tplayers.core import collectives
 

@@ -25,14 +25,7 @@ _ODD: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}  # 1, 3, 5, ... 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as integers of their width (floating values by their bits; no copy where possible),
     widened to int32 below 4 bytes, flat."""
-    flat = t.detach().reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    if flat.is_floating_point():
-        flat = flat.view(_INT[flat.element_size()])
-    if flat.element_size() < 4 or flat.dtype == torch.bool:
-        flat = flat.to(torch.int32)
-    return flat if flat.dtype in (torch.int32, torch.int64) else flat.to(torch.int64)
+    return _widened(_narrow_bits(t))
 
 
 def _odd(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -114,8 +107,8 @@ def joint_digest(tensors: Iterable[torch.Tensor], small: int = 1 << 16, views: O
 
 
 def _narrow_bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as integers of their own width, flat: a view when ``t`` is contiguous (:func:`_bits`
-    widens after, once per concatenation, to the same values)."""
+    """``t``'s elements as integers of their own width, flat: a view when ``t`` is contiguous (:func:`_bits` is it
+    widened; :func:`joint_digest` widens once per concatenation, to the same values)."""
     flat = t.detach().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
@@ -125,6 +118,7 @@ def _narrow_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _widened(bits: torch.Tensor) -> torch.Tensor:
+    """Integer ``bits`` as int32 (below 4 bytes) or int64, the same values."""
     return bits if bits.dtype in (torch.int32, torch.int64) else bits.to(torch.int32 if bits.element_size() < 4
                                                                          else torch.int64)
 
