@@ -81,6 +81,58 @@ def test_partial_lookup_is_reduce_scattered_or_summed_once_when_read(tp):
         assert ops[3] == [("forward", "reduce_scatter"), ("backward", "all_gather")], ops
 
 
+def _rank_major_lookups(group):
+    """Each use of a lookup the embedding made in rank-major token order (after one reduce-scattered unread) against
+    the dense embedding: reduce-scattered, plus GPT-2's positions (1, s, h) or a whole (b, s, h) addend, and read."""
+    g = tplayers.resolve_group(group)
+    torch.manual_seed(0)
+    dense = torch.nn.Embedding(VOCAB, DIM).double()
+    emb = tplayers.VocabParallelEmbedding.from_dense(dense, group=group, partial_output=True)
+    ids = torch.randint(0, VOCAB, (3, 2 * g.size), generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(3, 2 * g.size, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    orders = []
+
+    def check(addend_shape, read: bool) -> None:
+        emb.zero_grad(set_to_none=True)
+        dense.zero_grad(set_to_none=True)
+        add = None if addend_shape is None else torch.randn(addend_shape, dtype=torch.float64, requires_grad=True)
+        out = emb(ids)
+        orders.append(out._rank_major)
+        want = dense(ids)
+        if add is not None:
+            add_d = add.detach().clone().requires_grad_()
+            out, want = out + add, want + add_d
+        if read:  # any other use sums it, in the sequence's order
+            got, want_used = out * 2.0, want * 2.0
+            (got * weights).sum().backward()
+            (want_used * weights).sum().backward()
+        else:
+            got, want_used = out.reduce_scatter(), want.chunk(g.size, 1)[g.rank]
+            (got * weights.chunk(g.size, 1)[g.rank]).sum().backward()
+            (want * weights).sum().backward()
+        torch.testing.assert_close(got, want_used, rtol=0, atol=0)
+        grad = tplayers.testing.dense_parameters(emb, grads=True)["weight"]
+        torch.testing.assert_close(grad, dense.weight.grad, rtol=1e-12, atol=1e-12)
+        if add is not None:
+            torch.testing.assert_close(add.grad, add_d.grad, rtol=1e-12, atol=1e-12)
+
+    for addend in (None, (1, 2 * g.size, DIM), (3, 2 * g.size, DIM)):
+        check(addend, read=False)
+        check(addend, read=False)
+    check(None, read=True)
+    check(None, read=False)
+    return orders
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_a_lookup_made_in_rank_major_order_gives_the_dense_values_and_gradients(tp):
+    """Issue 52: a lookup reduce-scattered unread makes the next one in the collective's rank-major token order (no
+    reorder of the lookup forward, nor of its gradient backward); each of its uses equals the dense embedding's, and
+    a read puts the next lookup back in the sequence's order."""
+    for orders in get_world(tp).run(_rank_major_lookups):
+        assert orders == [False, True, True, True, True, True, True, False], orders
+
+
 def test_partial_output_and_sequence_parallel_are_one_or_the_other():
     with pytest.raises(ValueError, match="partial_output=True returns the unsummed"):
         tplayers.VocabParallelEmbedding(8, 4, group=None, partial_output=True, sequence_parallel=True)

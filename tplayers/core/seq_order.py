@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from .collectives import SEQ_DIM, Pending, all_gather, from_rank_major, gather_rank_major, to_rank_major
 from .groups import TPGroup
 
-__all__ = ["rank_major_view", "in_sequence_shape", "column_forward_rank_major", "column_backward_rank_major",
+__all__ = ["rank_major_view", "in_sequence_shape", "ids_in_rank_major", "lookup_rank_major", "column_forward_rank_major", "column_backward_rank_major",
            "row_forward_rank_major", "row_backward_rank_major", "gather_sequence", "to_order", "to_sequence",
            "gathered_linear", "column_grad_order"]
 
@@ -54,6 +54,18 @@ def in_sequence_shape(t: torch.Tensor) -> torch.Tensor:
     """Rank-major ``(p, ..., s/p, f)`` given the sequence's shape ``(..., s, f)`` without reordering (a view): for a
     tensor whose every consumer takes the same order (a set's partial input gradient, only autograd sees it)."""
     return t.reshape(tuple(t.shape[1:-2]) + (t.shape[0] * t.shape[-2], t.shape[-1]))
+
+
+def ids_in_rank_major(ids: torch.Tensor, p: int) -> torch.Tensor:
+    """Token ids ``(..., s)`` in rank-major order, in their own shape (a lookup of them is :func:`in_sequence_shape`
+    of the rank-major lookup): the ids are copied, b*s integers, so that the lookup is not."""
+    return in_sequence_shape(to_rank_major(ids.unsqueeze(-1), p)).squeeze(-1)
+
+
+def lookup_rank_major(ids: torch.Tensor, p: int) -> bool:
+    """Whether a lookup of ``ids`` ``(..., s)`` to be reduce-scattered along its sequence is better made in rank-major
+    order: a batch (with one sequence both orders are the same memory) and a sequence the ranks divide."""
+    return p > 1 and ids.dim() >= 2 and ids.numel() > ids.shape[-1] and ids.shape[-1] % p == 0
 
 
 def column_forward_rank_major(weight: torch.Tensor) -> bool:

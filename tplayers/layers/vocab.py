@@ -7,7 +7,8 @@ and `vocab_parallel_cross_entropy(..., vocab_size=V)` keeps them out of the loss
 
 `VocabParallelEmbedding`: every rank looks up only the ids in its vocabulary range (the others
 give zeros), then the partial embeddings are all-reduced (reduce-scattered along the sequence
-dim under sequence parallelism). ``scale=`` multiplies the output by a constant, the scaled
+dim under sequence parallelism: with a batch, looked up in the collective's rank-major token order, the ids
+reordered instead of the lookup and its gradient, ``core/seq_order.py``). ``scale=`` multiplies the output by a constant, the scaled
 embeddings of Gemma-style models (`ScaledEmbedding` is its dense twin).
 
 `ParallelLMHead`: ``x @ W.T (+ b)`` with the vocabulary (output features) split across ranks, the
@@ -24,13 +25,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.comm import gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence
+from ..core.comm import gather_from_tp, reduce_from_tp, reduce_scatter_rank_major, reduce_scatter_to_sequence
 from ..core.collectives import SEQ_DIM
 from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.invariant import invariant_column_linear
 from ..core.siblings import Siblings
-from ..regions.partial_sum import partial_sum
+from ..core.seq_order import ids_in_rank_major, lookup_rank_major
+from ..regions.partial_sum import ScatterOrder, partial_sum
 from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range
 from .base import TensorParallelModule, class_name
@@ -172,6 +174,7 @@ class VocabParallelEmbedding(_VocabParallelBase):
         self._init_vocab(num_embeddings, tp)
         self.embedding_dim, self.padding_idx, self.sequence_parallel = embedding_dim, padding_idx, sequence_parallel
         self.partial_output = partial_output
+        self._scatter_order = ScatterOrder()  # partial_output: whether the last lookup was reduce-scattered unread
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim, device=device, dtype=dtype))
         # non-persistent, like HF's: checkpoints hold the same keys as a plain embedding's
         self.register_buffer("embed_scale", None if scale is None else _scale_tensor(scale, device), persistent=False)
@@ -206,6 +209,9 @@ class VocabParallelEmbedding(_VocabParallelBase):
                     "(sequence parallelism splits it across ranks)")
         if self.group.size == 1:
             return self._scaled(F.embedding(ids, self.weight, self._local_padding_idx))
+        rank_major = self._rank_major(ids)
+        if rank_major:  # looked up in the reduce-scatter's own token order: the ids copied, not the lookup
+            ids = ids_in_rank_major(ids, self.group.size)  # (..., seq), rank-major
         in_shard = (ids >= self.vocab_start) & (ids < self.vocab_end)  # (...)
         local_ids = (ids - self.vocab_start).masked_fill(~in_shard, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)  # (..., dim), partial
@@ -213,11 +219,23 @@ class VocabParallelEmbedding(_VocabParallelBase):
         # scaled before the reduction: each position is nonzero on exactly one rank, so this is
         # bitwise the dense ``embedding * scale``
         out = self._scaled(out)
+        if self.sequence_parallel and rank_major:
+            return reduce_scatter_rank_major(out, group=self.group)  # (..., seq/p, dim)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, group=self.group, seq_dim=SEQ_DIM)  # (..., seq/p, dim)
         if self.partial_output:  # summed when read; reduce-scattered by the sequence-parallel region's entry
-            return partial_sum(out, group=self.group, source=self)  # (..., dim)
+            return partial_sum(out, group=self.group, source=self, rank_major=rank_major,
+                               order=self._scatter_order)  # (..., dim)
         return reduce_from_tp(out, group=self.group)  # (..., dim)
+
+    def _rank_major(self, ids: torch.Tensor) -> bool:
+        """Whether this lookup is made in rank-major token order (core/seq_order.py): it is reduce-scattered along
+        the sequence (sequence_parallel; partial_output: the last one was, unread), there is a batch, and neither
+        tp_invariant (TP 1's bits: the weight gradient accumulated in the sequence's order) nor a compiled graph
+        (whose PartialSum is summed at once) runs it."""
+        if not lookup_rank_major(ids, self.group.size) or self.tp_invariant or torch.compiler.is_compiling():
+            return False
+        return self.sequence_parallel or (self.partial_output and self._scatter_order.rank_major)
 
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.embed_scale is None else out * self.embed_scale.to(self.weight.dtype)
