@@ -73,6 +73,7 @@ from .refusals import (check_same_dense_model, refuse_lonely_columns, refuse_lon
                        refuse_router_logits_argument, refuse_router_logits_in_config, refuse_unfitting_plan)
 from .ties import keep_parameter_objects, ties_kept
 from .twin import within
+from .gated_mlp import keep_gated_mlp_rank_major
 from .sequence import ReplicateReduceGrad, check_sequence_region, refuse_double_gather, takes_sequence_shards
 from .styles import BuildContext, Built, Column, FusedQKV, KVColumn, Row, SequenceSwitch, Style
 from .styles_embedding import KVEmbedding
@@ -342,6 +343,8 @@ def _swap(model: nn.Module, modules: Dict[str, nn.Module], built: Dict[str, Buil
         setattr(dst, a, getattr(src, a0))
     keep_parameter_objects(model, modules, built)
     _declare_siblings(model, [r.name for r in auditor.regions], column_inputs)
+    for region in auditor.regions:  # a stock gated MLP: its tokens rank-major between its GEMMs (SP)
+        keep_gated_mlp_rank_major(model.get_submodule(region.name))
     auditor.before_hooks(model)
     for b in built.values():
         if b.finish is not None:

@@ -132,8 +132,10 @@ def from_rank_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_rank_major(x: torch.Tensor, g: TPGroup, *, async_op: bool = False) -> Pending:
-    """Every rank's sequence chunk ``x`` ``(..., s/p, f)`` gathered as ``(p, ..., s/p, f)``: the collective's buffer."""
-    return all_gather(x.unsqueeze(0), 0, g, async_op=async_op)
+    """Every rank's sequence chunk ``x`` ``(..., s/p, f)`` gathered as ``(p, ..., s/p, f)``: the collective's buffer.
+    On the wire, and in its fingerprint, the very gather of ``x`` along the sequence: the token order is a local
+    choice (ranks that choose differently still pair their data right, and their checks agree)."""
+    return all_gather(x, 0, g, async_op=async_op, stacked=True)
 
 
 # torch 2.13 renamed the single-tensor collectives; 2.4-2.12 only have the old names.
@@ -206,10 +208,11 @@ def all_reduce(buf: torch.Tensor, g: TPGroup, *, async_op: bool = False, op: str
 
 
 @eager_on_old_torch
-def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False) -> Pending:
-    """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
+def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False, stacked: bool = False) -> Pending:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order); ``stacked``: along a new leading dim instead,
+    ``(p, *x.shape)``."""
     if g.size == 1:
-        return _done(x)
+        return _done(x.unsqueeze(0) if stacked else x)
     dim = dim % x.dim()
     src = x.contiguous()
     full = (g.size * src.shape[0],) + tuple(src.shape[1:])
@@ -226,6 +229,8 @@ def all_gather(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = False)
             send, receive, result = all_gather_buffers(src, full, stamped)
         work, observed = launch("all_gather", nbytes, g, lambda: _all_gather_single(
             receive, send, group=g.process_group, async_op=async_op or stamped is not None), src.device)
+    if stacked:
+        return _settled(Pending(work, lambda: result().view((g.size,) + tuple(src.shape)), observed, stamped), async_op)
     if dim == 0:
         return _settled(Pending(work, result, observed, stamped), async_op)
 
@@ -250,15 +255,15 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup, *, async_op: bool = Fa
     _check_divisible(x.shape[dim], g, f"dim {dim} of a reduce-scatter input")
     if dim == 0:
         src = x.contiguous()
-    else:  # bring the p chunks of `dim` to the front so each rank's chunk is contiguous
+    else:  # bring the p chunks of `dim` to the front so each rank's chunk is contiguous: (p * d0, ...), the very
+        # buffer (and fingerprint) a caller that made its tokens rank-major sends (sum_partials)
         shape = list(x.shape)
         shape[dim : dim + 1] = [g.size, shape[dim] // g.size]
-        src = x.reshape(shape).movedim(dim, 0).contiguous()
+        src = x.reshape(shape).movedim(dim, 0).contiguous().flatten(0, 1)
     out_shape = list(x.shape)
     out_shape[dim] //= g.size
     nbytes = src.numel() * src.element_size()
     if torch.compiler.is_compiling():  # src: (p*chunk0, ...), rank r's chunk is the r-th block of dim 0
-        src = src.reshape([-1] + list(src.shape[2:])) if dim != 0 else src
         scattered = funcol.reduce_scatter_tensor(src, "sum", 0, _functional(g))
         return Pending(None, lambda: funcol.wait_tensor(scattered).reshape(out_shape))
     # src: p contiguous blocks, block r = rank r's chunk in out_shape's layout (for dim != 0 too)

@@ -23,7 +23,6 @@ import torch
 from .collectives import all_gather, all_reduce, owned_copy, reduce_scatter, split
 from .groups import GroupLike, TPGroup, replica_slot, resolve_group
 from .blocking import sum_over_replica_ranks
-from .seq_order import in_sequence_shape, rank_major_view
 from .siblings import ColumnInputs
 
 __all__ = [
@@ -37,7 +36,6 @@ __all__ = [
     "gather_from_sequence",
     "gather_sequence_for_columns",
     "reduce_scatter_to_sequence",
-    "reduce_scatter_rank_major",
     "sum_over_replicas",
 ]
 
@@ -207,35 +205,6 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _GatherFromSequence.apply(grad, ctx.g, ctx.dim, True), None, None
 
 
-class _ReduceScatterRankMajor(torch.autograd.Function):
-    """Leave a TP region into a sequence-parallel one from ``(..., s, f)`` whose tokens are in rank-major order
-    (``seq_order.in_sequence_shape``): the reduce-scatter's blocks as they are sent, no copy; backward all-gathers
-    the gradient into that order."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, g: TPGroup) -> torch.Tensor:
-        ctx.g = g
-        return reduce_scatter(rank_major_view(x, g.size).flatten(0, 1), 0, g).wait()  # (..., s/p, f)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _GatherRankMajor.apply(grad, ctx.g), None
-
-
-class _GatherRankMajor(torch.autograd.Function):
-    """Every rank's sequence chunk gathered in rank-major order, as ``(..., s, f)`` (no copy); backward
-    reduce-scatters a gradient in that order."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, g: TPGroup) -> torch.Tensor:
-        ctx.g = g
-        return in_sequence_shape(all_gather(x.unsqueeze(0), 0, g).wait())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _ReduceScatterRankMajor.apply(grad, ctx.g), None
-
-
 class _SumOverReplicas(torch.autograd.Function):
     """Identity forward; backward sums the gradient of rows ``[start, stop)`` (dim 0) over the
     ranks holding the same replica of them, and passes the other rows through.
@@ -373,14 +342,6 @@ def reduce_scatter_to_sequence(x: torch.Tensor, *, group: GroupLike, seq_dim: in
     """Sum over the group and keep this rank's sequence chunk; all-gather backward."""
     g = resolve_group(group)
     return x if g.size == 1 else _ReduceScatterToSequence.apply(x, g, seq_dim)
-
-
-def reduce_scatter_rank_major(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
-    """:func:`reduce_scatter_to_sequence` of ``x`` ``(..., s, f)`` (sequence dim -2) whose tokens are in rank-major
-    order (a lookup made in that order: ``seq_order.in_sequence_shape``): the collective's own order, nothing
-    reordered whatever the batch. Its gradient comes back in the same order."""
-    g = resolve_group(group)
-    return x if g.size == 1 else _ReduceScatterRankMajor.apply(x, g)
 
 
 def sum_over_replicas(x: torch.Tensor, *, group: GroupLike, holders: Sequence[int],

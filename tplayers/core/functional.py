@@ -47,13 +47,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from .collectives import SEQ_DIM, Pending, all_gather, from_rank_major, sum_partials, to_rank_major
+from .collectives import SEQ_DIM, Pending, from_rank_major, sum_partials, to_rank_major
 from .comm import copy_to_tp, gather_from_sequence, scatter_to_tp
 from .graph import column_graph_grads, differentiable_grads, graph_inputs, row_graph_grads
 from .groups import GroupLike, TPGroup, refuse_replicating_wrapper, resolve_group
 from .ring import ring_gather_linear, ring_linear_scatter
-from .seq_order import (column_backward_rank_major, column_grad_order, gather_sequence, gathered_linear,
-                        in_sequence_shape, rank_major_view, row_backward_rank_major, row_forward_rank_major)
+from .seq_order import (column_backward_rank_major, column_grad_order, gather_rank_major_from_sequence, gather_sequence,
+                        gathered_linear, in_sequence_shape, rank_major_view, row_backward_rank_major,
+                        row_forward_rank_major)
 from .siblings import Siblings, joins_siblings
 from .wgrad import MainGrads, WeightGradStore, WgradSink, check_main_grads, linear_wgrads
 
@@ -151,8 +152,8 @@ class _SetEntry(torch.autograd.Function):
         call = ctx.call
         box = call.take_left()
         if torch.is_grad_enabled():  # create_graph=True: f (SP: the gather) rebuilt from differentiable ops
-            f = (lambda t: gather_from_sequence(t, group=call.g, seq_dim=SEQ_DIM)) if call.sp else (
-                lambda t: copy_to_tp(t, group=call.g))
+            f = (lambda t: gather_rank_major_from_sequence(t, group=call.g) if call.kept else gather_from_sequence(
+                t, group=call.g, seq_dim=SEQ_DIM)) if call.sp else (lambda t: copy_to_tp(t, group=call.g))
             grad = None if grad_x is None else differentiable_grads(f, ctx.saved_tensors, (True,), grad_x)[0]
             return (None, grad, *grad_views)
         if grad_x is not None:  # (rank-major: the members' partials are in that order, seq_order.rank_major_view)
@@ -191,13 +192,14 @@ class _SetMemberFn(torch.autograd.Function):
         call.began()
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph=True: the member's own GEMMs, differentiable (the entry reduces)
-            x_full = all_gather(x, SEQ_DIM, call.g).wait() if call.sp else x
+            x_full = call.regather(x) if call.sp else x
             inputs = (x_full.detach().requires_grad_(), weight, *graph_inputs(ctx, grad_out)[2:])
             return (*differentiable_grads(F.linear, inputs, ctx.needs_input_grad[:3], grad_out), None, None, None, None)
         if need_w and call.sp and (sink is None or sink.now):  # SP: the gather of x (once), under the GEMMs to come
             x = call.gathered_input(x, call.overlap)
         if call.rank_major:  # SP: the set's GEMMs in rank-major token order; the partial handed on in that order
-            grad_out = to_rank_major(grad_out, call.g.size)  # (p, ..., s/p, out/p): the one reorder
+            p = call.g.size  # (p, ..., s/p, out/p): the one reorder, none when the call kept its outputs so
+            grad_out = rank_major_view(grad_out, p) if call.kept else to_rank_major(grad_out, p)
             grad_x = in_sequence_shape(grad_out @ weight) if need_x else None
         else:
             grad_x = grad_out @ weight if need_x else None  # (..., s, in): its partial sum, summed at the entry

@@ -26,7 +26,11 @@ with each other). The regions and the block pipeline make the same choices from 
 bit-identical to the two layers, except that an unchunked region with a token-wise core (an MLP's activation) keeps
 its tokens rank-major from one GEMM to the other at any widths (`regions.region.keeps_rank_major`: nothing reordered
 at all; equal to rounding where the layers would choose otherwise). With b = 1 both orders are the same memory and
-nothing is copied.
+nothing is copied. Whatever order a rank chooses, its collectives send the same buffers with the same fingerprints.
+
+Tensors whose tokens are rank-major in the sequence's shape (:func:`in_sequence_shape`: an embedding's lookup of
+reordered ids, a set's outputs kept so for a gated MLP) enter and leave the sequence-parallel region by the
+differentiable :func:`reduce_scatter_rank_major` and :func:`gather_rank_major_from_sequence`.
 """
 from __future__ import annotations
 
@@ -35,12 +39,13 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .collectives import SEQ_DIM, Pending, all_gather, from_rank_major, gather_rank_major, to_rank_major
-from .groups import TPGroup
+from .collectives import SEQ_DIM, Pending, all_gather, from_rank_major, gather_rank_major, reduce_scatter, to_rank_major
+from .groups import GroupLike, TPGroup, resolve_group
 
-__all__ = ["rank_major_view", "in_sequence_shape", "ids_in_rank_major", "lookup_rank_major", "column_forward_rank_major", "column_backward_rank_major",
-           "row_forward_rank_major", "row_backward_rank_major", "gather_sequence", "to_order", "to_sequence",
-           "gathered_linear", "column_grad_order"]
+__all__ = ["rank_major_view", "in_sequence_shape", "ids_in_rank_major", "lookup_rank_major", "column_forward_rank_major",
+           "column_backward_rank_major", "row_forward_rank_major", "row_backward_rank_major", "gather_sequence",
+           "to_order", "to_sequence", "gathered_linear", "column_grad_order", "reduce_scatter_rank_major",
+           "gather_rank_major_from_sequence"]
 
 
 def rank_major_view(t: torch.Tensor, p: int) -> torch.Tensor:
@@ -113,3 +118,51 @@ def column_grad_order(grad_out: torch.Tensor, weight: torch.Tensor, g: TPGroup) 
     """A column layer's backward under SP: its order (rank-major?) and its output gradient in that order."""
     rank_major = column_backward_rank_major(weight)
     return rank_major, to_order(grad_out, g, rank_major)
+
+
+# ------------------------------------------------ differentiable collectives on rank-major tokens
+
+
+class _ReduceScatterRankMajor(torch.autograd.Function):
+    """Leave a TP region into a sequence-parallel one from ``(..., s, f)`` whose tokens are in rank-major order
+    (:func:`in_sequence_shape`): the reduce-scatter's blocks as they are sent, no copy; backward all-gathers
+    the gradient into that order."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+        ctx.g = g
+        return reduce_scatter(rank_major_view(x, g.size).flatten(0, 1), 0, g).wait()  # (..., s/p, f)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _GatherRankMajor.apply(grad, ctx.g), None
+
+
+class _GatherRankMajor(torch.autograd.Function):
+    """Every rank's sequence chunk gathered in rank-major order, as ``(..., s, f)`` (no copy); backward
+    reduce-scatters a gradient in that order."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+        ctx.g = g
+        return in_sequence_shape(gather_rank_major(x, g).wait())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _ReduceScatterRankMajor.apply(grad, ctx.g), None
+
+
+def gather_rank_major_from_sequence(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
+    """Every rank's sequence chunk ``x`` ``(..., s/p, f)`` gathered in rank-major token order, in the sequence's
+    shape ``(..., s, f)`` (:func:`in_sequence_shape`): the collective's own order, no copy. Backward
+    reduce-scatters a gradient in that order (:func:`reduce_scatter_rank_major`)."""
+    g = resolve_group(group)
+    return x if g.size == 1 else _GatherRankMajor.apply(x, g)
+
+
+def reduce_scatter_rank_major(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
+    """``comm.reduce_scatter_to_sequence`` of ``x`` ``(..., s, f)`` (sequence dim -2) whose tokens are in rank-major
+    order (a lookup made in that order: :func:`in_sequence_shape`): the collective's own order, nothing reordered
+    whatever the batch. Its gradient comes back in the same order."""
+    g = resolve_group(group)
+    return x if g.size == 1 else _ReduceScatterRankMajor.apply(x, g)

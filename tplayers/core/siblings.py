@@ -48,6 +48,10 @@ backward in the collectives' own rank-major order instead (:mod:`.seq_order`): e
 gradient, hands the entry its partial in that order (a gradient only the entry reads), and the gather and the
 reduce-scatter copy nothing (:meth:`Siblings.backward_rank_major`, one choice per set).
 
+A set can be told to keep its next call's outputs in that rank-major order too (:meth:`ColumnInputs.keep_rank_major`:
+a Hugging Face gated MLP, whose ``act_fn(gate) * up`` is token-wise, hands them to its down projection as they are,
+``tplayers.regions.gated``): the forward gather is not reordered, nor are the members' output gradients.
+
 Inside a torch.compile graph the set does not share (each layer reduces its own: the entry keeps Python state
 per backward that a traced graph cannot). Under ``tp_invariant`` (:mod:`.invariant`) the entry's backward
 receives the members' leaf products, added leaf by leaf by autograd, and sums them as the fixed tree (the
@@ -55,8 +59,9 @@ members compute their own weight gradients).
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -64,7 +69,7 @@ from torch.distributed.tensor import DTensor
 
 from .collectives import Pending
 from .groups import TPGroup
-from .seq_order import gather_sequence
+from .seq_order import gather_sequence, in_sequence_shape
 
 __all__ = ["Siblings", "ColumnInputs", "joins_siblings"]
 
@@ -90,11 +95,24 @@ class ColumnInputs:
     with the shard it came from (held only while the gathered tensor lives). ``parallelize`` makes one per
     model; a copied or pickled model starts with nothing in flight."""
 
-    __slots__ = ("call", "_offer", "__weakref__")
+    __slots__ = ("call", "_offer", "kept", "__weakref__")
 
     def __init__(self) -> None:
         self.call: Optional[_Call] = None
         self._offer: Optional[Tuple[Any, torch.Tensor, TPGroup]] = None
+        self.kept: Optional[Siblings] = None  # the set whose next call keeps its outputs rank-major (SP)
+
+    @contextlib.contextmanager
+    def keep_rank_major(self, siblings: "Siblings") -> Iterator["ColumnInputs"]:
+        """Within: a call of ``siblings`` made under sequence parallelism (a backward to come, on a shard no module
+        gathered) keeps its tokens in rank-major order, its members' outputs ``(..., s, out/p)`` in that order
+        (``seq_order.in_sequence_shape``); whoever reads them must take that order (:attr:`_Call.kept`)."""
+        self.close()
+        self.kept = siblings
+        try:
+            yield self
+        finally:
+            self.kept = None
 
     def offer(self, x_full: torch.Tensor, x_shard: torch.Tensor, g: TPGroup) -> None:
         """``x_full`` is ``x_shard`` gathered along the sequence over ``g``; a later offer replaces it."""
@@ -122,7 +140,7 @@ class ColumnInputs:
         return {}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.call = self._offer = None
+        self.call = self._offer = self.kept = None
 
 
 def _withdraw(slot: "weakref.ref[ColumnInputs]", offer: tuple) -> None:
@@ -156,8 +174,9 @@ class Siblings:
                 or call.sp != sequence_parallel or call.x.dtype != x.dtype or call.x.shape != x.shape
                 or call.x.device != x.device or id(weight) in call.weights):
             self.inputs.close()
-            call = self.inputs.call = _Call(self, x, source, g, sequence_parallel,
-                                            sequence_parallel and may_reorder and self.backward_rank_major(x.shape[-1]))
+            kept = sequence_parallel and may_reorder and offered is None and self.inputs.kept is self
+            call = self.inputs.call = _Call(self, x, source, g, sequence_parallel, kept or (
+                sequence_parallel and may_reorder and self.backward_rank_major(x.shape[-1])), kept)
         call.weights.append(id(weight))
         x = call.cast(x, dtype)
         if offered is not None and call.x_full is None:
@@ -186,13 +205,14 @@ class _Call:
     on, views of the weights it took); the gathered input they share in forward (sequence parallelism); per
     backward, the weight-gradient GEMMs the members left the entry and the gather of the input they share."""
 
-    __slots__ = ("owner", "x", "source", "g", "sp", "rank_major", "weights", "tasks", "x_full", "x_cast", "token",
-                 "taken", "views", "overlap")
+    __slots__ = ("owner", "x", "source", "g", "sp", "rank_major", "kept", "weights", "tasks", "x_full", "x_cast",
+                 "token", "taken", "views", "overlap")
 
     def __init__(self, owner: Siblings, x: torch.Tensor, source: Tuple[Any, int], g: TPGroup,
-                 sequence_parallel: bool, rank_major: bool = False) -> None:
+                 sequence_parallel: bool, rank_major: bool = False, kept: bool = False) -> None:
         self.owner, self.x, self.source, self.g, self.sp = owner, x, source, g, sequence_parallel
         self.rank_major = rank_major  # SP: the backward's token order (Siblings.backward_rank_major)
+        self.kept = kept  # SP: the forward's too, the members' outputs left in it (ColumnInputs.keep_rank_major)
         self.weights: List[int] = []  # ids of the members' weights: a layer joins a call once
         self.tasks: Dict[int, Dict[str, Any]] = {}  # graph task -> what its members left the entry (_mailbox)
         self.x_full: Optional[torch.Tensor] = None  # SP: the all-gathered x, shared by the forwards only
@@ -226,9 +246,14 @@ class _Call:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Forward, sequence parallelism: every rank's chunk of ``x``, gathered once for the call."""
-        if self.x_full is None:
-            self.x_full = gather_sequence(x, self.g, False).wait()
+        if self.x_full is None:  # (kept: rank-major, in the sequence's shape)
+            self.x_full = self.regather(x)
         return self.x_full
+
+    def regather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's chunk of ``x`` in the call's forward order (a differentiable rebuild: create_graph)."""
+        full = gather_sequence(x, self.g, self.kept).wait()
+        return in_sequence_shape(full) if self.kept else full
 
     def _mailbox(self) -> Dict[str, Any]:
         task = torch._C._current_graph_task_id()

@@ -25,13 +25,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.comm import gather_from_tp, reduce_from_tp, reduce_scatter_rank_major, reduce_scatter_to_sequence
+from ..core.comm import gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence
 from ..core.collectives import SEQ_DIM
 from ..core.functional import column_parallel_linear
 from ..core.groups import GroupLike, TPGroup, resolve_group
 from ..core.invariant import invariant_column_linear
 from ..core.siblings import Siblings
-from ..core.seq_order import ids_in_rank_major, lookup_rank_major
+from ..core.seq_order import ids_in_rank_major, lookup_rank_major, reduce_scatter_rank_major
 from ..regions.partial_sum import ScatterOrder, partial_sum
 from ..core.placement import Placement, Sharded, require_positive
 from ..core.validate import check_index_range

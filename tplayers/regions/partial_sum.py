@@ -32,13 +32,13 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..core.collectives import all_gather, from_rank_major, reduce_scatter, split
-from ..core.comm import reduce_from_tp, reduce_scatter_rank_major, reduce_scatter_to_sequence, scatter_to_sequence
+from ..core.collectives import all_gather, from_rank_major, gather_rank_major, reduce_scatter, split
+from ..core.comm import reduce_from_tp, reduce_scatter_to_sequence, scatter_to_sequence
 from ..core.fingerprint import SETTINGS, checks_enabled
 from ..core.sites import in_a_forward, reading
 from ..core.store_barrier import store_barrier
 from ..core.groups import TPGroup
-from ..core.seq_order import in_sequence_shape, rank_major_view
+from ..core.seq_order import in_sequence_shape, rank_major_view, reduce_scatter_rank_major
 
 __all__ = ["METADATA", "PartialSum", "ScatterOrder", "partial_sum"]
 
@@ -176,7 +176,7 @@ class _ReduceScatterAdd(torch.autograd.Function):
         if not ctx.rank_major:
             full = all_gather(grad, ctx.dim, ctx.g).wait()
             return full, full.sum_to_size(ctx.addend_shape), None, None, None  # (a broadcast addend: summed)
-        full = all_gather(grad.unsqueeze(0), 0, ctx.g).wait()  # (p, ..., s/p, h)
+        full = gather_rank_major(grad, ctx.g).wait()  # (p, ..., s/p, h)
         shape = ctx.addend_shape
         summed = full.sum_to_size((ctx.g.size,) + tuple(shape[:-2]) + tuple(full.shape[-2:]))  # over what broadcast
         return in_sequence_shape(full), from_rank_major(summed), None, None, None
