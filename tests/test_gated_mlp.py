@@ -157,3 +157,38 @@ def _hook_on_rank_zero(group):
 
 def test_ranks_that_choose_different_token_orders_still_agree():
     assert get_world(2).run(_hook_on_rank_zero) == [0, 1]
+
+
+def _sinks(group, mode: str):
+    """main_grad buffers or delay_wgrad's recorded GEMMs through the kept path: the same gradients as the module's own
+    forward (a hook on act_fn, which reads nothing, keeps the module's own)."""
+    g = tplayers.resolve_group(group)
+    dense, kept = _mlp_pair(group, bias=True)
+    _, own = _mlp_pair(group, bias=True)
+    own.act_fn.register_forward_hook(lambda m, args, out: None)
+    x_full = torch.randn(3, 2 * g.size, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    x = x_full.chunk(g.size, 1)[g.rank]
+    grads = []
+    for mlp in (kept, own):
+        if mode == "main_grad":
+            tplayers.use_main_grad(mlp, dtype=torch.float64)
+        else:
+            tplayers.set_overlap(mlp, delay_wgrad=True)
+        with _RowCalls() as calls:
+            for _ in range(2):  # two microbatches accumulated
+                mlp(x.clone().requires_grad_()).square().sum().backward()
+        if mode == "main_grad":
+            tplayers.main_grads_to_grads(mlp)
+        else:
+            assert all(p.grad is None for p in mlp.parameters())  # recorded, not computed yet
+            tplayers.backward_dw(mlp)
+        grads.append((calls.n, {n: p.grad.clone() for n, p in mlp.named_parameters()}))
+    (n_kept, kept_grads), (n_own, own_grads) = grads
+    for name, grad in own_grads.items():
+        torch.testing.assert_close(kept_grads[name], grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    return n_kept, n_own
+
+
+@pytest.mark.parametrize("mode", ["main_grad", "delay_wgrad"])
+def test_main_grad_and_delay_wgrad_take_the_kept_paths_gradients(mode):
+    assert get_world(2).run(_sinks, mode) == [(2, 0)] * 2

@@ -82,6 +82,8 @@ def _unhooked(module: nn.Module) -> bool:
 
 def _kept_call(mlp: nn.Module, x: torch.Tensor) -> Optional[Tuple[Any, ...]]:
     """``(gate, up, down, act)`` when the call may keep its tokens rank-major (the module docstring), else None."""
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and x.requires_grad):
+        return None  # (a traced graph, or no backward to come: the set's call is not made)
     gate, up, down, act = (getattr(mlp, n) for n in _NAMES)
     if not (type(gate) is ColumnParallelLinear and type(up) is ColumnParallelLinear and type(down) is RowParallelLinear
             and isinstance(act, _activations()) and gate.siblings is not None and gate.siblings is up.siblings):
@@ -91,9 +93,8 @@ def _kept_call(mlp: nn.Module, x: torch.Tensor) -> Optional[Tuple[Any, ...]]:
                                         for m in layers)
             and not (gate.gather_output or up.gather_output) and down.input_is_parallel
             and not down.split.is_uneven
-            and set(map(id, gate.siblings.members)) == {id(gate), id(up)}
-            and torch.is_grad_enabled() and x.requires_grad and x.dim() >= 2
-            and not torch.compiler.is_compiling() and all(_unhooked(m) for m in (*layers, act))):
+            and set(map(id, gate.siblings.members)) == {id(gate), id(up)} and x.dim() >= 2
+            and all(_unhooked(m) for m in (*layers, act))):
         return None
     return gate, up, down, act
 
