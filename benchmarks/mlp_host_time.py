@@ -5,12 +5,26 @@ is a small part (hidden 64, SwiGLU ffn 128, 2 x 2 tokens per rank), forward + ba
     PYTHONPATH=<tree> python benchmarks/mlp_host_time.py   # run base and head alternately: paired ratios
 """
 import time
+from typing import Callable
 
 import torch
 
 from tplayers import ParallelMLP
 from tplayers.bench.simulate import simulated_rank
 from tplayers.models.dense import DenseMLP
+
+
+def min_us_per_step(step: Callable[[], None], warmup: int = 50, runs: int = 5, steps: int = 200) -> float:
+    """Microseconds per call of ``step``: the fastest of ``runs`` runs of ``steps`` calls, after ``warmup`` calls."""
+    for _ in range(warmup):
+        step()
+    best = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        best.append((time.perf_counter() - t0) / steps * 1e6)
+    return min(best)
 
 
 def main() -> None:
@@ -22,15 +36,8 @@ def main() -> None:
         def step() -> None:
             mlp(x).sum().backward()
 
-        for _ in range(50):
-            step()
-        runs = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(200):
-                step()
-            runs.append((time.perf_counter() - t0) / 200 * 1e6)
-    print(f"{min(runs):.1f} us per SP ParallelMLP forward + backward (TP 8 simulated rank, min of 5 x 200 steps)")
+        us = min_us_per_step(step)
+    print(f"{us:.1f} us per SP ParallelMLP forward + backward (TP 8 simulated rank, min of 5 x 200 steps)")
 
 
 if __name__ == "__main__":

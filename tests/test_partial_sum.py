@@ -1,6 +1,7 @@
 """PartialSum: a vocabulary-parallel embedding's lookup left unsummed until its values are read, so a
 sequence-parallel region's entry reduce-scatters it (Megatron's layout) while a Hugging Face model reads
 its shape first; any other read sums it once, so no reader ever sees a partial value."""
+import copy
 import time
 
 import pytest
@@ -208,3 +209,44 @@ def test_an_embedding_output_read_outside_the_forward_on_one_rank_is_named_on_ev
     assert "rank(s) [1] did not come" in reader and "outside the model's forward, for norm" in reader, reader
     assert "read it on every rank of the TP group" in reader, reader
     assert "rank 0 of the TP group is waiting for every rank to read the output of embed_tokens" in other, other
+
+
+def _later_steps(group, family: str):
+    """A converted model's first step reduce-scatters the embedding's lookup unread; its later steps look the ids
+    up in rank-major order (GPT-2: with its positions added first), and its attention gathers its input in
+    rank-major order where q / k / v are narrower than it. Three SGD steps against the dense model's."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    g = tplayers.resolve_group(group)
+    torch.manual_seed(0)
+    if family == "llama":
+        dense = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB * 4, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=4)).double()
+    else:
+        dense = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB * 4, n_positions=32, n_embd=16, n_layer=1, n_head=4,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).double()
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, sequence_parallel=True)
+    emb = next(m for m in model.modules() if isinstance(m, tplayers.VocabParallelEmbedding))
+    opt, opt_d = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(dense.parameters(), lr=0.1)
+    orders = []
+    for step in range(3):
+        ids = torch.randint(0, VOCAB * 4, (3, 2 * g.size), generator=torch.Generator().manual_seed(step))
+        orders.append(emb._scatter_order.rank_major)
+        loss, loss_d = model(input_ids=ids, labels=ids).loss, dense(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, loss_d, rtol=1e-9, atol=1e-9)
+        loss.backward()
+        loss_d.backward()
+        for o in (opt, opt_d):
+            o.step()
+            o.zero_grad()
+    params = tplayers.testing.dense_parameters(model)
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(params[name], p, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    return orders
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_converted_models_later_steps_look_up_in_rank_major_order_and_match_dense(family):
+    pytest.importorskip("transformers")
+    for orders in get_world(2).run(_later_steps, family):  # (GPT-2's first forward: the audit reads the lookup too)
+        assert orders[0] is False and orders[2] is True, orders

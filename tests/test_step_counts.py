@@ -249,3 +249,54 @@ def test_a_converted_gated_mlp_keeps_its_tokens_rank_major():
             tplayers.set_collective_checks(previous[0], timeout=previous[1])
     copies = sum(n for op, n in moved.items() if op in ("clone", "copy_", "cat", "contiguous"))
     assert copies == 0, f"{copies / (b * s * h * 4):.2f} activations copied: {moved}"
+
+
+class _SequenceGathers(StepCounts):
+    """Bytes that all-gathers' results copied into the sequence's order (their ``finish``: b > 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reordered = 0
+
+    def record(self, func, args, kwargs, out):
+        import traceback
+
+        if func.overloadpacket.__name__ == "clone" and any(
+                f.name == "finish" and f.filename.endswith("tplayers/core/collectives.py")
+                for f in traceback.extract_stack()):
+            self.reordered += out.numel() * out.element_size()
+        return super().record(func, args, kwargs, out)
+
+
+def test_a_converted_attention_gathers_its_input_in_rank_major_order():
+    """Issue 52: HF attention gathers its input because its code reads the input's (b, s); under sequence parallelism
+    with a batch that gather was copied into the sequence's order (one activation per layer per step). Its code reads
+    only the shape (watched at the first forward), and q / k / v together are narrower than the input at TP 8, so
+    later steps gather in the collective's own rank-major order and q / k / v put their outputs in the sequence's
+    order instead (3 x 8 features per token against 64). What is left: the final norm's gather for the LM head (HF
+    slices it). One simulated rank of TP 8, a 1-layer Llama's steady-state step."""
+    transformers = pytest.importorskip("transformers")
+    from tplayers.bench.simulate import simulated_rank
+
+    b, s, h = 2, 16, 64
+    with simulated_rank(8) as group:
+        previous = tplayers.set_collective_checks(False)  # (the fake group's collectives return no data)
+        try:
+            cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=224, num_attention_heads=8,
+                                           num_key_value_heads=8, num_hidden_layers=1, vocab_size=64)
+            torch.manual_seed(0)
+            model = tplayers.parallelize(transformers.LlamaForCausalLM(cfg), "auto", group=group,
+                                         sequence_parallel=True, loss_parallel=True, audit=False,
+                                         check_consistency=False, check_inputs=0)
+            ids = torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(1))
+
+            def step():
+                model(input_ids=ids, labels=ids).loss.backward()
+
+            step()
+            step()
+            with _SequenceGathers() as counts:
+                step()
+        finally:
+            tplayers.set_collective_checks(previous[0], timeout=previous[1])
+    assert counts.reordered == b * s * h * 4, f"{counts.reordered / (b * s * h * 4):.2f} activations reordered"

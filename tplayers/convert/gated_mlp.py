@@ -11,9 +11,9 @@ when every condition below holds at the call; otherwise the module's own forward
 - gate / up the converted ``ColumnParallelLinear`` layers of one declared set of the two, down the converted
   ``RowParallelLinear`` (an even split, no collective matmul), the activation one of transformers' ``ACT2CLS``
   (token-wise);
-- no hooks on gate / up / down / act_fn (code that would see their outputs in rank-major order): a hook, a LoRA
-  wrapper, FSDP2 on a projection each keep the module's own forward. tplayers' own input-identity check on a
-  sequence-parallel entry is the one hook allowed.
+- no hooks on gate / up / down / act_fn but tplayers' own (code that would see their outputs in rank-major order):
+  a hook, FSDP2 on a projection (its hooks), a LoRA wrapper (not the converted layer) each keep the module's own
+  forward.
 
 As ``ParallelMLP``'s region, the projections and the activation are called through their ``forward`` (module
 hooks on the MLP itself run; global module hooks see the MLP's call, not its members').
@@ -26,9 +26,8 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..layers.base import has_module_hooks
+from ..layers.base import has_foreign_hooks
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, grad_sinks
-from ..layers.same_inputs import SequenceShardInputs
 from ..regions.gated import rank_major_row_linear
 
 __all__ = ["keep_gated_mlp_rank_major", "is_stock_gated_mlp"]
@@ -72,14 +71,6 @@ def keep_gated_mlp_rank_major(module: nn.Module) -> bool:
     return True
 
 
-def _unhooked(module: nn.Module) -> bool:
-    """No hooks on ``module`` but tplayers' input-identity check of a sequence-parallel entry."""
-    hooks = [h for d in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
-             for h in getattr(module, d, {}).values()]
-    return not has_module_hooks(module) or all(isinstance(getattr(h, "__self__", None), SequenceShardInputs)
-                                               for h in hooks)
-
-
 def _kept_call(mlp: nn.Module, x: torch.Tensor) -> Optional[Tuple[Any, ...]]:
     """``(gate, up, down, act)`` when the call may keep its tokens rank-major (the module docstring), else None."""
     if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and x.requires_grad):
@@ -94,7 +85,7 @@ def _kept_call(mlp: nn.Module, x: torch.Tensor) -> Optional[Tuple[Any, ...]]:
             and not (gate.gather_output or up.gather_output) and down.input_is_parallel
             and not down.split.is_uneven
             and set(map(id, gate.siblings.members)) == {id(gate), id(up)} and x.dim() >= 2
-            and all(_unhooked(m) for m in (*layers, act))):
+            and not any(has_foreign_hooks(m) for m in (*layers, act))):
         return None
     return gate, up, down, act
 

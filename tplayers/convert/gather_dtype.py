@@ -27,10 +27,12 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from ..regions.partial_sum import METADATA
 from ..core.functional import autocast_dtype
+from ..layers.base import has_foreign_hooks
+from ..layers.siblings import COLUMN_KINDS
+from ..regions.partial_sum import METADATA
 
-__all__ = ["CastGather"]
+__all__ = ["CastGather", "SortGather"]
 
 # autocast runs these in its lower precision: reading the cast values is what they do anyway
 _LOWER_PRECISION = frozenset({torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
@@ -40,20 +42,22 @@ _VIEWS = frozenset({torch.Tensor.__getitem__, torch.Tensor.view, torch.Tensor.re
                     torch.Tensor.transpose, torch.Tensor.unsqueeze, torch.Tensor.contiguous, torch.Tensor.detach})
 
 
-def _from_tplayers(frame: Any) -> bool:
-    """Whether the first caller outside torch is tplayers' own code (a column layer reading its input)."""
+def _from_tplayers(frame: Any, package: str = "tplayers") -> bool:
+    """Whether the first caller outside torch is tplayers' own code (a column layer reading its input), of
+    ``package`` (``tplayers.core``: the column path itself)."""
     while frame is not None:
         module = str(frame.f_globals.get("__name__", ""))
         if module != __name__ and module != "torch" and not module.startswith("torch."):
-            return module == "tplayers" or module.startswith("tplayers.")
+            return module == package or module.startswith(package + ".")
         frame = frame.f_back
     return False
 
 
 class _Readers(TorchFunctionMode):
-    """Records the torch calls that read the watched tensors' values other than as the cast would."""
+    """Records the torch calls that read the watched tensors' values other than as the cast would (``dtype`` None:
+    other than tplayers' own code, whatever the call)."""
 
-    def __init__(self, watched: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, watched: torch.Tensor, dtype: Optional[torch.dtype]) -> None:
         super().__init__()
         self.ids: Set[int] = {id(watched)}
         self.kept: List[torch.Tensor] = [watched]  # (ids stay theirs while watched)
@@ -65,6 +69,10 @@ class _Readers(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func in METADATA or not any(isinstance(a, torch.Tensor) and id(a) in self.ids
                                        for a in tree_leaves((args, kwargs))):
+            return out
+        if self.dtype is None:  # (the token order: a view of another order is other values too)
+            if not _from_tplayers(sys._getframe(1), "tplayers.core"):
+                self.other.append(getattr(func, "__name__", str(func)))
             return out
         if func in _VIEWS and isinstance(out, torch.Tensor):
             self.ids.add(id(out))
@@ -114,3 +122,54 @@ class CastGather:
         watching.__exit__(None, None, None)
         if sys.exc_info()[0] is None:  # (a forward that raised decides nothing)
             self.cast_ok = not watching.other
+
+
+class SortGather:
+    """One module's choice of its sequence gather's token order (``comm.gather_sequence_for_columns(rank_major=)``):
+    the sequence's while watched (its first forward with a backward to come, as :class:`CastGather` watches), then
+    the collective's own rank-major order, no copy, where only metadata reads and tplayers' column layers read the
+    gathered tensor (HF attention: its shape, then q / k / v), those layers together are narrower than the input
+    (each puts its ``out/p`` features back in the sequence's order instead of the whole input) and, at that call,
+    neither the module, its submodules nor the global module hooks hold a hook tplayers did not register (code that
+    would see the rank-major tensor). A module whose submodules change (a LoRA wrapper put in) is watched again."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.ok: Optional[bool] = None  # None: not watched yet
+        self.watching: Optional[_Readers] = None
+        self.handle: Any = None
+        self.seen: List[int] = []  # the module's submodules when watched
+
+    def rank_major(self, x: torch.Tensor) -> bool:
+        """Whether to gather the shard ``x`` ``(b, s/p, h)`` in rank-major order at this call."""
+        if not self.ok or torch.compiler.is_compiling() or not (torch.is_grad_enabled() and x.requires_grad) \
+                or x.dim() < 3 or x.numel() == x.shape[-2] * x.shape[-1]:  # (one sequence: the same memory)
+            return False
+        modules = list(self.module.modules())
+        if [id(m) for m in modules] != self.seen:
+            self.ok = None  # (watched again at the next forward)
+            return False
+        columns = [m for m in modules if isinstance(m, COLUMN_KINDS)]
+        if not columns or any(getattr(m, "collective_matmul", False) or m.tp_invariant for m in columns) or \
+                sum(m.weight.shape[0] for m in columns) >= x.shape[-1]:
+            return False
+        return not (has_foreign_hooks() or any(has_foreign_hooks(m) for m in modules))
+
+    def watch(self, x_full: torch.Tensor) -> None:
+        """After a gather in the sequence's order, the first time with a backward to come: watch the forward."""
+        if self.ok is not None or self.watching is not None or torch.compiler.is_compiling() \
+                or not (torch.is_grad_enabled() and x_full.requires_grad):
+            return
+        self.seen = [id(m) for m in self.module.modules()]
+        self.watching = _Readers(x_full, None)
+        self.watching.__enter__()
+        self.handle = self.module.register_forward_hook(self._stop, always_call=True)
+
+    def _stop(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self.watching is None:
+            return
+        watching, self.watching = self.watching, None
+        self.handle.remove()
+        watching.__exit__(None, None, None)
+        if sys.exc_info()[0] is None:
+            self.ok = not watching.other

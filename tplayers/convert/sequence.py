@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..core.comm import gather_sequence_for_columns, scatter_to_sequence
 from ..core.invariant import LEAVES
-from .gather_dtype import CastGather
+from .gather_dtype import CastGather, SortGather
 from .invariant import KV_REPLICAS_REASON, run_in_leaves
 from ..regions.partial_grads import PartialGradSum
 from ..regions.partial_sum import PartialSum
@@ -42,14 +42,17 @@ def _like(a: object, first: torch.Tensor) -> bool:
     return isinstance(a, torch.Tensor) and a.is_floating_point() and a.shape == first.shape
 
 
-def map_first_input(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], key: str = "hidden_states") -> None:
-    """A forward pre-hook replacing the module's first input (positional or ``key=``) by ``fn`` of it."""
+def map_first_input(module: nn.Module, fn: Callable[..., torch.Tensor], key: str = "hidden_states",
+                    called: bool = False) -> None:
+    """A forward pre-hook replacing the module's first input (positional or ``key=``) by ``fn`` of it (``called``:
+    ``fn(x, the module called)``: a deep copy of the module calls the same hook)."""
 
     def pre_hook(m: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        run = (lambda x: fn(x, m)) if called else fn
         if args:
-            return (fn(args[0]),) + tuple(args[1:]), kwargs
+            return (run(args[0]),) + tuple(args[1:]), kwargs
         if key in kwargs:
-            return args, {**kwargs, key: fn(kwargs[key])}
+            return args, {**kwargs, key: run(kwargs[key])}
         raise TypeError(f"parallelize: expected the module's input as the first argument or '{key}='")
 
     module.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -250,13 +253,19 @@ class GatherSequence(_SequenceStyle):
     def _attach(self, module: nn.Module, ctx: BuildContext) -> None:
         tp, switch = ctx.group, ctx.switch
         cast = CastGather(module)  # under autocast: the shard cast first where only column layers read it
+        order = SortGather(module)  # rank-major where only column layers read its values
 
-        def gather(x: torch.Tensor) -> torch.Tensor:
+        def gather(x: torch.Tensor, called: nn.Module) -> torch.Tensor:
             if not switch.active:
                 return x
             dtype = cast.before(x)
-            x_full = gather_sequence_for_columns(x if dtype is None else x.to(dtype), group=tp, inputs=ctx.column_inputs)
+            x = x if dtype is None else x.to(dtype)
+            own = called is module and not ctx.tp_invariant  # (a deep copy keeps the sequence's order)
+            rank_major = own and order.rank_major(x)
+            x_full = gather_sequence_for_columns(x, group=tp, inputs=ctx.column_inputs, rank_major=rank_major)
             cast.watch(x_full)
+            if own and cast.watching is None and not rank_major:  # (one watch at a time)
+                order.watch(x_full)
             return x_full
 
         def note_other_shards(m: nn.Module, args: tuple, kwargs: dict) -> None:  # (for the audit's verdict)
@@ -265,7 +274,7 @@ class GatherSequence(_SequenceStyle):
                 vars(m)[OTHER_SHARDS] = [f"argument {i}" for i, a in enumerate(args[1:], 1) if _like(a, first)] + \
                     [f"'{k}'" for k, a in kwargs.items() if a is not first and _like(a, first)]
         module.register_forward_pre_hook(note_other_shards, with_kwargs=True)
-        map_first_input(module, gather)
+        map_first_input(module, gather, called=True)
 
 
 @dataclass(frozen=True)

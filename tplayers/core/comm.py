@@ -23,6 +23,7 @@ import torch
 from .collectives import all_gather, all_reduce, owned_copy, reduce_scatter, split
 from .groups import GroupLike, TPGroup, replica_slot, resolve_group
 from .blocking import sum_over_replica_ranks
+from .seq_order import gather_rank_major_from_sequence
 from .siblings import ColumnInputs
 
 __all__ = [
@@ -320,9 +321,12 @@ def gather_from_sequence(
     return x if g.size == 1 else _GatherFromSequence.apply(x, g, seq_dim, grad_is_partial)
 
 
-def gather_sequence_for_columns(x: torch.Tensor, *, group: GroupLike, inputs: ColumnInputs) -> torch.Tensor:
+def gather_sequence_for_columns(x: torch.Tensor, *, group: GroupLike, inputs: ColumnInputs,
+                                rank_major: bool = False) -> torch.Tensor:
     """All-gather the sequence dim (-2) of ``x`` for a module whose code needs the whole sequence and whose
-    column-parallel layers read it (HF attention; the LM head after the last norm).
+    column-parallel layers read it (HF attention; the LM head after the last norm). ``rank_major``: in the
+    collective's own token order (no copy; ``seq_order.in_sequence_shape``), for a module whose code reads only the
+    gathered tensor's shape: the column layers put their outputs in the sequence's order (their ``out/p`` features).
 
     Backward splits the gradient that reaches the gathered tensor (complete: whatever replicated code
     read it). The column layers whose declared sets hold ``inputs`` (`tplayers.core.siblings`), called on
@@ -332,9 +336,12 @@ def gather_sequence_for_columns(x: torch.Tensor, *, group: GroupLike, inputs: Co
     g = resolve_group(group)
     if g.size == 1:
         return x
-    x_full = _GatherFromSequence.apply(x, g, -2, False)
+    if rank_major:
+        x_full = gather_rank_major_from_sequence(x, group=g, grad_is_partial=False)
+    else:
+        x_full = _GatherFromSequence.apply(x, g, -2, False)
     if x.requires_grad and torch.is_grad_enabled():
-        inputs.offer(x_full, x, g)
+        inputs.offer(x_full, x, g, rank_major)
     return x_full
 
 

@@ -183,7 +183,8 @@ class _SetMemberFn(torch.autograd.Function):
         # member wrapped on its own) runs after this member's backward, given no gradient (the entry's carries it)
         ctx.save_for_backward(own if call.sp else token, weight)  # for a weight gradient made here (SP: the shard)
         ctx.call, ctx.sink, ctx.index, ctx.has_bias = call, sink, index, bias is not None
-        return F.linear(token, weight, bias)  # (..., s, out/p)
+        out = F.linear(token, weight, bias)  # (..., s, out/p), rank-major when the call sorts it (its narrow side)
+        return from_rank_major(rank_major_view(out, call.g.size)) if call.sorts else out
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -135,29 +135,45 @@ class _ReduceScatterRankMajor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _GatherRankMajor.apply(grad, ctx.g), None
+        return _GatherRankMajor.apply(grad, ctx.g, True), None
 
 
 class _GatherRankMajor(torch.autograd.Function):
     """Every rank's sequence chunk gathered in rank-major order, as ``(..., s, f)`` (no copy); backward
-    reduce-scatters a gradient in that order."""
+    reduce-scatters a gradient in that order (``partial``: the readers are tensor-parallel), or keeps this rank's
+    block of it (a complete gradient)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, g: TPGroup) -> torch.Tensor:
-        ctx.g = g
+    def forward(ctx, x: torch.Tensor, g: TPGroup, partial: bool) -> torch.Tensor:
+        ctx.g, ctx.partial = g, partial
         return in_sequence_shape(gather_rank_major(x, g).wait())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _ReduceScatterRankMajor.apply(grad, ctx.g), None
+        return (_ReduceScatterRankMajor if ctx.partial else _SplitRankMajor).apply(grad, ctx.g), None, None
 
 
-def gather_rank_major_from_sequence(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:
+class _SplitRankMajor(torch.autograd.Function):
+    """This rank's block of a complete ``(..., s, f)`` whose tokens are in rank-major order; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+        ctx.g = g
+        return rank_major_view(x, g.size)[g.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _GatherRankMajor.apply(grad, ctx.g, False), None
+
+
+def gather_rank_major_from_sequence(x: torch.Tensor, *, group: GroupLike, grad_is_partial: bool = True
+                                    ) -> torch.Tensor:
     """Every rank's sequence chunk ``x`` ``(..., s/p, f)`` gathered in rank-major token order, in the sequence's
     shape ``(..., s, f)`` (:func:`in_sequence_shape`): the collective's own order, no copy. Backward
-    reduce-scatters a gradient in that order (:func:`reduce_scatter_rank_major`)."""
+    reduce-scatters a gradient in that order (:func:`reduce_scatter_rank_major`), or splits it
+    (``grad_is_partial=False``: replicated code reads the gathered tensor), as ``comm.gather_from_sequence``."""
     g = resolve_group(group)
-    return x if g.size == 1 else _GatherRankMajor.apply(x, g)
+    return x if g.size == 1 else _GatherRankMajor.apply(x, g, grad_is_partial)
 
 
 def reduce_scatter_rank_major(x: torch.Tensor, *, group: GroupLike) -> torch.Tensor:

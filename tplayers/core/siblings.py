@@ -99,7 +99,7 @@ class ColumnInputs:
 
     def __init__(self) -> None:
         self.call: Optional[_Call] = None
-        self._offer: Optional[Tuple[Any, torch.Tensor, TPGroup]] = None
+        self._offer: Optional[Tuple[Any, torch.Tensor, TPGroup, bool]] = None
         self.kept: Optional[Siblings] = None  # the set whose next call keeps its outputs rank-major (SP)
 
     @contextlib.contextmanager
@@ -114,20 +114,21 @@ class ColumnInputs:
         finally:
             self.kept = None
 
-    def offer(self, x_full: torch.Tensor, x_shard: torch.Tensor, g: TPGroup) -> None:
-        """``x_full`` is ``x_shard`` gathered along the sequence over ``g``; a later offer replaces it."""
-        offer = self._offer = (weakref.ref(x_full), x_shard, g)
+    def offer(self, x_full: torch.Tensor, x_shard: torch.Tensor, g: TPGroup, rank_major: bool = False) -> None:
+        """``x_full`` is ``x_shard`` gathered along the sequence over ``g`` (``rank_major``: its tokens in that order,
+        ``seq_order.in_sequence_shape``); a later offer replaces it."""
+        offer = self._offer = (weakref.ref(x_full), x_shard, g, rank_major)
         weakref.finalize(x_full, _withdraw, weakref.ref(self), offer)
 
-    def take(self, x: torch.Tensor, g: TPGroup) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        """``(shard, gathered)`` when ``x`` is the tensor last offered over ``g``, or a view of all of it
+    def take(self, x: torch.Tensor, g: TPGroup) -> Optional[Tuple[torch.Tensor, torch.Tensor, bool]]:
+        """``(shard, gathered, rank_major)`` when ``x`` is the tensor last offered over ``g``, or a view of all of it
         (HF causal LMs call their head on ``hidden_states[:, slice(0, None), :]``), else None."""
         offer = self._offer
         full = offer[0]() if offer is not None and offer[2] == g else None
         if full is None or not (x is full or (x._base is full and x.shape == full.shape and x.stride() == full.stride()
                                               and x.storage_offset() == full.storage_offset())):
             return None
-        return offer[1], x
+        return offer[1], x, offer[3]
 
     def close(self) -> None:
         """The call in flight takes no more members (its inputs are let go; a backward still runs it)."""
@@ -161,7 +162,7 @@ class Siblings:
         self.members = tuple(members)
 
     def join(self, x: torch.Tensor, g: TPGroup, weight: torch.Tensor, sequence_parallel: bool,
-             dtype: Optional[torch.dtype], offered: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+             dtype: Optional[torch.dtype], offered: Optional[Tuple[torch.Tensor, torch.Tensor, bool]] = None,
              may_reorder: bool = True) -> Tuple["_Call", torch.Tensor]:
         """The call a member with ``weight`` joins on ``x`` (the model's call in flight when it is this set's, on
         ``x`` or a cast of it: the same source; else a new one) and ``x`` as the call computes on it: cast once to
@@ -181,6 +182,7 @@ class Siblings:
         x = call.cast(x, dtype)
         if offered is not None and call.x_full is None:
             call.x_full = offered[1].to(x.dtype)  # (cast as x is under autocast)
+            call.sorts = offered[2]  # (rank-major: the members put their outputs in the sequence's order)
         return call, x
 
     def backward_rank_major(self, in_features: int) -> bool:
@@ -205,14 +207,15 @@ class _Call:
     on, views of the weights it took); the gathered input they share in forward (sequence parallelism); per
     backward, the weight-gradient GEMMs the members left the entry and the gather of the input they share."""
 
-    __slots__ = ("owner", "x", "source", "g", "sp", "rank_major", "kept", "weights", "tasks", "x_full", "x_cast",
-                 "token", "taken", "views", "overlap")
+    __slots__ = ("owner", "x", "source", "g", "sp", "rank_major", "kept", "sorts", "weights", "tasks", "x_full",
+                 "x_cast", "token", "taken", "views", "overlap")
 
     def __init__(self, owner: Siblings, x: torch.Tensor, source: Tuple[Any, int], g: TPGroup,
                  sequence_parallel: bool, rank_major: bool = False, kept: bool = False) -> None:
         self.owner, self.x, self.source, self.g, self.sp = owner, x, source, g, sequence_parallel
         self.rank_major = rank_major  # SP: the backward's token order (Siblings.backward_rank_major)
         self.kept = kept  # SP: the forward's too, the members' outputs left in it (ColumnInputs.keep_rank_major)
+        self.sorts = False  # SP: the forward's input offered rank-major, the members' outputs put in sequence order
         self.weights: List[int] = []  # ids of the members' weights: a layer joins a call once
         self.tasks: Dict[int, Dict[str, Any]] = {}  # graph task -> what its members left the entry (_mailbox)
         self.x_full: Optional[torch.Tensor] = None  # SP: the all-gathered x, shared by the forwards only
@@ -251,7 +254,7 @@ class _Call:
         return self.x_full
 
     def regather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's chunk of ``x`` in the call's forward order (a differentiable rebuild: create_graph)."""
+        """Every rank's chunk of ``x`` in the call's forward order (its forward gather; create_graph's rebuild)."""
         full = gather_sequence(x, self.g, self.kept).wait()
         return in_sequence_shape(full) if self.kept else full
 

@@ -24,7 +24,7 @@ from .optimizers import track_tp_module
 
 __all__ = ["class_name", "TensorParallelModule", "model_placements", "placements_of", "PLACEMENTS_ATTR", "SHARD_OWNER_KEY",
            "mixed_class", "module_copy", "params_read_as", "route_params_through",
-           "carry_hooks"]
+           "carry_hooks", "has_foreign_hooks"]
 
 # A module that is not a TensorParallelModule (a Hugging Face norm under sequence parallelism) carries
 # its parameters' placements in this attribute, set by the parallelize style that changed how it runs.
@@ -242,6 +242,19 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 def has_module_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has hooks of its own (forward, pre-forward, backward): code that sees its inputs or outputs."""
     return any(getattr(module, attr, None) for attr in _HOOK_DICTS)
+
+
+_CALLED = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")  # (the others: flags)
+_GLOBAL = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def has_foreign_hooks(module: Optional[nn.Module] = None) -> bool:
+    """Whether ``module`` (None: the global module hooks) has a hook tplayers did not register: code that may read its
+    inputs' or outputs' values (tplayers' own read identities, shapes and sites)."""
+    where = [getattr(module, d, {}) for d in _CALLED] if module is not None else [
+        getattr(torch.nn.modules.module, d, {}) for d in _GLOBAL]
+    return any(not str(getattr(getattr(h, "__func__", h), "__module__", "")).startswith("tplayers.")
+               for hooks in where for h in hooks.values())
 
 
 def sharded_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:

@@ -1,0 +1,68 @@
+"""A converted Hugging Face attention under sequence parallelism gathers its input in the collective's rank-major
+token order once its first forward has shown that only its shape and its q / k / v read it
+(tplayers/convert/gather_dtype.py: SortGather): equal to the dense model at every step, and in the sequence's order
+wherever other code could see the gathered tensor (a hook registered later, a deep copy of the model)."""
+import copy
+
+import pytest
+import torch
+
+import tplayers
+from tplayers.testing import get_world
+
+pytest.importorskip("transformers")
+
+
+class _RankMajorGathers:
+    """Counts the rank-major gathers for a module's code (gather_sequence_for_columns(rank_major=True)) here."""
+
+    def __enter__(self):
+        import tplayers.core.comm as comm
+
+        self.module, self.original, self.n = comm, comm.gather_rank_major_from_sequence, 0
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return self.original(*args, **kwargs)
+
+        comm.gather_rank_major_from_sequence = counted
+        return self
+
+    def __exit__(self, *exc):
+        self.module.gather_rank_major_from_sequence = self.original
+
+
+def _steps(group):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2)
+    dense = LlamaForCausalLM(cfg).double()
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, sequence_parallel=True)
+    seen, seen_dense = [], []
+    gathers = []
+    for step in range(4):
+        if step == 2:  # user code looks at the attention's input from now on
+            model.model.layers[1].self_attn.register_forward_pre_hook(
+                lambda m, args, kwargs: seen.append(kwargs["hidden_states"].detach()), with_kwargs=True)
+            dense.model.layers[1].self_attn.register_forward_pre_hook(
+                lambda m, args, kwargs: seen_dense.append(kwargs["hidden_states"].detach()), with_kwargs=True)
+        ids = torch.randint(0, 64, (3, 2 * group.size()), generator=torch.Generator().manual_seed(step))
+        with _RankMajorGathers() as counted:
+            loss = (copy.deepcopy(model) if step == 3 else model)(input_ids=ids, labels=ids).loss
+            loss.backward()
+        loss_d = dense(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, loss_d, rtol=1e-9, atol=1e-9)
+        gathers.append(counted.n)
+    for got, want in zip(seen, seen_dense):  # the hook saw the sequence in its order
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    return gathers, len(seen)
+
+
+def test_an_attention_gathers_rank_major_only_where_nothing_else_sees_it():
+    """Step 1: layer 0 watched inside the audit's run, layer 1 in the forward; step 2: both rank-major; step 3: a
+    hook on layer 1's attention keeps its gather in the sequence's order (the hook sees the dense input); step 4: a
+    deep copy of the model gathers in the sequence's order."""
+    for gathers, hooked in get_world(2).run(_steps):
+        assert gathers == [1, 2, 1, 0] and hooked == 2, (gathers, hooked)
