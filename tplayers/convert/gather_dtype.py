@@ -139,6 +139,7 @@ class SortGather:
         self.watching: Optional[_Readers] = None
         self.handle: Any = None
         self.seen: List[int] = []  # the module's submodules when watched
+        self.columns: List[nn.Module] = []  # its column layers then
 
     def rank_major(self, x: torch.Tensor) -> bool:
         """Whether to gather the shard ``x`` ``(b, s/p, h)`` in rank-major order at this call."""
@@ -149,9 +150,8 @@ class SortGather:
         if [id(m) for m in modules] != self.seen:
             self.ok = None  # (watched again at the next forward)
             return False
-        columns = [m for m in modules if isinstance(m, COLUMN_KINDS)]
-        if not columns or any(getattr(m, "collective_matmul", False) or m.tp_invariant for m in columns) or \
-                sum(m.weight.shape[0] for m in columns) >= x.shape[-1]:
+        if any(getattr(m, "collective_matmul", False) or m.tp_invariant for m in self.columns) or \
+                sum(m.weight.shape[0] for m in self.columns) >= x.shape[-1]:
             return False
         return not (has_foreign_hooks() or any(has_foreign_hooks(m) for m in modules))
 
@@ -161,6 +161,7 @@ class SortGather:
                 or not (torch.is_grad_enabled() and x_full.requires_grad):
             return
         self.seen = [id(m) for m in self.module.modules()]
+        self.columns = [m for m in self.module.modules() if isinstance(m, COLUMN_KINDS)]
         self.watching = _Readers(x_full, None)
         self.watching.__enter__()
         self.handle = self.module.register_forward_hook(self._stop, always_call=True)
@@ -172,4 +173,4 @@ class SortGather:
         self.handle.remove()
         watching.__exit__(None, None, None)
         if sys.exc_info()[0] is None:
-            self.ok = not watching.other
+            self.ok = bool(self.columns) and not watching.other

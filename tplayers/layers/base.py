@@ -251,10 +251,13 @@ _GLOBAL = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backwa
 def has_foreign_hooks(module: Optional[nn.Module] = None) -> bool:
     """Whether ``module`` (None: the global module hooks) has a hook tplayers did not register: code that may read its
     inputs' or outputs' values (tplayers' own read identities, shapes and sites)."""
-    where = [getattr(module, d, {}) for d in _CALLED] if module is not None else [
-        getattr(torch.nn.modules.module, d, {}) for d in _GLOBAL]
-    return any(not str(getattr(getattr(h, "__func__", h), "__module__", "")).startswith("tplayers.")
-               for hooks in where for h in hooks.values())
+    owner, names = (torch.nn.modules.module, _GLOBAL) if module is None else (module, _CALLED)
+    for name in names:
+        hooks = getattr(owner, name, None)
+        if hooks and any(not str(getattr(getattr(h, "__func__", h), "__module__", "")).startswith("tplayers.")
+                         for h in hooks.values()):
+            return True
+    return False
 
 
 def sharded_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
