@@ -133,3 +133,24 @@ class Timeline:
 
     def finished(self, token, wait_started):
         self.events.append(f"wait {token}")
+
+
+class Calls:
+    """Counts the calls of ``module.<name>`` (a function tplayers calls by its module's global) while entered, in this
+    process: ``with Calls(tplayers.convert.gated_mlp, "rank_major_row_linear") as calls: ...; calls.n``."""
+
+    def __init__(self, module, name: str) -> None:
+        self.module, self.name, self.n = module, name, 0
+
+    def __enter__(self):
+        self.original = getattr(self.module, self.name)
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return self.original(*args, **kwargs)
+
+        setattr(self.module, self.name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.original)

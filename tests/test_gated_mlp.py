@@ -10,6 +10,8 @@ import torch
 import tplayers
 from tplayers.testing import dense_parameters, get_world
 
+from _helpers import Calls
+
 pytest.importorskip("transformers")
 
 
@@ -25,23 +27,11 @@ def _mlp_pair(group, seed: int = 0, hidden: int = 16, ffn: int = 48, act: str = 
     return dense.model.layers[0].mlp, model.model.layers[0].mlp
 
 
-class _RowCalls:
+def _row_calls():
     """Counts the calls of the kept path's row layer (rank_major_row_linear) in this process."""
+    import tplayers.convert.gated_mlp as gated
 
-    def __enter__(self):
-        import tplayers.convert.gated_mlp as gated
-
-        self.module, self.original, self.n = gated, gated.rank_major_row_linear, 0
-
-        def counted(*args, **kwargs):
-            self.n += 1
-            return self.original(*args, **kwargs)
-
-        gated.rank_major_row_linear = counted
-        return self
-
-    def __exit__(self, *exc):
-        self.module.rank_major_row_linear = self.original
+    return Calls(gated, "rank_major_row_linear")
 
 
 def _matches_dense(group, seed: int, batch: int, act: str, bias: bool, double: bool):
@@ -51,7 +41,7 @@ def _matches_dense(group, seed: int, batch: int, act: str, bias: bool, double: b
     x_full = torch.randn(batch, 2 * g.size, 16, dtype=torch.float64, generator=gen, requires_grad=True)
     x = x_full.detach().chunk(g.size, 1)[g.rank].clone().requires_grad_()  # this rank's sequence chunk
     weights = torch.randn(batch, 2 * g.size, 16, dtype=torch.float64, generator=gen)
-    with _RowCalls() as calls:
+    with _row_calls() as calls:
         out = mlp(x)
         loss = (out * weights.chunk(g.size, 1)[g.rank]).sum()
         if double:  # a gradient penalty: the input gradient's norm, differentiated again
@@ -95,7 +85,7 @@ def _seen_by_hooks(group):
     seen = []
     handle = mlp.gate_proj.register_forward_hook(lambda m, args, out: seen.append(out.detach()))
     try:
-        with _RowCalls() as calls:
+        with _row_calls() as calls:
             out = mlp(x)
             out.sum().backward()
     finally:
@@ -103,7 +93,7 @@ def _seen_by_hooks(group):
     want = dense.gate_proj(x_full).detach().chunk(g.size, -1)[g.rank]  # this rank's columns, the whole sequence
     torch.testing.assert_close(seen[0], want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, dense(x_full).detach().chunk(g.size, 1)[g.rank], rtol=1e-10, atol=1e-10)
-    with _RowCalls() as after:  # the hook removed: the kept path again
+    with _row_calls() as after:  # the hook removed: the kept path again
         mlp(x).sum().backward()
     return calls.n, after.n
 
@@ -120,7 +110,7 @@ def _no_grad_and_plain(group):
     g = tplayers.resolve_group(group)
     dense, mlp = _mlp_pair(group)
     x_full = torch.randn(2, 2 * g.size, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    with _RowCalls() as calls, torch.no_grad():
+    with _row_calls() as calls, torch.no_grad():
         out = mlp(x_full.chunk(g.size, 1)[g.rank])
     torch.testing.assert_close(out, dense(x_full).chunk(g.size, 1)[g.rank], rtol=1e-10, atol=1e-10)
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4)
@@ -143,7 +133,7 @@ def _hook_on_rank_zero(group):
     x = x_full.detach().chunk(g.size, 1)[g.rank].clone().requires_grad_()
     if g.rank == 0:
         mlp.gate_proj.register_forward_hook(lambda m, args, out: None)
-    with _RowCalls() as calls:
+    with _row_calls() as calls:
         out = mlp(x)
         out.square().sum().backward()
     dense(x_full).square().sum().backward()
@@ -174,7 +164,7 @@ def _sinks(group, mode: str):
             tplayers.use_main_grad(mlp, dtype=torch.float64)
         else:
             tplayers.set_overlap(mlp, delay_wgrad=True)
-        with _RowCalls() as calls:
+        with _row_calls() as calls:
             for _ in range(2):  # two microbatches accumulated
                 mlp(x.clone().requires_grad_()).square().sum().backward()
         if mode == "main_grad":

@@ -10,26 +10,16 @@ import torch
 import tplayers
 from tplayers.testing import get_world
 
+from _helpers import Calls
+
 pytest.importorskip("transformers")
 
 
-class _RankMajorGathers:
+def _rank_major_gathers():
     """Counts the rank-major gathers for a module's code (gather_sequence_for_columns(rank_major=True)) here."""
+    import tplayers.core.comm as comm
 
-    def __enter__(self):
-        import tplayers.core.comm as comm
-
-        self.module, self.original, self.n = comm, comm.gather_rank_major_from_sequence, 0
-
-        def counted(*args, **kwargs):
-            self.n += 1
-            return self.original(*args, **kwargs)
-
-        comm.gather_rank_major_from_sequence = counted
-        return self
-
-    def __exit__(self, *exc):
-        self.module.gather_rank_major_from_sequence = self.original
+    return Calls(comm, "gather_rank_major_from_sequence")
 
 
 def _steps(group):
@@ -49,7 +39,7 @@ def _steps(group):
             dense.model.layers[1].self_attn.register_forward_pre_hook(
                 lambda m, args, kwargs: seen_dense.append(kwargs["hidden_states"].detach()), with_kwargs=True)
         ids = torch.randint(0, 64, (3, 2 * group.size()), generator=torch.Generator().manual_seed(step))
-        with _RankMajorGathers() as counted:
+        with _rank_major_gathers() as counted:
             loss = (copy.deepcopy(model) if step == 3 else model)(input_ids=ids, labels=ids).loss
             loss.backward()
         loss_d = dense(input_ids=ids, labels=ids).loss

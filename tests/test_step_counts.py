@@ -2,6 +2,7 @@
 FLOPs, host syncs. Deterministic, so asserted here: no schedule's steady-state step syncs the host, and under
 sequence parallelism the schedules reorder only each layer's per-rank side (core/seq_order.py), never the
 whole activation once per collective as they did (10 activations of copies per block step at TP 8)."""
+import contextlib
 import json
 
 import pytest
@@ -216,6 +217,25 @@ def test_an_embedding_enters_sequence_parallelism_without_reordering_its_lookup(
     assert copies == b * s * 8, f"{route}: {copies / (b * s * h * 4):.2f} activations copied: {moved}"
 
 
+@contextlib.contextmanager
+def _converted_llama_rank(h: int = 64):
+    """A 1-layer Llama (hidden ``h``, ffn 224, 8 heads) converted with sequence parallelism on one simulated rank of
+    TP 8 (the fake process group), the collective checks off there (its collectives return no data)."""
+    transformers = pytest.importorskip("transformers")
+    from tplayers.bench.simulate import simulated_rank
+
+    with simulated_rank(8) as group:
+        previous = tplayers.set_collective_checks(False)
+        try:
+            cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=224, num_attention_heads=8,
+                                           num_key_value_heads=8, num_hidden_layers=1, vocab_size=64)
+            torch.manual_seed(0)
+            yield tplayers.parallelize(transformers.LlamaForCausalLM(cfg), "auto", group=group, sequence_parallel=True,
+                                       loss_parallel=True, audit=False, check_consistency=False, check_inputs=0)
+        finally:
+            tplayers.set_collective_checks(previous[0], timeout=previous[1])
+
+
 def test_a_converted_gated_mlp_keeps_its_tokens_rank_major():
     """Issue 52: a converted Hugging Face MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) under sequence
     parallelism with a batch reordered its tokens between the collectives' rank-major order and the sequence's:
@@ -223,30 +243,17 @@ def test_a_converted_gated_mlp_keeps_its_tokens_rank_major():
     output gradients (3.2 activations per step at TP 8 with Llama-3's ratios). Between the GEMMs only token-wise ops
     run, so the tokens now stay rank-major from gate / up's GEMMs to down's: nothing is copied. One simulated rank
     of TP 8, the MLP's own steady-state step."""
-    transformers = pytest.importorskip("transformers")
-    from tplayers.bench.simulate import simulated_rank
-
     b, s, h = 2, 16, 64
-    with simulated_rank(8) as group:
-        previous = tplayers.set_collective_checks(False)  # (the fake group's collectives return no data)
-        try:
-            cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=224, num_attention_heads=8,
-                                           num_key_value_heads=8, num_hidden_layers=1, vocab_size=64)
-            torch.manual_seed(0)
-            model = tplayers.parallelize(transformers.LlamaForCausalLM(cfg), "auto", group=group,
-                                         sequence_parallel=True, loss_parallel=True, audit=False,
-                                         check_consistency=False, check_inputs=0)
-            mlp = model.model.layers[0].mlp
-            x = torch.randn(b, s // 8, h, requires_grad=True)  # this rank's sequence chunk
+    with _converted_llama_rank(h) as model:
+        mlp = model.model.layers[0].mlp
+        x = torch.randn(b, s // 8, h, requires_grad=True)  # this rank's sequence chunk
 
-            def step():
-                mlp(x).square().sum().backward()
+        def step():
+            mlp(x).square().sum().backward()
 
-            step()
-            step()
-            moved = count_step(step)["moved_bytes_by_op"]
-        finally:
-            tplayers.set_collective_checks(previous[0], timeout=previous[1])
+        step()
+        step()
+        moved = count_step(step)["moved_bytes_by_op"]
     copies = sum(n for op, n in moved.items() if op in ("clone", "copy_", "cat", "contiguous"))
     assert copies == 0, f"{copies / (b * s * h * 4):.2f} activations copied: {moved}"
 
@@ -275,28 +282,15 @@ def test_a_converted_attention_gathers_its_input_in_rank_major_order():
     later steps gather in the collective's own rank-major order and q / k / v put their outputs in the sequence's
     order instead (3 x 8 features per token against 64). What is left: the final norm's gather for the LM head (HF
     slices it). One simulated rank of TP 8, a 1-layer Llama's steady-state step."""
-    transformers = pytest.importorskip("transformers")
-    from tplayers.bench.simulate import simulated_rank
-
     b, s, h = 2, 16, 64
-    with simulated_rank(8) as group:
-        previous = tplayers.set_collective_checks(False)  # (the fake group's collectives return no data)
-        try:
-            cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=224, num_attention_heads=8,
-                                           num_key_value_heads=8, num_hidden_layers=1, vocab_size=64)
-            torch.manual_seed(0)
-            model = tplayers.parallelize(transformers.LlamaForCausalLM(cfg), "auto", group=group,
-                                         sequence_parallel=True, loss_parallel=True, audit=False,
-                                         check_consistency=False, check_inputs=0)
-            ids = torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(1))
+    with _converted_llama_rank(h) as model:
+        ids = torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(1))
 
-            def step():
-                model(input_ids=ids, labels=ids).loss.backward()
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
 
+        step()
+        step()
+        with _SequenceGathers() as counts:
             step()
-            step()
-            with _SequenceGathers() as counts:
-                step()
-        finally:
-            tplayers.set_collective_checks(previous[0], timeout=previous[1])
     assert counts.reordered == b * s * h * 4, f"{counts.reordered / (b * s * h * 4):.2f} activations reordered"

@@ -86,15 +86,41 @@ class _Readers(TorchFunctionMode):
         return out
 
 
-class CastGather:
+class _Watcher:
+    """A module's first qualifying forward watched (:class:`_Readers` over the tensor it gathered), then a verdict:
+    :meth:`decide` of the calls that read other values, once the forward and its hooks return."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.watching: Optional[_Readers] = None
+        self.handle: Any = None
+
+    def _start(self, x_full: torch.Tensor, dtype: Optional[torch.dtype]) -> None:
+        self.watching = _Readers(x_full, dtype)
+        self.watching.__enter__()
+        # registered now, so it runs after every forward hook the module has (they may read the input too)
+        self.handle = self.module.register_forward_hook(self._stop, always_call=True)
+
+    def _stop(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self.watching is None:
+            return
+        watching, self.watching = self.watching, None
+        self.handle.remove()
+        watching.__exit__(None, None, None)
+        if sys.exc_info()[0] is None:  # (a forward that raised decides nothing)
+            self.decide(watching.other)
+
+    def decide(self, other: List[str]) -> None:
+        raise NotImplementedError
+
+
+class CastGather(_Watcher):
     """One module's choice: gather in float32 and watch (the first forward under autocast), then in autocast's
     dtype where only column layers read the gathered sequence, else in float32 for good."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = module
+        super().__init__(module)
         self.cast_ok: Optional[bool] = None  # None: not watched yet
-        self.watching: Optional[_Readers] = None
-        self.handle: Any = None
 
     def before(self, x: torch.Tensor) -> Optional[torch.dtype]:
         """The dtype to cast the shard to before the gather, or None (gather ``x`` as it is)."""
@@ -109,22 +135,13 @@ class CastGather:
         if self.cast_ok is not None or dtype is None or x_full.dtype == dtype or self.watching is not None \
                 or torch.compiler.is_compiling():
             return
-        self.watching = _Readers(x_full, dtype)
-        self.watching.__enter__()
-        # registered now, so it runs after every forward hook the module has (they may read the input too)
-        self.handle = self.module.register_forward_hook(self._stop, always_call=True)
+        self._start(x_full, dtype)
 
-    def _stop(self, module: nn.Module, args: Any, out: Any) -> None:
-        if self.watching is None:
-            return
-        watching, self.watching = self.watching, None
-        self.handle.remove()
-        watching.__exit__(None, None, None)
-        if sys.exc_info()[0] is None:  # (a forward that raised decides nothing)
-            self.cast_ok = not watching.other
+    def decide(self, other: List[str]) -> None:
+        self.cast_ok = not other
 
 
-class SortGather:
+class SortGather(_Watcher):
     """One module's choice of its sequence gather's token order (``comm.gather_sequence_for_columns(rank_major=)``):
     the sequence's while watched (its first forward with a backward to come, as :class:`CastGather` watches), then
     the collective's own rank-major order, no copy, where only metadata reads and tplayers' column layers read the
@@ -134,10 +151,8 @@ class SortGather:
     would see the rank-major tensor). A module whose submodules change (a LoRA wrapper put in) is watched again."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = module
+        super().__init__(module)
         self.ok: Optional[bool] = None  # None: not watched yet
-        self.watching: Optional[_Readers] = None
-        self.handle: Any = None
         self.seen: List[int] = []  # the module's submodules when watched
         self.columns: List[nn.Module] = []  # its column layers then
 
@@ -162,15 +177,7 @@ class SortGather:
             return
         self.seen = [id(m) for m in self.module.modules()]
         self.columns = [m for m in self.module.modules() if isinstance(m, COLUMN_KINDS)]
-        self.watching = _Readers(x_full, None)
-        self.watching.__enter__()
-        self.handle = self.module.register_forward_hook(self._stop, always_call=True)
+        self._start(x_full, None)
 
-    def _stop(self, module: nn.Module, args: Any, out: Any) -> None:
-        if self.watching is None:
-            return
-        watching, self.watching = self.watching, None
-        self.handle.remove()
-        watching.__exit__(None, None, None)
-        if sys.exc_info()[0] is None:
-            self.ok = bool(self.columns) and not watching.other
+    def decide(self, other: List[str]) -> None:
+        self.ok = bool(self.columns) and not other
