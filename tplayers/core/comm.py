@@ -340,7 +340,7 @@ def gather_sequence_for_columns(x: torch.Tensor, *, group: GroupLike, inputs: Co
         x_full = gather_rank_major_from_sequence(x, group=g, grad_is_partial=False)
     else:
         x_full = _GatherFromSequence.apply(x, g, -2, False)
-    if x.requires_grad and torch.is_grad_enabled():
+    if x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():  # (compiled: no sets)
         inputs.offer(x_full, x, g, rank_major)
     return x_full
 
