@@ -182,3 +182,32 @@ def _sinks(group, mode: str):
 @pytest.mark.parametrize("mode", ["main_grad", "delay_wgrad"])
 def test_main_grad_and_delay_wgrad_take_the_kept_paths_gradients(mode):
     assert get_world(2).run(_sinks, mode) == [(2, 0)] * 2
+
+
+def _patched_after_parallelize(group):
+    """User code replaces LlamaMLP.forward on the class after parallelize (a kernel library patching late, or a
+    forward of its own): the converted MLP runs the patched forward, not the stock expression it was recognised by."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    g = tplayers.resolve_group(group)
+    dense, mlp = _mlp_pair(group)
+    x_full = torch.randn(2, 2 * g.size, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = x_full.chunk(g.size, 1)[g.rank].clone().requires_grad_()
+    stock = LlamaMLP.forward
+
+    def patched(self, x):  # the same layers, another function of them
+        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+    LlamaMLP.forward = patched
+    try:
+        with _row_calls() as calls:
+            out = mlp(x)
+        want = patched(dense, x_full).detach().chunk(g.size, 1)[g.rank]
+    finally:
+        LlamaMLP.forward = stock
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    return calls.n
+
+
+def test_a_forward_patched_on_the_class_after_parallelize_runs():
+    assert get_world(2).run(_patched_after_parallelize) == [0, 0]

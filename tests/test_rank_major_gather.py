@@ -56,3 +56,39 @@ def test_an_attention_gathers_rank_major_only_where_nothing_else_sees_it():
     deep copy of the model gathers in the sequence's order."""
     for gathers, hooked in get_world(2).run(_steps):
         assert gathers == [1, 2, 1, 0] and hooked == 2, (gathers, hooked)
+
+
+def _patched_attention(group):
+    """After the watch (step 2 gathers rank-major), user code swaps the attention class's forward for one that reads
+    its input's values itself, with no hook: the gather goes back to the sequence's order (the forward it watched is
+    not the one that runs), and what the new forward reads equals the dense attention's input."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=8,
+                      num_key_value_heads=2)
+    dense = LlamaForCausalLM(cfg).double()
+    model = tplayers.parallelize(copy.deepcopy(dense), "auto", group=group, sequence_parallel=True)
+    ids = torch.randint(0, 64, (3, 2 * group.size()), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    stock, seen = LlamaAttention.forward, []
+
+    def reading(self, hidden_states, *args, **kwargs):
+        seen.append(hidden_states.detach().clone())
+        return stock(self, hidden_states, *args, **kwargs)
+
+    LlamaAttention.forward = reading
+    try:
+        with _rank_major_gathers() as counted:
+            model(input_ids=ids, labels=ids).loss.backward()
+        dense(input_ids=ids, labels=ids)
+    finally:
+        LlamaAttention.forward = stock
+    torch.testing.assert_close(seen[0], seen[1], rtol=1e-9, atol=1e-9)  # (TP's, then dense's)
+    return counted.n
+
+
+def test_an_attention_forward_swapped_after_the_watch_is_watched_again():
+    assert get_world(2).run(_patched_attention) == [0, 0]

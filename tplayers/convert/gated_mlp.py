@@ -2,7 +2,8 @@
 
 Llama's MLP and the families that copy it (Mistral, Qwen2/3, Gemma 1/2, OLMo 1/2, Granite, Cohere, ...) compute
 ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``. ``parallelize`` recognises that forward by its code (the stock one,
-not a patched or subclassed one: Liger's is its own) and gives the module an instance ``forward`` that runs the same
+not a patched or subclassed one: Liger's is its own; checked again at every call, so a forward patched on the class
+later runs as it is) and gives the module an instance ``forward`` that runs the same
 expression with gate / up's call keeping its outputs rank-major and down taking them so (``rank_major_row_linear``),
 when every condition below holds at the call; otherwise the module's own forward runs, unchanged:
 
@@ -20,8 +21,9 @@ hooks on the MLP itself run; global module hooks see the MLP's call, not its mem
 """
 from __future__ import annotations
 
+import functools
 import types
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -35,18 +37,20 @@ __all__ = ["keep_gated_mlp_rank_major", "is_stock_gated_mlp"]
 _NAMES = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
-def _stock() -> Tuple[types.CodeType, ...]:
-    try:
-        from transformers.models.llama.modeling_llama import LlamaMLP
-    except ImportError:  # (transformers is an optional extra)
-        return ()
-    return (LlamaMLP.forward.__code__,)
+def _llama_forward(self, x):  # transformers' LlamaMLP.forward, its source as it is (the reference, never run)
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
 
 
+_STOCK = _llama_forward.__code__
+_RECOGNISED: Set[types.CodeType] = set()  # forwards found to be the stock one (a check per call: a set lookup)
+
+
+@functools.lru_cache(maxsize=None)
 def _activations() -> Tuple[type, ...]:
     try:
         from transformers.activations import ACT2CLS
-    except ImportError:
+    except ImportError:  # (transformers is an optional extra)
         return ()
     classes = {v[0] if isinstance(v, tuple) else v for v in ACT2CLS.values()}
     return tuple(c for c in classes if c is not nn.PReLU)  # (PReLU may hold a weight per channel)
@@ -54,10 +58,14 @@ def _activations() -> Tuple[type, ...]:
 
 def is_stock_gated_mlp(module: nn.Module) -> bool:
     """Whether ``module``'s class computes Llama's MLP with Llama's own code (its forward's bytecode, names and
-    constants), with the four attributes it reads."""
+    constants, as the class has it now: a forward patched later is not), with the four attributes it reads."""
     code = getattr(type(module).forward, "__code__", None)
-    return code is not None and all(hasattr(module, n) for n in _NAMES) and any(
-        code.co_code == c.co_code and code.co_names == c.co_names and code.co_consts == c.co_consts for c in _stock())
+    if code is None or not all(hasattr(module, n) for n in _NAMES):
+        return False
+    if code not in _RECOGNISED and (code.co_code, code.co_names, code.co_consts) == (
+            _STOCK.co_code, _STOCK.co_names, _STOCK.co_consts):
+        _RECOGNISED.add(code)
+    return code in _RECOGNISED
 
 
 def keep_gated_mlp_rank_major(module: nn.Module) -> bool:
@@ -73,8 +81,9 @@ def keep_gated_mlp_rank_major(module: nn.Module) -> bool:
 
 def _kept_call(mlp: nn.Module, x: torch.Tensor) -> Optional[Tuple[Any, ...]]:
     """``(gate, up, down, act)`` when the call may keep its tokens rank-major (the module docstring), else None."""
-    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and x.requires_grad):
-        return None  # (a traced graph, or no backward to come: the set's call is not made)
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and x.requires_grad) or \
+            not is_stock_gated_mlp(mlp):
+        return None  # (a traced graph, no backward to come: the set's call is not made; a forward patched later)
     gate, up, down, act = (getattr(mlp, n) for n in _NAMES)
     if not (type(gate) is ColumnParallelLinear and type(up) is ColumnParallelLinear and type(down) is RowParallelLinear
             and isinstance(act, _activations()) and gate.siblings is not None and gate.siblings is up.siblings):

@@ -148,12 +148,13 @@ class SortGather(_Watcher):
     gathered tensor (HF attention: its shape, then q / k / v), those layers together are narrower than the input
     (each puts its ``out/p`` features back in the sequence's order instead of the whole input) and, at that call,
     neither the module, its submodules nor the global module hooks hold a hook tplayers did not register (code that
-    would see the rank-major tensor). A module whose submodules change (a LoRA wrapper put in) is watched again."""
+    would see the rank-major tensor). A module whose submodules or forward change (a LoRA wrapper put in, a forward
+    patched on its class or set on it) is watched again."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__(module)
         self.ok: Optional[bool] = None  # None: not watched yet
-        self.seen: List[int] = []  # the module's submodules when watched
+        self.seen: List[Any] = []  # the module's forward and submodules when watched
         self.columns: List[nn.Module] = []  # its column layers then
 
     def rank_major(self, x: torch.Tensor) -> bool:
@@ -162,7 +163,7 @@ class SortGather(_Watcher):
                 or x.dim() < 3 or x.numel() == x.shape[-2] * x.shape[-1]:  # (one sequence: the same memory)
             return False
         modules = list(self.module.modules())
-        if [id(m) for m in modules] != self.seen:
+        if self._seen(modules) != self.seen:
             self.ok = None  # (watched again at the next forward)
             return False
         if any(getattr(m, "collective_matmul", False) or m.tp_invariant for m in self.columns) or \
@@ -175,9 +176,14 @@ class SortGather(_Watcher):
         if self.ok is not None or self.watching is not None or torch.compiler.is_compiling() \
                 or not (torch.is_grad_enabled() and x_full.requires_grad):
             return
-        self.seen = [id(m) for m in self.module.modules()]
-        self.columns = [m for m in self.module.modules() if isinstance(m, COLUMN_KINDS)]
+        modules = list(self.module.modules())
+        self.seen = self._seen(modules)
+        self.columns = [m for m in modules if isinstance(m, COLUMN_KINDS)]
         self._start(x_full, None)
+
+    def _seen(self, modules: List[nn.Module]) -> List[Any]:
+        module = self.module
+        return [type(module).forward, vars(module).get("forward"), *map(id, modules)]
 
     def decide(self, other: List[str]) -> None:
         self.ok = bool(self.columns) and not other

@@ -7,9 +7,9 @@ and `vocab_parallel_cross_entropy(..., vocab_size=V)` keeps them out of the loss
 
 `VocabParallelEmbedding`: every rank looks up only the ids in its vocabulary range (the others
 give zeros), then the partial embeddings are all-reduced (reduce-scattered along the sequence
-dim under sequence parallelism: with a batch, looked up in the collective's rank-major token order, the ids
-reordered instead of the lookup and its gradient, ``core/seq_order.py``). ``scale=`` multiplies the output by a constant, the scaled
-embeddings of Gemma-style models (`ScaledEmbedding` is its dense twin).
+dim under sequence parallelism: with a batch, looked up in the collective's rank-major token order, the
+ids reordered instead of the lookup and its gradient, ``core/seq_order.py``). ``scale=`` multiplies the
+output by a constant, the scaled embeddings of Gemma-style models (`ScaledEmbedding` is its dense twin).
 
 `ParallelLMHead`: ``x @ W.T (+ b)`` with the vocabulary (output features) split across ranks, the
 bias (Phi, GPT-J, CodeGen) split like the weight rows, padding entries zero; its output is this
